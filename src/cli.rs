@@ -1,0 +1,204 @@
+//! The subcommands: wiring of configuration, connections and tasks.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use tokio_util::sync::CancellationToken;
+
+use crate::admission::keys::Keys;
+use crate::admission::loader;
+use crate::admission::order_id::{NodeLease, OrderIds, LEASE_TTL};
+use crate::auth::JwtKeys;
+use crate::config::{ApiArgs, Cli, Command, RedisArgs, Settings, WorkerOptions};
+use crate::redis_conn::{self, RedisConn};
+use crate::state::AppState;
+use crate::worker::{Backoff, Worker, WorkerConfig};
+use crate::{store, telemetry};
+
+pub async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    telemetry::init(cli.log.log_format);
+    match run(cli.command).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = format!("{e:#}"), "fatal");
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Token(args) => {
+            let keys = JwtKeys::new(&args.jwt_secret)?;
+            println!("{}", keys.mint(args.user, args.admin, args.ttl)?);
+            Ok(())
+        }
+        Command::Migrate(args) => {
+            let db = store::pool(&args.database.database_url, 2)?;
+            store::migrate(&db, Duration::from_secs(30)).await?;
+            tracing::info!("migrations applied");
+            Ok(())
+        }
+        Command::Api(api) => serve(api, None).await,
+        Command::Serve(args) => serve(args.api, Some(args.worker)).await,
+        Command::Worker(args) => {
+            let keys = keys(&args.redis)?;
+            let db = store::pool(
+                &args.database.database_url,
+                args.database.database_max_connections,
+            )?;
+            let cancel = shutdown_token();
+            worker(&db, &args.redis, keys, args.worker)?
+                .run(cancel)
+                .await;
+            Ok(())
+        }
+    }
+}
+
+fn keys(redis: &RedisArgs) -> anyhow::Result<Keys> {
+    anyhow::ensure!(
+        redis.redis_cluster_urls.is_empty(),
+        "REDIS_CLUSTER_URLS is set, but Redis Cluster mode is not available in this build yet"
+    );
+    Keys::new(redis.redis_key_prefix.clone())
+}
+
+fn worker(
+    db: &sqlx::PgPool,
+    redis: &RedisArgs,
+    keys: Keys,
+    opts: WorkerOptions,
+) -> anyhow::Result<Worker> {
+    let block = Duration::from_millis(opts.worker_block_ms);
+    // Its own connection, with room for the blocking read in the response timeout.
+    let conn = redis_conn::connect(&redis.redis_url, block + redis_conn::COMMAND_TIMEOUT)?;
+    let config = WorkerConfig {
+        consumer: opts
+            .worker_consumer
+            .unwrap_or_else(WorkerConfig::unique_consumer_name),
+        batch_size: opts.worker_batch_size as usize,
+        block,
+    };
+    Ok(Worker::new(db.clone(), conn, keys, config))
+}
+
+/// SIGINT or SIGTERM cancels the token.
+fn shutdown_token() -> CancellationToken {
+    let token = CancellationToken::new();
+    let fire = token.clone();
+    tokio::spawn(async move {
+        let ctrl_c = tokio::signal::ctrl_c();
+        #[cfg(unix)]
+        let term = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                Err(_) => std::future::pending().await,
+            }
+        };
+        #[cfg(not(unix))]
+        let term = std::future::pending::<()>();
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term => {},
+        }
+        tracing::info!("shutdown requested");
+        fire.cancel();
+    });
+    token
+}
+
+async fn serve(api: ApiArgs, worker_opts: Option<WorkerOptions>) -> anyhow::Result<()> {
+    let keys = keys(&api.redis)?;
+    let db = store::pool(
+        &api.database.database_url,
+        api.database.database_max_connections,
+    )?;
+    if !api.skip_migrations {
+        store::migrate(&db, Duration::from_secs(60)).await?;
+    }
+    let redis = redis_conn::connect(&api.redis.redis_url, redis_conn::COMMAND_TIMEOUT)?;
+    let settings = Settings {
+        sale_state_retention: Duration::from_secs(api.sale_state_retention_secs),
+    };
+    let ids = Arc::new(OrderIds::default());
+    let state = AppState::new(
+        db.clone(),
+        redis.clone(),
+        keys.clone(),
+        JwtKeys::new(&api.jwt_secret)?,
+        ids.clone(),
+        settings.clone(),
+    );
+    let cancel = shutdown_token();
+    let tasks = tokio_util::task::TaskTracker::new();
+
+    tasks.spawn(bootstrap(state.clone(), cancel.clone()));
+    if let Some(opts) = worker_opts {
+        let worker = worker(&db, &api.redis, keys, opts)?;
+        tasks.spawn(worker.run(cancel.clone()));
+    }
+
+    let listener = tokio::net::TcpListener::bind(api.bind).await?;
+    tracing::info!(addr = %listener.local_addr()?, "listening");
+    axum::serve(listener, crate::build_app(state))
+        .with_graceful_shutdown(cancel.clone().cancelled_owned())
+        .await?;
+    cancel.cancel();
+    tasks.close();
+    tasks.wait().await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Background duties of an API process: hold an order-id node lease, and load every
+/// open sale whose Redis state is missing (at start, and again whenever Redis comes
+/// back after losing the lease, i.e. after a restart or data loss).
+async fn bootstrap(state: AppState, cancel: CancellationToken) {
+    let mut conn: RedisConn = state.redis.clone();
+    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+    let mut lease: Option<NodeLease> = None;
+    while !cancel.is_cancelled() {
+        let step = async {
+            match &lease {
+                Some(l) if l.renew(&mut conn).await? => {}
+                _ => {
+                    let l = NodeLease::acquire(&mut conn, &state.keys).await?;
+                    state.ids.set_node(l.node);
+                    tracing::info!(node = l.node, "order-id node leased");
+                    lease = Some(l);
+                    let report = loader::load_open_sales(
+                        &state.db,
+                        &mut conn,
+                        &state.keys,
+                        state.settings.sale_state_retention,
+                    )
+                    .await?;
+                    tracing::info!(?report, "open sales checked");
+                }
+            }
+            anyhow::Ok(())
+        }
+        .await;
+        let pause = match step {
+            Ok(()) => {
+                backoff.reset();
+                LEASE_TTL / 4
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "bootstrap step failed, retrying");
+                backoff.next()
+            }
+        };
+        tokio::select! {
+            _ = cancel.cancelled() => break,
+            _ = tokio::time::sleep(pause) => {}
+        }
+    }
+}

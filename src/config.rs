@@ -1,0 +1,160 @@
+//! Command line and environment: every option is a flag and an environment variable.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(name = "seckill", version, about = "Flash-sale voucher service")]
+pub struct Cli {
+    #[command(flatten)]
+    pub log: LogArgs,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// API and order worker in one process (the default deployment).
+    Serve(ServeArgs),
+    /// API only (scale out behind a load balancer).
+    Api(ApiArgs),
+    /// Order worker only (run several; each is one consumer in the group).
+    Worker(WorkerArgs),
+    /// Apply the migrations and exit.
+    Migrate(MigrateArgs),
+    /// Print a signed bearer token.
+    Token(TokenArgs),
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct LogArgs {
+    /// Log output format.
+    #[arg(
+        long,
+        env = "LOG_FORMAT",
+        value_enum,
+        default_value = "text",
+        global = true
+    )]
+    pub log_format: LogFormat,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct DatabaseArgs {
+    /// Postgres connection string.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+    /// Largest number of Postgres connections this process opens.
+    #[arg(long, env = "DATABASE_MAX_CONNECTIONS", default_value_t = 16)]
+    pub database_max_connections: u32,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct RedisArgs {
+    /// Single Redis node.
+    #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+    pub redis_url: String,
+    /// Comma-separated Redis Cluster seed nodes; when set, cluster mode.
+    #[arg(long, env = "REDIS_CLUSTER_URLS", value_delimiter = ',')]
+    pub redis_cluster_urls: Vec<String>,
+    /// Prefix of every Redis key (to share one Redis between deployments or tests).
+    #[arg(long, env = "REDIS_KEY_PREFIX", default_value = "")]
+    pub redis_key_prefix: String,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ApiArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    /// HS256 secret for bearer tokens (no built-in default).
+    #[arg(long, env = "JWT_SECRET", hide_env_values = true)]
+    pub jwt_secret: String,
+    /// Listen address of the API.
+    #[arg(long, env = "BIND", default_value = "0.0.0.0:8080")]
+    pub bind: SocketAddr,
+    /// Do not apply pending migrations at start-up.
+    #[arg(long, env = "SKIP_MIGRATIONS")]
+    pub skip_migrations: bool,
+    /// How long buyer records and sale state stay in Redis after a sale ends, in seconds.
+    #[arg(long, env = "SALE_STATE_RETENTION_SECS", default_value_t = 86_400)]
+    pub sale_state_retention_secs: u64,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct WorkerOptions {
+    /// Stream entries read and written to Postgres per batch.
+    #[arg(long, env = "WORKER_BATCH_SIZE", default_value_t = 256,
+          value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub worker_batch_size: u32,
+    /// How long one read waits for new entries when idle, in milliseconds.
+    #[arg(long, env = "WORKER_BLOCK_MS", default_value_t = 1000,
+          value_parser = clap::value_parser!(u64).range(1..=30_000))]
+    pub worker_block_ms: u64,
+    /// Consumer name in the group (default: host-pid-random, unique per process).
+    #[arg(long, env = "WORKER_CONSUMER")]
+    pub worker_consumer: Option<String>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub api: ApiArgs,
+    #[command(flatten)]
+    pub worker: WorkerOptions,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct WorkerArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    #[command(flatten)]
+    pub worker: WorkerOptions,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct MigrateArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct TokenArgs {
+    /// HS256 secret for bearer tokens.
+    #[arg(long, env = "JWT_SECRET", hide_env_values = true)]
+    pub jwt_secret: String,
+    /// The user id (`sub`), a positive integer.
+    #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]
+    pub user: i64,
+    /// Mint an administrator token.
+    #[arg(long)]
+    pub admin: bool,
+    /// Lifetime in seconds.
+    #[arg(long, default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..=31_536_000))]
+    pub ttl: u64,
+}
+
+/// Settings the HTTP layer needs at run time.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub sale_state_retention: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            sale_state_retention: Duration::from_secs(86_400),
+        }
+    }
+}

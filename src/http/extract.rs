@@ -1,0 +1,101 @@
+//! Extractors whose rejections speak the contract's JSON error format.
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{FromRequest, FromRequestParts, Path, Request};
+use axum::http::{request::Parts, StatusCode};
+use serde::de::DeserializeOwned;
+
+use crate::error::AppError;
+
+/// `axum::Json`, but a malformed body is a `validation` error: 400 when it cannot be
+/// read as JSON, 422 when it is JSON of the wrong shape.
+pub struct AppJson<T>(pub T);
+
+impl<T, S> FromRequest<S> for AppJson<T>
+where
+    T: DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = AppError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, AppError> {
+        match axum::Json::<T>::from_request(req, state).await {
+            Ok(axum::Json(value)) => Ok(Self(value)),
+            Err(rejection) => Err(json_rejection(rejection)),
+        }
+    }
+}
+
+fn json_rejection(rejection: JsonRejection) -> AppError {
+    let status = match &rejection {
+        JsonRejection::JsonDataError(_) => StatusCode::UNPROCESSABLE_ENTITY,
+        JsonRejection::JsonSyntaxError(_) | JsonRejection::MissingJsonContentType(_) => {
+            StatusCode::BAD_REQUEST
+        }
+        // Body too large (413) and unreadable bodies keep their own status.
+        other => other.status(),
+    };
+    AppError::Validation {
+        status,
+        message: rejection.body_text(),
+    }
+}
+
+/// Parses an id strictly: ASCII digits only, no sign, no leading zero, a positive i64.
+pub fn parse_id(s: &str) -> Option<i64> {
+    let canonical = !s.is_empty()
+        && s.len() <= 19
+        && s.bytes().all(|b| b.is_ascii_digit())
+        && !s.starts_with('0');
+    if !canonical {
+        return None;
+    }
+    s.parse::<i64>().ok().filter(|&id| id > 0)
+}
+
+/// The single id in a route's path (`/vouchers/{id}`, `/orders/{order_id}`, ...).
+#[derive(Debug, Clone, Copy)]
+pub struct PathId(pub i64);
+
+impl<S: Send + Sync> FromRequestParts<S> for PathId {
+    type Rejection = AppError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, AppError> {
+        let Path(raw) = Path::<String>::from_request_parts(parts, state)
+            .await
+            .map_err(|e| AppError::bad_request(e.body_text()))?;
+        parse_id(&raw).map(PathId).ok_or_else(|| {
+            AppError::bad_request(format!(
+                "`{raw}` is not a valid id: expected a positive 64-bit integer"
+            ))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_id;
+
+    #[test]
+    fn ids_are_parsed_strictly() {
+        assert_eq!(parse_id("1"), Some(1));
+        assert_eq!(parse_id("9223372036854775807"), Some(i64::MAX));
+        for bad in [
+            "",
+            "0",
+            "-1",
+            "+1",
+            "01",
+            " 1",
+            "1 ",
+            "1.0",
+            "1e3",
+            "abc",
+            "9223372036854775808",
+            "99999999999999999999",
+            "１",
+        ] {
+            assert_eq!(parse_id(bad), None, "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,54 @@
+//! `GET /healthz` (the process runs) and `GET /readyz` (Redis and Postgres answer).
+
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::Json;
+use serde_json::{json, Value};
+
+use crate::state::AppState;
+
+pub async fn healthz() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<Value>) {
+    let timeout = Duration::from_secs(2);
+    let mut conn = state.redis.clone();
+    let redis = async {
+        redis::cmd("PING")
+            .query_async::<String>(&mut conn)
+            .await
+            .is_ok()
+    };
+    let postgres = async { sqlx::query("SELECT 1").execute(&state.db).await.is_ok() };
+    let (redis, postgres) = tokio::join!(
+        tokio::time::timeout(timeout, redis),
+        tokio::time::timeout(timeout, postgres)
+    );
+    let up = |r: Result<bool, _>| if r == Ok(true) { "up" } else { "down" };
+    let (redis, postgres) = (up(redis), up(postgres));
+    let checks = json!({"redis": redis, "postgres": postgres});
+    let down: Vec<&str> = [("redis", redis), ("postgres", postgres)]
+        .into_iter()
+        .filter(|(_, s)| *s == "down")
+        .map(|(name, _)| name)
+        .collect();
+    if down.is_empty() {
+        (
+            StatusCode::OK,
+            Json(json!({"status": "ready", "checks": checks})),
+        )
+    } else {
+        let message = format!("not ready: {} down", down.join(" and "));
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({
+                "status": "not_ready",
+                "checks": checks,
+                "error": {"code": "unavailable", "message": message},
+            })),
+        )
+    }
+}

@@ -1,0 +1,92 @@
+//! `GET /orders/{order_id}` and `GET /orders`: an order is `pending` while only Redis
+//! knows it and `created` once the worker has written it to Postgres.
+
+use axum::extract::State;
+use axum::Json;
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use crate::admission::{self, PendingOrder};
+use crate::auth::AuthUser;
+use crate::error::{AppError, AppResult};
+use crate::http::extract::PathId;
+use crate::state::AppState;
+use crate::store::orders::{self, OrderRow};
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct OrderResponse {
+    pub order_id: String,
+    pub voucher_id: i64,
+    pub user_id: i64,
+    pub status: String,
+    pub created_at: DateTime<Utc>,
+}
+
+impl From<OrderRow> for OrderResponse {
+    fn from(row: OrderRow) -> Self {
+        Self {
+            order_id: row.id.to_string(),
+            voucher_id: row.voucher_id,
+            user_id: row.user_id,
+            status: row.status,
+            created_at: row.created_at,
+        }
+    }
+}
+
+impl From<PendingOrder> for OrderResponse {
+    fn from(p: PendingOrder) -> Self {
+        Self {
+            order_id: p.order_id.to_string(),
+            voucher_id: p.voucher_id,
+            user_id: p.user_id,
+            status: "pending".into(),
+            created_at: DateTime::from_timestamp_millis(p.admitted_ms).unwrap_or_default(),
+        }
+    }
+}
+
+pub async fn get(
+    State(state): State<AppState>,
+    user: AuthUser,
+    PathId(order_id): PathId,
+) -> AppResult<Json<OrderResponse>> {
+    let not_found = || AppError::NotFound(format!("order {order_id} not found"));
+    let visible = |owner: i64| user.admin || owner == user.user_id;
+    // Redis first: the worker commits to Postgres before it forgets the pending record,
+    // so an order missing from Redis and present at all is already in Postgres.
+    let mut conn = state.redis.clone();
+    if let Some(p) = admission::pending_order(&mut conn, &state.keys, order_id).await? {
+        return if visible(p.user_id) {
+            Ok(Json(p.into()))
+        } else {
+            Err(not_found())
+        };
+    }
+    match orders::get(&state.db, order_id).await? {
+        Some(row) if visible(row.user_id) => Ok(Json(row.into())),
+        _ => Err(not_found()),
+    }
+}
+
+pub async fn list_mine(
+    State(state): State<AppState>,
+    user: AuthUser,
+) -> AppResult<Json<Vec<OrderResponse>>> {
+    let mut conn = state.redis.clone();
+    let pending = admission::pending_orders_of(&mut conn, &state.keys, user.user_id).await?;
+    let stored = orders::list_by_user(&state.db, user.user_id).await?;
+    let mut all: Vec<OrderResponse> = stored.into_iter().map(Into::into).collect();
+    for p in pending {
+        // Committed but not yet forgotten in Redis: Postgres's row wins.
+        if !all.iter().any(|o| o.order_id == p.order_id.to_string()) {
+            all.push(p.into());
+        }
+    }
+    all.sort_by(|a, b| {
+        b.created_at
+            .cmp(&a.created_at)
+            .then(b.order_id.cmp(&a.order_id))
+    });
+    Ok(Json(all))
+}

@@ -1,0 +1,288 @@
+//! `POST /vouchers`, `GET /vouchers/{id}`, `GET /shops/{shop_id}/vouchers`.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::Json;
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use crate::admission::{self, loader};
+use crate::auth::Admin;
+use crate::error::{AppError, AppResult};
+use crate::http::extract::{AppJson, PathId};
+use crate::state::AppState;
+use crate::store::vouchers::{self, NewSeckill, NewVoucher, VoucherRow};
+
+pub const MAX_STOCK: i64 = 1_000_000;
+const MAX_TITLE: usize = 255;
+const MAX_RULES: usize = 4_000;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateVoucher {
+    pub shop_id: i64,
+    pub title: String,
+    #[serde(default)]
+    pub sub_title: String,
+    #[serde(default)]
+    pub rules: String,
+    pub pay_value: i64,
+    pub actual_value: i64,
+    #[serde(default)]
+    pub seckill: Option<CreateSeckill>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSeckill {
+    pub stock: i64,
+    pub begin_time: DateTime<Utc>,
+    pub end_time: DateTime<Utc>,
+}
+
+fn text(field: &str, value: &str, max: usize, required: bool) -> AppResult<String> {
+    if value.contains('\0') {
+        return Err(AppError::invalid(format!(
+            "{field} must not contain NUL bytes"
+        )));
+    }
+    if required && value.trim().is_empty() {
+        return Err(AppError::invalid(format!("{field} must not be empty")));
+    }
+    if value.chars().count() > max {
+        return Err(AppError::invalid(format!(
+            "{field} must be at most {max} characters"
+        )));
+    }
+    Ok(value.to_string())
+}
+
+impl CreateVoucher {
+    /// Checks every field; nothing unvalidated reaches Postgres.
+    pub fn validate(self, now: DateTime<Utc>) -> AppResult<NewVoucher> {
+        if self.shop_id <= 0 {
+            return Err(AppError::invalid("shop_id must be a positive integer"));
+        }
+        if self.pay_value < 0 || self.actual_value < 0 {
+            return Err(AppError::invalid(
+                "pay_value and actual_value must not be negative",
+            ));
+        }
+        let seckill = match self.seckill {
+            None => None,
+            Some(s) => {
+                if !(1..=MAX_STOCK).contains(&s.stock) {
+                    return Err(AppError::invalid(format!(
+                        "seckill.stock must be between 1 and {MAX_STOCK}"
+                    )));
+                }
+                if s.end_time <= s.begin_time {
+                    return Err(AppError::invalid(
+                        "seckill.end_time must be after seckill.begin_time",
+                    ));
+                }
+                if s.end_time <= now {
+                    return Err(AppError::invalid("seckill.end_time must be in the future"));
+                }
+                Some(NewSeckill {
+                    stock: s.stock as i32,
+                    begin_time: s.begin_time,
+                    end_time: s.end_time,
+                })
+            }
+        };
+        Ok(NewVoucher {
+            shop_id: self.shop_id,
+            title: text("title", &self.title, MAX_TITLE, true)?,
+            sub_title: text("sub_title", &self.sub_title, MAX_TITLE, false)?,
+            rules: text("rules", &self.rules, MAX_RULES, false)?,
+            pay_value: self.pay_value,
+            actual_value: self.actual_value,
+            seckill,
+        })
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct VoucherResponse {
+    pub id: i64,
+    pub shop_id: i64,
+    pub title: String,
+    pub sub_title: String,
+    pub rules: String,
+    pub pay_value: i64,
+    pub actual_value: i64,
+    pub created_at: DateTime<Utc>,
+    /// Live remaining stock of a flash-sale voucher (same as `seckill.stock`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stock: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seckill: Option<SeckillResponse>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct SeckillResponse {
+    /// Remaining stock: Redis's live count while the sale is loaded, else Postgres's.
+    pub stock: i64,
+    pub initial_stock: i64,
+    pub begin_time: DateTime<Utc>,
+    pub end_time: DateTime<Utc>,
+}
+
+impl VoucherResponse {
+    fn new(row: VoucherRow, live_stock: Option<i64>) -> Self {
+        let seckill = match (row.initial_stock, row.stock, row.begin_time, row.end_time) {
+            (Some(initial), Some(stock), Some(begin_time), Some(end_time)) => {
+                Some(SeckillResponse {
+                    stock: live_stock.unwrap_or(stock as i64),
+                    initial_stock: initial as i64,
+                    begin_time,
+                    end_time,
+                })
+            }
+            _ => None,
+        };
+        Self {
+            id: row.id,
+            shop_id: row.shop_id,
+            title: row.title,
+            sub_title: row.sub_title,
+            rules: row.rules,
+            pay_value: row.pay_value,
+            actual_value: row.actual_value,
+            created_at: row.created_at,
+            stock: seckill.as_ref().map(|s| s.stock),
+            seckill,
+        }
+    }
+}
+
+/// Redis's live stock for each flash-sale row; `None` where not loaded or Redis is down
+/// (the response then shows Postgres's count rather than failing).
+async fn live_stocks(state: &AppState, rows: &[VoucherRow]) -> Vec<Option<i64>> {
+    let mut conn = state.redis.clone();
+    let mut out = Vec::with_capacity(rows.len());
+    for row in rows {
+        let live = match row.initial_stock {
+            Some(_) => admission::live_stock(&mut conn, &state.keys, row.id)
+                .await
+                .unwrap_or_else(|e| {
+                    tracing::debug!(error = %e, "live stock unavailable");
+                    None
+                }),
+            None => None,
+        };
+        out.push(live);
+    }
+    out
+}
+
+pub async fn create(
+    State(state): State<AppState>,
+    _admin: Admin,
+    AppJson(body): AppJson<CreateVoucher>,
+) -> AppResult<(StatusCode, Json<VoucherResponse>)> {
+    let new = body.validate(Utc::now())?;
+    let row = vouchers::insert(&state.db, &new).await?;
+    let mut live = None;
+    if new.seckill.is_some() {
+        // The voucher exists once committed; if Redis is down now, admission reloads
+        // the sale on line (or at start-up), so this is not an error for the caller.
+        let mut conn = state.redis.clone();
+        match loader::load_sale(
+            &state.db,
+            &mut conn,
+            &state.keys,
+            row.id,
+            state.settings.sale_state_retention,
+        )
+        .await
+        {
+            Ok(stock) => live = stock,
+            Err(e) => {
+                tracing::warn!(voucher_id = row.id, error = %e, "sale not loaded into redis yet")
+            }
+        }
+    }
+    Ok((StatusCode::CREATED, Json(VoucherResponse::new(row, live))))
+}
+
+pub async fn get(
+    State(state): State<AppState>,
+    PathId(id): PathId,
+) -> AppResult<Json<VoucherResponse>> {
+    let row = vouchers::get(&state.db, id)
+        .await?
+        .ok_or_else(|| AppError::NotFound(format!("voucher {id} not found")))?;
+    let live = live_stocks(&state, std::slice::from_ref(&row)).await;
+    Ok(Json(VoucherResponse::new(row, live[0])))
+}
+
+pub async fn list_by_shop(
+    State(state): State<AppState>,
+    PathId(shop_id): PathId,
+) -> AppResult<Json<Vec<VoucherResponse>>> {
+    let rows = vouchers::list_by_shop(&state.db, shop_id).await?;
+    let live = live_stocks(&state, &rows).await;
+    Ok(Json(
+        rows.into_iter()
+            .zip(live)
+            .map(|(row, live)| VoucherResponse::new(row, live))
+            .collect(),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn body(json: serde_json::Value) -> CreateVoucher {
+        serde_json::from_value(json).unwrap()
+    }
+
+    fn valid() -> serde_json::Value {
+        serde_json::json!({"shop_id": 1, "title": "t", "pay_value": 1, "actual_value": 2,
+            "seckill": {"stock": 5, "begin_time": "2026-01-01T00:00:00Z", "end_time": "2099-01-01T00:00:00Z"}})
+    }
+
+    #[test]
+    fn a_valid_voucher_passes() {
+        let v = body(valid()).validate(Utc::now()).unwrap();
+        assert_eq!(v.seckill.unwrap().stock, 5);
+    }
+
+    #[test]
+    fn out_of_range_values_are_rejected() {
+        let cases: Vec<(&str, serde_json::Value)> = vec![
+            ("/shop_id", 0.into()),
+            ("/shop_id", (-1).into()),
+            ("/pay_value", (-1).into()),
+            ("/actual_value", (-5).into()),
+            ("/title", "".into()),
+            ("/title", "   ".into()),
+            ("/title", "a\u{0}b".into()),
+            ("/title", "x".repeat(256).into()),
+            ("/rules", "x".repeat(4001).into()),
+            ("/seckill/stock", 0.into()),
+            ("/seckill/stock", (MAX_STOCK + 1).into()),
+            ("/seckill/end_time", "2025-12-31T00:00:00Z".into()),
+            ("/seckill/end_time", "2026-01-01T00:00:00Z".into()),
+        ];
+        for (pointer, value) in cases {
+            let mut json = valid();
+            *json.pointer_mut(pointer).unwrap() = value.clone();
+            assert!(
+                body(json).validate(Utc::now()).is_err(),
+                "{pointer} = {value}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_ended_sale_cannot_be_created() {
+        let mut json = valid();
+        json["seckill"]["begin_time"] = "2020-01-01T00:00:00Z".into();
+        json["seckill"]["end_time"] = "2020-01-02T00:00:00Z".into();
+        assert!(body(json).validate(Utc::now()).is_err());
+    }
+}

@@ -1,0 +1,26 @@
+//! `seckill`: a flash-sale voucher service.
+//!
+//! The request flow is the module tree: [`http`] authenticates and validates, then
+//! [`admission`] runs one Redis Lua script that reserves stock and appends the order to a
+//! [`stream`]; the [`worker`] reads that stream and writes orders through [`store`] into
+//! Postgres, the source of truth.
+
+pub mod admission;
+pub mod auth;
+pub mod cli;
+pub mod config;
+pub mod error;
+pub mod http;
+pub mod redis_conn;
+pub mod state;
+pub mod store;
+pub mod stream;
+pub mod telemetry;
+pub mod worker;
+
+pub use error::AppError;
+pub use http::build_app;
+pub use state::AppState;
+
+/// Migrations embedded in the binary (`seckill migrate`, and start-up of `serve`/`api`).
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");

@@ -1,0 +1,45 @@
+//! Everything a request handler needs, shared by clone.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+use sqlx::PgPool;
+
+use crate::admission::keys::Keys;
+use crate::admission::order_id::OrderIds;
+use crate::auth::JwtKeys;
+use crate::config::Settings;
+use crate::redis_conn::RedisConn;
+
+#[derive(Clone)]
+pub struct AppState {
+    pub db: PgPool,
+    pub redis: RedisConn,
+    pub keys: Keys,
+    pub jwt: Arc<JwtKeys>,
+    pub ids: Arc<OrderIds>,
+    pub settings: Arc<Settings>,
+    /// Vouchers whose Redis state is being reloaded right now (one reload at a time).
+    pub reloading: Arc<Mutex<HashSet<i64>>>,
+}
+
+impl AppState {
+    pub fn new(
+        db: PgPool,
+        redis: RedisConn,
+        keys: Keys,
+        jwt: JwtKeys,
+        ids: Arc<OrderIds>,
+        settings: Settings,
+    ) -> Self {
+        Self {
+            db,
+            redis,
+            keys,
+            jwt: Arc::new(jwt),
+            ids,
+            settings: Arc::new(settings),
+            reloading: Arc::default(),
+        }
+    }
+}

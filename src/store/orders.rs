@@ -1,0 +1,227 @@
+//! `voucher_orders`: written by the worker, read by the order endpoints.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use chrono::{DateTime, Utc};
+use sqlx::{FromRow, PgPool, Postgres, Transaction};
+
+/// An admitted order on its way from the stream into Postgres.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NewOrder {
+    pub id: i64,
+    pub user_id: i64,
+    pub voucher_id: i64,
+    pub admitted_at: DateTime<Utc>,
+}
+
+/// What became of one order of a batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Persisted {
+    /// Written now, and the voucher's stock lowered by one.
+    Inserted,
+    /// Already written earlier (a replayed entry): nothing changed.
+    AlreadyThere,
+    /// Can never be written; the reason goes to the dead-letter stream.
+    Rejected(String),
+}
+
+#[derive(Debug, Clone, FromRow)]
+pub struct OrderRow {
+    pub id: i64,
+    pub user_id: i64,
+    pub voucher_id: i64,
+    pub status: String,
+    pub created_at: DateTime<Utc>,
+}
+
+/// Writes a batch in ONE transaction: idempotent inserts, and each voucher's stock
+/// lowered by exactly the rows inserted now, under a `stock >= n` guard.
+///
+/// If a guard or constraint refuses the batch, it is rolled back and the orders are
+/// written one by one, so one bad order cannot hold up the rest. `Err` means a fault
+/// worth retrying (Postgres unreachable, deadlock): nothing was committed for the
+/// orders concerned, and the caller keeps them pending.
+#[tracing::instrument(skip_all, fields(orders = orders.len()))]
+pub async fn persist_batch(
+    db: &PgPool,
+    orders: &[NewOrder],
+) -> Result<Vec<Persisted>, sqlx::Error> {
+    if orders.is_empty() {
+        return Ok(Vec::new());
+    }
+    match try_batch(db, orders).await {
+        Ok(Some(outcomes)) => Ok(outcomes),
+        Ok(None) => one_by_one(db, orders).await,
+        Err(e) if super::is_data_error(&e) => {
+            tracing::warn!(error = %e, "batch refused by a constraint, writing orders one by one");
+            one_by_one(db, orders).await
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// `Ok(None)` when a stock guard failed (the batch was rolled back).
+async fn try_batch(
+    db: &PgPool,
+    orders: &[NewOrder],
+) -> Result<Option<Vec<Persisted>>, sqlx::Error> {
+    let mut tx = db.begin().await?;
+    let inserted = insert_orders(&mut tx, orders).await?;
+
+    // Lower each voucher's stock once, in voucher order so concurrent workers lock
+    // rows in the same order and cannot deadlock each other.
+    let mut per_voucher: BTreeMap<i64, i32> = BTreeMap::new();
+    for o in orders.iter().filter(|o| inserted.contains(&o.id)) {
+        *per_voucher.entry(o.voucher_id).or_default() += 1;
+    }
+    for (&voucher_id, &n) in &per_voucher {
+        if !take_stock(&mut tx, voucher_id, n).await? {
+            tx.rollback().await?;
+            return Ok(None);
+        }
+    }
+    let outcomes = classify(&mut tx, orders, &inserted).await?;
+    tx.commit().await?;
+    Ok(Some(outcomes))
+}
+
+/// The slow path: one transaction per order.
+async fn one_by_one(db: &PgPool, orders: &[NewOrder]) -> Result<Vec<Persisted>, sqlx::Error> {
+    let mut outcomes = Vec::with_capacity(orders.len());
+    for order in orders {
+        let mut tx = db.begin().await?;
+        let outcome = match insert_orders(&mut tx, std::slice::from_ref(order)).await {
+            Ok(inserted) if inserted.is_empty() => {
+                classify(&mut tx, std::slice::from_ref(order), &inserted)
+                    .await?
+                    .remove(0)
+            }
+            Ok(_) => {
+                if take_stock(&mut tx, order.voucher_id, 1).await? {
+                    Persisted::Inserted
+                } else {
+                    Persisted::Rejected("no stock left in postgres".into())
+                }
+            }
+            Err(e) if super::is_data_error(&e) => Persisted::Rejected(rejection(&e)),
+            Err(e) => return Err(e),
+        };
+        match outcome {
+            Persisted::Inserted => tx.commit().await?,
+            _ => tx.rollback().await?,
+        }
+        outcomes.push(outcome);
+    }
+    Ok(outcomes)
+}
+
+fn rejection(e: &sqlx::Error) -> String {
+    match e {
+        sqlx::Error::Database(db) if db.is_foreign_key_violation() => "unknown voucher".into(),
+        sqlx::Error::Database(db) => format!("refused by postgres: {}", db.message()),
+        other => other.to_string(),
+    }
+}
+
+/// Inserts what is new; returns the ids inserted now.
+async fn insert_orders(
+    tx: &mut Transaction<'_, Postgres>,
+    orders: &[NewOrder],
+) -> Result<HashSet<i64>, sqlx::Error> {
+    let ids: Vec<i64> = orders.iter().map(|o| o.id).collect();
+    let users: Vec<i64> = orders.iter().map(|o| o.user_id).collect();
+    let vouchers: Vec<i64> = orders.iter().map(|o| o.voucher_id).collect();
+    let times: Vec<DateTime<Utc>> = orders.iter().map(|o| o.admitted_at).collect();
+    let inserted: Vec<i64> = sqlx::query_scalar(
+        "INSERT INTO voucher_orders (id, user_id, voucher_id, created_at) \
+         SELECT * FROM unnest($1::int8[], $2::int8[], $3::int8[], $4::timestamptz[]) \
+         ON CONFLICT DO NOTHING RETURNING id",
+    )
+    .bind(&ids)
+    .bind(&users)
+    .bind(&vouchers)
+    .bind(&times)
+    .fetch_all(&mut **tx)
+    .await?;
+    Ok(inserted.into_iter().collect())
+}
+
+/// `false` when the voucher has fewer than `n` units left (or no flash sale).
+async fn take_stock(
+    tx: &mut Transaction<'_, Postgres>,
+    voucher_id: i64,
+    n: i32,
+) -> Result<bool, sqlx::Error> {
+    let done = sqlx::query(
+        "UPDATE seckill_vouchers SET stock = stock - $2, updated_at = now() \
+         WHERE voucher_id = $1 AND stock >= $2",
+    )
+    .bind(voucher_id)
+    .bind(n)
+    .execute(&mut **tx)
+    .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// Tells a replay (the same order already stored) from a conflicting order.
+async fn classify(
+    tx: &mut Transaction<'_, Postgres>,
+    orders: &[NewOrder],
+    inserted: &HashSet<i64>,
+) -> Result<Vec<Persisted>, sqlx::Error> {
+    let skipped: Vec<i64> = orders
+        .iter()
+        .filter(|o| !inserted.contains(&o.id))
+        .map(|o| o.id)
+        .collect();
+    let stored: HashMap<i64, (i64, i64)> = if skipped.is_empty() {
+        HashMap::new()
+    } else {
+        sqlx::query_as::<_, (i64, i64, i64)>(
+            "SELECT id, user_id, voucher_id FROM voucher_orders WHERE id = ANY($1)",
+        )
+        .bind(&skipped)
+        .fetch_all(&mut **tx)
+        .await?
+        .into_iter()
+        .map(|(id, u, v)| (id, (u, v)))
+        .collect()
+    };
+    Ok(orders
+        .iter()
+        .map(|o| {
+            if inserted.contains(&o.id) {
+                Persisted::Inserted
+            } else {
+                match stored.get(&o.id) {
+                    Some(&(u, v)) if (u, v) == (o.user_id, o.voucher_id) => Persisted::AlreadyThere,
+                    Some(_) => Persisted::Rejected("order id already used by another order".into()),
+                    None => Persisted::Rejected(
+                        "user already holds another order for this voucher".into(),
+                    ),
+                }
+            }
+        })
+        .collect())
+}
+
+#[tracing::instrument(skip(db))]
+pub async fn get(db: &PgPool, order_id: i64) -> Result<Option<OrderRow>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, user_id, voucher_id, status, created_at FROM voucher_orders WHERE id = $1",
+    )
+    .bind(order_id)
+    .fetch_optional(db)
+    .await
+}
+
+#[tracing::instrument(skip(db))]
+pub async fn list_by_user(db: &PgPool, user_id: i64) -> Result<Vec<OrderRow>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, user_id, voucher_id, status, created_at FROM voucher_orders \
+         WHERE user_id = $1 ORDER BY id DESC LIMIT 1000",
+    )
+    .bind(user_id)
+    .fetch_all(db)
+    .await
+}

@@ -1,0 +1,167 @@
+//! `vouchers` and `seckill_vouchers`.
+
+use chrono::{DateTime, Utc};
+use sqlx::{FromRow, PgPool};
+
+/// A validated voucher to create.
+#[derive(Debug, Clone)]
+pub struct NewVoucher {
+    pub shop_id: i64,
+    pub title: String,
+    pub sub_title: String,
+    pub rules: String,
+    pub pay_value: i64,
+    pub actual_value: i64,
+    pub seckill: Option<NewSeckill>,
+}
+
+#[derive(Debug, Clone)]
+pub struct NewSeckill {
+    pub stock: i32,
+    pub begin_time: DateTime<Utc>,
+    pub end_time: DateTime<Utc>,
+}
+
+#[derive(Debug, Clone, FromRow)]
+pub struct VoucherRow {
+    pub id: i64,
+    pub shop_id: i64,
+    pub title: String,
+    pub sub_title: String,
+    pub rules: String,
+    pub pay_value: i64,
+    pub actual_value: i64,
+    pub created_at: DateTime<Utc>,
+    pub initial_stock: Option<i32>,
+    pub stock: Option<i32>,
+    pub begin_time: Option<DateTime<Utc>>,
+    pub end_time: Option<DateTime<Utc>>,
+}
+
+impl VoucherRow {
+    pub fn seckill(&self) -> Option<SeckillState> {
+        Some(SeckillState {
+            voucher_id: self.id,
+            stock: self.stock?,
+            begin_time: self.begin_time?,
+            end_time: self.end_time?,
+        })
+    }
+}
+
+/// What Postgres knows of a flash sale: what is left to sell and when.
+#[derive(Debug, Clone, FromRow)]
+pub struct SeckillState {
+    pub voucher_id: i64,
+    pub stock: i32,
+    pub begin_time: DateTime<Utc>,
+    pub end_time: DateTime<Utc>,
+}
+
+const SELECT_VOUCHER: &str = "SELECT v.id, v.shop_id, v.title, v.sub_title, v.rules, \
+     v.pay_value, v.actual_value, v.created_at, \
+     s.initial_stock, s.stock, s.begin_time, s.end_time \
+     FROM vouchers v LEFT JOIN seckill_vouchers s ON s.voucher_id = v.id";
+
+/// Creates the voucher and its flash-sale part in one transaction.
+#[tracing::instrument(skip_all, fields(shop_id = new.shop_id))]
+pub async fn insert(db: &PgPool, new: &NewVoucher) -> Result<VoucherRow, sqlx::Error> {
+    let mut tx = db.begin().await?;
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO vouchers (shop_id, title, sub_title, rules, pay_value, actual_value) \
+         VALUES ($1, $2, $3, $4, $5, $6) RETURNING id",
+    )
+    .bind(new.shop_id)
+    .bind(&new.title)
+    .bind(&new.sub_title)
+    .bind(&new.rules)
+    .bind(new.pay_value)
+    .bind(new.actual_value)
+    .fetch_one(&mut *tx)
+    .await?;
+    if let Some(s) = &new.seckill {
+        sqlx::query(
+            "INSERT INTO seckill_vouchers (voucher_id, initial_stock, stock, begin_time, end_time) \
+             VALUES ($1, $2, $2, $3, $4)",
+        )
+        .bind(id)
+        .bind(s.stock)
+        .bind(s.begin_time)
+        .bind(s.end_time)
+        .execute(&mut *tx)
+        .await?;
+    }
+    let row = sqlx::query_as::<_, VoucherRow>(&format!("{SELECT_VOUCHER} WHERE v.id = $1"))
+        .bind(id)
+        .fetch_one(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(row)
+}
+
+#[tracing::instrument(skip(db))]
+pub async fn get(db: &PgPool, id: i64) -> Result<Option<VoucherRow>, sqlx::Error> {
+    sqlx::query_as(&format!("{SELECT_VOUCHER} WHERE v.id = $1"))
+        .bind(id)
+        .fetch_optional(db)
+        .await
+}
+
+#[tracing::instrument(skip(db))]
+pub async fn list_by_shop(db: &PgPool, shop_id: i64) -> Result<Vec<VoucherRow>, sqlx::Error> {
+    sqlx::query_as(&format!(
+        "{SELECT_VOUCHER} WHERE v.shop_id = $1 ORDER BY v.id LIMIT 1000"
+    ))
+    .bind(shop_id)
+    .fetch_all(db)
+    .await
+}
+
+/// Flash sales that have not ended: the ones whose Redis state must exist.
+#[tracing::instrument(skip(db))]
+pub async fn open_sales(db: &PgPool) -> Result<Vec<SeckillState>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT voucher_id, stock, begin_time, end_time FROM seckill_vouchers \
+         WHERE end_time > now() ORDER BY voucher_id",
+    )
+    .fetch_all(db)
+    .await
+}
+
+#[tracing::instrument(skip(db))]
+pub async fn sale(db: &PgPool, voucher_id: i64) -> Result<Option<SeckillState>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT voucher_id, stock, begin_time, end_time FROM seckill_vouchers WHERE voucher_id = $1",
+    )
+    .bind(voucher_id)
+    .fetch_optional(db)
+    .await
+}
+
+/// A sale's remaining stock together with the `(user_id, order_id)` of its buyers, read
+/// from one snapshot so the two agree.
+#[tracing::instrument(skip(db))]
+pub async fn sale_snapshot(
+    db: &PgPool,
+    voucher_id: i64,
+) -> Result<Option<(SeckillState, Vec<(i64, i64)>)>, sqlx::Error> {
+    let mut tx = db.begin().await?;
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        .execute(&mut *tx)
+        .await?;
+    let sale: Option<SeckillState> = sqlx::query_as(
+        "SELECT voucher_id, stock, begin_time, end_time FROM seckill_vouchers WHERE voucher_id = $1",
+    )
+    .bind(voucher_id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(sale) = sale else {
+        return Ok(None);
+    };
+    let buyers = sqlx::query_as("SELECT user_id, id FROM voucher_orders WHERE voucher_id = $1")
+        .bind(voucher_id)
+        .fetch_all(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(Some((sale, buyers)))
+}

@@ -1,0 +1,15 @@
+//! Logging: `RUST_LOG` filters (default `info`), `LOG_FORMAT=json` for machines.
+
+use tracing_subscriber::{fmt, EnvFilter};
+
+use crate::config::LogFormat;
+
+pub fn init(format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // A second init (tests) is harmless: keep the first subscriber.
+    let _ = match format {
+        LogFormat::Json => builder.json().try_init(),
+        LogFormat::Text => builder.try_init(),
+    };
+}
