@@ -83,6 +83,7 @@ fn worker(
             .unwrap_or_else(WorkerConfig::unique_consumer_name),
         batch_size: opts.worker_batch_size as usize,
         block,
+        claim_idle: Duration::from_millis(opts.worker_claim_idle_ms),
     };
     Ok(Worker::new(db.clone(), conn, keys, config))
 }
@@ -193,7 +194,7 @@ async fn bootstrap(state: AppState, cancel: CancellationToken) {
             }
             Err(e) => {
                 tracing::warn!(error = %e, "bootstrap step failed, retrying");
-                backoff.next()
+                backoff.next_delay()
             }
         };
         tokio::select! {

@@ -100,6 +100,11 @@ pub struct WorkerOptions {
     #[arg(long, env = "WORKER_BLOCK_MS", default_value_t = 1000,
           value_parser = clap::value_parser!(u64).range(1..=30_000))]
     pub worker_block_ms: u64,
+    /// Take over entries another consumer left unacknowledged this long (ms): that
+    /// consumer is presumed dead. Must exceed the time one batch takes.
+    #[arg(long, env = "WORKER_CLAIM_IDLE_MS", default_value_t = 15_000,
+          value_parser = clap::value_parser!(u64).range(100..))]
+    pub worker_claim_idle_ms: u64,
     /// Consumer name in the group (default: host-pid-random, unique per process).
     #[arg(long, env = "WORKER_CONSUMER")]
     pub worker_consumer: Option<String>,

@@ -241,7 +241,7 @@ mod tests {
     }
 
     fn valid() -> serde_json::Value {
-        serde_json::json!({"shop_id": 1, "title": "t", "pay_value": 1, "actual_value": 2,
+        serde_json::json!({"shop_id": 1, "title": "t", "sub_title": "", "rules": "", "pay_value": 1, "actual_value": 2,
             "seckill": {"stock": 5, "begin_time": "2026-01-01T00:00:00Z", "end_time": "2099-01-01T00:00:00Z"}})
     }
 

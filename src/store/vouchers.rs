@@ -138,13 +138,16 @@ pub async fn sale(db: &PgPool, voucher_id: i64) -> Result<Option<SeckillState>, 
     .await
 }
 
+/// `(user_id, order_id)` of every order of a sale: the buyers Redis must know.
+pub type Buyers = Vec<(i64, i64)>;
+
 /// A sale's remaining stock together with the `(user_id, order_id)` of its buyers, read
 /// from one snapshot so the two agree.
 #[tracing::instrument(skip(db))]
 pub async fn sale_snapshot(
     db: &PgPool,
     voucher_id: i64,
-) -> Result<Option<(SeckillState, Vec<(i64, i64)>)>, sqlx::Error> {
+) -> Result<Option<(SeckillState, Buyers)>, sqlx::Error> {
     let mut tx = db.begin().await?;
     sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
         .execute(&mut *tx)

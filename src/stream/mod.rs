@@ -127,6 +127,41 @@ pub async fn read<C: ConnectionLike + Send>(
     parse_read_reply(reply)
 }
 
+/// XAUTOCLAIM: takes over entries other consumers (dead ones, typically) left pending
+/// longer than `min_idle_ms`. Returns the cursor to continue from (`"0-0"` when the
+/// pending list has been walked) and the entries now owned by `consumer`.
+pub async fn claim<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    shard: Shard,
+    consumer: &str,
+    min_idle_ms: u64,
+    cursor: &str,
+    count: usize,
+) -> RedisResult<(String, Vec<Entry>)> {
+    let reply: Value = redis::cmd("XAUTOCLAIM")
+        .arg(keys.stream(shard))
+        .arg(GROUP)
+        .arg(consumer)
+        .arg(min_idle_ms)
+        .arg(cursor)
+        .arg("COUNT")
+        .arg(count)
+        .query_async(conn)
+        .await?;
+    // [next_cursor, [[id, fields], ...], [deleted ids]]
+    let Value::Array(mut parts) = reply else {
+        return Err(unexpected());
+    };
+    if parts.len() < 2 {
+        return Err(unexpected());
+    }
+    parts.truncate(2);
+    let entries = parts.pop().expect("two elements");
+    let next: String = redis::from_redis_value(parts.pop().expect("two elements"))?;
+    Ok((next, parse_entries(entries)?))
+}
+
 /// `[[stream, [[id, [field, value, ...] | nil], ...]], ...]` or nil on timeout.
 fn parse_read_reply(reply: Value) -> RedisResult<Vec<Entry>> {
     let mut out = Vec::new();
@@ -143,35 +178,44 @@ fn parse_read_reply(reply: Value) -> RedisResult<Vec<Entry>> {
         let Value::Array(mut parts) = stream else {
             return Err(unexpected());
         };
-        let Some(Value::Array(entries)) = parts.pop() else {
+        let Some(entries) = parts.pop() else {
             return Err(unexpected());
         };
-        for entry in entries {
-            let Value::Array(mut pair) = entry else {
-                return Err(unexpected());
-            };
-            if pair.len() != 2 {
-                return Err(unexpected());
-            }
-            let fields = pair.pop().expect("two elements");
-            let id: String = redis::from_redis_value(pair.pop().expect("two elements"))?;
-            let fields = match fields {
-                Value::Nil => None,
-                Value::Array(flat) => Some(
-                    flat.chunks(2)
-                        .filter_map(|kv| match kv {
-                            [k, v] => Some((
-                                redis::from_redis_value_ref::<String>(k).ok()?,
-                                redis::from_redis_value_ref::<String>(v).ok()?,
-                            )),
-                            _ => None,
-                        })
-                        .collect(),
-                ),
-                _ => return Err(unexpected()),
-            };
-            out.push(Entry::parse(id, fields));
+        out.extend(parse_entries(entries)?);
+    }
+    Ok(out)
+}
+
+fn parse_entries(entries: Value) -> RedisResult<Vec<Entry>> {
+    let Value::Array(entries) = entries else {
+        return Err(unexpected());
+    };
+    let mut out = Vec::with_capacity(entries.len());
+    for entry in entries {
+        let Value::Array(mut pair) = entry else {
+            return Err(unexpected());
+        };
+        if pair.len() != 2 {
+            return Err(unexpected());
         }
+        let fields = pair.pop().expect("two elements");
+        let id: String = redis::from_redis_value(pair.pop().expect("two elements"))?;
+        let fields = match fields {
+            Value::Nil => None,
+            Value::Array(flat) => Some(
+                flat.chunks(2)
+                    .filter_map(|kv| match kv {
+                        [k, v] => Some((
+                            redis::from_redis_value_ref::<String>(k).ok()?,
+                            redis::from_redis_value_ref::<String>(v).ok()?,
+                        )),
+                        _ => None,
+                    })
+                    .collect(),
+            ),
+            _ => return Err(unexpected()),
+        };
+        out.push(Entry::parse(id, fields));
     }
     Ok(out)
 }
@@ -179,7 +223,7 @@ fn parse_read_reply(reply: Value) -> RedisResult<Vec<Entry>> {
 fn unexpected() -> redis::RedisError {
     redis::RedisError::from((
         redis::ErrorKind::UnexpectedReturnType,
-        "unexpected XREADGROUP reply",
+        "unexpected reply to a stream read",
     ))
 }
 

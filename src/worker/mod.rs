@@ -21,6 +21,9 @@ pub struct WorkerConfig {
     pub consumer: String,
     pub batch_size: usize,
     pub block: Duration,
+    /// Entries another consumer left pending this long are taken over (that consumer
+    /// is presumed dead). Must exceed the time a healthy batch takes.
+    pub claim_idle: Duration,
 }
 
 impl WorkerConfig {
@@ -43,6 +46,7 @@ impl Default for WorkerConfig {
             consumer: Self::unique_consumer_name(),
             batch_size: 256,
             block: Duration::from_secs(1),
+            claim_idle: Duration::from_secs(15),
         }
     }
 }
@@ -174,11 +178,47 @@ impl Worker {
         Ok(report)
     }
 
+    /// Takes over and processes entries that other consumers left pending for longer
+    /// than `claim_idle`.
+    pub async fn reclaim(&self) -> anyhow::Result<BatchReport> {
+        let mut report = BatchReport::default();
+        let mut conn = self.redis.clone();
+        let min_idle_ms = self.config.claim_idle.as_millis() as u64;
+        for shard in self.keys.shards() {
+            let mut cursor = "0-0".to_string();
+            loop {
+                let (next, entries) = stream::claim(
+                    &mut conn,
+                    &self.keys,
+                    shard,
+                    &self.config.consumer,
+                    min_idle_ms,
+                    &cursor,
+                    self.config.batch_size,
+                )
+                .await?;
+                if !entries.is_empty() {
+                    tracing::info!(
+                        claimed = entries.len(),
+                        "took over entries of an idle consumer"
+                    );
+                    report.add(self.process_batch(shard, &entries).await?);
+                }
+                if next == "0-0" {
+                    break;
+                }
+                cursor = next;
+            }
+        }
+        Ok(report)
+    }
+
     /// Processes everything there is now and returns when the streams are empty
     /// (tools and tests; the service uses [`Worker::run`]).
     pub async fn drain(&self) -> anyhow::Result<BatchReport> {
         self.ensure_groups().await?;
         let mut report = self.replay_pending().await?;
+        report.add(self.reclaim().await?);
         for shard in self.keys.shards() {
             loop {
                 let entries = self
@@ -213,6 +253,8 @@ impl Worker {
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         let mut ready = false;
         let mut failing = false;
+        let claim_every = (self.config.claim_idle / 2).max(Duration::from_millis(100));
+        let mut last_claim = tokio::time::Instant::now();
         while !cancel.is_cancelled() {
             let result = async {
                 if !ready {
@@ -222,6 +264,10 @@ impl Worker {
                         tracing::info!(?replayed, "replayed pending entries");
                     }
                     ready = true;
+                }
+                if last_claim.elapsed() >= claim_every {
+                    self.reclaim().await?;
+                    last_claim = tokio::time::Instant::now();
                 }
                 self.step().await
             }
@@ -246,7 +292,7 @@ impl Worker {
                     }
                     tokio::select! {
                         _ = cancel.cancelled() => break,
-                        _ = tokio::time::sleep(backoff.next()) => {}
+                        _ = tokio::time::sleep(backoff.next_delay()) => {}
                     }
                 }
             }
@@ -272,7 +318,7 @@ impl Backoff {
         }
     }
 
-    pub fn next(&mut self) -> Duration {
+    pub fn next_delay(&mut self) -> Duration {
         let exp = self.base.saturating_mul(1 << self.attempt.min(16));
         self.attempt += 1;
         let capped = exp.min(self.cap);
@@ -293,13 +339,13 @@ mod tests {
     #[test]
     fn backoff_grows_and_stays_under_its_cap() {
         let mut b = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
-        let first = b.next();
+        let first = b.next_delay();
         assert!(first <= Duration::from_millis(100));
         for _ in 0..30 {
-            assert!(b.next() <= Duration::from_secs(5));
+            assert!(b.next_delay() <= Duration::from_secs(5));
         }
-        assert!(b.next() >= Duration::from_millis(2500));
+        assert!(b.next_delay() >= Duration::from_millis(2500));
         b.reset();
-        assert!(b.next() <= Duration::from_millis(100));
+        assert!(b.next_delay() <= Duration::from_millis(100));
     }
 }
