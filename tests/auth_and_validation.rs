@@ -1,0 +1,214 @@
+//! Who may do what, and bad input: every rejection is a JSON 4xx and stores nothing.
+
+mod common;
+
+use common::TestApp;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use sqlx::PgPool;
+
+fn voucher_body() -> Value {
+    json!({"shop_id": 1, "title": "50 off 100", "sub_title": "weekdays", "rules": "one per person",
+           "pay_value": 5000, "actual_value": 10000,
+           "seckill": {"stock": 100, "begin_time": "2026-01-01T00:00:00Z", "end_time": "2099-01-01T00:00:00Z"}})
+}
+
+async fn vouchers_stored(app: &TestApp) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM vouchers")
+        .fetch_one(&app.db)
+        .await
+        .unwrap()
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn requests_without_a_valid_token_are_unauthorized(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(5).await;
+    let url = app.url(&format!("/vouchers/{voucher}/seckill"));
+    let foreign = seckill::auth::JwtKeys::new("another-secret")
+        .unwrap()
+        .mint(5, false, 60)
+        .unwrap();
+    let expired = {
+        let claims = json!({"sub": "5", "exp": chrono::Utc::now().timestamp() - 3600});
+        jsonwebtoken::encode(
+            &jsonwebtoken::Header::default(),
+            &claims,
+            &jsonwebtoken::EncodingKey::from_secret(common::SECRET.as_bytes()),
+        )
+        .unwrap()
+    };
+    let cases: Vec<(&str, Option<String>)> = vec![
+        ("no header", None),
+        ("not bearer", Some("Basic dXNlcjpwYXNz".into())),
+        ("garbage", Some("Bearer not.a.jwt".into())),
+        ("foreign signature", Some(format!("Bearer {foreign}"))),
+        ("expired", Some(format!("Bearer {expired}"))),
+    ];
+    for (what, header) in cases {
+        let mut req = app.client.post(&url);
+        if let Some(h) = header {
+            req = req.header("authorization", h);
+        }
+        let (status, body) = app.send(req).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{what}: {body}");
+        assert_eq!(body["error"]["code"], "unauthorized", "{what}");
+    }
+    let (status, _) = app.get("/orders", None).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let (_, v) = app.get(&format!("/vouchers/{voucher}"), None).await;
+    assert_eq!(v["stock"], 5, "nothing was reserved");
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_shopper_cannot_create_vouchers(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let (status, body) = app
+        .post_json("/vouchers", Some(&app.token(9)), &voucher_body())
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    assert_eq!(body["error"]["code"], "forbidden");
+    let (status, _) = app.post_json("/vouchers", None, &voucher_body()).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(vouchers_stored(&app).await, 0);
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn an_admin_creates_a_voucher_and_anyone_can_read_it(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let (status, created) = app
+        .post_json("/vouchers", Some(&app.admin_token()), &voucher_body())
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    assert_eq!(created["title"], "50 off 100");
+    assert_eq!(created["seckill"]["stock"], 100);
+    assert_eq!(created["seckill"]["initial_stock"], 100);
+    let id = created["id"].as_i64().unwrap();
+    let (status, read) = app.get(&format!("/vouchers/{id}"), None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(read, created);
+    let (_, list) = app.get("/shops/1/vouchers", None).await;
+    assert_eq!(list, json!([created]));
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn every_kind_of_bad_voucher_is_a_4xx_json_error_and_stores_nothing(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let admin = app.admin_token();
+    let mut cases: Vec<(&str, Value)> = Vec::new();
+    let mut with = |what: &'static str, pointer: &str, value: Value| {
+        let mut body = voucher_body();
+        *body.pointer_mut(pointer).unwrap() = value;
+        cases.push((what, body));
+    };
+    with("negative stock", "/seckill/stock", json!(-1));
+    with("zero stock", "/seckill/stock", json!(0));
+    with(
+        "stock beyond the column",
+        "/seckill/stock",
+        json!(3_000_000_000i64),
+    );
+    with("fractional stock", "/seckill/stock", json!(1.5));
+    with("stock as a string", "/seckill/stock", json!("100"));
+    with("negative price", "/pay_value", json!(-5));
+    with("price beyond 64 bits", "/actual_value", json!(1e30));
+    with("zero shop", "/shop_id", json!(0));
+    with("shop as a string", "/shop_id", json!("one"));
+    with("empty title", "/title", json!(""));
+    with("NUL in title", "/title", json!("a\u{0}b"));
+    with("huge title", "/title", json!("x".repeat(300)));
+    with(
+        "end before begin",
+        "/seckill/end_time",
+        json!("2025-12-31T00:00:00Z"),
+    );
+    with(
+        "end equals begin",
+        "/seckill/end_time",
+        json!("2026-01-01T00:00:00Z"),
+    );
+    with("not a time", "/seckill/begin_time", json!("tomorrow"));
+    with(
+        "unknown field",
+        "/seckill",
+        json!({"stock": 1, "begin_time": "2026-01-01T00:00:00Z", "end_time": "2099-01-01T00:00:00Z", "limit": 2}),
+    );
+    let mut missing = voucher_body();
+    missing.as_object_mut().unwrap().remove("title");
+    cases.push(("missing title", missing));
+    cases.push(("an array", json!([1, 2])));
+
+    for (what, body) in cases {
+        let (status, reply) = app.post_json("/vouchers", Some(&admin), &body).await;
+        assert!(
+            status == StatusCode::BAD_REQUEST || status == StatusCode::UNPROCESSABLE_ENTITY,
+            "{what}: {status} {reply}"
+        );
+        assert_eq!(reply["error"]["code"], "validation", "{what}");
+        assert!(reply["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()));
+    }
+
+    // Not JSON at all, or not declared as JSON.
+    for (content_type, raw) in [
+        ("application/json", "{\"shop_id\": 1,"),
+        ("text/plain", "{}"),
+    ] {
+        let req = app
+            .client
+            .post(app.url("/vouchers"))
+            .bearer_auth(&admin)
+            .header("content-type", content_type)
+            .body(raw);
+        let (status, reply) = app.send(req).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{raw}");
+        assert_eq!(reply["error"]["code"], "validation");
+    }
+    // Too large a body.
+    let req = app
+        .client
+        .post(app.url("/vouchers"))
+        .bearer_auth(&admin)
+        .header("content-type", "application/json")
+        .body(format!("{{\"title\": \"{}\"}}", "x".repeat(100_000)));
+    let (status, reply) = app.send(req).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(reply["error"]["code"], "validation");
+
+    assert_eq!(vouchers_stored(&app).await, 0);
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn ids_in_paths_are_parsed_strictly(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let user = app.token(1);
+    for id in ["abc", "-1", "0", "1.5", "01", "99999999999999999999", "%20"] {
+        let (status, body) = app.get(&format!("/vouchers/{id}"), None).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "voucher {id}: {body}");
+        assert_eq!(body["error"]["code"], "validation");
+        let (status, body) = app.get(&format!("/orders/{id}"), Some(&user)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "order {id}: {body}");
+        let req = app
+            .client
+            .post(app.url(&format!("/vouchers/{id}/seckill")))
+            .bearer_auth(&user);
+        let (status, _) = app.send(req).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "seckill {id}");
+    }
+    let (status, body) = app.get("/no/such/route", None).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (StatusCode::NOT_FOUND, Some("not_found"))
+    );
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn health_and_readiness_answer(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let (status, _) = app.get("/healthz", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, body) = app.get("/readyz", None).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["checks"], json!({"redis": "up", "postgres": "up"}));
+}

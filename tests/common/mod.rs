@@ -1,0 +1,243 @@
+//! Test harness: the real app on a loopback port, against the real Postgres (a fresh
+//! database per test, from `#[sqlx::test]`) and the real Redis under a key prefix of
+//! the test's own, deleted when the test ends.
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use seckill::admission::keys::Keys;
+use seckill::admission::order_id::{NodeLease, OrderIds};
+use seckill::auth::JwtKeys;
+use seckill::config::Settings;
+use seckill::redis_conn::{self, RedisConn};
+use seckill::worker::{BatchReport, Worker, WorkerConfig};
+use seckill::AppState;
+
+pub const SECRET: &str = "integration-test-secret";
+
+pub fn redis_url() -> String {
+    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+pub struct TestApp {
+    pub addr: SocketAddr,
+    pub base: String,
+    pub db: PgPool,
+    pub redis: RedisConn,
+    pub keys: Keys,
+    pub state: AppState,
+    pub client: reqwest::Client,
+    jwt: JwtKeys,
+    cancel: CancellationToken,
+}
+
+impl TestApp {
+    pub async fn spawn(db: PgPool) -> Self {
+        let prefix = format!("test{:016x}:", rand::random::<u64>());
+        let keys = Keys::new(prefix).unwrap();
+        let redis = redis_conn::connect(&redis_url(), redis_conn::COMMAND_TIMEOUT).unwrap();
+        let lease = NodeLease::acquire(&mut redis.clone(), &keys).await.unwrap();
+        let state = AppState::new(
+            db.clone(),
+            redis.clone(),
+            keys.clone(),
+            JwtKeys::new(SECRET).unwrap(),
+            Arc::new(OrderIds::with_node(lease.node)),
+            Settings::default(),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let cancel = CancellationToken::new();
+        let app = seckill::build_app(state.clone());
+        let stop = cancel.clone();
+        tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(stop.cancelled_owned())
+                .await
+                .unwrap();
+        });
+        Self {
+            addr,
+            base: format!("http://{addr}"),
+            db,
+            redis,
+            keys,
+            state,
+            client: reqwest::Client::builder()
+                .pool_max_idle_per_host(2000)
+                .build()
+                .unwrap(),
+            jwt: JwtKeys::new(SECRET).unwrap(),
+            cancel,
+        }
+    }
+
+    pub fn token(&self, user_id: i64) -> String {
+        self.jwt.mint(user_id, false, 3600).unwrap()
+    }
+
+    pub fn admin_token(&self) -> String {
+        self.jwt.mint(1, true, 3600).unwrap()
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path)
+    }
+
+    /// Sends a request and returns the status and the JSON body (`Null` if none).
+    pub async fn send(&self, req: reqwest::RequestBuilder) -> (StatusCode, Value) {
+        let resp = req.send().await.expect("request failed");
+        let status = resp.status();
+        let text = resp.text().await.unwrap();
+        let body = if text.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}"))
+        };
+        (status, body)
+    }
+
+    pub async fn get(&self, path: &str, token: Option<&str>) -> (StatusCode, Value) {
+        let mut req = self.client.get(self.url(path));
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        self.send(req).await
+    }
+
+    pub async fn post_json(
+        &self,
+        path: &str,
+        token: Option<&str>,
+        body: &Value,
+    ) -> (StatusCode, Value) {
+        let mut req = self.client.post(self.url(path)).json(body);
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        self.send(req).await
+    }
+
+    /// Creates a flash-sale voucher through the API and returns its id.
+    pub async fn create_sale(&self, stock: i64, begin: DateTime<Utc>, end: DateTime<Utc>) -> i64 {
+        let body = json!({
+            "shop_id": 1, "title": "50 off 100", "sub_title": "weekdays", "rules": "one per person",
+            "pay_value": 5000, "actual_value": 10000,
+            "seckill": {"stock": stock, "begin_time": begin, "end_time": end},
+        });
+        let (status, voucher) = self
+            .post_json("/vouchers", Some(&self.admin_token()), &body)
+            .await;
+        assert_eq!(status, StatusCode::CREATED, "{voucher}");
+        voucher["id"].as_i64().unwrap()
+    }
+
+    /// A sale that is open now and for the next hour.
+    pub async fn open_sale(&self, stock: i64) -> i64 {
+        let now = Utc::now();
+        self.create_sale(
+            stock,
+            now - chrono::Duration::minutes(1),
+            now + chrono::Duration::hours(1),
+        )
+        .await
+    }
+
+    pub async fn grab(&self, voucher_id: i64, user_id: i64) -> (StatusCode, Value) {
+        let req = self
+            .client
+            .post(self.url(&format!("/vouchers/{voucher_id}/seckill")))
+            .bearer_auth(self.token(user_id));
+        self.send(req).await
+    }
+
+    pub fn worker_named(&self, consumer: &str) -> Worker {
+        let conn = redis_conn::connect(&redis_url(), Duration::from_secs(5)).unwrap();
+        Worker::new(
+            self.db.clone(),
+            conn,
+            self.keys.clone(),
+            WorkerConfig {
+                consumer: consumer.into(),
+                batch_size: 64,
+                block: Duration::from_millis(50),
+                claim_idle: Duration::from_millis(200),
+            },
+        )
+    }
+
+    pub fn worker(&self) -> Worker {
+        self.worker_named(&WorkerConfig::unique_consumer_name())
+    }
+
+    /// Runs a worker until the stream is empty.
+    pub async fn drain(&self) -> BatchReport {
+        self.worker().drain().await.unwrap()
+    }
+
+    pub async fn pg_stock(&self, voucher_id: i64) -> i32 {
+        sqlx::query_scalar("SELECT stock FROM seckill_vouchers WHERE voucher_id = $1")
+            .bind(voucher_id)
+            .fetch_one(&self.db)
+            .await
+            .unwrap()
+    }
+
+    pub async fn pg_orders(&self, voucher_id: i64) -> Vec<(i64, i64)> {
+        sqlx::query_as("SELECT id, user_id FROM voucher_orders WHERE voucher_id = $1 ORDER BY id")
+            .bind(voucher_id)
+            .fetch_all(&self.db)
+            .await
+            .unwrap()
+    }
+
+    pub async fn redis_cmd<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> T {
+        cmd.query_async(&mut self.redis.clone()).await.unwrap()
+    }
+
+    /// Entries of the group not yet acknowledged.
+    pub async fn pending_count(&self) -> i64 {
+        let stream = self.keys.stream(self.keys.shard_of(0));
+        let reply: redis::Value = self
+            .redis_cmd(
+                redis::cmd("XPENDING")
+                    .arg(&stream)
+                    .arg(seckill::stream::GROUP),
+            )
+            .await;
+        match reply {
+            redis::Value::Array(parts) => redis::from_redis_value_ref(&parts[0]).unwrap(),
+            other => panic!("unexpected XPENDING reply {other:?}"),
+        }
+    }
+}
+
+impl Drop for TestApp {
+    /// Leaves nothing behind in Redis: every key under the test's prefix goes.
+    fn drop(&mut self) {
+        self.cancel.cancel();
+        let pattern = format!("{}*", self.keys.prefix());
+        let Ok(client) = redis::Client::open(redis_url()) else {
+            return;
+        };
+        let Ok(mut conn) = client.get_connection() else {
+            return;
+        };
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(&pattern)
+            .query(&mut conn)
+            .unwrap_or_default();
+        if !keys.is_empty() {
+            let _: redis::RedisResult<()> = redis::cmd("DEL").arg(keys).query(&mut conn);
+        }
+    }
+}
