@@ -1,0 +1,208 @@
+//! The worker: replays, take-overs, idempotent writes and entries that can never be orders.
+
+mod common;
+
+use std::collections::HashSet;
+
+use common::TestApp;
+use reqwest::StatusCode;
+use seckill::store::orders::{self, NewOrder};
+use seckill::stream::{Entry, ReadFrom};
+use sqlx::PgPool;
+
+/// Admits `n` users and returns their order ids.
+async fn admit(app: &TestApp, voucher: i64, users: std::ops::RangeInclusive<i64>) -> HashSet<i64> {
+    let mut ids = HashSet::new();
+    for user in users {
+        let (status, body) = app.grab(voucher, user).await;
+        assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+        ids.insert(body["order_id"].as_str().unwrap().parse().unwrap());
+    }
+    ids
+}
+
+async fn stored_ids(app: &TestApp, voucher: i64) -> HashSet<i64> {
+    app.pg_orders(voucher)
+        .await
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect()
+}
+
+/// Delivers every new entry to `consumer` and never acknowledges them: a worker that
+/// died between read and commit.
+async fn deliver_and_die(app: &TestApp, consumer: &str) -> usize {
+    let dead = app.worker_named(consumer);
+    dead.ensure_groups().await.unwrap();
+    let shard = app.keys.shard_of(0);
+    let mut delivered = 0;
+    loop {
+        let batch = dead
+            .read_batch(shard, ReadFrom::New { block_ms: 1 })
+            .await
+            .unwrap();
+        if batch.is_empty() {
+            return delivered;
+        }
+        delivered += batch.len();
+    }
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn entries_a_dead_worker_never_acked_are_persisted_once_when_it_starts_again(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(50).await;
+    let admitted = admit(&app, voucher, 1..=40).await;
+    assert_eq!(deliver_and_die(&app, "worker-a").await, 40);
+    assert_eq!(app.pending_count().await, 40);
+    assert!(stored_ids(&app, voucher).await.is_empty());
+
+    // The same consumer starts again: it replays its own pending list first.
+    let report = app.worker_named("worker-a").drain().await.unwrap();
+    assert_eq!(report.inserted, 40);
+    assert_eq!(stored_ids(&app, voucher).await, admitted);
+    assert_eq!(app.pg_stock(voucher).await, 10);
+    assert_eq!(app.pending_count().await, 0);
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn another_worker_takes_over_what_a_dead_consumer_left_pending(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(50).await;
+    let admitted = admit(&app, voucher, 1..=25).await;
+    deliver_and_die(&app, "worker-dead").await;
+
+    // Not yet idle long enough: a live worker leaves them alone.
+    let survivor = app.worker_named("worker-live");
+    assert_eq!(survivor.reclaim().await.unwrap().entries, 0);
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let report = survivor.reclaim().await.unwrap();
+    assert_eq!((report.entries, report.inserted), (25, 25));
+    assert_eq!(stored_ids(&app, voucher).await, admitted);
+    assert_eq!(app.pg_stock(voucher).await, 25);
+    assert_eq!(app.pending_count().await, 0);
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_batch_committed_but_never_acked_is_not_written_twice(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(30).await;
+    let admitted = admit(&app, voucher, 1..=20).await;
+
+    // A worker reads, commits, and dies before XACK.
+    let dying = app.worker_named("worker-b");
+    dying.ensure_groups().await.unwrap();
+    let batch = dying
+        .read_batch(app.keys.shard_of(0), ReadFrom::New { block_ms: 1 })
+        .await
+        .unwrap();
+    let new: Vec<NewOrder> = batch
+        .iter()
+        .map(|e| match e {
+            Entry::Order { order, .. } => *order,
+            other => panic!("unexpected {other:?}"),
+        })
+        .collect();
+    orders::persist_batch(&app.db, &new).await.unwrap();
+    assert_eq!(app.pg_stock(voucher).await, 10);
+
+    let report = app.worker_named("worker-b").drain().await.unwrap();
+    assert_eq!((report.inserted, report.already_there), (0, 20));
+    assert_eq!(stored_ids(&app, voucher).await, admitted);
+    assert_eq!(
+        app.pg_stock(voucher).await,
+        10,
+        "stock taken once, not twice"
+    );
+    assert_eq!(app.pending_count().await, 0);
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn malformed_entries_are_dead_lettered_and_do_not_hold_up_real_orders(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(10).await;
+    let stream = app.keys.stream(app.keys.shard_of(voucher));
+    let _: String = app
+        .redis_cmd(
+            redis::cmd("XADD")
+                .arg(&stream)
+                .arg("*")
+                .arg("order_id")
+                .arg("oops"),
+        )
+        .await;
+    let _: String = app
+        .redis_cmd(
+            redis::cmd("XADD")
+                .arg(&stream)
+                .arg("*")
+                .arg("hello")
+                .arg("world"),
+        )
+        .await;
+    let admitted = admit(&app, voucher, 1..=5).await;
+
+    let report = app.drain().await;
+    assert_eq!((report.inserted, report.dead_lettered), (5, 2));
+    assert_eq!(stored_ids(&app, voucher).await, admitted);
+    assert_eq!(app.pending_count().await, 0);
+    let dlq = app.keys.dead_letters(app.keys.shard_of(voucher));
+    let dead: usize = app.redis_cmd(redis::cmd("XLEN").arg(&dlq)).await;
+    assert_eq!(dead, 2);
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn postgres_never_sells_more_than_its_stock_even_if_redis_admitted_more(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(2).await;
+    let admitted = admit(&app, voucher, 1..=2).await;
+    // Orders that Redis should never have let through (say, after state was rebuilt
+    // from a stale copy): one more buyer, and a second order for a user.
+    let stream = app.keys.stream(app.keys.shard_of(voucher));
+    for (order_id, user) in [(900_001i64, 3i64), (900_002, 1)] {
+        let _: String = app
+            .redis_cmd(
+                redis::cmd("XADD")
+                    .arg(&stream)
+                    .arg("*")
+                    .arg("order_id")
+                    .arg(order_id)
+                    .arg("voucher_id")
+                    .arg(voucher)
+                    .arg("user_id")
+                    .arg(user)
+                    .arg("admitted_ms")
+                    .arg(chrono::Utc::now().timestamp_millis()),
+            )
+            .await;
+    }
+    let report = app.drain().await;
+    assert_eq!((report.inserted, report.dead_lettered), (2, 2));
+    assert_eq!(stored_ids(&app, voucher).await, admitted);
+    assert_eq!(app.pg_stock(voucher).await, 0);
+    assert_eq!(app.pending_count().await, 0);
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn the_service_loop_drains_the_stream_and_stops_when_cancelled(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(20).await;
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let running = tokio::spawn(app.worker().run(cancel.clone()));
+    let admitted = admit(&app, voucher, 1..=20).await;
+    let mut stored = HashSet::new();
+    for _ in 0..100 {
+        stored = stored_ids(&app, voucher).await;
+        if stored.len() == admitted.len() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(stored, admitted);
+    cancel.cancel();
+    tokio::time::timeout(std::time::Duration::from_secs(5), running)
+        .await
+        .expect("worker stops promptly")
+        .unwrap();
+    assert_eq!(app.pg_stock(voucher).await, 0);
+}
