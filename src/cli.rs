@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admission::keys::Keys;
 use crate::admission::loader;
-use crate::admission::order_id::{NodeLease, OrderIds, LEASE_TTL};
+use crate::admission::order_id::{NodeLease, OrderIds, Renewal, LEASE_RENEW_EVERY};
 use crate::auth::JwtKeys;
 use crate::config::{ApiArgs, Cli, Command, RedisArgs, Settings, WorkerOptions};
 use crate::redis_conn::{self, RedisConn};
@@ -33,8 +33,17 @@ pub async fn main() -> ExitCode {
 async fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Token(args) => {
+            use std::io::Write;
             let keys = JwtKeys::new(&args.jwt_secret)?;
-            println!("{}", keys.mint(args.user, args.admin, args.ttl)?);
+            let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+            for i in 0..args.count as i64 {
+                let user = args
+                    .user
+                    .checked_add(i)
+                    .ok_or_else(|| anyhow::anyhow!("user id overflows"))?;
+                writeln!(out, "{}", keys.mint(user, args.admin, args.ttl)?)?;
+            }
+            out.flush()?;
             Ok(())
         }
         Command::Migrate(args) => {
@@ -159,30 +168,45 @@ async fn serve(api: ApiArgs, worker_opts: Option<WorkerOptions>) -> anyhow::Resu
 }
 
 /// Background duties of an API process: hold an order-id node lease, and load every
-/// open sale whose Redis state is missing (at start, and again whenever Redis comes
-/// back after losing the lease, i.e. after a restart or data loss).
+/// open sale whose Redis state is missing: at start, and again whenever the lease shows
+/// that Redis lost its data (restart without persistence, FLUSHALL, failover).
 async fn bootstrap(state: AppState, cancel: CancellationToken) {
     let mut conn: RedisConn = state.redis.clone();
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
     let mut lease: Option<NodeLease> = None;
     while !cancel.is_cancelled() {
         let step = async {
-            match &lease {
-                Some(l) if l.renew(&mut conn).await? => {}
-                _ => {
-                    let l = NodeLease::acquire(&mut conn, &state.keys).await?;
-                    state.ids.set_node(l.node);
-                    tracing::info!(node = l.node, "order-id node leased");
-                    lease = Some(l);
-                    let report = loader::load_open_sales(
-                        &state.db,
-                        &mut conn,
-                        &state.keys,
-                        state.settings.sale_state_retention,
-                    )
-                    .await?;
-                    tracing::info!(?report, "open sales checked");
-                }
+            let reload = match &lease {
+                Some(l) => match l.renew(&mut conn).await? {
+                    Renewal::Extended => false,
+                    Renewal::Recreated => {
+                        tracing::warn!("redis lost its data: reloading open sales");
+                        true
+                    }
+                    Renewal::Lost => {
+                        // Stop minting with a number somebody else holds.
+                        state.ids.clear_node();
+                        lease = None;
+                        true
+                    }
+                },
+                None => true,
+            };
+            if lease.is_none() {
+                let l = NodeLease::acquire(&mut conn, &state.keys).await?;
+                state.ids.set_node(l.node);
+                tracing::info!(node = l.node, "order-id node leased");
+                lease = Some(l);
+            }
+            if reload {
+                let report = loader::load_open_sales(
+                    &state.db,
+                    &mut conn,
+                    &state.keys,
+                    state.settings.sale_state_retention,
+                )
+                .await?;
+                tracing::info!(?report, "open sales checked");
             }
             anyhow::Ok(())
         }
@@ -190,7 +214,7 @@ async fn bootstrap(state: AppState, cancel: CancellationToken) {
         let pause = match step {
             Ok(()) => {
                 backoff.reset();
-                LEASE_TTL / 4
+                LEASE_RENEW_EVERY
             }
             Err(e) => {
                 tracing::warn!(error = %e, "bootstrap step failed, retrying");

@@ -145,6 +145,9 @@ pub struct TokenArgs {
     /// Mint an administrator token.
     #[arg(long)]
     pub admin: bool,
+    /// Print this many tokens, one per line, for users `user`, `user + 1`, ... (load tests).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    pub count: u64,
     /// Lifetime in seconds.
     #[arg(long, default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..=31_536_000))]
     pub ttl: u64,

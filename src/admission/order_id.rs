@@ -51,6 +51,11 @@ impl OrderIds {
         self.node.store(node as u64, Ordering::Release);
     }
 
+    /// Stops minting until a node number is set again.
+    pub fn clear_node(&self) {
+        self.node.store(NO_NODE, Ordering::Release);
+    }
+
     pub fn node(&self) -> Option<u16> {
         match self.node.load(Ordering::Acquire) {
             NO_NODE => None,
@@ -101,6 +106,8 @@ pub struct NodeLease {
 }
 
 pub const LEASE_TTL: Duration = Duration::from_secs(60);
+/// How often a lease is renewed (also how soon an API notices Redis lost its data).
+pub const LEASE_RENEW_EVERY: Duration = Duration::from_secs(5);
 
 impl NodeLease {
     /// Claims a free node number, starting from a rotating counter so restarts spread out.
@@ -134,21 +141,41 @@ impl NodeLease {
         anyhow::bail!("all {NODES} order-id node numbers are leased")
     }
 
-    /// Extends the lease; `false` when it was lost (expired or Redis lost its data).
-    pub async fn renew<C: ConnectionLike + Send>(&self, conn: &mut C) -> anyhow::Result<bool> {
-        let renewed: i64 = redis::Script::new(
-            r"if redis.call('GET', KEYS[1]) == ARGV[1] then
-                return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    /// Extends the lease.
+    pub async fn renew<C: ConnectionLike + Send>(&self, conn: &mut C) -> anyhow::Result<Renewal> {
+        let code: i64 = redis::Script::new(
+            r"local holder = redis.call('GET', KEYS[1])
+              if holder == ARGV[1] then
+                redis.call('PEXPIRE', KEYS[1], ARGV[2])
+                return 1
               end
-              return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) and 1 or 0",
+              if not holder then
+                redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+                return 2
+              end
+              return 0",
         )
         .key(self.keys.node_lease(self.node))
         .arg(&self.token)
         .arg(LEASE_TTL.as_millis() as u64)
         .invoke_async(conn)
         .await?;
-        Ok(renewed == 1)
+        Ok(match code {
+            1 => Renewal::Extended,
+            2 => Renewal::Recreated,
+            _ => Renewal::Lost,
+        })
     }
+}
+
+/// What renewing a lease found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Renewal {
+    Extended,
+    /// The lease key was gone (Redis restarted empty or lost data) and is ours again.
+    Recreated,
+    /// Another process holds the number now: stop minting with it.
+    Lost,
 }
 
 #[cfg(test)]
