@@ -8,13 +8,13 @@ use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
 use crate::admission::keys::Keys;
-use crate::admission::loader;
-use crate::admission::order_id::{NodeLease, OrderIds, Renewal, LEASE_RENEW_EVERY};
+use crate::admission::order_id::OrderIds;
+use crate::admission::upkeep;
 use crate::auth::JwtKeys;
 use crate::config::{ApiArgs, Cli, Command, RedisArgs, Settings, WorkerOptions};
-use crate::redis_conn::{self, RedisConn};
+use crate::redis_conn;
 use crate::state::AppState;
-use crate::worker::{Backoff, Worker, WorkerConfig};
+use crate::worker::{Worker, WorkerConfig};
 use crate::{store, telemetry};
 
 pub async fn main() -> ExitCode {
@@ -93,6 +93,8 @@ fn worker(
         batch_size: opts.worker_batch_size as usize,
         block,
         claim_idle: Duration::from_millis(opts.worker_claim_idle_ms),
+        max_deliveries: opts.worker_max_deliveries,
+        ..WorkerConfig::default()
     };
     Ok(Worker::new(db.clone(), conn, keys, config))
 }
@@ -149,7 +151,7 @@ async fn serve(api: ApiArgs, worker_opts: Option<WorkerOptions>) -> anyhow::Resu
     let cancel = shutdown_token();
     let tasks = tokio_util::task::TaskTracker::new();
 
-    tasks.spawn(bootstrap(state.clone(), cancel.clone()));
+    tasks.spawn(upkeep::run(state.clone(), cancel.clone()));
     if let Some(opts) = worker_opts {
         let worker = worker(&db, &api.redis, keys, opts)?;
         tasks.spawn(worker.run(cancel.clone()));
@@ -165,65 +167,4 @@ async fn serve(api: ApiArgs, worker_opts: Option<WorkerOptions>) -> anyhow::Resu
     tasks.wait().await;
     tracing::info!("stopped");
     Ok(())
-}
-
-/// Background duties of an API process: hold an order-id node lease, and load every
-/// open sale whose Redis state is missing: at start, and again whenever the lease shows
-/// that Redis lost its data (restart without persistence, FLUSHALL, failover).
-async fn bootstrap(state: AppState, cancel: CancellationToken) {
-    let mut conn: RedisConn = state.redis.clone();
-    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
-    let mut lease: Option<NodeLease> = None;
-    while !cancel.is_cancelled() {
-        let step = async {
-            let reload = match &lease {
-                Some(l) => match l.renew(&mut conn).await? {
-                    Renewal::Extended => false,
-                    Renewal::Recreated => {
-                        tracing::warn!("redis lost its data: reloading open sales");
-                        true
-                    }
-                    Renewal::Lost => {
-                        // Stop minting with a number somebody else holds.
-                        state.ids.clear_node();
-                        lease = None;
-                        true
-                    }
-                },
-                None => true,
-            };
-            if lease.is_none() {
-                let l = NodeLease::acquire(&mut conn, &state.keys).await?;
-                state.ids.set_node(l.node);
-                tracing::info!(node = l.node, "order-id node leased");
-                lease = Some(l);
-            }
-            if reload {
-                let report = loader::load_open_sales(
-                    &state.db,
-                    &mut conn,
-                    &state.keys,
-                    state.settings.sale_state_retention,
-                )
-                .await?;
-                tracing::info!(?report, "open sales checked");
-            }
-            anyhow::Ok(())
-        }
-        .await;
-        let pause = match step {
-            Ok(()) => {
-                backoff.reset();
-                LEASE_RENEW_EVERY
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "bootstrap step failed, retrying");
-                backoff.next_delay()
-            }
-        };
-        tokio::select! {
-            _ = cancel.cancelled() => break,
-            _ = tokio::time::sleep(pause) => {}
-        }
-    }
 }

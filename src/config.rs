@@ -105,6 +105,11 @@ pub struct WorkerOptions {
     #[arg(long, env = "WORKER_CLAIM_IDLE_MS", default_value_t = 15_000,
           value_parser = clap::value_parser!(u64).range(100..))]
     pub worker_claim_idle_ms: u64,
+    /// An entry delivered more often than this (worker crashes while holding it) goes to
+    /// the dead-letter stream instead of being retried forever.
+    #[arg(long, env = "WORKER_MAX_DELIVERIES", default_value_t = 5,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub worker_max_deliveries: u64,
     /// Consumer name in the group (default: host-pid-random, unique per process).
     #[arg(long, env = "WORKER_CONSUMER")]
     pub worker_consumer: Option<String>,

@@ -3,6 +3,7 @@
 pub mod keys;
 pub mod loader;
 pub mod order_id;
+pub mod upkeep;
 
 use std::sync::LazyLock;
 

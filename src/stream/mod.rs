@@ -21,11 +21,13 @@ pub enum Entry {
         entry_id: String,
         order: NewOrder,
     },
-    /// Missing or non-numeric fields (or deleted from the stream): it can never
-    /// become an order row.
-    Malformed {
+    /// An entry that must go to the dead-letter stream without being written: malformed
+    /// (missing or non-numeric fields, or deleted from the stream), or a poison entry
+    /// delivered too often. `order` is set when the fields did parse.
+    DeadLetter {
         entry_id: String,
         fields: Vec<(String, String)>,
+        order: Option<NewOrder>,
         reason: String,
     },
 }
@@ -33,15 +35,46 @@ pub enum Entry {
 impl Entry {
     pub fn entry_id(&self) -> &str {
         match self {
-            Entry::Order { entry_id, .. } | Entry::Malformed { entry_id, .. } => entry_id,
+            Entry::Order { entry_id, .. } | Entry::DeadLetter { entry_id, .. } => entry_id,
+        }
+    }
+
+    pub fn order(&self) -> Option<&NewOrder> {
+        match self {
+            Entry::Order { order, .. } => Some(order),
+            Entry::DeadLetter { order, .. } => order.as_ref(),
+        }
+    }
+
+    /// Turns the entry into a dead letter with `reason`.
+    pub fn into_dead_letter(self, reason: String) -> Entry {
+        match self {
+            Entry::Order { entry_id, order } => Entry::DeadLetter {
+                entry_id,
+                fields: order_fields(&order),
+                order: Some(order),
+                reason,
+            },
+            Entry::DeadLetter {
+                entry_id,
+                fields,
+                order,
+                ..
+            } => Entry::DeadLetter {
+                entry_id,
+                fields,
+                order,
+                reason,
+            },
         }
     }
 
     fn parse(entry_id: String, fields: Option<Vec<(String, String)>>) -> Entry {
         let Some(fields) = fields else {
-            return Entry::Malformed {
+            return Entry::DeadLetter {
                 entry_id,
                 fields: Vec::new(),
+                order: None,
                 reason: "entry no longer in the stream".into(),
             };
         };
@@ -62,13 +95,26 @@ impl Entry {
         })();
         match order {
             Some(order) => Entry::Order { entry_id, order },
-            None => Entry::Malformed {
+            None => Entry::DeadLetter {
                 entry_id,
                 fields,
-                reason: "missing or non-numeric fields".into(),
+                order: None,
+                reason: "malformed: missing or non-numeric fields".into(),
             },
         }
     }
+}
+
+fn order_fields(order: &NewOrder) -> Vec<(String, String)> {
+    vec![
+        ("order_id".into(), order.id.to_string()),
+        ("voucher_id".into(), order.voucher_id.to_string()),
+        ("user_id".into(), order.user_id.to_string()),
+        (
+            "admitted_ms".into(),
+            order.admitted_at.timestamp_millis().to_string(),
+        ),
+    ]
 }
 
 /// Creates the consumer group (and the stream) if missing; BUSYGROUP is fine.
@@ -228,11 +274,12 @@ fn unexpected() -> redis::RedisError {
 }
 
 /// Acknowledges entries and forgets their pending-order records, in one script call.
+/// A missing group (Redis lost its data) means there is nothing left to acknowledge.
 pub async fn ack<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: Shard,
-    entries: &[&Entry],
+    entries: &[Entry],
 ) -> RedisResult<i64> {
     if entries.is_empty() {
         return Ok(0);
@@ -242,53 +289,161 @@ pub async fn ack<C: ConnectionLike + Send>(
         .key(keys.pending(shard))
         .arg(GROUP);
     for entry in entries {
-        match entry {
-            Entry::Order { entry_id, order } => call
+        match entry.order() {
+            Some(order) => call
                 .key(keys.user_pending(shard, order.user_id))
-                .arg(entry_id)
+                .arg(entry.entry_id())
                 .arg(order.id),
-            Entry::Malformed { entry_id, .. } => {
-                call.key(keys.pending(shard)).arg(entry_id).arg("")
-            }
+            None => call.key(keys.pending(shard)).arg(entry.entry_id()).arg(""),
         };
     }
-    call.invoke_async(conn).await
+    match call.invoke_async(conn).await {
+        Err(e) if e.code() == Some("NOGROUP") => Ok(0),
+        other => other,
+    }
 }
 
-/// Moves an entry to the dead-letter stream with the reason. The caller acks it after.
+/// Most dead letters kept; older ones are trimmed away.
+pub const DEAD_LETTERS_KEPT: usize = 1_000_000;
+
+/// Appends an entry to the dead-letter stream with its reason. The caller acks it after.
 pub async fn dead_letter<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: Shard,
     entry: &Entry,
-    reason: &str,
 ) -> RedisResult<()> {
+    let Entry::DeadLetter { fields, reason, .. } = entry else {
+        return Err(redis::RedisError::from((
+            redis::ErrorKind::Client,
+            "only dead letters go to the dead-letter stream",
+        )));
+    };
     let mut cmd = redis::cmd("XADD");
     cmd.arg(keys.dead_letters(shard))
+        .arg("MAXLEN")
+        .arg("~")
+        .arg(DEAD_LETTERS_KEPT)
         .arg("*")
         .arg("entry_id")
         .arg(entry.entry_id())
         .arg("reason")
         .arg(reason);
-    match entry {
-        Entry::Order { order, .. } => {
-            cmd.arg("order_id")
-                .arg(order.id)
-                .arg("voucher_id")
-                .arg(order.voucher_id)
-                .arg("user_id")
-                .arg(order.user_id)
-                .arg("admitted_ms")
-                .arg(order.admitted_at.timestamp_millis());
-        }
-        Entry::Malformed { fields, .. } => {
-            for (k, v) in fields {
-                // Prefixed so a stray field cannot pose as one of ours.
-                cmd.arg(format!("orig.{k}")).arg(v);
-            }
-        }
+    for (k, v) in fields {
+        // Prefixed so a stray field cannot pose as one of ours.
+        cmd.arg(format!("orig.{k}")).arg(v);
     }
     cmd.query_async(conn).await
+}
+
+/// How often each of `entries` has been delivered (XPENDING); entries not pending are
+/// left out.
+pub async fn delivery_counts<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    shard: Shard,
+    entries: &[Entry],
+) -> RedisResult<std::collections::HashMap<String, u64>> {
+    let (Some(first), Some(last)) = (entries.first(), entries.last()) else {
+        return Ok(Default::default());
+    };
+    // Entries arrive in id order, so one range covers them all.
+    let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg(keys.stream(shard))
+        .arg(GROUP)
+        .arg(first.entry_id())
+        .arg(last.entry_id())
+        .arg(entries.len().max(1) * 4)
+        .query_async(conn)
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(id, _consumer, _idle, deliveries)| (id, deliveries))
+        .collect())
+}
+
+/// Resets the idle time of entries this consumer holds without counting a delivery, so
+/// live workers do not take over a batch that is only waiting for Postgres.
+pub async fn touch<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    shard: Shard,
+    consumer: &str,
+    entries: &[Entry],
+) -> RedisResult<()> {
+    if entries.is_empty() {
+        return Ok(());
+    }
+    let mut cmd = redis::cmd("XCLAIM");
+    cmd.arg(keys.stream(shard)).arg(GROUP).arg(consumer).arg(0);
+    for e in entries {
+        cmd.arg(e.entry_id());
+    }
+    cmd.arg("JUSTID");
+    cmd.query_async::<redis::Value>(conn).await.map(drop)
+}
+
+/// Trims entries every consumer is done with: below the oldest pending entry, or up to
+/// the last delivered one when nothing is pending. Returns the entries removed.
+pub async fn trim_acknowledged<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    shard: Shard,
+) -> RedisResult<u64> {
+    let stream = keys.stream(shard);
+    let groups: Vec<std::collections::HashMap<String, redis::Value>> = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(&stream)
+        .query_async(conn)
+        .await?;
+    // Every group on the stream must be done with an entry before it goes.
+    let mut min_id: Option<(u64, u64)> = None;
+    for group in &groups {
+        let name: String = group
+            .get("name")
+            .map(redis::from_redis_value_ref)
+            .transpose()?
+            .unwrap_or_default();
+        let last: String = group
+            .get("last-delivered-id")
+            .map(redis::from_redis_value_ref)
+            .transpose()?
+            .unwrap_or_default();
+        let summary: (u64, Option<String>) = redis::cmd("XPENDING")
+            .arg(&stream)
+            .arg(&name)
+            .query_async::<redis::Value>(conn)
+            .await
+            .and_then(|v| match v {
+                redis::Value::Array(parts) if parts.len() >= 2 => Ok((
+                    redis::from_redis_value_ref(&parts[0])?,
+                    redis::from_redis_value_ref(&parts[1])?,
+                )),
+                _ => Err(unexpected()),
+            })?;
+        let keep_from = match summary {
+            (n, Some(oldest)) if n > 0 => parse_id(&oldest),
+            _ => parse_id(&last).map(|(ms, seq)| (ms, seq + 1)),
+        };
+        let Some(keep_from) = keep_from else {
+            return Ok(0);
+        };
+        min_id = Some(min_id.map_or(keep_from, |m| m.min(keep_from)));
+    }
+    let Some((ms, seq)) = min_id else {
+        return Ok(0);
+    };
+    redis::cmd("XTRIM")
+        .arg(&stream)
+        .arg("MINID")
+        .arg(format!("{ms}-{seq}"))
+        .query_async(conn)
+        .await
+}
+
+fn parse_id(id: &str) -> Option<(u64, u64)> {
+    let (ms, seq) = id.split_once('-')?;
+    Some((ms.parse().ok()?, seq.parse().ok()?))
 }
 
 #[cfg(test)]
@@ -341,7 +496,7 @@ mod tests {
         ] {
             assert!(matches!(
                 Entry::parse("1-0".into(), f),
-                Entry::Malformed { .. }
+                Entry::DeadLetter { .. }
             ));
         }
     }

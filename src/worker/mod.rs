@@ -2,13 +2,19 @@
 //! into Postgres.
 //!
 //! Each batch is written in one transaction and acknowledged only after the commit, so
-//! a crash anywhere leaves the entries pending; on start and after any failure the
-//! worker first replays its own pending list. Inserts are idempotent, so a replay of an
-//! already committed batch changes nothing.
+//! a crash anywhere leaves the entries pending; on start the worker first replays its
+//! own pending list, and it takes over entries that dead consumers left behind. Inserts
+//! are idempotent, so a replay of an already committed batch changes nothing.
+//!
+//! A batch that fails for a passing reason (Postgres down, Redis down) is held in memory
+//! and retried with backoff; it is not read again, so an outage does not count as a
+//! delivery. A batch that keeps killing workers is re-delivered each time, and an entry
+//! delivered more than `max_deliveries` times goes to the dead-letter stream.
 
 use std::time::Duration;
 
 use sqlx::PgPool;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::admission::keys::{Keys, Shard};
@@ -24,6 +30,10 @@ pub struct WorkerConfig {
     /// Entries another consumer left pending this long are taken over (that consumer
     /// is presumed dead). Must exceed the time a healthy batch takes.
     pub claim_idle: Duration,
+    /// An entry delivered more often than this is dead-lettered instead of written.
+    pub max_deliveries: u64,
+    /// How often acknowledged entries are trimmed from the stream.
+    pub trim_every: Duration,
 }
 
 impl WorkerConfig {
@@ -47,6 +57,8 @@ impl Default for WorkerConfig {
             batch_size: 256,
             block: Duration::from_secs(1),
             claim_idle: Duration::from_secs(15),
+            max_deliveries: 5,
+            trim_every: Duration::from_secs(1),
         }
     }
 }
@@ -67,6 +79,23 @@ impl BatchReport {
         self.already_there += other.already_there;
         self.dead_lettered += other.dead_lettered;
     }
+}
+
+/// A batch read from the stream and not yet acknowledged.
+#[derive(Debug)]
+struct Held {
+    shard: Shard,
+    entries: Vec<Entry>,
+}
+
+/// Where the next batch comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    /// This consumer's own pending list (after a start).
+    OwnPending,
+    /// Entries idle consumers left behind.
+    Claim,
+    New,
 }
 
 pub struct Worker {
@@ -114,7 +143,8 @@ impl Worker {
     }
 
     /// Writes a batch to Postgres in one transaction, dead-letters what can never be
-    /// written, then acknowledges the batch. On `Err` nothing was acknowledged.
+    /// written, then acknowledges the batch. On `Err` nothing was acknowledged and the
+    /// batch may simply be processed again.
     #[tracing::instrument(skip_all, fields(entries = entries.len()))]
     pub async fn process_batch(
         &self,
@@ -129,7 +159,7 @@ impl Worker {
             .iter()
             .filter_map(|e| match e {
                 Entry::Order { order, .. } => Some(*order),
-                Entry::Malformed { .. } => None,
+                Entry::DeadLetter { .. } => None,
             })
             .collect();
         let mut outcomes = orders::persist_batch(&self.db, &new_orders)
@@ -138,8 +168,8 @@ impl Worker {
 
         let mut conn = self.redis.clone();
         for entry in entries {
-            let reason = match entry {
-                Entry::Malformed { reason, .. } => Some(reason.clone()),
+            let dead = match entry {
+                Entry::DeadLetter { .. } => Some(entry.clone()),
                 Entry::Order { .. } => match outcomes.next().expect("one outcome per order") {
                     Persisted::Inserted => {
                         report.inserted += 1;
@@ -149,31 +179,96 @@ impl Worker {
                         report.already_there += 1;
                         None
                     }
-                    Persisted::Rejected(reason) => Some(reason),
+                    Persisted::Rejected(reason) => Some(entry.clone().into_dead_letter(reason)),
                 },
             };
-            if let Some(reason) = reason {
-                tracing::warn!(entry_id = entry.entry_id(), %reason, "dead-lettering stream entry");
-                stream::dead_letter(&mut conn, &self.keys, shard, entry, &reason).await?;
+            if let Some(dead) = dead {
+                if let Entry::DeadLetter { reason, .. } = &dead {
+                    tracing::warn!(entry_id = dead.entry_id(), %reason, "dead-lettering stream entry");
+                }
+                stream::dead_letter(&mut conn, &self.keys, shard, &dead).await?;
                 report.dead_lettered += 1;
             }
         }
-        let all: Vec<&Entry> = entries.iter().collect();
-        stream::ack(&mut conn, &self.keys, shard, &all).await?;
+        stream::ack(&mut conn, &self.keys, shard, entries).await?;
         Ok(report)
+    }
+
+    /// Marks entries delivered more than `max_deliveries` times as dead letters: they
+    /// have outlived that many workers without being written.
+    async fn screen_redeliveries(
+        &self,
+        shard: Shard,
+        entries: Vec<Entry>,
+    ) -> anyhow::Result<Vec<Entry>> {
+        let mut conn = self.redis.clone();
+        let counts = stream::delivery_counts(&mut conn, &self.keys, shard, &entries).await?;
+        Ok(entries
+            .into_iter()
+            .map(|e| match counts.get(e.entry_id()) {
+                Some(&n) if n > self.config.max_deliveries => {
+                    e.into_dead_letter(format!("poison: delivered {n} times without being written"))
+                }
+                _ => e,
+            })
+            .collect())
+    }
+
+    /// The next batch from `source` in any shard, or `None` when that source is empty.
+    async fn next_batch(
+        &self,
+        source: Source,
+        claim_cursor: &mut String,
+    ) -> anyhow::Result<Option<Held>> {
+        for shard in self.keys.shards() {
+            let entries = match source {
+                Source::OwnPending => self.read_batch(shard, ReadFrom::OwnPending).await?,
+                Source::Claim => {
+                    let mut conn = self.redis.clone();
+                    let (next, entries) = stream::claim(
+                        &mut conn,
+                        &self.keys,
+                        shard,
+                        &self.config.consumer,
+                        self.config.claim_idle.as_millis() as u64,
+                        claim_cursor,
+                        self.config.batch_size,
+                    )
+                    .await?;
+                    *claim_cursor = next;
+                    if !entries.is_empty() {
+                        tracing::info!(
+                            claimed = entries.len(),
+                            "took over entries of an idle consumer"
+                        );
+                    }
+                    entries
+                }
+                Source::New => {
+                    let block_ms = self.config.block.as_millis().max(1) as u64;
+                    self.read_batch(shard, ReadFrom::New { block_ms }).await?
+                }
+            };
+            if entries.is_empty() {
+                continue;
+            }
+            let entries = match source {
+                Source::New => entries,
+                Source::OwnPending | Source::Claim => {
+                    self.screen_redeliveries(shard, entries).await?
+                }
+            };
+            return Ok(Some(Held { shard, entries }));
+        }
+        Ok(None)
     }
 
     /// Replays this consumer's pending entries (delivered, never acknowledged).
     pub async fn replay_pending(&self) -> anyhow::Result<BatchReport> {
         let mut report = BatchReport::default();
-        for shard in self.keys.shards() {
-            loop {
-                let entries = self.read_batch(shard, ReadFrom::OwnPending).await?;
-                if entries.is_empty() {
-                    break;
-                }
-                report.add(self.process_batch(shard, &entries).await?);
-            }
+        let mut cursor = String::new();
+        while let Some(held) = self.next_batch(Source::OwnPending, &mut cursor).await? {
+            report.add(self.process_batch(held.shard, &held.entries).await?);
         }
         Ok(report)
     }
@@ -182,35 +277,25 @@ impl Worker {
     /// than `claim_idle`.
     pub async fn reclaim(&self) -> anyhow::Result<BatchReport> {
         let mut report = BatchReport::default();
-        let mut conn = self.redis.clone();
-        let min_idle_ms = self.config.claim_idle.as_millis() as u64;
-        for shard in self.keys.shards() {
-            let mut cursor = "0-0".to_string();
-            loop {
-                let (next, entries) = stream::claim(
-                    &mut conn,
-                    &self.keys,
-                    shard,
-                    &self.config.consumer,
-                    min_idle_ms,
-                    &cursor,
-                    self.config.batch_size,
-                )
-                .await?;
-                if !entries.is_empty() {
-                    tracing::info!(
-                        claimed = entries.len(),
-                        "took over entries of an idle consumer"
-                    );
-                    report.add(self.process_batch(shard, &entries).await?);
-                }
-                if next == "0-0" {
-                    break;
-                }
-                cursor = next;
+        let mut cursor = "0-0".to_string();
+        loop {
+            if let Some(held) = self.next_batch(Source::Claim, &mut cursor).await? {
+                report.add(self.process_batch(held.shard, &held.entries).await?);
+            }
+            if cursor == "0-0" {
+                return Ok(report);
             }
         }
-        Ok(report)
+    }
+
+    /// Removes acknowledged entries from every stream; returns how many went.
+    pub async fn trim(&self) -> anyhow::Result<u64> {
+        let mut conn = self.redis.clone();
+        let mut trimmed = 0;
+        for shard in self.keys.shards() {
+            trimmed += stream::trim_acknowledged(&mut conn, &self.keys, shard).await?;
+        }
+        Ok(trimmed)
     }
 
     /// Processes everything there is now and returns when the streams are empty
@@ -230,65 +315,91 @@ impl Worker {
                 report.add(self.process_batch(shard, &entries).await?);
             }
         }
-        Ok(report)
-    }
-
-    /// One step of the service loop: a read of new entries in each shard, processed.
-    async fn step(&self) -> anyhow::Result<BatchReport> {
-        let mut report = BatchReport::default();
-        let block_ms = self.config.block.as_millis().max(1) as u64;
-        for shard in self.keys.shards() {
-            let entries = self.read_batch(shard, ReadFrom::New { block_ms }).await?;
-            if !entries.is_empty() {
-                report.add(self.process_batch(shard, &entries).await?);
-            }
-        }
+        self.trim().await?;
         Ok(report)
     }
 
     /// Runs until `cancel` fires. A batch in progress is finished and acknowledged
-    /// first; reads block at most `block`, so shutdown takes about that long.
+    /// first (or, if its dependencies are down, left pending for the next worker);
+    /// reads block at most `block`, so shutdown takes about that long.
     pub async fn run(self, cancel: CancellationToken) {
         tracing::info!(consumer = %self.config.consumer, "worker started");
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
-        let mut ready = false;
+        let mut held: Option<Held> = None;
+        let mut groups_ready = false;
+        let mut replayed = false;
         let mut failing = false;
+        let mut claim_cursor = "0-0".to_string();
         let claim_every = (self.config.claim_idle / 2).max(Duration::from_millis(100));
-        let mut last_claim = tokio::time::Instant::now();
+        let mut last_claim = Instant::now();
+        let mut last_trim = Instant::now();
+
         while !cancel.is_cancelled() {
-            let result = async {
-                if !ready {
-                    self.ensure_groups().await?;
-                    let replayed = self.replay_pending().await?;
-                    if replayed.entries > 0 {
-                        tracing::info!(?replayed, "replayed pending entries");
+            let result: anyhow::Result<()> = async {
+                if held.is_none() {
+                    if !groups_ready {
+                        self.ensure_groups().await?;
+                        groups_ready = true;
                     }
-                    ready = true;
+                    let source = if !replayed {
+                        Source::OwnPending
+                    } else if last_claim.elapsed() >= claim_every {
+                        Source::Claim
+                    } else {
+                        Source::New
+                    };
+                    held = self.next_batch(source, &mut claim_cursor).await?;
+                    match source {
+                        Source::OwnPending if held.is_none() => replayed = true,
+                        Source::Claim if claim_cursor == "0-0" => last_claim = Instant::now(),
+                        _ => {}
+                    }
                 }
-                if last_claim.elapsed() >= claim_every {
-                    self.reclaim().await?;
-                    last_claim = tokio::time::Instant::now();
+                if let Some(batch) = &held {
+                    let report = self.process_batch(batch.shard, &batch.entries).await?;
+                    tracing::debug!(?report, "batch done");
+                    held = None;
                 }
-                self.step().await
+                if last_trim.elapsed() >= self.config.trim_every {
+                    self.trim().await?;
+                    last_trim = Instant::now();
+                }
+                Ok(())
             }
             .await;
+
             match result {
-                Ok(report) => {
+                Ok(()) => {
                     if failing {
                         tracing::info!("worker recovered");
                         failing = false;
                     }
                     backoff.reset();
-                    if report.entries > 0 {
-                        tracing::debug!(?report, "batch done");
-                    }
                 }
                 Err(e) => {
-                    // Replay our own pending list (and re-create a lost group) first.
-                    ready = false;
+                    if format!("{e:#}").contains("NOGROUP") {
+                        // Redis lost the stream or the group: re-create it. Our pending
+                        // list is gone with it, so there is nothing to replay.
+                        groups_ready = false;
+                    }
                     if !failing {
-                        tracing::warn!(error = %e, "worker failing, retrying with backoff");
+                        tracing::warn!(
+                            error = format!("{e:#}"),
+                            "worker failing, retrying with backoff"
+                        );
                         failing = true;
+                    }
+                    if let Some(batch) = &held {
+                        // Still ours: keep live workers from taking it over meanwhile.
+                        let mut conn = self.redis.clone();
+                        let _ = stream::touch(
+                            &mut conn,
+                            &self.keys,
+                            batch.shard,
+                            &self.config.consumer,
+                            &batch.entries,
+                        )
+                        .await;
                     }
                     tokio::select! {
                         _ = cancel.cancelled() => break,
@@ -296,6 +407,11 @@ impl Worker {
                     }
                 }
             }
+        }
+        if held.is_some() {
+            tracing::warn!(
+                "stopping with an unwritten batch; it stays pending for the next worker"
+            );
         }
         tracing::info!(consumer = %self.config.consumer, "worker stopped");
     }
@@ -322,7 +438,7 @@ impl Backoff {
         let exp = self.base.saturating_mul(1 << self.attempt.min(16));
         self.attempt += 1;
         let capped = exp.min(self.cap);
-        // Full jitter over the upper half keeps many workers from retrying in step.
+        // Jitter over the upper half keeps many workers from retrying in step.
         let half = capped / 2;
         half + half.mul_f64(rand::random::<f64>())
     }

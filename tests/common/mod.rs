@@ -171,6 +171,8 @@ impl TestApp {
                 batch_size: 64,
                 block: Duration::from_millis(50),
                 claim_idle: Duration::from_millis(200),
+                max_deliveries: 3,
+                trim_every: Duration::from_millis(100),
             },
         )
     }

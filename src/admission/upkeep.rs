@@ -1,0 +1,74 @@
+//! Background duties of every API process.
+
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::loader;
+use super::order_id::{NodeLease, Renewal, LEASE_RENEW_EVERY};
+use crate::redis_conn::RedisConn;
+use crate::state::AppState;
+use crate::worker::Backoff;
+
+/// Holds an order-id node lease, and loads every open sale whose Redis state is missing:
+/// at start, and again whenever the lease shows that Redis lost its data (restart
+/// without persistence, FLUSHALL, failover).
+pub async fn run(state: AppState, cancel: CancellationToken) {
+    let mut conn: RedisConn = state.redis.clone();
+    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+    let mut lease: Option<NodeLease> = None;
+    // Cleared only once a load of the open sales has succeeded (Postgres may be down).
+    let mut reload = true;
+    while !cancel.is_cancelled() {
+        let step = async {
+            if let Some(l) = &lease {
+                match l.renew(&mut conn).await? {
+                    Renewal::Extended => {}
+                    Renewal::Recreated => {
+                        tracing::warn!("redis lost its data: reloading open sales");
+                        reload = true;
+                    }
+                    Renewal::Lost => {
+                        // Stop minting with a number somebody else holds.
+                        state.ids.clear_node();
+                        lease = None;
+                        reload = true;
+                    }
+                }
+            }
+            if lease.is_none() {
+                let l = NodeLease::acquire(&mut conn, &state.keys).await?;
+                state.ids.set_node(l.node);
+                tracing::info!(node = l.node, "order-id node leased");
+                lease = Some(l);
+            }
+            if reload {
+                let report = loader::load_open_sales(
+                    &state.db,
+                    &mut conn,
+                    &state.keys,
+                    state.settings.sale_state_retention,
+                )
+                .await?;
+                tracing::info!(?report, "open sales checked");
+                reload = false;
+            }
+            anyhow::Ok(())
+        }
+        .await;
+        let pause = match step {
+            Ok(()) => {
+                backoff.reset();
+                LEASE_RENEW_EVERY
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "bootstrap step failed, retrying");
+                backoff.next_delay()
+            }
+        };
+        tokio::select! {
+            _ = cancel.cancelled() => break,
+            _ = tokio::time::sleep(pause) => {}
+        }
+    }
+}
