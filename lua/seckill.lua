@@ -39,6 +39,13 @@ end
 
 redis.call('HINCRBY', KEYS[1], 'stock', -1)
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+-- The first buyer creates the buyers hash: it expires with the sale's state.
+if redis.call('PTTL', KEYS[2]) == -1 then
+  local ttl = redis.call('PTTL', KEYS[1])
+  if ttl > 0 then
+    redis.call('PEXPIRE', KEYS[2], ttl)
+  end
+end
 redis.call('XADD', KEYS[3], '*',
   'order_id', ARGV[3], 'voucher_id', ARGV[1], 'user_id', ARGV[2], 'admitted_ms', now)
 redis.call('HSET', KEYS[4], ARGV[3], ARGV[1] .. ':' .. ARGV[2] .. ':' .. now)

@@ -206,3 +206,80 @@ async fn the_service_loop_drains_the_stream_and_stops_when_cancelled(db: PgPool)
         .unwrap();
     assert_eq!(app.pg_stock(voucher).await, 0);
 }
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn an_entry_delivered_too_often_is_dead_lettered_instead_of_retried_forever(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(10).await;
+    admit(&app, voucher, 1..=2).await;
+    // Delivered once, then re-read three more times by a consumer that keeps dying.
+    deliver_and_die(&app, "worker-crashloop").await;
+    let crashing = app.worker_named("worker-crashloop");
+    for _ in 0..3 {
+        let again = crashing
+            .read_batch(app.keys.shard_of(0), ReadFrom::OwnPending)
+            .await
+            .unwrap();
+        assert_eq!(again.len(), 2);
+    }
+    // The harness allows 3 deliveries: the next replay gives up on them.
+    let report = crashing.drain().await.unwrap();
+    assert_eq!((report.inserted, report.dead_lettered), (0, 2));
+    assert_eq!(app.pending_count().await, 0);
+    let dlq = app.keys.dead_letters(app.keys.shard_of(voucher));
+    let dead: Vec<(String, Vec<(String, String)>)> = app
+        .redis_cmd(redis::cmd("XRANGE").arg(&dlq).arg("-").arg("+"))
+        .await;
+    assert_eq!(dead.len(), 2);
+    let reason = &dead[0].1.iter().find(|(k, _)| k == "reason").unwrap().1;
+    assert!(reason.starts_with("poison: delivered 5 times"), "{reason}");
+    assert!(dead[0]
+        .1
+        .iter()
+        .any(|(k, v)| k == "orig.voucher_id" && *v == voucher.to_string()));
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn acknowledged_entries_are_trimmed_but_pending_ones_are_kept(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(20).await;
+    let stream = app.keys.stream(app.keys.shard_of(voucher));
+    admit(&app, voucher, 1..=10).await;
+    deliver_and_die(&app, "worker-gone").await;
+    admit(&app, voucher, 11..=15).await;
+
+    let live = app.worker_named("worker-live");
+    let shard = app.keys.shard_of(voucher);
+    let fresh = live
+        .read_batch(shard, ReadFrom::New { block_ms: 1 })
+        .await
+        .unwrap();
+    assert_eq!(fresh.len(), 5);
+    live.process_batch(shard, &fresh).await.unwrap();
+    live.trim().await.unwrap();
+    let len: usize = app.redis_cmd(redis::cmd("XLEN").arg(&stream)).await;
+    assert_eq!(len, 15, "nothing older than a pending entry goes");
+
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    live.drain().await.unwrap();
+    let len: usize = app.redis_cmd(redis::cmd("XLEN").arg(&stream)).await;
+    assert_eq!(len, 0);
+    assert_eq!(stored_ids(&app, voucher).await.len(), 15);
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn buyer_records_expire_with_the_sale_state(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(5).await;
+    admit(&app, voucher, 1..=1).await;
+    let state_ttl: i64 = app
+        .redis_cmd(redis::cmd("PTTL").arg(app.keys.voucher(voucher)))
+        .await;
+    let buyers_ttl: i64 = app
+        .redis_cmd(redis::cmd("PTTL").arg(app.keys.buyers(voucher)))
+        .await;
+    // open_sale ends in an hour; the default retention is a day after that.
+    let expected = (25 * 3600 * 1000) as i64;
+    assert!((expected - state_ttl).abs() < 60_000, "{state_ttl}");
+    assert!((state_ttl - buyers_ttl).abs() < 5_000, "{buyers_ttl}");
+}
