@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod faults;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,6 +31,7 @@ pub fn redis_url() -> String {
 }
 
 pub struct TestApp {
+    pub redis_url: String,
     pub addr: SocketAddr,
     pub base: String,
     pub db: PgPool,
@@ -42,9 +45,15 @@ pub struct TestApp {
 
 impl TestApp {
     pub async fn spawn(db: PgPool) -> Self {
+        Self::spawn_with(db, redis_url(), false).await
+    }
+
+    /// The app against the Redis at `redis_url`; with `upkeep`, the background duties
+    /// of an API process run too (lease renewal, reloading sales after data loss).
+    pub async fn spawn_with(db: PgPool, redis_url: String, upkeep: bool) -> Self {
         let prefix = format!("test{:016x}:", rand::random::<u64>());
         let keys = Keys::new(prefix).unwrap();
-        let redis = redis_conn::connect(&redis_url(), redis_conn::COMMAND_TIMEOUT).unwrap();
+        let redis = redis_conn::connect(&redis_url, redis_conn::COMMAND_TIMEOUT).unwrap();
         let lease = NodeLease::acquire(&mut redis.clone(), &keys).await.unwrap();
         let state = AppState::new(
             db.clone(),
@@ -57,6 +66,12 @@ impl TestApp {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let cancel = CancellationToken::new();
+        if upkeep {
+            tokio::spawn(seckill::admission::upkeep::run(
+                state.clone(),
+                cancel.clone(),
+            ));
+        }
         let app = seckill::build_app(state.clone());
         let stop = cancel.clone();
         tokio::spawn(async move {
@@ -66,6 +81,7 @@ impl TestApp {
                 .unwrap();
         });
         Self {
+            redis_url,
             addr,
             base: format!("http://{addr}"),
             db,
@@ -161,9 +177,14 @@ impl TestApp {
     }
 
     pub fn worker_named(&self, consumer: &str) -> Worker {
-        let conn = redis_conn::connect(&redis_url(), Duration::from_secs(5)).unwrap();
+        self.worker_on(self.db.clone(), consumer)
+    }
+
+    /// A worker writing through `db` (say, a pool behind a proxy).
+    pub fn worker_on(&self, db: PgPool, consumer: &str) -> Worker {
+        let conn = redis_conn::connect(&self.redis_url, Duration::from_secs(5)).unwrap();
         Worker::new(
-            self.db.clone(),
+            db,
             conn,
             self.keys.clone(),
             WorkerConfig {
@@ -206,6 +227,41 @@ impl TestApp {
         cmd.query_async(&mut self.redis.clone()).await.unwrap()
     }
 
+    /// Every order of the voucher in Postgres, asserting the invariants that must hold
+    /// after any fault: no user twice, and stock = initial - orders.
+    pub async fn assert_consistent(
+        &self,
+        voucher_id: i64,
+        initial: i64,
+    ) -> std::collections::HashSet<i64> {
+        let orders = self.pg_orders(voucher_id).await;
+        let users: std::collections::HashSet<i64> = orders.iter().map(|(_, u)| *u).collect();
+        assert_eq!(users.len(), orders.len(), "a user holds two orders");
+        assert!(
+            orders.len() as i64 <= initial,
+            "oversold: {} orders for {initial}",
+            orders.len()
+        );
+        assert_eq!(
+            self.pg_stock(voucher_id).await as i64,
+            initial - orders.len() as i64,
+            "postgres stock = initial - orders"
+        );
+        orders.into_iter().map(|(id, _)| id).collect()
+    }
+
+    /// Waits (bounded) until Postgres holds `n` orders of the voucher.
+    pub async fn wait_for_orders(&self, voucher_id: i64, n: usize, limit: Duration) -> usize {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let have = self.pg_orders(voucher_id).await.len();
+            if have >= n || tokio::time::Instant::now() > deadline {
+                return have;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Entries of the group not yet acknowledged.
     pub async fn pending_count(&self) -> i64 {
         let stream = self.keys.stream(self.keys.shard_of(0));
@@ -228,7 +284,7 @@ impl Drop for TestApp {
     fn drop(&mut self) {
         self.cancel.cancel();
         let pattern = format!("{}*", self.keys.prefix());
-        let Ok(client) = redis::Client::open(redis_url()) else {
+        let Ok(client) = redis::Client::open(self.redis_url.as_str()) else {
             return;
         };
         let Ok(mut conn) = client.get_connection() else {

@@ -1,0 +1,234 @@
+//! Real faults for tests: a TCP proxy that can be cut, a private Redis server that can
+//! be flushed, and the real binary that can be killed.
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::AbortHandle;
+
+/// A loopback TCP proxy in front of a server. `cut` drops every connection and refuses
+/// new ones until `heal`: to a client it is the server going away.
+pub struct Proxy {
+    pub addr: SocketAddr,
+    up: Arc<AtomicBool>,
+    conns: Arc<Mutex<Vec<AbortHandle>>>,
+    accept: AbortHandle,
+}
+
+impl Proxy {
+    pub async fn start(target: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let up = Arc::new(AtomicBool::new(true));
+        let conns: Arc<Mutex<Vec<AbortHandle>>> = Arc::default();
+        let (up2, conns2) = (up.clone(), conns.clone());
+        let accept = tokio::spawn(async move {
+            loop {
+                let Ok((mut inbound, _)) = listener.accept().await else {
+                    continue;
+                };
+                if !up2.load(Ordering::SeqCst) {
+                    drop(inbound);
+                    continue;
+                }
+                let task = tokio::spawn(async move {
+                    if let Ok(mut outbound) = TcpStream::connect(target).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+                conns2.lock().unwrap().push(task.abort_handle());
+            }
+        })
+        .abort_handle();
+        Self {
+            addr,
+            up,
+            conns,
+            accept,
+        }
+    }
+
+    pub fn cut(&self) {
+        self.up.store(false, Ordering::SeqCst);
+        for c in self.conns.lock().unwrap().drain(..) {
+            c.abort();
+        }
+    }
+
+    pub fn heal(&self) {
+        self.up.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.cut();
+    }
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A Redis server of the test's own (so FLUSHALL hurts nobody else), without persistence.
+pub struct PrivateRedis {
+    child: Child,
+    pub url: String,
+    dir: std::path::PathBuf,
+}
+
+impl PrivateRedis {
+    pub fn start() -> Self {
+        let port = free_port();
+        let dir = std::env::temp_dir().join(format!("seckill-redis-{port}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let child = Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(&dir)
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("redis-server on PATH");
+        let url = format!("redis://127.0.0.1:{port}");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let ok = redis::Client::open(url.as_str())
+                .and_then(|c| c.get_connection())
+                .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
+                .is_ok();
+            if ok {
+                break;
+            }
+            assert!(Instant::now() < deadline, "private redis did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Self { child, url, dir }
+    }
+
+    pub fn flushall(&self) {
+        let mut conn = redis::Client::open(self.url.as_str())
+            .unwrap()
+            .get_connection()
+            .unwrap();
+        let _: () = redis::cmd("FLUSHALL").query(&mut conn).unwrap();
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_seckill");
+
+/// The URL of a test's own database (`DATABASE_URL` names the server), optionally
+/// reached through another address (a proxy).
+pub fn database_url(db: &sqlx::PgPool, via: Option<SocketAddr>) -> String {
+    let opts = db.connect_options();
+    let name = opts.get_database().unwrap();
+    let user = opts.get_username();
+    let (host, port) = match via {
+        Some(addr) => (addr.ip().to_string(), addr.port()),
+        None => (opts.get_host().to_string(), opts.get_port()),
+    };
+    format!("postgres://{user}@{host}:{port}/{name}")
+}
+
+/// A `seckill` process, killed when dropped. Its Redis key space belongs to the
+/// [`super::TestApp`] whose prefix it was given, which cleans it up.
+pub struct Process {
+    pub child: Child,
+}
+
+impl Process {
+    /// Starts `seckill <subcommand>` with the given environment on top of the basics.
+    pub fn spawn(
+        subcommand: &str,
+        redis_url: &str,
+        prefix: &str,
+        database_url: &str,
+        env: &[(&str, String)],
+    ) -> Self {
+        let mut cmd = Command::new(BIN);
+        cmd.arg(subcommand)
+            .env("DATABASE_URL", database_url)
+            .env("REDIS_URL", redis_url)
+            .env("REDIS_KEY_PREFIX", prefix)
+            .env("JWT_SECRET", super::SECRET)
+            .env(
+                "RUST_LOG",
+                std::env::var("SECKILL_TEST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdout(Stdio::null());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        Self {
+            child: cmd.spawn().unwrap(),
+        }
+    }
+
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill(); // SIGKILL
+        let _ = self.child.wait();
+    }
+
+    pub fn sigterm(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// Waits for the exit; `None` if it takes longer than `limit`.
+    pub async fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Waits until `GET {base}/readyz` answers 200.
+pub async fn wait_ready(base: &str) {
+    let http = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        if let Ok(r) = http.get(format!("{base}/readyz")).send().await {
+            if r.status() == reqwest::StatusCode::OK {
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{base} never became ready");
+}
