@@ -21,39 +21,28 @@ pub async fn main() -> ExitCode {
     let cli = Cli::parse();
     telemetry::init(cli.log.log_format);
     match run(cli.command).await {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             tracing::error!(error = format!("{e:#}"), "fatal");
             eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            ExitCode::from(2)
         }
     }
 }
 
-async fn run(command: Command) -> anyhow::Result<()> {
+async fn run(command: Command) -> anyhow::Result<ExitCode> {
+    let done = |r: anyhow::Result<()>| r.map(|()| ExitCode::SUCCESS);
     match command {
-        Command::Token(args) => {
-            use std::io::Write;
-            let keys = JwtKeys::new(&args.jwt_secret)?;
-            let mut out = std::io::BufWriter::new(std::io::stdout().lock());
-            for i in 0..args.count as i64 {
-                let user = args
-                    .user
-                    .checked_add(i)
-                    .ok_or_else(|| anyhow::anyhow!("user id overflows"))?;
-                writeln!(out, "{}", keys.mint(user, args.admin, args.ttl)?)?;
-            }
-            out.flush()?;
-            Ok(())
-        }
+        Command::Reconcile(args) => reconcile(args).await,
+        Command::Token(args) => done(token(args)),
         Command::Migrate(args) => {
             let db = store::pool(&args.database.database_url, 2)?;
             store::migrate(&db, Duration::from_secs(30)).await?;
             tracing::info!("migrations applied");
-            Ok(())
+            Ok(ExitCode::SUCCESS)
         }
-        Command::Api(api) => serve(api, None).await,
-        Command::Serve(args) => serve(args.api, Some(args.worker)).await,
+        Command::Api(api) => done(serve(api, None).await),
+        Command::Serve(args) => done(serve(args.api, Some(args.worker)).await),
         Command::Worker(args) => {
             let keys = keys(&args.redis)?;
             let db = store::pool(
@@ -64,9 +53,97 @@ async fn run(command: Command) -> anyhow::Result<()> {
             worker(&db, &args.redis, keys, args.worker)?
                 .run(cancel)
                 .await;
-            Ok(())
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::DeadLetters(args) => {
+            let keys = keys(&args.redis)?;
+            let mut conn = redis_conn::connect(&args.redis.redis_url, redis_conn::COMMAND_TIMEOUT)?;
+            let letters = crate::reconcile::dead_letters(&mut conn, &keys, args.limit).await?;
+            for letter in &letters {
+                let fields: Vec<String> = letter
+                    .fields
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect();
+                println!("{} {}", letter.id, fields.join(" "));
+            }
+            let mut total = 0u64;
+            for shard in keys.shards() {
+                let n: u64 = redis::cmd("XLEN")
+                    .arg(keys.dead_letters(shard))
+                    .query_async(&mut conn)
+                    .await?;
+                total += n;
+            }
+            println!("{total} dead letter(s) in all, {} shown", letters.len());
+            Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+async fn reconcile(args: crate::config::ReconcileArgs) -> anyhow::Result<ExitCode> {
+    use crate::reconcile::{books, render, repair};
+    let keys = keys(&args.redis)?;
+    let db = store::pool(&args.database.database_url, 4)?;
+    let mut conn = redis_conn::connect(&args.redis.redis_url, Duration::from_secs(30))?;
+    let retention = Duration::from_secs(args.sale_state_retention_secs);
+    let mut rows = books(&db, &mut conn, &keys, args.voucher, retention).await?;
+    print!("{}", render(&rows));
+    let out_of_balance = |rows: &[crate::reconcile::VoucherBooks]| -> Vec<i64> {
+        rows.iter()
+            .filter(|r| !r.verdict().is_ok())
+            .map(|r| r.voucher_id)
+            .collect()
+    };
+    let mut bad = out_of_balance(&rows);
+    if !bad.is_empty() && !args.repair {
+        // A sale in progress moves between the two reads: look again before judging.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        rows = books(&db, &mut conn, &keys, args.voucher, retention).await?;
+        let again = out_of_balance(&rows);
+        bad.retain(|id| again.contains(id));
+        if !bad.is_empty() {
+            println!("re-checked after 1 s:");
+            print!("{}", render(&rows));
+        }
+    }
+    if args.repair {
+        let targets = match args.voucher {
+            Some(id) => vec![id],
+            None => bad.clone(),
+        };
+        for id in targets {
+            let (stock, buyers, in_flight) = repair(&db, &mut conn, &keys, id, retention).await?;
+            println!("repaired voucher {id}: redis stock {stock}, buyers {buyers} ({in_flight} in flight)");
+        }
+        rows = books(&db, &mut conn, &keys, args.voucher, retention).await?;
+        println!("after repair:");
+        print!("{}", render(&rows));
+        bad = out_of_balance(&rows);
+    }
+    if bad.is_empty() {
+        println!("books balance");
+        Ok(ExitCode::SUCCESS)
+    } else {
+        println!("unexplained drift in voucher(s) {bad:?}; `seckill reconcile --repair` rebuilds Redis from Postgres");
+        Ok(ExitCode::from(1))
+    }
+}
+
+/// Prints `count` tokens for users `user`, `user + 1`, ...
+fn token(args: crate::config::TokenArgs) -> anyhow::Result<()> {
+    use std::io::Write;
+    let keys = JwtKeys::new(&args.jwt_secret)?;
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    for i in 0..args.count as i64 {
+        let user = args
+            .user
+            .checked_add(i)
+            .ok_or_else(|| anyhow::anyhow!("user id overflows"))?;
+        writeln!(out, "{}", keys.mint(user, args.admin, args.ttl)?)?;
+    }
+    out.flush()?;
+    Ok(())
 }
 
 fn keys(redis: &RedisArgs) -> anyhow::Result<Keys> {

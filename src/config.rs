@@ -26,6 +26,10 @@ pub enum Command {
     Migrate(MigrateArgs),
     /// Print a signed bearer token.
     Token(TokenArgs),
+    /// Compare each sale's Redis state with Postgres; exit 1 on unexplained drift.
+    Reconcile(ReconcileArgs),
+    /// List the dead-lettered stream entries (orders that could not be written).
+    DeadLetters(DeadLetterArgs),
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -137,6 +141,32 @@ pub struct WorkerArgs {
 pub struct MigrateArgs {
     #[command(flatten)]
     pub database: DatabaseArgs,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ReconcileArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    /// Only this voucher (default: every sale not ended longer ago than the retention).
+    #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]
+    pub voucher: Option<i64>,
+    /// Rebuild Redis from Postgres for the vouchers out of balance (or for `--voucher`).
+    #[arg(long)]
+    pub repair: bool,
+    /// How long a sale's Redis state lives after its end, in seconds.
+    #[arg(long, env = "SALE_STATE_RETENTION_SECS", default_value_t = 86_400)]
+    pub sale_state_retention_secs: u64,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct DeadLetterArgs {
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    /// Most entries to print.
+    #[arg(long, default_value_t = 100)]
+    pub limit: usize,
 }
 
 #[derive(Debug, Clone, Args)]

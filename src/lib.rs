@@ -11,6 +11,8 @@ pub mod cli;
 pub mod config;
 pub mod error;
 pub mod http;
+pub mod metrics;
+pub mod reconcile;
 pub mod redis_conn;
 pub mod state;
 pub mod store;

@@ -31,6 +31,20 @@ pub enum Outcome {
     SoldOut,
 }
 
+impl Outcome {
+    /// A stable name for metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Outcome::Admitted { .. } => "admitted",
+            Outcome::NotLoaded => "not_loaded",
+            Outcome::NotStarted => "not_started",
+            Outcome::Ended => "ended",
+            Outcome::AlreadyOrdered { .. } => "already_ordered",
+            Outcome::SoldOut => "sold_out",
+        }
+    }
+}
+
 /// Runs the admission script: one EVALSHA (the script is loaded again on NOSCRIPT).
 #[tracing::instrument(level = "debug", skip(conn, keys))]
 pub async fn admit<C: ConnectionLike + Send>(

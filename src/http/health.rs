@@ -1,4 +1,5 @@
-//! `GET /healthz` (the process runs) and `GET /readyz` (Redis and Postgres answer).
+//! `GET /healthz` (the process runs), `GET /readyz` (Redis and Postgres answer) and
+//! `GET /metrics` (Prometheus text).
 
 use std::time::Duration;
 
@@ -51,4 +52,18 @@ pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<Value>) 
             })),
         )
     }
+}
+
+pub async fn metrics(State(state): State<AppState>) -> impl axum::response::IntoResponse {
+    let mut conn = state.redis.clone();
+    if let Err(e) = crate::metrics::sample_streams(&mut conn, &state.keys).await {
+        tracing::debug!(error = %e, "stream gauges not sampled");
+    }
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        crate::metrics::handle().render(),
+    )
 }

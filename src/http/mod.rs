@@ -21,6 +21,8 @@ pub const BODY_LIMIT: usize = 64 * 1024;
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub fn build_app(state: AppState) -> Router {
+    // Install the metrics recorder before the first request records anything.
+    crate::metrics::handle();
     Router::new()
         .route("/vouchers", post(vouchers::create))
         .route("/vouchers/{id}", get(vouchers::get))
@@ -30,6 +32,7 @@ pub fn build_app(state: AppState) -> Router {
         .route("/orders/{order_id}", get(orders::get))
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
+        .route("/metrics", get(health::metrics))
         .fallback(|| async { AppError::NotFound("no such route".into()) })
         .method_not_allowed_fallback(|| async {
             AppError::Validation {

@@ -75,7 +75,7 @@ impl Entry {
                 entry_id,
                 fields: Vec::new(),
                 order: None,
-                reason: "entry no longer in the stream".into(),
+                reason: "malformed: entry no longer in the stream".into(),
             };
         };
         let get = |name: &str| {

@@ -188,9 +188,23 @@ impl Worker {
                 }
                 stream::dead_letter(&mut conn, &self.keys, shard, &dead).await?;
                 report.dead_lettered += 1;
+                if let Entry::DeadLetter { reason, .. } = &dead {
+                    let kind = match reason.split(':').next() {
+                        Some("malformed") => "malformed",
+                        Some("poison") => "poison",
+                        _ => "rejected",
+                    };
+                    metrics::counter!(crate::metrics::DEAD_LETTERED, "kind" => kind).increment(1);
+                }
             }
         }
         stream::ack(&mut conn, &self.keys, shard, entries).await?;
+        metrics::counter!(crate::metrics::WORKER_ORDERS, "result" => "inserted")
+            .increment(report.inserted as u64);
+        metrics::counter!(crate::metrics::WORKER_ORDERS, "result" => "already_there")
+            .increment(report.already_there as u64);
+        metrics::counter!(crate::metrics::WORKER_ORDERS, "result" => "dead_lettered")
+            .increment(report.dead_lettered as u64);
         Ok(report)
     }
 
@@ -324,6 +338,7 @@ impl Worker {
     /// reads block at most `block`, so shutdown takes about that long.
     pub async fn run(self, cancel: CancellationToken) {
         tracing::info!(consumer = %self.config.consumer, "worker started");
+        crate::metrics::handle();
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         let mut held: Option<Held> = None;
         let mut groups_ready = false;
@@ -377,6 +392,7 @@ impl Worker {
                     backoff.reset();
                 }
                 Err(e) => {
+                    metrics::counter!(crate::metrics::WORKER_BATCH_ERRORS).increment(1);
                     if format!("{e:#}").contains("NOGROUP") {
                         // Redis lost the stream or the group: re-create it. Our pending
                         // list is gone with it, so there is nothing to replay.

@@ -1,0 +1,70 @@
+//! Prometheus metrics: recorded with the `metrics` facade, rendered at `GET /metrics`.
+
+use std::sync::OnceLock;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use redis::aio::ConnectionLike;
+
+use crate::admission::keys::Keys;
+
+pub const ADMISSIONS: &str = "seckill_admissions_total";
+pub const ADMISSION_SECONDS: &str = "seckill_admission_duration_seconds";
+pub const WORKER_ORDERS: &str = "seckill_worker_orders_total";
+pub const WORKER_BATCH_ERRORS: &str = "seckill_worker_batch_errors_total";
+pub const DEAD_LETTERED: &str = "seckill_dead_lettered_total";
+pub const STREAM_LENGTH: &str = "seckill_stream_length";
+pub const STREAM_PENDING: &str = "seckill_stream_pending";
+pub const DEAD_LETTERS: &str = "seckill_dead_letters";
+
+/// The process-wide recorder (installed on first use).
+pub fn handle() -> PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            PrometheusBuilder::new()
+                .set_buckets_for_metric(
+                    Matcher::Suffix("_seconds".into()),
+                    &[
+                        0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                    ],
+                )
+                .expect("static buckets are valid")
+                .install_recorder()
+                .expect("no other metrics recorder is installed")
+        })
+        .clone()
+}
+
+/// Samples the streams (length, pending entries, dead letters) into gauges; done at
+/// scrape time so an API-only process reports them too.
+pub async fn sample_streams<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+) -> redis::RedisResult<()> {
+    for shard in keys.shards() {
+        let shard_label = shard.0.to_string();
+        let stream = keys.stream(shard);
+        let (len, dead): (u64, u64) = redis::pipe()
+            .cmd("XLEN")
+            .arg(&stream)
+            .cmd("XLEN")
+            .arg(keys.dead_letters(shard))
+            .query_async(conn)
+            .await?;
+        let pending: u64 = match redis::cmd("XPENDING")
+            .arg(&stream)
+            .arg(crate::stream::GROUP)
+            .query_async::<redis::Value>(conn)
+            .await
+        {
+            Ok(redis::Value::Array(parts)) if !parts.is_empty() => {
+                redis::from_redis_value_ref(&parts[0]).unwrap_or(0)
+            }
+            _ => 0,
+        };
+        metrics::gauge!(STREAM_LENGTH, "shard" => shard_label.clone()).set(len as f64);
+        metrics::gauge!(STREAM_PENDING, "shard" => shard_label.clone()).set(pending as f64);
+        metrics::gauge!(DEAD_LETTERS, "shard" => shard_label).set(dead as f64);
+    }
+    Ok(())
+}

@@ -1,0 +1,152 @@
+//! `seckill reconcile` and `seckill dead-letters`, run as the real binary.
+
+mod common;
+
+use std::process::Command;
+
+use common::faults::{database_url, BIN};
+use common::TestApp;
+use reqwest::StatusCode;
+use sqlx::PgPool;
+
+/// Runs `seckill <args>` against the test's database and key space.
+fn seckill(app: &TestApp, args: &[&str]) -> (i32, String) {
+    let out = Command::new(BIN)
+        .args(args)
+        .env("DATABASE_URL", database_url(&app.db, None))
+        .env("REDIS_URL", &app.redis_url)
+        .env("REDIS_KEY_PREFIX", app.keys.prefix())
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    println!("$ seckill {}\n{stdout}", args.join(" "));
+    (out.status.code().unwrap(), stdout)
+}
+
+fn row<'a>(table: &'a str, voucher: i64) -> &'a str {
+    table
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(&voucher.to_string()))
+        .unwrap_or_else(|| panic!("no row for voucher {voucher} in\n{table}"))
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn books_balance_with_orders_in_flight_and_after_the_worker_ran(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(50).await;
+    for user in 1..=10 {
+        assert_eq!(app.grab(voucher, user).await.0, StatusCode::ACCEPTED);
+    }
+    let (code, table) = seckill(&app, &["reconcile"]);
+    assert_eq!(code, 0);
+    // voucher initial pg_stock pg_orders redis_stock redis_buyers in_flight ...
+    let cols: Vec<&str> = row(&table, voucher).split_whitespace().collect();
+    assert_eq!(&cols[1..8], ["50", "50", "0", "40", "10", "10", "0"]);
+    assert!(table.contains("books balance"));
+
+    app.drain().await;
+    let (code, table) = seckill(&app, &["reconcile", "--voucher", &voucher.to_string()]);
+    assert_eq!(code, 0);
+    let cols: Vec<&str> = row(&table, voucher).split_whitespace().collect();
+    assert_eq!(&cols[1..8], ["50", "40", "10", "40", "10", "0", "0"]);
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn drift_is_reported_with_a_failing_exit_and_repair_rebuilds_redis(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(20).await;
+    let (_, first) = app.grab(voucher, 1).await;
+    app.grab(voucher, 2).await;
+    app.drain().await;
+    app.grab(voucher, 3).await; // in flight
+                                // Somebody tampered with Redis: five phantom units, and user 1's purchase forgotten.
+    let _: () = app
+        .redis_cmd(
+            redis::cmd("HINCRBY")
+                .arg(app.keys.voucher(voucher))
+                .arg("stock")
+                .arg(5),
+        )
+        .await;
+    let _: () = app
+        .redis_cmd(redis::cmd("HDEL").arg(app.keys.buyers(voucher)).arg(1))
+        .await;
+
+    let (code, table) = seckill(&app, &["reconcile"]);
+    assert_eq!(code, 1);
+    assert!(row(&table, voucher).ends_with("DRIFT"), "{table}");
+
+    let (code, table) = seckill(&app, &["reconcile", "--repair"]);
+    assert_eq!(code, 0, "{table}");
+    assert!(table.contains("books balance"));
+    let live: i64 = app
+        .redis_cmd(
+            redis::cmd("HGET")
+                .arg(app.keys.voucher(voucher))
+                .arg("stock"),
+        )
+        .await;
+    assert_eq!(live, 17, "20 - 2 written - 1 in flight");
+    let (status, again) = app.grab(voucher, 1).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(again["error"]["order_id"], first["order_id"]);
+    assert_eq!(
+        app.grab(voucher, 3).await.1["error"]["code"],
+        "already_ordered"
+    );
+    app.drain().await;
+    app.assert_consistent(voucher, 20).await;
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn an_open_sale_missing_from_redis_is_reported_and_repaired(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(5).await;
+    let _: () = app
+        .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(voucher)))
+        .await;
+    let (code, table) = seckill(&app, &["reconcile"]);
+    assert_eq!(code, 1);
+    assert!(row(&table, voucher).ends_with("MISSING"));
+    let (code, _) = seckill(
+        &app,
+        &["reconcile", "--voucher", &voucher.to_string(), "--repair"],
+    );
+    assert_eq!(code, 0);
+    assert_eq!(app.grab(voucher, 9).await.0, StatusCode::ACCEPTED);
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn dead_letters_are_listed_with_their_reason(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(5).await;
+    let stream = app.keys.stream(app.keys.shard_of(voucher));
+    let _: String = app
+        .redis_cmd(
+            redis::cmd("XADD")
+                .arg(&stream)
+                .arg("*")
+                .arg("order_id")
+                .arg("nope"),
+        )
+        .await;
+    app.drain().await;
+    let (code, listing) = seckill(&app, &["dead-letters"]);
+    assert_eq!(code, 0);
+    assert!(
+        listing.contains("reason=malformed: missing or non-numeric fields"),
+        "{listing}"
+    );
+    assert!(listing.contains("orig.order_id=nope"));
+    assert!(listing.contains("1 dead letter(s) in all"));
+    let (_, metrics) = {
+        let resp = app.client.get(app.url("/metrics")).send().await.unwrap();
+        (resp.status(), resp.text().await.unwrap())
+    };
+    let gauge = metrics
+        .lines()
+        .find(|l| l.starts_with("seckill_dead_letters{"))
+        .unwrap_or_else(|| panic!("no dead-letter gauge in\n{metrics}"));
+    assert!(gauge.ends_with(" 1"), "{gauge}");
+}
