@@ -24,7 +24,7 @@ fn seckill(app: &TestApp, args: &[&str]) -> (i32, String) {
     (out.status.code().unwrap(), stdout)
 }
 
-fn row<'a>(table: &'a str, voucher: i64) -> &'a str {
+fn row(table: &str, voucher: i64) -> &str {
     table
         .lines()
         .find(|l| l.split_whitespace().next() == Some(&voucher.to_string()))

@@ -283,3 +283,37 @@ async fn buyer_records_expire_with_the_sale_state(db: PgPool) {
     assert!((expected - state_ttl).abs() < 60_000, "{state_ttl}");
     assert!((state_ttl - buyers_ttl).abs() < 5_000, "{buyers_ttl}");
 }
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn consumers_of_dead_workers_are_forgotten_once_they_hold_nothing(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(5).await;
+    admit(&app, voucher, 1..=3).await;
+    deliver_and_die(&app, "worker-ghost").await;
+    let stream = app.keys.stream(app.keys.shard_of(voucher));
+    let names = || async {
+        let consumers: Vec<std::collections::HashMap<String, redis::Value>> = app
+            .redis_cmd(
+                redis::cmd("XINFO")
+                    .arg("CONSUMERS")
+                    .arg(&stream)
+                    .arg(seckill::stream::GROUP),
+            )
+            .await;
+        consumers
+            .iter()
+            .map(|c| redis::from_redis_value_ref::<String>(&c["name"]).unwrap())
+            .collect::<Vec<_>>()
+    };
+    let live = app.worker_named("worker-live");
+    // Idle long enough, but still holding entries: kept.
+    tokio::time::sleep(std::time::Duration::from_millis(900)).await;
+    live.trim().await.unwrap();
+    assert!(names().await.contains(&"worker-ghost".to_string()));
+    // Its entries taken over, and idle on: forgotten.
+    live.reclaim().await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(900)).await;
+    live.trim().await.unwrap();
+    assert!(!names().await.contains(&"worker-ghost".to_string()));
+    assert_eq!(stored_ids(&app, voucher).await.len(), 3);
+}

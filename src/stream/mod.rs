@@ -441,6 +441,48 @@ pub async fn trim_acknowledged<C: ConnectionLike + Send>(
         .await
 }
 
+/// Deletes consumers that hold nothing and have not read for `idle_ms` (dead workers;
+/// each process is a consumer of its own, so they would pile up). A live consumer reads
+/// at least once per block and is never that idle; if it were, its next read would
+/// simply re-create it.
+pub async fn forget_idle_consumers<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    shard: Shard,
+    idle_ms: u64,
+) -> RedisResult<u64> {
+    let stream = keys.stream(shard);
+    let consumers: Vec<std::collections::HashMap<String, redis::Value>> = redis::cmd("XINFO")
+        .arg("CONSUMERS")
+        .arg(&stream)
+        .arg(GROUP)
+        .query_async(conn)
+        .await?;
+    let mut forgotten = 0;
+    for c in consumers {
+        let get = |k: &str| {
+            c.get(k)
+                .and_then(|v| redis::from_redis_value_ref::<u64>(v).ok())
+        };
+        let name: Option<String> = c
+            .get("name")
+            .and_then(|v| redis::from_redis_value_ref(v).ok());
+        if let (Some(name), Some(0), Some(idle)) = (name, get("pending"), get("idle")) {
+            if idle >= idle_ms {
+                let _: i64 = redis::cmd("XGROUP")
+                    .arg("DELCONSUMER")
+                    .arg(&stream)
+                    .arg(GROUP)
+                    .arg(name)
+                    .query_async(conn)
+                    .await?;
+                forgotten += 1;
+            }
+        }
+    }
+    Ok(forgotten)
+}
+
 fn parse_id(id: &str) -> Option<(u64, u64)> {
     let (ms, seq) = id.split_once('-')?;
     Some((ms.parse().ok()?, seq.parse().ok()?))

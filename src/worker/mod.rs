@@ -302,12 +302,16 @@ impl Worker {
         }
     }
 
-    /// Removes acknowledged entries from every stream; returns how many went.
+    /// Removes acknowledged entries from every stream, and consumers long dead with
+    /// nothing pending; returns how many entries went.
     pub async fn trim(&self) -> anyhow::Result<u64> {
         let mut conn = self.redis.clone();
         let mut trimmed = 0;
+        // Four claim periods: long after its last entry could have been taken over.
+        let idle_ms = (self.config.claim_idle * 4).as_millis() as u64;
         for shard in self.keys.shards() {
             trimmed += stream::trim_acknowledged(&mut conn, &self.keys, shard).await?;
+            stream::forget_idle_consumers(&mut conn, &self.keys, shard, idle_ms).await?;
         }
         Ok(trimmed)
     }
