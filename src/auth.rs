@@ -7,7 +7,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::extract::FromRequestParts;
 use axum::http::{header, request::Parts};
-use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use base64::Engine as _;
+use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::error::AppError;
@@ -24,56 +26,76 @@ pub struct Claims {
     pub role: Option<String>,
 }
 
+/// `sub` as a JSON number or a string of digits; a positive 64-bit integer either way.
 fn positive_id<'de, D: Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Raw {
-        Num(i64),
-        Str(String),
+    struct Id;
+    impl serde::de::Visitor<'_> for Id {
+        type Value = i64;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a positive integer")
+        }
+        fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<i64, E> {
+            (v > 0)
+                .then_some(v)
+                .ok_or_else(|| E::custom("sub is not positive"))
+        }
+        fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<i64, E> {
+            i64::try_from(v)
+                .ok()
+                .filter(|v| *v > 0)
+                .ok_or_else(|| E::custom("sub out of range"))
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<i64, E> {
+            crate::http::extract::parse_id(v)
+                .ok_or_else(|| E::custom("sub is not a positive integer"))
+        }
     }
-    let id = match Raw::deserialize(d)? {
-        Raw::Num(n) => n,
-        Raw::Str(s) => crate::http::extract::parse_id(&s)
-            .ok_or_else(|| serde::de::Error::custom("sub is not a positive integer"))?,
-    };
-    if id <= 0 {
-        return Err(serde::de::Error::custom("sub is not a positive integer"));
-    }
-    Ok(id)
+    d.deserialize_any(Id)
 }
 
 fn as_string<S: serde::Serializer>(id: &i64, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&id.to_string())
 }
 
+#[derive(Deserialize)]
+struct JoseHeader<'a> {
+    #[serde(borrow)]
+    alg: std::borrow::Cow<'a, str>,
+}
+
+/// Leeway on `exp`, in seconds (clock skew between token issuer and us).
+const LEEWAY_SECS: u64 = 5;
+
 /// Signing and verifying keys, built once from the secret.
 pub struct JwtKeys {
     encoding: EncodingKey,
-    decoding: DecodingKey,
-    validation: Validation,
+    /// HMAC-SHA256 key for verification: the hot path verifies with it directly.
+    hmac: ring::hmac::Key,
+    /// Encoded headers of HS256 tokens as common libraries write them; any other header
+    /// is decoded and checked.
+    known_headers: [String; 3],
 }
 
 impl JwtKeys {
     pub fn new(secret: &str) -> anyhow::Result<Self> {
         anyhow::ensure!(!secret.is_empty(), "JWT_SECRET must not be empty");
-        // Pinned to HS256: tokens naming any other algorithm (or `none`) are refused.
-        let mut validation = Validation::new(Algorithm::HS256);
-        validation.leeway = 5;
-        // `sub` is required by `Claims` itself (jsonwebtoken would only accept it as a string).
-        validation.set_required_spec_claims(&["exp"]);
+        let b64 = |json: &str| URL_SAFE_NO_PAD.encode(json);
         Ok(Self {
             encoding: EncodingKey::from_secret(secret.as_bytes()),
-            decoding: DecodingKey::from_secret(secret.as_bytes()),
-            validation,
+            hmac: ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret.as_bytes()),
+            known_headers: [
+                b64(r#"{"typ":"JWT","alg":"HS256"}"#),
+                b64(r#"{"alg":"HS256","typ":"JWT"}"#),
+                b64(r#"{"alg":"HS256"}"#),
+            ],
         })
     }
 
     pub fn mint(&self, user_id: i64, admin: bool, ttl_secs: u64) -> anyhow::Result<String> {
         anyhow::ensure!(user_id > 0, "user id must be positive");
-        let now = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
         let claims = Claims {
             sub: user_id,
-            exp: now + ttl_secs,
+            exp: now_secs() + ttl_secs,
             role: admin.then(|| ADMIN_ROLE.to_string()),
         };
         Ok(jsonwebtoken::encode(
@@ -83,19 +105,54 @@ impl JwtKeys {
         )?)
     }
 
+    /// Verifies an HS256 token: algorithm pinned (a header naming any other, or `none`,
+    /// is refused), signature checked in constant time, `exp` required (5 s leeway),
+    /// `sub` a positive integer, `role` absent or `"admin"`.
     pub fn verify(&self, token: &str) -> Result<AuthUser, AppError> {
-        let data = jsonwebtoken::decode::<Claims>(token, &self.decoding, &self.validation)
-            .map_err(|_| AppError::Unauthorized("invalid or expired token"))?;
-        let admin = match data.claims.role.as_deref() {
+        let invalid = || AppError::Unauthorized("invalid or expired token");
+        let mut parts = token.split('.');
+        let (Some(header), Some(payload), Some(signature), None) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            return Err(invalid());
+        };
+        if !self.known_headers.iter().any(|h| h == header) {
+            let raw = URL_SAFE_NO_PAD.decode(header).map_err(|_| invalid())?;
+            let parsed: JoseHeader = serde_json::from_slice(&raw).map_err(|_| invalid())?;
+            if parsed.alg != "HS256" {
+                return Err(invalid());
+            }
+        }
+        let mut mac = [0u8; 32];
+        match URL_SAFE_NO_PAD.decode_slice(signature, &mut mac) {
+            Ok(32) => {}
+            _ => return Err(invalid()),
+        }
+        let signed = &token[..header.len() + 1 + payload.len()];
+        ring::hmac::verify(&self.hmac, signed.as_bytes(), &mac).map_err(|_| invalid())?;
+
+        let raw = URL_SAFE_NO_PAD.decode(payload).map_err(|_| invalid())?;
+        let claims: Claims = serde_json::from_slice(&raw).map_err(|_| invalid())?;
+        if claims.exp.saturating_add(LEEWAY_SECS) < now_secs() {
+            return Err(invalid());
+        }
+        let admin = match claims.role.as_deref() {
             None => false,
             Some(ADMIN_ROLE) => true,
             Some(_) => return Err(AppError::Unauthorized("unknown role in token")),
         };
         Ok(AuthUser {
-            user_id: data.claims.sub,
+            user_id: claims.sub,
             admin,
         })
     }
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 /// The authenticated caller.
@@ -216,6 +273,20 @@ mod tests {
     }
 
     #[test]
+    fn a_header_written_differently_is_still_accepted_when_it_says_hs256() {
+        let k = keys();
+        let mut header = Header::new(Algorithm::HS256);
+        header.kid = Some("key-1".into());
+        let token = jsonwebtoken::encode(
+            &header,
+            &serde_json::json!({"sub": 8, "exp": in_an_hour()}),
+            &EncodingKey::from_secret(b"test-secret"),
+        )
+        .unwrap();
+        assert_eq!(k.verify(&token).unwrap().user_id, 8);
+    }
+
+    #[test]
     fn expired_foreign_and_unsigned_tokens_are_refused() {
         let k = keys();
         let past = in_an_hour() - 7200;
@@ -231,6 +302,25 @@ mod tests {
                 "other"
             ))
             .is_err());
+        // Signed with the right secret but another algorithm.
+        let hs384 = jsonwebtoken::encode(
+            &Header::new(Algorithm::HS384),
+            &serde_json::json!({"sub": 1, "exp": in_an_hour()}),
+            &EncodingKey::from_secret(b"test-secret"),
+        )
+        .unwrap();
+        assert!(k.verify(&hs384).is_err());
+        // A tampered payload keeps the old signature.
+        let good = k.mint(1, false, 60).unwrap();
+        let mut parts: Vec<&str> = good.split('.').collect();
+        let admin_payload = URL_SAFE_NO_PAD.encode(format!(
+            r#"{{"sub":"1","exp":{},"role":"admin"}}"#,
+            in_an_hour()
+        ));
+        parts[1] = &admin_payload;
+        assert!(k.verify(&parts.join(".")).is_err());
+        assert!(k.verify(&format!("{good}.x")).is_err());
+        assert!(k.verify("").is_err());
         // alg "none": header {"alg":"none","typ":"JWT"}, no signature.
         let none = "eyJhbGciOiJub25lIiwidHlwIjoiSldUIn0.eyJzdWIiOjEsImV4cCI6OTk5OTk5OTk5OX0.";
         assert!(k.verify(none).is_err());

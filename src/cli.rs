@@ -113,8 +113,11 @@ async fn reconcile(args: crate::config::ReconcileArgs) -> anyhow::Result<ExitCod
             None => bad.clone(),
         };
         for id in targets {
-            let (stock, buyers, in_flight) = repair(&db, &mut conn, &keys, id, retention).await?;
-            println!("repaired voucher {id}: redis stock {stock}, buyers {buyers} ({in_flight} in flight)");
+            let loaded = repair(&db, &mut conn, &keys, id, retention).await?;
+            println!(
+                "repaired voucher {id}: redis stock {}, buyers {} ({} in flight)",
+                loaded.stock, loaded.buyers, loaded.in_flight
+            );
         }
         rows = books(&db, &mut conn, &keys, args.voucher, retention).await?;
         println!("after repair:");
@@ -236,6 +239,10 @@ async fn serve(api: ApiArgs, worker_opts: Option<WorkerOptions>) -> anyhow::Resu
 
     let listener = tokio::net::TcpListener::bind(api.bind).await?;
     tracing::info!(addr = %listener.local_addr()?, "listening");
+    // Small responses go out at once instead of waiting on Nagle's algorithm.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, crate::build_app(state))
         .with_graceful_shutdown(cancel.clone().cancelled_owned())
         .await?;

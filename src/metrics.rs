@@ -16,12 +16,13 @@ pub const STREAM_LENGTH: &str = "seckill_stream_length";
 pub const STREAM_PENDING: &str = "seckill_stream_pending";
 pub const DEAD_LETTERS: &str = "seckill_dead_letters";
 
-/// The process-wide recorder (installed on first use).
+/// The process-wide recorder (installed on first use, with a thread doing its upkeep:
+/// without it histogram samples would pile up in memory between scrapes).
 pub fn handle() -> PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE
         .get_or_init(|| {
-            PrometheusBuilder::new()
+            let handle = PrometheusBuilder::new()
                 .set_buckets_for_metric(
                     Matcher::Suffix("_seconds".into()),
                     &[
@@ -30,9 +31,56 @@ pub fn handle() -> PrometheusHandle {
                 )
                 .expect("static buckets are valid")
                 .install_recorder()
-                .expect("no other metrics recorder is installed")
+                .expect("no other metrics recorder is installed");
+            let upkeep = handle.clone();
+            std::thread::Builder::new()
+                .name("metrics-upkeep".into())
+                .spawn(move || loop {
+                    std::thread::sleep(std::time::Duration::from_secs(5));
+                    upkeep.run_upkeep();
+                })
+                .expect("spawn the metrics upkeep thread");
+            handle
         })
         .clone()
+}
+
+/// Handles of the hot path's metrics, registered once: recording through them is an
+/// atomic add, not a registry lookup.
+pub struct HotPath {
+    pub admission_seconds: metrics::Histogram,
+    outcomes: [metrics::Counter; 7],
+}
+
+impl HotPath {
+    pub const OUTCOMES: [&'static str; 7] = [
+        "admitted",
+        "not_loaded",
+        "not_started",
+        "ended",
+        "already_ordered",
+        "sold_out",
+        "redis_error",
+    ];
+
+    pub fn get() -> &'static HotPath {
+        static HOT: OnceLock<HotPath> = OnceLock::new();
+        HOT.get_or_init(|| {
+            handle();
+            HotPath {
+                admission_seconds: metrics::histogram!(ADMISSION_SECONDS),
+                outcomes: Self::OUTCOMES.map(|o| metrics::counter!(ADMISSIONS, "outcome" => o)),
+            }
+        })
+    }
+
+    pub fn outcome(&self, label: &str) -> &metrics::Counter {
+        let i = Self::OUTCOMES
+            .iter()
+            .position(|o| *o == label)
+            .unwrap_or(Self::OUTCOMES.len() - 1);
+        &self.outcomes[i]
+    }
 }
 
 /// Samples the streams (length, pending entries, dead letters) into gauges; done at

@@ -13,19 +13,15 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
-use std::sync::LazyLock;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use redis::aio::ConnectionLike;
-use redis::Script;
 use sqlx::PgPool;
 
 use crate::admission::keys::Keys;
-use crate::store;
-
-static REPAIR: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/repair_voucher.lua")));
+use crate::admission::keys::SALE_FIELDS;
+use crate::admission::loader::{self, Mode};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VoucherBooks {
@@ -138,14 +134,15 @@ pub async fn books<C: ConnectionLike + Send>(
     let now = Utc::now();
     let mut out = Vec::with_capacity(sales.len());
     for (voucher_id, initial, stock, end, orders) in sales {
-        let (redis_stock, redis_buyers): (Option<i64>, i64) = redis::pipe()
+        let (redis_stock, fields): (Option<i64>, i64) = redis::pipe()
             .cmd("HGET")
             .arg(keys.voucher(voucher_id))
             .arg("stock")
             .cmd("HLEN")
-            .arg(keys.buyers(voucher_id))
+            .arg(keys.voucher(voucher_id))
             .query_async(conn)
             .await?;
+        let redis_buyers = (fields - SALE_FIELDS).max(0);
         out.push(VoucherBooks {
             voucher_id,
             initial_stock: initial as i64,
@@ -270,32 +267,17 @@ pub async fn dead_letters<C: ConnectionLike + Send>(
     Ok(out)
 }
 
-/// Rebuilds one sale's Redis state from Postgres (see `lua/repair_voucher.lua`).
-/// Returns `(stock, buyers, in_flight)` as loaded.
+/// Rebuilds one sale's Redis state from Postgres (see `lua/load_voucher.lua`).
 pub async fn repair<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,
     voucher_id: i64,
     retention: Duration,
-) -> anyhow::Result<(i64, i64, i64)> {
-    let (sale, buyers) = store::vouchers::sale_snapshot(db, voucher_id)
+) -> anyhow::Result<loader::Loaded> {
+    loader::load_sale(db, conn, keys, voucher_id, retention, Mode::Repair)
         .await?
-        .ok_or_else(|| anyhow::anyhow!("voucher {voucher_id} has no flash sale"))?;
-    let end_ms = sale.end_time.timestamp_millis();
-    let mut call = REPAIR.prepare_invoke();
-    call.key(keys.voucher(voucher_id))
-        .key(keys.buyers(voucher_id))
-        .key(keys.pending(keys.shard_of(voucher_id)))
-        .arg(voucher_id)
-        .arg(sale.stock)
-        .arg(sale.begin_time.timestamp_millis())
-        .arg(end_ms)
-        .arg(end_ms.saturating_add(retention.as_millis() as i64));
-    for (user_id, order_id) in &buyers {
-        call.arg(user_id).arg(order_id);
-    }
-    Ok(call.invoke_async(conn).await?)
+        .ok_or_else(|| anyhow::anyhow!("voucher {voucher_id} has no flash sale"))
 }
 
 /// The table `seckill reconcile` prints.

@@ -11,8 +11,11 @@ use crate::auth::JwtKeys;
 use crate::config::Settings;
 use crate::redis_conn::RedisConn;
 
+/// Cloned once per request, so it is one pointer to the shared [`Shared`].
 #[derive(Clone)]
-pub struct AppState {
+pub struct AppState(Arc<Shared>);
+
+pub struct Shared {
     pub db: PgPool,
     pub redis: RedisConn,
     pub keys: Keys,
@@ -32,7 +35,7 @@ impl AppState {
         ids: Arc<OrderIds>,
         settings: Settings,
     ) -> Self {
-        Self {
+        Self(Arc::new(Shared {
             db,
             redis,
             keys,
@@ -40,6 +43,14 @@ impl AppState {
             ids,
             settings: Arc::new(settings),
             reloading: Arc::default(),
-        }
+        }))
+    }
+}
+
+impl std::ops::Deref for AppState {
+    type Target = Shared;
+
+    fn deref(&self) -> &Shared {
+        &self.0
     }
 }

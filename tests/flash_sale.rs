@@ -143,11 +143,7 @@ async fn grabbing_after_the_sale_closes_says_ended(db: PgPool) {
 
     // Once the sale's Redis state has expired as well, it still says ended (not 503).
     let _: () = app
-        .redis_cmd(
-            redis::cmd("DEL")
-                .arg(app.keys.voucher(voucher))
-                .arg(app.keys.buyers(voucher)),
-        )
+        .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(voucher)))
         .await;
     let (status, body) = app.grab(voucher, 3).await;
     assert_eq!(
@@ -261,11 +257,7 @@ async fn a_sale_whose_redis_state_vanished_fails_closed_then_reloads_from_postgr
     app.drain().await;
 
     let _: () = app
-        .redis_cmd(
-            redis::cmd("DEL")
-                .arg(app.keys.voucher(voucher))
-                .arg(app.keys.buyers(voucher)),
-        )
+        .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(voucher)))
         .await;
     let (status, body) = app.grab(voucher, 2).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
@@ -312,11 +304,7 @@ async fn start_up_loading_fills_missing_sales_and_leaves_live_ones_alone(db: PgP
     app.drain().await;
     app.grab(live, 2).await; // pending: Redis knows it, Postgres does not yet
     let _: () = app
-        .redis_cmd(
-            redis::cmd("DEL")
-                .arg(app.keys.voucher(lost))
-                .arg(app.keys.buyers(lost)),
-        )
+        .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(lost)))
         .await;
 
     let retention = std::time::Duration::from_secs(60);

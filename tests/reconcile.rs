@@ -70,7 +70,7 @@ async fn drift_is_reported_with_a_failing_exit_and_repair_rebuilds_redis(db: PgP
         )
         .await;
     let _: () = app
-        .redis_cmd(redis::cmd("HDEL").arg(app.keys.buyers(voucher)).arg(1))
+        .redis_cmd(redis::cmd("HDEL").arg(app.keys.voucher(voucher)).arg("u:1"))
         .await;
 
     let (code, table) = seckill(&app, &["reconcile"]);

@@ -11,6 +11,14 @@ pub struct Keys {
     prefix: String,
 }
 
+/// The field of a sale's hash recording a buyer's order id.
+pub fn buyer_field(user_id: i64) -> String {
+    format!("u:{user_id}")
+}
+
+/// Fields of a sale's hash besides the buyers.
+pub const SALE_FIELDS: i64 = 3;
+
 /// Which stream shard a voucher's orders go to (always 0 with one shard).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Shard(pub u32);
@@ -72,10 +80,6 @@ impl Keys {
         self.tagged(shard, format_args!("pending"))
     }
 
-    pub fn user_pending(&self, shard: Shard, user_id: i64) -> String {
-        self.tagged(shard, format_args!("user:{user_id}:pending"))
-    }
-
     /// Lease of an order-id node number (not tied to a shard).
     pub fn node_lease(&self, node: u16) -> String {
         format!("{}seckill:node:{node}", self.prefix)
@@ -120,12 +124,7 @@ mod tests {
             let keys = Keys::new(prefix).unwrap();
             let shard = keys.shard_of(7);
             let stream_slot = slot(&keys.stream(shard));
-            for key in [
-                keys.voucher(7),
-                keys.buyers(7),
-                keys.pending(shard),
-                keys.user_pending(shard, 99),
-            ] {
+            for key in [keys.voucher(7), keys.pending(shard)] {
                 assert_eq!(slot(&key), stream_slot, "{key}");
             }
         }

@@ -24,8 +24,38 @@ pub struct LoadReport {
     pub live: usize,
 }
 
-/// Loads one sale unless its state is live. Returns the stock loaded, `None` when
-/// the state was already there or the voucher has no flash sale.
+/// How [`load_sale`] treats existing state and orders in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// A sale just created: load if missing; no order can be in flight yet.
+    Create,
+    /// Load if missing, counting the orders in flight (state lost during a sale).
+    Load,
+    /// Overwrite live state (`seckill reconcile --repair`).
+    Repair,
+}
+
+impl Mode {
+    fn as_str(self) -> &'static str {
+        match self {
+            Mode::Create => "create",
+            Mode::Load => "load",
+            Mode::Repair => "repair",
+        }
+    }
+}
+
+/// What [`load_sale`] put into Redis.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Loaded {
+    pub stock: i64,
+    pub buyers: i64,
+    pub in_flight: i64,
+}
+
+/// Loads one sale from one Postgres snapshot (see `lua/load_voucher.lua`): buyers are
+/// Postgres's buyers plus the orders in flight, stock is Postgres's minus those.
+/// `None` when live state was left alone or the voucher has no flash sale.
 #[tracing::instrument(skip(db, conn, keys))]
 pub async fn load_sale<C: ConnectionLike + Send>(
     db: &PgPool,
@@ -33,14 +63,17 @@ pub async fn load_sale<C: ConnectionLike + Send>(
     keys: &Keys,
     voucher_id: i64,
     retention: Duration,
-) -> anyhow::Result<Option<i64>> {
+    mode: Mode,
+) -> anyhow::Result<Option<Loaded>> {
     let Some((sale, buyers)) = store::vouchers::sale_snapshot(db, voucher_id).await? else {
         return Ok(None);
     };
     let end_ms = sale.end_time.timestamp_millis();
     let mut load = LOAD.prepare_invoke();
     load.key(keys.voucher(voucher_id))
-        .key(keys.buyers(voucher_id))
+        .key(keys.pending(keys.shard_of(voucher_id)))
+        .arg(mode.as_str())
+        .arg(voucher_id)
         .arg(sale.stock)
         .arg(sale.begin_time.timestamp_millis())
         .arg(end_ms)
@@ -48,17 +81,23 @@ pub async fn load_sale<C: ConnectionLike + Send>(
     for (user_id, order_id) in &buyers {
         load.arg(user_id).arg(order_id);
     }
-    let stock: i64 = load.invoke_async(conn).await?;
-    if stock < 0 {
+    let reply: Vec<i64> = load.invoke_async(conn).await?;
+    let [stock, buyers, in_flight] = reply[..] else {
         return Ok(None);
-    }
+    };
     tracing::info!(
         voucher_id,
         stock,
-        buyers = buyers.len(),
+        buyers,
+        in_flight,
+        ?mode,
         "sale state loaded into redis"
     );
-    Ok(Some(stock))
+    Ok(Some(Loaded {
+        stock,
+        buyers,
+        in_flight,
+    }))
 }
 
 /// Loads every sale that has not ended and whose Redis state is missing.
@@ -70,7 +109,7 @@ pub async fn load_open_sales<C: ConnectionLike + Send>(
 ) -> anyhow::Result<LoadReport> {
     let mut report = LoadReport::default();
     for sale in store::vouchers::open_sales(db).await? {
-        match load_sale(db, conn, keys, sale.voucher_id, retention).await? {
+        match load_sale(db, conn, keys, sale.voucher_id, retention, Mode::Load).await? {
             Some(_) => report.loaded += 1,
             None => report.live += 1,
         }
@@ -92,6 +131,7 @@ pub fn reload_in_background(state: &AppState, voucher_id: i64) {
             &state.keys,
             voucher_id,
             state.settings.sale_state_retention,
+            Mode::Load,
         )
         .await;
         if let Err(e) = result {

@@ -57,10 +57,8 @@ pub async fn admit<C: ConnectionLike + Send>(
     let shard = keys.shard_of(voucher_id);
     let reply: Vec<redis::Value> = SECKILL
         .key(keys.voucher(voucher_id))
-        .key(keys.buyers(voucher_id))
         .key(keys.stream(shard))
         .key(keys.pending(shard))
-        .key(keys.user_pending(shard, user_id))
         .arg(voucher_id)
         .arg(user_id)
         .arg(order_id)
@@ -110,59 +108,68 @@ pub struct PendingOrder {
     pub admitted_ms: i64,
 }
 
+/// Looks orders up among those the worker has not written yet.
+pub async fn pending_orders<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    order_ids: &[i64],
+) -> RedisResult<Vec<PendingOrder>> {
+    let mut found = Vec::new();
+    if order_ids.is_empty() {
+        return Ok(found);
+    }
+    for shard in keys.shards() {
+        let raw: Vec<Option<String>> = redis::cmd("HMGET")
+            .arg(keys.pending(shard))
+            .arg(order_ids)
+            .query_async(conn)
+            .await?;
+        for (&order_id, raw) in order_ids.iter().zip(raw) {
+            let Some(raw) = raw else { continue };
+            let mut parts = raw.split(':').map(str::parse::<i64>);
+            if let (Some(Ok(voucher_id)), Some(Ok(user_id)), Some(Ok(admitted_ms))) =
+                (parts.next(), parts.next(), parts.next())
+            {
+                found.push(PendingOrder {
+                    order_id,
+                    voucher_id,
+                    user_id,
+                    admitted_ms,
+                });
+            }
+        }
+    }
+    Ok(found)
+}
+
 /// Looks an order up among those the worker has not written yet.
 pub async fn pending_order<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     order_id: i64,
 ) -> RedisResult<Option<PendingOrder>> {
-    for shard in keys.shards() {
-        let raw: Option<String> = redis::cmd("HGET")
-            .arg(keys.pending(shard))
-            .arg(order_id)
-            .query_async(conn)
-            .await?;
-        if let Some(raw) = raw {
-            let mut parts = raw.split(':').map(str::parse::<i64>);
-            if let (Some(Ok(voucher_id)), Some(Ok(user_id)), Some(Ok(admitted_ms))) =
-                (parts.next(), parts.next(), parts.next())
-            {
-                return Ok(Some(PendingOrder {
-                    order_id,
-                    voucher_id,
-                    user_id,
-                    admitted_ms,
-                }));
-            }
-        }
-    }
-    Ok(None)
+    Ok(pending_orders(conn, keys, &[order_id]).await?.pop())
 }
 
-/// A user's orders that the worker has not written yet.
+/// The user's orders in the given sales that the worker has not written yet: the
+/// buyer records of those sales, confirmed by the pending records.
 pub async fn pending_orders_of<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     user_id: i64,
+    voucher_ids: &[i64],
 ) -> RedisResult<Vec<PendingOrder>> {
-    let mut out = Vec::new();
-    for shard in keys.shards() {
-        let raw: Vec<(i64, String)> = redis::cmd("HGETALL")
-            .arg(keys.user_pending(shard, user_id))
-            .query_async(conn)
-            .await?;
-        for (order_id, value) in raw {
-            if let Some((v, t)) = value.split_once(':') {
-                if let (Ok(voucher_id), Ok(admitted_ms)) = (v.parse(), t.parse()) {
-                    out.push(PendingOrder {
-                        order_id,
-                        voucher_id,
-                        user_id,
-                        admitted_ms,
-                    });
-                }
-            }
-        }
+    if voucher_ids.is_empty() {
+        return Ok(Vec::new());
     }
-    Ok(out)
+    let field = keys::buyer_field(user_id);
+    let mut pipe = redis::pipe();
+    for &voucher_id in voucher_ids {
+        pipe.cmd("HGET").arg(keys.voucher(voucher_id)).arg(&field);
+    }
+    let held: Vec<Option<i64>> = pipe.query_async(conn).await?;
+    let order_ids: Vec<i64> = held.into_iter().flatten().collect();
+    let mut found = pending_orders(conn, keys, &order_ids).await?;
+    found.retain(|p| p.user_id == user_id);
+    Ok(found)
 }

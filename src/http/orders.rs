@@ -73,8 +73,13 @@ pub async fn list_mine(
     State(state): State<AppState>,
     user: AuthUser,
 ) -> AppResult<Json<Vec<OrderResponse>>> {
+    // Pending orders can only be in sales whose Redis state still exists.
+    let since = chrono::Utc::now()
+        - chrono::Duration::from_std(state.settings.sale_state_retention).unwrap_or_default();
+    let sales = crate::store::vouchers::sales_ending_after(&state.db, since).await?;
     let mut conn = state.redis.clone();
-    let pending = admission::pending_orders_of(&mut conn, &state.keys, user.user_id).await?;
+    let pending =
+        admission::pending_orders_of(&mut conn, &state.keys, user.user_id, &sales).await?;
     let stored = orders::list_by_user(&state.db, user.user_id).await?;
     let mut all: Vec<OrderResponse> = stored.into_iter().map(Into::into).collect();
     for p in pending {

@@ -32,12 +32,14 @@ pub async fn grab(
     let started = std::time::Instant::now();
     let outcome =
         admission::admit(&mut conn, &state.keys, voucher_id, user.user_id, order_id).await;
-    metrics::histogram!(crate::metrics::ADMISSION_SECONDS).record(started.elapsed().as_secs_f64());
+    let hot = crate::metrics::HotPath::get();
+    hot.admission_seconds
+        .record(started.elapsed().as_secs_f64());
     let label = match &outcome {
         Ok(o) => o.label(),
         Err(_) => "redis_error",
     };
-    metrics::counter!(crate::metrics::ADMISSIONS, "outcome" => label).increment(1);
+    hot.outcome(label).increment(1);
     match outcome? {
         Outcome::Admitted { order_id } => Ok((
             StatusCode::ACCEPTED,

@@ -195,10 +195,11 @@ pub async fn create(
             &state.keys,
             row.id,
             state.settings.sale_state_retention,
+            loader::Mode::Create,
         )
         .await
         {
-            Ok(stock) => live = stock,
+            Ok(loaded) => live = loaded.map(|l| l.stock),
             Err(e) => {
                 tracing::warn!(voucher_id = row.id, error = %e, "sale not loaded into redis yet")
             }

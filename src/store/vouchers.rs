@@ -128,6 +128,20 @@ pub async fn open_sales(db: &PgPool) -> Result<Vec<SeckillState>, sqlx::Error> {
     .await
 }
 
+/// Ids of the sales that ended after `since` (or have not ended).
+#[tracing::instrument(skip(db))]
+pub async fn sales_ending_after(
+    db: &PgPool,
+    since: DateTime<Utc>,
+) -> Result<Vec<i64>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT voucher_id FROM seckill_vouchers WHERE end_time > $1 ORDER BY voucher_id",
+    )
+    .bind(since)
+    .fetch_all(db)
+    .await
+}
+
 #[tracing::instrument(skip(db))]
 pub async fn sale(db: &PgPool, voucher_id: i64) -> Result<Option<SeckillState>, sqlx::Error> {
     sqlx::query_as(

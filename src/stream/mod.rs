@@ -273,7 +273,7 @@ fn unexpected() -> redis::RedisError {
     ))
 }
 
-/// Acknowledges entries and forgets their pending-order records, in one script call.
+/// Acknowledges entries and forgets their pending records, in one script call.
 /// A missing group (Redis lost its data) means there is nothing left to acknowledge.
 pub async fn ack<C: ConnectionLike + Send>(
     conn: &mut C,
@@ -289,12 +289,10 @@ pub async fn ack<C: ConnectionLike + Send>(
         .key(keys.pending(shard))
         .arg(GROUP);
     for entry in entries {
+        call.arg(entry.entry_id());
         match entry.order() {
-            Some(order) => call
-                .key(keys.user_pending(shard, order.user_id))
-                .arg(entry.entry_id())
-                .arg(order.id),
-            None => call.key(keys.pending(shard)).arg(entry.entry_id()).arg(""),
+            Some(order) => call.arg(order.id),
+            None => call.arg(""),
         };
     }
     match call.invoke_async(conn).await {
