@@ -94,13 +94,13 @@ pub async fn sample_streams<C: ConnectionLike + Send>(
         let stream = keys.stream(shard);
         let (len, dead): (u64, u64) = redis::pipe()
             .cmd("XLEN")
-            .arg(&stream)
+            .arg(stream)
             .cmd("XLEN")
             .arg(keys.dead_letters(shard))
             .query_async(conn)
             .await?;
         let pending: u64 = match redis::cmd("XPENDING")
-            .arg(&stream)
+            .arg(stream)
             .arg(crate::stream::GROUP)
             .query_async::<redis::Value>(conn)
             .await

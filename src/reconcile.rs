@@ -247,7 +247,7 @@ pub async fn dead_letters<C: ConnectionLike + Send>(
         let mut start = "-".to_string();
         while out.len() < limit {
             let page: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
-                .arg(&stream)
+                .arg(stream)
                 .arg(&start)
                 .arg("+")
                 .arg("COUNT")

@@ -125,7 +125,7 @@ async fn dead_letters_are_listed_with_their_reason(db: PgPool) {
     let _: String = app
         .redis_cmd(
             redis::cmd("XADD")
-                .arg(&stream)
+                .arg(stream)
                 .arg("*")
                 .arg("order_id")
                 .arg("nope"),

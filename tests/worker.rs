@@ -125,7 +125,7 @@ async fn malformed_entries_are_dead_lettered_and_do_not_hold_up_real_orders(db: 
     let _: String = app
         .redis_cmd(
             redis::cmd("XADD")
-                .arg(&stream)
+                .arg(stream)
                 .arg("*")
                 .arg("order_id")
                 .arg("oops"),
@@ -134,7 +134,7 @@ async fn malformed_entries_are_dead_lettered_and_do_not_hold_up_real_orders(db: 
     let _: String = app
         .redis_cmd(
             redis::cmd("XADD")
-                .arg(&stream)
+                .arg(stream)
                 .arg("*")
                 .arg("hello")
                 .arg("world"),
@@ -147,7 +147,7 @@ async fn malformed_entries_are_dead_lettered_and_do_not_hold_up_real_orders(db: 
     assert_eq!(stored_ids(&app, voucher).await, admitted);
     assert_eq!(app.pending_count().await, 0);
     let dlq = app.keys.dead_letters(app.keys.shard_of(voucher));
-    let dead: usize = app.redis_cmd(redis::cmd("XLEN").arg(&dlq)).await;
+    let dead: usize = app.redis_cmd(redis::cmd("XLEN").arg(dlq)).await;
     assert_eq!(dead, 2);
 }
 
@@ -163,7 +163,7 @@ async fn postgres_never_sells_more_than_its_stock_even_if_redis_admitted_more(db
         let _: String = app
             .redis_cmd(
                 redis::cmd("XADD")
-                    .arg(&stream)
+                    .arg(stream)
                     .arg("*")
                     .arg("order_id")
                     .arg(order_id)
@@ -228,7 +228,7 @@ async fn an_entry_delivered_too_often_is_dead_lettered_instead_of_retried_foreve
     assert_eq!(app.pending_count().await, 0);
     let dlq = app.keys.dead_letters(app.keys.shard_of(voucher));
     let dead: Vec<(String, Vec<(String, String)>)> = app
-        .redis_cmd(redis::cmd("XRANGE").arg(&dlq).arg("-").arg("+"))
+        .redis_cmd(redis::cmd("XRANGE").arg(dlq).arg("-").arg("+"))
         .await;
     assert_eq!(dead.len(), 2);
     let reason = &dead[0].1.iter().find(|(k, _)| k == "reason").unwrap().1;
@@ -257,12 +257,12 @@ async fn acknowledged_entries_are_trimmed_but_pending_ones_are_kept(db: PgPool) 
     assert_eq!(fresh.len(), 5);
     live.process_batch(shard, &fresh).await.unwrap();
     live.trim().await.unwrap();
-    let len: usize = app.redis_cmd(redis::cmd("XLEN").arg(&stream)).await;
+    let len: usize = app.redis_cmd(redis::cmd("XLEN").arg(stream)).await;
     assert_eq!(len, 15, "nothing older than a pending entry goes");
 
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     live.drain().await.unwrap();
-    let len: usize = app.redis_cmd(redis::cmd("XLEN").arg(&stream)).await;
+    let len: usize = app.redis_cmd(redis::cmd("XLEN").arg(stream)).await;
     assert_eq!(len, 0);
     assert_eq!(stored_ids(&app, voucher).await.len(), 15);
 }
@@ -297,7 +297,7 @@ async fn consumers_of_dead_workers_are_forgotten_once_they_hold_nothing(db: PgPo
             .redis_cmd(
                 redis::cmd("XINFO")
                     .arg("CONSUMERS")
-                    .arg(&stream)
+                    .arg(stream)
                     .arg(seckill::stream::GROUP),
             )
             .await;

@@ -17,23 +17,32 @@ function setup(thread)
 end
 
 function init(args)
-  voucher = args[1] or error("usage: -- VOUCHER_ID TOKENS_FILE THREADS")
+  local voucher = args[1] or error("usage: -- VOUCHER_ID TOKENS_FILE THREADS")
   local path = args[2] or error("usage: -- VOUCHER_ID TOKENS_FILE THREADS")
-  tokens = {}
+  local total_threads = tonumber(args[3] or "1")
+  local me = thread_id or 0
+  local target = "/vouchers/" .. voucher .. "/seckill"
+  -- Requests are built once, up front: the load generator shares the machine with the
+  -- service, so it should spend as little as it can per request.
+  requests = {}
+  local i = 0
   for line in io.lines(path) do
-    if #line > 0 then tokens[#tokens + 1] = line end
+    if #line > 0 then
+      if i % total_threads == me then
+        requests[#requests + 1] = wrk.format("POST", target, { ["Authorization"] = "Bearer " .. line }, "")
+      end
+      i = i + 1
+    end
   end
-  assert(#tokens > 0, "no tokens in " .. path)
-  total_threads = tonumber(args[3] or "1")
-  position = thread_id or 0
+  assert(#requests > 0, "no tokens in " .. path)
+  count = #requests
+  position = 0
   statuses = {}
-  path_ = "/vouchers/" .. voucher .. "/seckill"
 end
 
 function request()
-  local token = tokens[(position % #tokens) + 1]
-  position = position + total_threads
-  return wrk.format("POST", path_, { ["Authorization"] = "Bearer " .. token }, "")
+  position = position % count + 1
+  return requests[position]
 end
 
 function response(status, headers, body)

@@ -6,9 +6,20 @@
 //! name), and the voucher keys carry `{stream.orders}` as their tag.
 
 /// Key names, optionally under a prefix (tests use one to get their own key space).
+/// The names that do not depend on a voucher are built once.
 #[derive(Clone, Debug)]
 pub struct Keys {
     prefix: String,
+    shards: std::sync::Arc<[ShardKeys]>,
+}
+
+#[derive(Debug)]
+struct ShardKeys {
+    stream: String,
+    pending: String,
+    dead_letters: String,
+    /// `<prefix>seckill:{<stream>}:voucher:`, completed by a voucher id.
+    voucher_prefix: String,
 }
 
 /// The field of a sale's hash recording a buyer's order id.
@@ -31,7 +42,17 @@ impl Keys {
             !prefix.contains(['{', '}']),
             "the Redis key prefix must not contain braces"
         );
-        Ok(Self { prefix })
+        let stream = format!("{prefix}stream.orders");
+        let shard = ShardKeys {
+            pending: format!("{prefix}seckill:{{{stream}}}:pending"),
+            voucher_prefix: format!("{prefix}seckill:{{{stream}}}:voucher:"),
+            dead_letters: format!("{stream}.dlq"),
+            stream,
+        };
+        Ok(Self {
+            prefix,
+            shards: vec![shard].into(),
+        })
     }
 
     pub fn prefix(&self) -> &str {
@@ -40,44 +61,40 @@ impl Keys {
 
     /// All shards that exist (one, until stream sharding is configured).
     pub fn shards(&self) -> impl Iterator<Item = Shard> {
-        std::iter::once(Shard(0))
+        (0..self.shards.len() as u32).map(Shard)
     }
 
     pub fn shard_of(&self, _voucher_id: i64) -> Shard {
         Shard(0)
     }
 
+    fn shard(&self, shard: Shard) -> &ShardKeys {
+        &self.shards[shard.0 as usize]
+    }
+
     /// The shard's order stream; also the hash tag of all keys in the shard.
-    pub fn stream(&self, _shard: Shard) -> String {
-        format!("{}stream.orders", self.prefix)
+    pub fn stream(&self, shard: Shard) -> &str {
+        &self.shard(shard).stream
     }
 
     /// Dead letters of the shard: entries that can never become an order row.
     /// Written apart from the admission script, so it need not share the slot.
-    pub fn dead_letters(&self, shard: Shard) -> String {
-        format!("{}.dlq", self.stream(shard))
+    pub fn dead_letters(&self, shard: Shard) -> &str {
+        &self.shard(shard).dead_letters
     }
 
-    fn tagged(&self, shard: Shard, rest: std::fmt::Arguments<'_>) -> String {
-        format!("{}seckill:{{{}}}:{}", self.prefix, self.stream(shard), rest)
-    }
-
+    /// A sale's hash: `stock`, `begin_ms`, `end_ms`, and a [`buyer_field`] per buyer.
     pub fn voucher(&self, voucher_id: i64) -> String {
-        self.tagged(
-            self.shard_of(voucher_id),
-            format_args!("voucher:{voucher_id}"),
-        )
+        let prefix = &self.shard(self.shard_of(voucher_id)).voucher_prefix;
+        let mut key = String::with_capacity(prefix.len() + 20);
+        key.push_str(prefix);
+        key.push_str(itoa::Buffer::new().format(voucher_id));
+        key
     }
 
-    pub fn buyers(&self, voucher_id: i64) -> String {
-        self.tagged(
-            self.shard_of(voucher_id),
-            format_args!("voucher:{voucher_id}:buyers"),
-        )
-    }
-
-    pub fn pending(&self, shard: Shard) -> String {
-        self.tagged(shard, format_args!("pending"))
+    /// The shard's pending records: order id -> `voucher_id:user_id:admitted_ms`.
+    pub fn pending(&self, shard: Shard) -> &str {
+        &self.shard(shard).pending
     }
 
     /// Lease of an order-id node number (not tied to a shard).
@@ -123,8 +140,8 @@ mod tests {
         for prefix in ["", "t42:"] {
             let keys = Keys::new(prefix).unwrap();
             let shard = keys.shard_of(7);
-            let stream_slot = slot(&keys.stream(shard));
-            for key in [keys.voucher(7), keys.pending(shard)] {
+            let stream_slot = slot(keys.stream(shard));
+            for key in [keys.voucher(7), keys.pending(shard).to_string()] {
                 assert_eq!(slot(&key), stream_slot, "{key}");
             }
         }

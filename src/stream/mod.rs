@@ -391,7 +391,7 @@ pub async fn trim_acknowledged<C: ConnectionLike + Send>(
     let stream = keys.stream(shard);
     let groups: Vec<std::collections::HashMap<String, redis::Value>> = redis::cmd("XINFO")
         .arg("GROUPS")
-        .arg(&stream)
+        .arg(stream)
         .query_async(conn)
         .await?;
     // Every group on the stream must be done with an entry before it goes.
@@ -408,7 +408,7 @@ pub async fn trim_acknowledged<C: ConnectionLike + Send>(
             .transpose()?
             .unwrap_or_default();
         let summary: (u64, Option<String>) = redis::cmd("XPENDING")
-            .arg(&stream)
+            .arg(stream)
             .arg(&name)
             .query_async::<redis::Value>(conn)
             .await
@@ -432,7 +432,7 @@ pub async fn trim_acknowledged<C: ConnectionLike + Send>(
         return Ok(0);
     };
     redis::cmd("XTRIM")
-        .arg(&stream)
+        .arg(stream)
         .arg("MINID")
         .arg(format!("{ms}-{seq}"))
         .query_async(conn)
@@ -452,7 +452,7 @@ pub async fn forget_idle_consumers<C: ConnectionLike + Send>(
     let stream = keys.stream(shard);
     let consumers: Vec<std::collections::HashMap<String, redis::Value>> = redis::cmd("XINFO")
         .arg("CONSUMERS")
-        .arg(&stream)
+        .arg(stream)
         .arg(GROUP)
         .query_async(conn)
         .await?;
@@ -469,7 +469,7 @@ pub async fn forget_idle_consumers<C: ConnectionLike + Send>(
             if idle >= idle_ms {
                 let _: i64 = redis::cmd("XGROUP")
                     .arg("DELCONSUMER")
-                    .arg(&stream)
+                    .arg(stream)
                     .arg(GROUP)
                     .arg(name)
                     .query_async(conn)

@@ -268,7 +268,7 @@ impl TestApp {
         let reply: redis::Value = self
             .redis_cmd(
                 redis::cmd("XPENDING")
-                    .arg(&stream)
+                    .arg(stream)
                     .arg(seckill::stream::GROUP),
             )
             .await;
