@@ -2,15 +2,16 @@
 --
 -- A sale is one hash: `stock`, `begin_ms`, `end_ms`, and a field `u:<user_id>` holding
 -- the order id of each buyer (so buyer records expire with the sale).
--- All keys share one hash tag (the voucher's shard), so this is valid on Redis Cluster.
+-- Both keys share one hash tag (the voucher's shard), so this is valid on Redis Cluster.
 -- KEYS[1] the sale hash
 -- KEYS[2] the shard's order stream (stream.orders)
--- KEYS[3] the shard's pending hash: order_id -> "voucher_id:user_id:admitted_ms"
 -- ARGV[1] voucher_id  ARGV[2] user_id  ARGV[3] order_id (minted by the API)
 --
 -- Returns {code} or {code, order_id}:
 --   0 admitted (order_id), 1 not loaded, 2 not started, 3 ended,
 --   4 already ordered (the existing order_id), 5 sold out
+--
+-- Kept to four commands: this script is most of Redis's work during a sale.
 local buyer = 'u:' .. ARGV[2]
 local v = redis.call('HMGET', KEYS[1], 'stock', 'begin_ms', 'end_ms', buyer)
 -- A missing field means the state is gone (restart, flush, expiry): fail closed,
@@ -41,5 +42,4 @@ end
 redis.call('HSET', KEYS[1], 'stock', stock - 1, buyer, ARGV[3])
 redis.call('XADD', KEYS[2], '*',
   'order_id', ARGV[3], 'voucher_id', ARGV[1], 'user_id', ARGV[2], 'admitted_ms', now)
-redis.call('HSET', KEYS[3], ARGV[3], ARGV[1] .. ':' .. ARGV[2] .. ':' .. now)
 return {0, ARGV[3]}

@@ -158,37 +158,23 @@ pub async fn books<C: ConnectionLike + Send>(
     Ok(out)
 }
 
-/// Orders admitted in Redis and not yet in Postgres, per voucher. A pending record
-/// whose order is already committed (the worker has not acknowledged it yet) does not
-/// count.
+/// Orders admitted in Redis and not yet in Postgres, per voucher: unacknowledged
+/// stream entries whose order Postgres does not hold (an entry committed but not yet
+/// acknowledged does not count).
 async fn in_flight_orders<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,
 ) -> anyhow::Result<HashMap<i64, i64>> {
-    let mut pending: Vec<(i64, i64)> = Vec::new(); // (order_id, voucher_id)
+    let mut admitted: Vec<(i64, i64)> = Vec::new(); // (order_id, voucher_id)
     for shard in keys.shards() {
-        let mut cursor = 0u64;
-        loop {
-            let (next, page): (u64, Vec<(i64, String)>) = redis::cmd("HSCAN")
-                .arg(keys.pending(shard))
-                .arg(cursor)
-                .arg("COUNT")
-                .arg(1000)
-                .query_async(conn)
-                .await?;
-            for (order_id, value) in page {
-                if let Some(Ok(voucher_id)) = value.split(':').next().map(str::parse) {
-                    pending.push((order_id, voucher_id));
-                }
+        for entry in crate::stream::unacknowledged(conn, keys, shard).await? {
+            if let Some(order) = entry.order() {
+                admitted.push((order.id, order.voucher_id));
             }
-            if next == 0 {
-                break;
-            }
-            cursor = next;
         }
     }
-    let ids: Vec<i64> = pending.iter().map(|(id, _)| *id).collect();
+    let ids: Vec<i64> = admitted.iter().map(|(id, _)| *id).collect();
     let committed: HashSet<i64> =
         sqlx::query_scalar("SELECT id FROM voucher_orders WHERE id = ANY($1)")
             .bind(&ids)
@@ -197,7 +183,7 @@ async fn in_flight_orders<C: ConnectionLike + Send>(
             .into_iter()
             .collect();
     let mut per_voucher = HashMap::new();
-    for (order_id, voucher_id) in pending {
+    for (order_id, voucher_id) in admitted {
         if !committed.contains(&order_id) {
             *per_voucher.entry(voucher_id).or_default() += 1;
         }

@@ -318,3 +318,37 @@ async fn consumers_of_dead_workers_are_forgotten_once_they_hold_nothing(db: PgPo
     assert!(!names().await.contains(&"worker-ghost".to_string()));
     assert_eq!(stored_ids(&app, voucher).await.len(), 3);
 }
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_dead_lettered_order_releases_its_buyer_who_may_try_again(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(5).await;
+    let (_, admitted) = app.grab(voucher, 7).await;
+    let order_id = admitted["order_id"].as_str().unwrap().to_string();
+    // Postgres has nothing left to sell (say, it was sold through another channel).
+    sqlx::query("UPDATE seckill_vouchers SET stock = 0 WHERE voucher_id = $1")
+        .bind(voucher)
+        .execute(&app.db)
+        .await
+        .unwrap();
+    let report = app.drain().await;
+    assert_eq!((report.inserted, report.dead_lettered), (0, 1));
+
+    let (status, _) = app
+        .get(&format!("/orders/{order_id}"), Some(&app.token(7)))
+        .await;
+    assert_eq!(
+        status,
+        StatusCode::NOT_FOUND,
+        "a dead-lettered order is no order"
+    );
+    let (_, mine) = app.get("/orders", Some(&app.token(7))).await;
+    assert_eq!(mine, serde_json::json!([]));
+    // Redis still has units, so the user can grab again (and that order is refused by
+    // Postgres's guard in turn: nothing is ever oversold).
+    let (status, again) = app.grab(voucher, 7).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{again}");
+    assert_ne!(again["order_id"].as_str().unwrap(), order_id);
+    app.drain().await;
+    assert!(stored_ids(&app, voucher).await.is_empty());
+}

@@ -16,7 +16,6 @@ pub struct Keys {
 #[derive(Debug)]
 struct ShardKeys {
     stream: String,
-    pending: String,
     dead_letters: String,
     /// `<prefix>seckill:{<stream>}:voucher:`, completed by a voucher id.
     voucher_prefix: String,
@@ -44,7 +43,6 @@ impl Keys {
         );
         let stream = format!("{prefix}stream.orders");
         let shard = ShardKeys {
-            pending: format!("{prefix}seckill:{{{stream}}}:pending"),
             voucher_prefix: format!("{prefix}seckill:{{{stream}}}:voucher:"),
             dead_letters: format!("{stream}.dlq"),
             stream,
@@ -92,11 +90,6 @@ impl Keys {
         key
     }
 
-    /// The shard's pending records: order id -> `voucher_id:user_id:admitted_ms`.
-    pub fn pending(&self, shard: Shard) -> &str {
-        &self.shard(shard).pending
-    }
-
     /// Lease of an order-id node number (not tied to a shard).
     pub fn node_lease(&self, node: u16) -> String {
         format!("{}seckill:node:{node}", self.prefix)
@@ -141,9 +134,8 @@ mod tests {
             let keys = Keys::new(prefix).unwrap();
             let shard = keys.shard_of(7);
             let stream_slot = slot(keys.stream(shard));
-            for key in [keys.voucher(7), keys.pending(shard).to_string()] {
-                assert_eq!(slot(&key), stream_slot, "{key}");
-            }
+            let key = keys.voucher(7);
+            assert_eq!(slot(&key), stream_slot, "{key}");
         }
     }
 

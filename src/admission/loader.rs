@@ -71,13 +71,14 @@ pub async fn load_sale<C: ConnectionLike + Send>(
     let end_ms = sale.end_time.timestamp_millis();
     let mut load = LOAD.prepare_invoke();
     load.key(keys.voucher(voucher_id))
-        .key(keys.pending(keys.shard_of(voucher_id)))
+        .key(keys.stream(keys.shard_of(voucher_id)))
         .arg(mode.as_str())
         .arg(voucher_id)
         .arg(sale.stock)
         .arg(sale.begin_time.timestamp_millis())
         .arg(end_ms)
-        .arg(end_ms.saturating_add(retention.as_millis() as i64));
+        .arg(end_ms.saturating_add(retention.as_millis() as i64))
+        .arg(crate::stream::GROUP);
     for (user_id, order_id) in &buyers {
         load.arg(user_id).arg(order_id);
     }

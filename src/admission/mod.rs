@@ -58,7 +58,6 @@ pub async fn admit<C: ConnectionLike + Send>(
     let reply: Vec<redis::Value> = SECKILL
         .key(keys.voucher(voucher_id))
         .key(keys.stream(shard))
-        .key(keys.pending(shard))
         .arg(voucher_id)
         .arg(user_id)
         .arg(order_id)
@@ -99,7 +98,7 @@ pub async fn live_stock<C: ConnectionLike + Send>(
         .await
 }
 
-/// An order admitted in Redis and not yet acknowledged by the worker.
+/// An order admitted in Redis and not (yet) in Postgres.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PendingOrder {
     pub order_id: i64,
@@ -108,52 +107,21 @@ pub struct PendingOrder {
     pub admitted_ms: i64,
 }
 
-/// Looks orders up among those the worker has not written yet.
-pub async fn pending_orders<C: ConnectionLike + Send>(
-    conn: &mut C,
-    keys: &Keys,
-    order_ids: &[i64],
-) -> RedisResult<Vec<PendingOrder>> {
-    let mut found = Vec::new();
-    if order_ids.is_empty() {
-        return Ok(found);
-    }
-    for shard in keys.shards() {
-        let raw: Vec<Option<String>> = redis::cmd("HMGET")
-            .arg(keys.pending(shard))
-            .arg(order_ids)
-            .query_async(conn)
-            .await?;
-        for (&order_id, raw) in order_ids.iter().zip(raw) {
-            let Some(raw) = raw else { continue };
-            let mut parts = raw.split(':').map(str::parse::<i64>);
-            if let (Some(Ok(voucher_id)), Some(Ok(user_id)), Some(Ok(admitted_ms))) =
-                (parts.next(), parts.next(), parts.next())
-            {
-                found.push(PendingOrder {
-                    order_id,
-                    voucher_id,
-                    user_id,
-                    admitted_ms,
-                });
-            }
+impl PendingOrder {
+    fn new(order_id: i64, voucher_id: i64, user_id: i64) -> Self {
+        Self {
+            order_id,
+            voucher_id,
+            user_id,
+            // The id carries its minting time, within a millisecond of admission.
+            admitted_ms: order_id::timestamp_ms(order_id) as i64,
         }
     }
-    Ok(found)
 }
 
-/// Looks an order up among those the worker has not written yet.
-pub async fn pending_order<C: ConnectionLike + Send>(
-    conn: &mut C,
-    keys: &Keys,
-    order_id: i64,
-) -> RedisResult<Option<PendingOrder>> {
-    Ok(pending_orders(conn, keys, &[order_id]).await?.pop())
-}
-
-/// The user's orders in the given sales that the worker has not written yet: the
-/// buyer records of those sales, confirmed by the pending records.
-pub async fn pending_orders_of<C: ConnectionLike + Send>(
+/// The user's orders in the given sales, as their buyer records in Redis say: the
+/// orders admitted there, whether or not the worker has written them yet.
+pub async fn orders_of<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     user_id: i64,
@@ -168,8 +136,73 @@ pub async fn pending_orders_of<C: ConnectionLike + Send>(
         pipe.cmd("HGET").arg(keys.voucher(voucher_id)).arg(&field);
     }
     let held: Vec<Option<i64>> = pipe.query_async(conn).await?;
-    let order_ids: Vec<i64> = held.into_iter().flatten().collect();
-    let mut found = pending_orders(conn, keys, &order_ids).await?;
-    found.retain(|p| p.user_id == user_id);
-    Ok(found)
+    Ok(voucher_ids
+        .iter()
+        .zip(held)
+        .filter_map(|(&voucher_id, order)| Some(PendingOrder::new(order?, voucher_id, user_id)))
+        .collect())
+}
+
+/// Looks an order up among the stream entries not yet trimmed (for administrators, who
+/// do not know whose order it is): a scan of at most `limit` entries.
+pub async fn find_in_stream<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    order_id: i64,
+    limit: usize,
+) -> RedisResult<Option<PendingOrder>> {
+    let wanted = order_id.to_string();
+    for shard in keys.shards() {
+        let mut start = "-".to_string();
+        let mut seen = 0;
+        while seen < limit {
+            let page: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
+                .arg(keys.stream(shard))
+                .arg(&start)
+                .arg("+")
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(conn)
+                .await?;
+            let Some((last, _)) = page.last() else { break };
+            start = format!("({last}");
+            seen += page.len();
+            for (_, fields) in &page {
+                let get = |k: &str| fields.iter().find(|(f, _)| f == k).map(|(_, v)| v.as_str());
+                if get("order_id") == Some(wanted.as_str()) {
+                    if let (Some(Ok(v)), Some(Ok(u))) = (
+                        get("voucher_id").map(str::parse),
+                        get("user_id").map(str::parse),
+                    ) {
+                        return Ok(Some(PendingOrder::new(order_id, v, u)));
+                    }
+                }
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// Removes a buyer record if it still names `order_id`: called when that order was
+/// dead-lettered, so it holds no order and may try again.
+pub async fn forget_buyer<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    voucher_id: i64,
+    user_id: i64,
+    order_id: i64,
+) -> RedisResult<bool> {
+    static FORGET: LazyLock<Script> = LazyLock::new(|| {
+        Script::new(
+            "if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then \
+               return redis.call('HDEL', KEYS[1], ARGV[1]) end return 0",
+        )
+    });
+    let removed: i64 = FORGET
+        .key(keys.voucher(voucher_id))
+        .arg(keys::buyer_field(user_id))
+        .arg(order_id)
+        .invoke_async(conn)
+        .await?;
+    Ok(removed == 1)
 }

@@ -46,6 +46,17 @@ impl From<PendingOrder> for OrderResponse {
     }
 }
 
+/// Sales whose Redis state may still hold buyer records (not ended longer ago than the
+/// retention).
+async fn recent_sales(state: &AppState) -> AppResult<Vec<i64>> {
+    let since = chrono::Utc::now()
+        - chrono::Duration::from_std(state.settings.sale_state_retention).unwrap_or_default();
+    Ok(crate::store::vouchers::sales_ending_after(&state.db, since).await?)
+}
+
+/// Most stream entries an administrator's lookup of a pending order scans.
+const ADMIN_STREAM_SCAN: usize = 200_000;
+
 pub async fn get(
     State(state): State<AppState>,
     user: AuthUser,
@@ -53,18 +64,27 @@ pub async fn get(
 ) -> AppResult<Json<OrderResponse>> {
     let not_found = || AppError::NotFound(format!("order {order_id} not found"));
     let visible = |owner: i64| user.admin || owner == user.user_id;
-    // Redis first: the worker commits to Postgres before it forgets the pending record,
-    // so an order missing from Redis and present at all is already in Postgres.
-    let mut conn = state.redis.clone();
-    if let Some(p) = admission::pending_order(&mut conn, &state.keys, order_id).await? {
-        return if visible(p.user_id) {
-            Ok(Json(p.into()))
+    if let Some(row) = orders::get(&state.db, order_id).await? {
+        return if visible(row.user_id) {
+            Ok(Json(row.into()))
         } else {
             Err(not_found())
         };
     }
-    match orders::get(&state.db, order_id).await? {
-        Some(row) if visible(row.user_id) => Ok(Json(row.into())),
+    // Not in Postgres (yet): admitted orders are found through the caller's buyer
+    // records; an administrator's lookup scans the stream instead.
+    let mut conn = state.redis.clone();
+    let pending = if user.admin {
+        admission::find_in_stream(&mut conn, &state.keys, order_id, ADMIN_STREAM_SCAN).await?
+    } else {
+        let sales = recent_sales(&state).await?;
+        admission::orders_of(&mut conn, &state.keys, user.user_id, &sales)
+            .await?
+            .into_iter()
+            .find(|p| p.order_id == order_id)
+    };
+    match pending {
+        Some(p) if visible(p.user_id) => Ok(Json(p.into())),
         _ => Err(not_found()),
     }
 }
@@ -73,17 +93,13 @@ pub async fn list_mine(
     State(state): State<AppState>,
     user: AuthUser,
 ) -> AppResult<Json<Vec<OrderResponse>>> {
-    // Pending orders can only be in sales whose Redis state still exists.
-    let since = chrono::Utc::now()
-        - chrono::Duration::from_std(state.settings.sale_state_retention).unwrap_or_default();
-    let sales = crate::store::vouchers::sales_ending_after(&state.db, since).await?;
+    let sales = recent_sales(&state).await?;
     let mut conn = state.redis.clone();
-    let pending =
-        admission::pending_orders_of(&mut conn, &state.keys, user.user_id, &sales).await?;
+    let admitted = admission::orders_of(&mut conn, &state.keys, user.user_id, &sales).await?;
     let stored = orders::list_by_user(&state.db, user.user_id).await?;
     let mut all: Vec<OrderResponse> = stored.into_iter().map(Into::into).collect();
-    for p in pending {
-        // Committed but not yet forgotten in Redis: Postgres's row wins.
+    for p in admitted {
+        // Written already: Postgres's row is the one to show.
         if !all.iter().any(|o| o.order_id == p.order_id.to_string()) {
             all.push(p.into());
         }

@@ -1,18 +1,14 @@
 //! The order stream between admission and the worker: `stream.orders`, read by the
 //! consumer group `seckill-workers`.
 
-use std::sync::LazyLock;
-
 use chrono::{DateTime, Utc};
 use redis::aio::ConnectionLike;
-use redis::{RedisResult, Script, Value};
+use redis::{RedisResult, Value};
 
 use crate::admission::keys::{Keys, Shard};
 use crate::store::orders::NewOrder;
 
 pub const GROUP: &str = "seckill-workers";
-
-static ACK: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../../lua/ack.lua")));
 
 /// One stream entry as the worker sees it.
 #[derive(Debug, Clone, PartialEq)]
@@ -273,8 +269,8 @@ fn unexpected() -> redis::RedisError {
     ))
 }
 
-/// Acknowledges entries and forgets their pending records, in one script call.
-/// A missing group (Redis lost its data) means there is nothing left to acknowledge.
+/// Acknowledges entries. A missing group (Redis lost its data) means there is nothing
+/// left to acknowledge.
 pub async fn ack<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
@@ -284,21 +280,84 @@ pub async fn ack<C: ConnectionLike + Send>(
     if entries.is_empty() {
         return Ok(0);
     }
-    let mut call = ACK.prepare_invoke();
-    call.key(keys.stream(shard))
-        .key(keys.pending(shard))
-        .arg(GROUP);
+    let mut cmd = redis::cmd("XACK");
+    cmd.arg(keys.stream(shard)).arg(GROUP);
     for entry in entries {
-        call.arg(entry.entry_id());
-        match entry.order() {
-            Some(order) => call.arg(order.id),
-            None => call.arg(""),
-        };
+        cmd.arg(entry.entry_id());
     }
-    match call.invoke_async(conn).await {
+    match cmd.query_async(conn).await {
         Err(e) if e.code() == Some("NOGROUP") => Ok(0),
         other => other,
     }
+}
+
+/// Entries of the stream not yet acknowledged: pending in the group, or not delivered
+/// yet. (All of them when the group does not exist.)
+pub async fn unacknowledged<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    shard: Shard,
+) -> RedisResult<Vec<Entry>> {
+    let stream = keys.stream(shard);
+    let groups: Vec<std::collections::HashMap<String, redis::Value>> = match redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(stream)
+        .query_async(conn)
+        .await
+    {
+        Ok(groups) => groups,
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) => {
+            Vec::new()
+        }
+        Err(e) => return Err(e),
+    };
+    let last_delivered = groups
+        .iter()
+        .find(|g| {
+            g.get("name")
+                .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
+                .as_deref()
+                == Some(GROUP)
+        })
+        .and_then(|g| g.get("last-delivered-id"))
+        .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
+        .and_then(|id| parse_id(&id));
+    let pending: std::collections::HashSet<String> = if last_delivered.is_some() {
+        let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+            .arg(stream)
+            .arg(GROUP)
+            .arg("-")
+            .arg("+")
+            .arg(u32::MAX)
+            .query_async(conn)
+            .await?;
+        rows.into_iter().map(|(id, ..)| id).collect()
+    } else {
+        Default::default()
+    };
+    let mut out = Vec::new();
+    let mut start = "-".to_string();
+    loop {
+        let reply: Value = redis::cmd("XRANGE")
+            .arg(stream)
+            .arg(&start)
+            .arg("+")
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(conn)
+            .await?;
+        let page = parse_entries(reply)?;
+        let Some(last) = page.last() else { break };
+        start = format!("({}", last.entry_id());
+        out.extend(page.into_iter().filter(|e| {
+            pending.contains(e.entry_id())
+                || match (parse_id(e.entry_id()), last_delivered) {
+                    (Some(id), Some(last)) => id > last,
+                    _ => true,
+                }
+        }));
+    }
+    Ok(out)
 }
 
 /// Most dead letters kept; older ones are trimmed away.

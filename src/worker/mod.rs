@@ -187,6 +187,17 @@ impl Worker {
                     tracing::warn!(entry_id = dead.entry_id(), %reason, "dead-lettering stream entry");
                 }
                 stream::dead_letter(&mut conn, &self.keys, shard, &dead).await?;
+                if let Some(order) = dead.order() {
+                    // The buyer holds no order now: let them see that, and try again.
+                    crate::admission::forget_buyer(
+                        &mut conn,
+                        &self.keys,
+                        order.voucher_id,
+                        order.user_id,
+                        order.id,
+                    )
+                    .await?;
+                }
                 report.dead_lettered += 1;
                 if let Entry::DeadLetter { reason, .. } = &dead {
                     let kind = match reason.split(':').next() {
