@@ -218,6 +218,7 @@ async fn serve(api: ApiArgs, worker_opts: Option<WorkerOptions>) -> anyhow::Resu
     let redis = redis_conn::connect(&api.redis.redis_url, redis_conn::COMMAND_TIMEOUT)?;
     let settings = Settings {
         sale_state_retention: Duration::from_secs(api.sale_state_retention_secs),
+        limits: api.limits.clone(),
     };
     let ids = Arc::new(OrderIds::default());
     let state = AppState::new(
@@ -243,7 +244,8 @@ async fn serve(api: ApiArgs, worker_opts: Option<WorkerOptions>) -> anyhow::Resu
     let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
         let _ = tcp.set_nodelay(true);
     });
-    axum::serve(listener, crate::build_app(state))
+    let app = crate::build_app(state).into_make_service_with_connect_info::<std::net::SocketAddr>();
+    axum::serve(listener, app)
         .with_graceful_shutdown(cancel.clone().cancelled_owned())
         .await?;
     cancel.cancel();

@@ -92,6 +92,47 @@ pub struct ApiArgs {
     /// How long buyer records and sale state stay in Redis after a sale ends, in seconds.
     #[arg(long, env = "SALE_STATE_RETENTION_SECS", default_value_t = 86_400)]
     pub sale_state_retention_secs: u64,
+    #[command(flatten)]
+    pub limits: LimitArgs,
+}
+
+/// Abuse limits of the HTTP API.
+#[derive(Debug, Clone, Args)]
+pub struct LimitArgs {
+    /// Grabs per second one user may make, on average (0: off). Per API instance.
+    #[arg(long, env = "RATE_LIMIT_PER_USER", default_value_t = 5)]
+    pub rate_limit_per_user: u32,
+    /// Grabs one user may make at once before the per-user rate applies.
+    #[arg(long, env = "RATE_LIMIT_PER_USER_BURST", default_value_t = 10)]
+    pub rate_limit_per_user_burst: u32,
+    /// Grabs per second from one client IP address (0: off, the default: behind a proxy
+    /// every client shares one address). Per API instance.
+    #[arg(long, env = "RATE_LIMIT_PER_IP", default_value_t = 0)]
+    pub rate_limit_per_ip: u32,
+    /// Grabs one IP address may make at once before the per-IP rate applies.
+    #[arg(long, env = "RATE_LIMIT_PER_IP_BURST", default_value_t = 200)]
+    pub rate_limit_per_ip_burst: u32,
+    /// Requests in progress at once; beyond that, answer 503 at once instead of queueing.
+    #[arg(long, env = "MAX_CONCURRENT_REQUESTS", default_value_t = 10_000,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_concurrent_requests: u32,
+    /// A request still unanswered after this many seconds gets 503.
+    #[arg(long, env = "REQUEST_TIMEOUT_SECS", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(1..=600))]
+    pub request_timeout_secs: u64,
+}
+
+impl Default for LimitArgs {
+    fn default() -> Self {
+        Self {
+            rate_limit_per_user: 5,
+            rate_limit_per_user_burst: 10,
+            rate_limit_per_ip: 0,
+            rate_limit_per_ip_burst: 200,
+            max_concurrent_requests: 10_000,
+            request_timeout_secs: 10,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Args)]
@@ -192,12 +233,14 @@ pub struct TokenArgs {
 #[derive(Debug, Clone)]
 pub struct Settings {
     pub sale_state_retention: Duration,
+    pub limits: LimitArgs,
 }
 
 impl Default for Settings {
     fn default() -> Self {
         Self {
             sale_state_retention: Duration::from_secs(86_400),
+            limits: LimitArgs::default(),
         }
     }
 }

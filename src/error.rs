@@ -3,7 +3,29 @@
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use serde_json::json;
+use serde::Serialize;
+use utoipa::ToSchema;
+
+/// Every error answer: `{"error": {"code": "...", "message": "..."}}`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorDetail {
+    /// Machine-readable: `unauthorized`, `forbidden`, `not_found`, `validation`,
+    /// `not_started`, `ended`, `sold_out`, `already_ordered`, `rate_limited`,
+    /// `unavailable`, `conflict`, `internal`.
+    #[schema(example = "sold_out")]
+    pub code: String,
+    /// For humans.
+    pub message: String,
+    /// With `already_ordered`: the caller's existing order.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(pattern = "^[1-9][0-9]{0,18}$")]
+    pub order_id: Option<String>,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
@@ -26,6 +48,9 @@ pub enum AppError {
     AlreadyOrdered { order_id: i64 },
     #[error("conflict: {0}")]
     Conflict(String),
+    /// Too many requests; try again after this many seconds.
+    #[error("rate limited")]
+    RateLimited { retry_after_secs: u64 },
     /// A dependency is down or not ready; nothing was reserved.
     #[error("unavailable: {0}")]
     Unavailable(String),
@@ -82,6 +107,11 @@ impl AppError {
                 "you already hold an order for this voucher".into(),
             ),
             Conflict(what) => (StatusCode::CONFLICT, "conflict", what.clone()),
+            RateLimited { .. } => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limited",
+                "too many requests, slow down".into(),
+            ),
             Unavailable(what) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable", what.clone()),
             Database(e) if is_unique_violation(e) => (
                 StatusCode::CONFLICT,
@@ -127,6 +157,15 @@ pub fn is_unique_violation(e: &sqlx::Error) -> bool {
 impl IntoResponse for AppError {
     fn into_response(self) -> Response {
         let (status, code, message) = self.parts();
+        let dependency = match &self {
+            AppError::Database(_) => Some("postgres"),
+            AppError::Redis(_) => Some("redis"),
+            _ => None,
+        };
+        if let Some(dependency) = dependency {
+            metrics::counter!(crate::metrics::DEPENDENCY_ERRORS, "dependency" => dependency, "in" => "api")
+                .increment(1);
+        }
         match &self {
             AppError::Database(_) | AppError::Redis(_) | AppError::Internal(_) => {
                 tracing::error!(error = %self, "request failed")
@@ -134,15 +173,27 @@ impl IntoResponse for AppError {
             AppError::Unavailable(_) => tracing::warn!(error = %self, "request failed"),
             _ => {}
         }
-        let mut body = json!({"error": {"code": code, "message": message}});
-        if let AppError::AlreadyOrdered { order_id } = &self {
-            body["error"]["order_id"] = json!(order_id.to_string());
-        }
+        let order_id = match &self {
+            AppError::AlreadyOrdered { order_id } => Some(order_id.to_string()),
+            _ => None,
+        };
+        let body = ErrorBody {
+            error: ErrorDetail {
+                code: code.to_string(),
+                message,
+                order_id,
+            },
+        };
         let mut response = (status, axum::Json(body)).into_response();
-        if status == StatusCode::SERVICE_UNAVAILABLE {
+        let retry_after = match &self {
+            AppError::RateLimited { retry_after_secs } => Some(*retry_after_secs),
+            _ if status == StatusCode::SERVICE_UNAVAILABLE => Some(1),
+            _ => None,
+        };
+        if let Some(secs) = retry_after {
             response
                 .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
         }
         response
     }

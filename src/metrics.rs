@@ -15,6 +15,12 @@ pub const DEAD_LETTERED: &str = "seckill_dead_lettered_total";
 pub const STREAM_LENGTH: &str = "seckill_stream_length";
 pub const STREAM_PENDING: &str = "seckill_stream_pending";
 pub const DEAD_LETTERS: &str = "seckill_dead_letters";
+pub const STREAM_LAG: &str = "seckill_stream_lag";
+pub const HTTP_REQUESTS: &str = "seckill_http_requests_total";
+pub const SHED: &str = "seckill_http_shed_total";
+pub const WORKER_BATCH_SIZE: &str = "seckill_worker_batch_size";
+pub const WORKER_COMMIT_SECONDS: &str = "seckill_worker_commit_seconds";
+pub const DEPENDENCY_ERRORS: &str = "seckill_dependency_errors_total";
 
 /// The process-wide recorder (installed on first use, with a thread doing its upkeep:
 /// without it histogram samples would pile up in memory between scrapes).
@@ -49,11 +55,12 @@ pub fn handle() -> PrometheusHandle {
 /// atomic add, not a registry lookup.
 pub struct HotPath {
     pub admission_seconds: metrics::Histogram,
-    outcomes: [metrics::Counter; 7],
+    outcomes: [metrics::Counter; 8],
 }
 
 impl HotPath {
-    pub const OUTCOMES: [&'static str; 7] = [
+    pub const OUTCOMES: [&'static str; 8] = [
+        "rate_limited",
         "admitted",
         "not_loaded",
         "not_started",
@@ -110,6 +117,21 @@ pub async fn sample_streams<C: ConnectionLike + Send>(
             }
             _ => 0,
         };
+        // Entries not yet delivered to any worker (Redis 7 keeps the count per group).
+        let groups: Vec<std::collections::HashMap<String, redis::Value>> = redis::cmd("XINFO")
+            .arg("GROUPS")
+            .arg(stream)
+            .query_async(conn)
+            .await
+            .unwrap_or_default();
+        let lag = groups
+            .iter()
+            .find_map(|g| {
+                g.get("lag")
+                    .and_then(|v| redis::from_redis_value_ref::<u64>(v).ok())
+            })
+            .unwrap_or(0);
+        metrics::gauge!(STREAM_LAG, "shard" => shard_label.clone()).set(lag as f64);
         metrics::gauge!(STREAM_LENGTH, "shard" => shard_label.clone()).set(len as f64);
         metrics::gauge!(STREAM_PENDING, "shard" => shard_label.clone()).set(pending as f64);
         metrics::gauge!(DEAD_LETTERS, "shard" => shard_label).set(dead as f64);

@@ -9,6 +9,7 @@ use crate::admission::keys::Keys;
 use crate::admission::order_id::OrderIds;
 use crate::auth::JwtKeys;
 use crate::config::Settings;
+use crate::http::limits::RateLimiter;
 use crate::redis_conn::RedisConn;
 
 /// Cloned once per request, so it is one pointer to the shared [`Shared`].
@@ -24,6 +25,8 @@ pub struct Shared {
     pub settings: Arc<Settings>,
     /// Vouchers whose Redis state is being reloaded right now (one reload at a time).
     pub reloading: Arc<Mutex<HashSet<i64>>>,
+    pub per_user: Option<RateLimiter>,
+    pub per_ip: Option<RateLimiter>,
 }
 
 impl AppState {
@@ -35,6 +38,10 @@ impl AppState {
         ids: Arc<OrderIds>,
         settings: Settings,
     ) -> Self {
+        let limits = &settings.limits;
+        let per_user =
+            RateLimiter::new(limits.rate_limit_per_user, limits.rate_limit_per_user_burst);
+        let per_ip = RateLimiter::new(limits.rate_limit_per_ip, limits.rate_limit_per_ip_burst);
         Self(Arc::new(Shared {
             db,
             redis,
@@ -43,6 +50,8 @@ impl AppState {
             ids,
             settings: Arc::new(settings),
             reloading: Arc::default(),
+            per_user,
+            per_ip,
         }))
     }
 }

@@ -10,10 +10,20 @@ use serde_json::{json, Value};
 
 use crate::state::AppState;
 
+#[utoipa::path(get, path = "/healthz", tag = "operations",
+    responses((status = 200, description = "the process runs", body = Object, example = json!({"status": "ok"}))))]
 pub async fn healthz() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
 
+#[utoipa::path(get, path = "/readyz", tag = "operations",
+    responses(
+        (status = 200, description = "Redis and Postgres answer", body = Object,
+            example = json!({"status": "ready", "checks": {"redis": "up", "postgres": "up"}})),
+        (status = 503, description = "a dependency is down; `checks` names it", body = Object,
+            example = json!({"status": "not_ready", "checks": {"redis": "up", "postgres": "down"},
+                "error": {"code": "unavailable", "message": "not ready: postgres down"}})),
+    ))]
 pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<Value>) {
     let timeout = Duration::from_secs(2);
     let mut conn = state.redis.clone();
@@ -54,6 +64,8 @@ pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<Value>) 
     }
 }
 
+#[utoipa::path(get, path = "/metrics", tag = "operations",
+    responses((status = 200, description = "Prometheus text format", content_type = "text/plain", body = String)))]
 pub async fn metrics(State(state): State<AppState>) -> impl axum::response::IntoResponse {
     let mut conn = state.redis.clone();
     if let Err(e) = crate::metrics::sample_streams(&mut conn, &state.keys).await {

@@ -2,15 +2,23 @@
 
 pub mod extract;
 pub mod health;
+pub mod limits;
+pub mod openapi;
 pub mod orders;
 pub mod seckill;
 pub mod vouchers;
 
 use std::time::Duration;
 
+use axum::error_handling::HandleErrorLayer;
+use axum::extract::{MatchedPath, Request};
+use axum::http::{HeaderName, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::Router;
-use tower_http::timeout::TimeoutLayer;
+use axum::{BoxError, Router};
+use tower::ServiceBuilder;
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
 
 use crate::error::AppError;
@@ -18,11 +26,15 @@ use crate::state::AppState;
 
 /// Largest request body accepted (a voucher is well under 1 KiB).
 pub const BODY_LIMIT: usize = 64 * 1024;
-pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 pub fn build_app(state: AppState) -> Router {
     // Install the metrics recorder before the first request records anything.
     crate::metrics::handle();
+    let limits = &state.settings.limits;
+    let timeout = Duration::from_secs(limits.request_timeout_secs);
+    let max_concurrent = limits.max_concurrent_requests as usize;
     Router::new()
         .route("/vouchers", post(vouchers::create))
         .route("/vouchers/{id}", get(vouchers::get))
@@ -33,22 +45,68 @@ pub fn build_app(state: AppState) -> Router {
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
         .route("/metrics", get(health::metrics))
+        .route("/openapi.json", get(openapi::openapi_json))
+        .route("/docs", get(openapi::docs))
         .fallback(|| async { AppError::NotFound("no such route".into()) })
         .method_not_allowed_fallback(|| async {
             AppError::Validation {
-                status: axum::http::StatusCode::METHOD_NOT_ALLOWED,
+                status: StatusCode::METHOD_NOT_ALLOWED,
                 message: "method not allowed on this route".into(),
             }
         })
         .layer(
-            tower::ServiceBuilder::new()
-                .layer(TraceLayer::new_for_http())
-                .layer(TimeoutLayer::with_status_code(
-                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
-                    REQUEST_TIMEOUT,
-                ))
+            ServiceBuilder::new()
+                // Accept the caller's x-request-id or make one; it is in every log line
+                // of the request and in the answer.
+                .layer(SetRequestIdLayer::new(REQUEST_ID, MakeRequestUuid))
+                .layer(PropagateRequestIdLayer::new(REQUEST_ID))
+                // Per-request spans and events at DEBUG only: the hot path logs nothing
+                // at the default level.
+                .layer(TraceLayer::new_for_http().make_span_with(|req: &Request| {
+                    let id = req
+                        .headers()
+                        .get(REQUEST_ID)
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("");
+                    tracing::debug_span!("request", method = %req.method(), uri = %req.uri(), request_id = %id)
+                }))
+                .layer(middleware::from_fn(count_requests))
+                // Overload answers 503 at once rather than queueing without end; a
+                // request that takes too long answers 503 too.
+                .layer(HandleErrorLayer::new(overloaded))
+                .load_shed()
+                .concurrency_limit(max_concurrent)
+                .timeout(timeout)
                 // Enforced by the body extractors, so a 413 still speaks our JSON.
                 .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT)),
         )
         .with_state(state)
+}
+
+async fn overloaded(err: BoxError) -> AppError {
+    if err.is::<tower::timeout::error::Elapsed>() {
+        AppError::Unavailable("the request took too long".into())
+    } else if err.is::<tower::load_shed::error::Overloaded>() {
+        metrics::counter!(crate::metrics::SHED).increment(1);
+        AppError::Unavailable("the server is at capacity, try again".into())
+    } else {
+        AppError::Internal(anyhow::anyhow!("middleware error: {err}"))
+    }
+}
+
+/// `seckill_http_requests_total{route, status}`.
+async fn count_requests(req: Request, next: Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_owned())
+        .unwrap_or_else(|| "unmatched".into());
+    let response = next.run(req).await.into_response();
+    metrics::counter!(
+        crate::metrics::HTTP_REQUESTS,
+        "route" => route,
+        "status" => response.status().as_u16().to_string()
+    )
+    .increment(1);
+    response
 }

@@ -5,20 +5,26 @@ use axum::extract::State;
 use axum::Json;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 use crate::admission::{self, PendingOrder};
 use crate::auth::AuthUser;
-use crate::error::{AppError, AppResult};
+use crate::error::{AppError, AppResult, ErrorBody};
 use crate::http::extract::PathId;
 use crate::state::AppState;
 use crate::store::orders::{self, OrderRow};
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub struct OrderResponse {
+    /// 64-bit, as a string.
+    #[schema(pattern = "^[1-9][0-9]{0,18}$")]
     pub order_id: String,
     pub voucher_id: i64,
     pub user_id: i64,
+    /// `pending` until the worker has written it to Postgres, then `created`.
+    #[schema(example = "created")]
     pub status: String,
+    /// Admission time.
     pub created_at: DateTime<Utc>,
 }
 
@@ -57,6 +63,15 @@ async fn recent_sales(state: &AppState) -> AppResult<Vec<i64>> {
 /// Most stream entries an administrator's lookup of a pending order scans.
 const ADMIN_STREAM_SCAN: usize = 200_000;
 
+#[utoipa::path(get, path = "/orders/{order_id}", tag = "orders", security(("bearer" = [])),
+    params(("order_id" = i64, Path, description = "order id", minimum = 1)),
+    responses(
+        (status = 200, description = "the order", body = OrderResponse),
+        (status = 400, description = "not a valid id (`validation`)", body = ErrorBody),
+        (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
+        (status = 404, description = "no such order, or somebody else's (`not_found`)", body = ErrorBody),
+        (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
+    ))]
 pub async fn get(
     State(state): State<AppState>,
     user: AuthUser,
@@ -89,6 +104,12 @@ pub async fn get(
     }
 }
 
+#[utoipa::path(get, path = "/orders", tag = "orders", security(("bearer" = [])),
+    responses(
+        (status = 200, description = "the caller's orders, newest first", body = [OrderResponse]),
+        (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
+        (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
+    ))]
 pub async fn list_mine(
     State(state): State<AppState>,
     user: AuthUser,

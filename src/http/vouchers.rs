@@ -5,10 +5,11 @@ use axum::http::StatusCode;
 use axum::Json;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 use crate::admission::{self, loader};
 use crate::auth::Admin;
-use crate::error::{AppError, AppResult};
+use crate::error::{AppError, AppResult, ErrorBody};
 use crate::http::extract::{AppJson, PathId};
 use crate::state::AppState;
 use crate::store::vouchers::{self, NewSeckill, NewVoucher, VoucherRow};
@@ -17,26 +18,50 @@ pub const MAX_STOCK: i64 = 1_000_000;
 const MAX_TITLE: usize = 255;
 const MAX_RULES: usize = 4_000;
 
-#[derive(Debug, Deserialize)]
+/// A voucher to publish; with `seckill` it is a flash-sale voucher. Money in cents.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(example = json!({"shop_id": 1, "title": "50 off 100", "sub_title": "weekdays",
+    "rules": "one per person", "pay_value": 5000, "actual_value": 10000,
+    "seckill": {"stock": 100, "begin_time": "2026-11-21T10:00:00Z", "end_time": "2026-11-21T12:00:00Z"}}))]
 pub struct CreateVoucher {
+    #[schema(minimum = 1, maximum = 9223372036854775807_i64)]
     pub shop_id: i64,
+    /// 1 to 255 characters, not blank, no NUL.
+    #[schema(
+        min_length = 1,
+        max_length = 255,
+        pattern = "^[^\\u0000]*\\S[^\\u0000]*$"
+    )]
     pub title: String,
+    /// Up to 255 characters, no NUL.
     #[serde(default)]
+    #[schema(max_length = 255, pattern = "^[^\\u0000]*$")]
     pub sub_title: String,
+    /// Up to 4000 characters, no NUL.
     #[serde(default)]
+    #[schema(max_length = 4000, pattern = "^[^\\u0000]*$")]
     pub rules: String,
+    /// What the shopper pays, in cents.
+    #[schema(minimum = 0, maximum = 9223372036854775807_i64)]
     pub pay_value: i64,
+    /// What the voucher is worth, in cents.
+    #[schema(minimum = 0, maximum = 9223372036854775807_i64)]
     pub actual_value: i64,
     #[serde(default)]
     pub seckill: Option<CreateSeckill>,
 }
 
-#[derive(Debug, Deserialize)]
+/// The flash sale: `end_time` after `begin_time` and in the future; `begin_time` may
+/// be in the past (the sale opens at once).
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateSeckill {
+    #[schema(minimum = 1, maximum = 1000000)]
     pub stock: i64,
+    /// RFC 3339.
     pub begin_time: DateTime<Utc>,
+    /// RFC 3339, after `begin_time`.
     pub end_time: DateTime<Utc>,
 }
 
@@ -103,7 +128,7 @@ impl CreateVoucher {
     }
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub struct VoucherResponse {
     pub id: i64,
     pub shop_id: i64,
@@ -120,7 +145,7 @@ pub struct VoucherResponse {
     pub seckill: Option<SeckillResponse>,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub struct SeckillResponse {
     /// Remaining stock: Redis's live count while the sale is loaded, else Postgres's.
     pub stock: i64,
@@ -177,6 +202,17 @@ async fn live_stocks(state: &AppState, rows: &[VoucherRow]) -> Vec<Option<i64>> 
     out
 }
 
+#[utoipa::path(post, path = "/vouchers", tag = "vouchers", security(("bearer" = [])),
+    request_body = CreateVoucher,
+    responses(
+        (status = 201, description = "created", body = VoucherResponse),
+        (status = 400, description = "unreadable JSON (`validation`)", body = ErrorBody),
+        (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
+        (status = 403, description = "not an administrator (`forbidden`)", body = ErrorBody),
+        (status = 413, description = "body over 64 KiB (`validation`)", body = ErrorBody),
+        (status = 422, description = "invalid fields (`validation`)", body = ErrorBody),
+        (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
+    ))]
 pub async fn create(
     State(state): State<AppState>,
     _admin: Admin,
@@ -208,6 +244,14 @@ pub async fn create(
     Ok((StatusCode::CREATED, Json(VoucherResponse::new(row, live))))
 }
 
+#[utoipa::path(get, path = "/vouchers/{id}", tag = "vouchers",
+    params(("id" = i64, Path, description = "voucher id", minimum = 1)),
+    responses(
+        (status = 200, description = "the voucher; a flash sale shows its live stock", body = VoucherResponse),
+        (status = 400, description = "not a valid id (`validation`)", body = ErrorBody),
+        (status = 404, description = "no such voucher (`not_found`)", body = ErrorBody),
+        (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
+    ))]
 pub async fn get(
     State(state): State<AppState>,
     PathId(id): PathId,
@@ -219,6 +263,13 @@ pub async fn get(
     Ok(Json(VoucherResponse::new(row, live[0])))
 }
 
+#[utoipa::path(get, path = "/shops/{shop_id}/vouchers", tag = "vouchers",
+    params(("shop_id" = i64, Path, description = "shop id", minimum = 1)),
+    responses(
+        (status = 200, description = "the shop's vouchers (at most 1000)", body = [VoucherResponse]),
+        (status = 400, description = "not a valid id (`validation`)", body = ErrorBody),
+        (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
+    ))]
 pub async fn list_by_shop(
     State(state): State<AppState>,
     PathId(shop_id): PathId,

@@ -162,9 +162,13 @@ impl Worker {
                 Entry::DeadLetter { .. } => None,
             })
             .collect();
+        let started = std::time::Instant::now();
         let mut outcomes = orders::persist_batch(&self.db, &new_orders)
             .await?
             .into_iter();
+        metrics::histogram!(crate::metrics::WORKER_COMMIT_SECONDS)
+            .record(started.elapsed().as_secs_f64());
+        metrics::histogram!(crate::metrics::WORKER_BATCH_SIZE).record(entries.len() as f64);
 
         let mut conn = self.redis.clone();
         for entry in entries {
@@ -408,6 +412,15 @@ impl Worker {
                 }
                 Err(e) => {
                     metrics::counter!(crate::metrics::WORKER_BATCH_ERRORS).increment(1);
+                    let dependency = if e.downcast_ref::<sqlx::Error>().is_some() {
+                        "postgres"
+                    } else if e.downcast_ref::<redis::RedisError>().is_some() {
+                        "redis"
+                    } else {
+                        "other"
+                    };
+                    metrics::counter!(crate::metrics::DEPENDENCY_ERRORS, "dependency" => dependency, "in" => "worker")
+                        .increment(1);
                     if format!("{e:#}").contains("NOGROUP") {
                         // Redis lost the stream or the group: re-create it. Our pending
                         // list is gone with it, so there is nothing to replay.

@@ -72,7 +72,8 @@ impl TestApp {
                 cancel.clone(),
             ));
         }
-        let app = seckill::build_app(state.clone());
+        let app =
+            seckill::build_app(state.clone()).into_make_service_with_connect_info::<SocketAddr>();
         let stop = cancel.clone();
         tokio::spawn(async move {
             axum::serve(listener, app)
