@@ -51,6 +51,15 @@ impl TestApp {
     /// The app against the Redis at `redis_url`; with `upkeep`, the background duties
     /// of an API process run too (lease renewal, reloading sales after data loss).
     pub async fn spawn_with(db: PgPool, redis_url: String, upkeep: bool) -> Self {
+        Self::spawn_full(db, redis_url, upkeep, Settings::default()).await
+    }
+
+    /// The app with its own settings (limits, retention).
+    pub async fn spawn_with_settings(db: PgPool, settings: Settings) -> Self {
+        Self::spawn_full(db, redis_url(), false, settings).await
+    }
+
+    async fn spawn_full(db: PgPool, redis_url: String, upkeep: bool, settings: Settings) -> Self {
         let prefix = format!("test{:016x}:", rand::random::<u64>());
         let keys = Keys::new(prefix).unwrap();
         let redis = redis_conn::connect(&redis_url, redis_conn::COMMAND_TIMEOUT).unwrap();
@@ -61,7 +70,7 @@ impl TestApp {
             keys.clone(),
             JwtKeys::new(SECRET).unwrap(),
             Arc::new(OrderIds::with_node(lease.node)),
-            Settings::default(),
+            settings,
         );
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();

@@ -1,0 +1,176 @@
+//! Running it in front of real traffic: limits, request ids, metrics, the API document.
+
+mod common;
+
+use common::TestApp;
+use reqwest::StatusCode;
+use seckill::config::{LimitArgs, Settings};
+use serde_json::Value;
+use sqlx::PgPool;
+
+fn settings(limits: LimitArgs) -> Settings {
+    Settings {
+        limits,
+        ..Settings::default()
+    }
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_user_pressing_too_fast_is_told_to_wait_and_nothing_is_reserved(db: PgPool) {
+    let app = TestApp::spawn_with_settings(
+        db,
+        settings(LimitArgs {
+            rate_limit_per_user: 1,
+            rate_limit_per_user_burst: 3,
+            ..LimitArgs::default()
+        }),
+    )
+    .await;
+    let voucher = app.open_sale(10).await;
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        statuses.push(app.grab(voucher, 5).await.0);
+    }
+    assert_eq!(
+        statuses,
+        [
+            StatusCode::ACCEPTED,
+            StatusCode::CONFLICT,
+            StatusCode::CONFLICT
+        ]
+    );
+    let resp = app
+        .client
+        .post(app.url(&format!("/vouchers/{voucher}/seckill")))
+        .bearer_auth(app.token(5))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(resp.headers()["retry-after"], "1");
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "rate_limited");
+    // Another user is not slowed down, and the limited press took no unit.
+    assert_eq!(app.grab(voucher, 6).await.0, StatusCode::ACCEPTED);
+    let (_, v) = app.get(&format!("/vouchers/{voucher}"), None).await;
+    assert_eq!(v["stock"], 8);
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn the_per_ip_limit_is_off_by_default_and_holds_when_set(db: PgPool) {
+    // Default: 200 distinct users from one address all get through.
+    let app = TestApp::spawn(db.clone()).await;
+    let voucher = app.open_sale(500).await;
+    for user in 1..=200 {
+        assert_eq!(app.grab(voucher, user).await.0, StatusCode::ACCEPTED);
+    }
+    drop(app);
+    let app = TestApp::spawn_with_settings(
+        db,
+        settings(LimitArgs {
+            rate_limit_per_ip: 1,
+            rate_limit_per_ip_burst: 5,
+            ..LimitArgs::default()
+        }),
+    )
+    .await;
+    let voucher = app.open_sale(500).await;
+    let mut limited = 0;
+    for user in 1000..1010 {
+        let (status, body) = app.grab(voucher, user).await;
+        if status == StatusCode::TOO_MANY_REQUESTS {
+            assert_eq!(body["error"]["code"], "rate_limited");
+            limited += 1;
+        }
+    }
+    assert_eq!(limited, 5, "a burst of 5 from one address, then 429");
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn beyond_the_concurrency_limit_requests_are_shed_with_503_at_once(db: PgPool) {
+    let app = TestApp::spawn_with_settings(
+        db,
+        settings(LimitArgs {
+            max_concurrent_requests: 1,
+            ..LimitArgs::default()
+        }),
+    )
+    .await;
+    // /readyz holds its slot for a Postgres and a Redis round trip; many at once overflow.
+    let replies = futures::future::join_all((0..50).map(|_| app.get("/readyz", None))).await;
+    let shed: Vec<&Value> = replies
+        .iter()
+        .filter(|(s, _)| *s == StatusCode::SERVICE_UNAVAILABLE)
+        .map(|(_, b)| b)
+        .collect();
+    assert!(!shed.is_empty(), "some were shed");
+    assert!(
+        replies.iter().any(|(s, _)| *s == StatusCode::OK),
+        "some got through"
+    );
+    for body in shed {
+        assert_eq!(body["error"]["code"], "unavailable", "{body}");
+    }
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn every_answer_carries_a_request_id_and_keeps_the_callers(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let resp = app.client.get(app.url("/healthz")).send().await.unwrap();
+    let made = resp.headers()["x-request-id"].to_str().unwrap().to_string();
+    assert_eq!(made.len(), 36, "a UUID: {made}");
+    let resp = app
+        .client
+        .get(app.url("/vouchers/1"))
+        .header("x-request-id", "trace-me-42")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::NOT_FOUND);
+    assert_eq!(resp.headers()["x-request-id"], "trace-me-42");
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn metrics_show_the_sale_the_worker_and_the_http_traffic(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(2).await;
+    for user in 1..=3 {
+        app.grab(voucher, user).await;
+    }
+    app.drain().await;
+    let text = app
+        .client
+        .get(app.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for series in [
+        "seckill_admissions_total{outcome=\"admitted\"}",
+        "seckill_admissions_total{outcome=\"sold_out\"}",
+        "seckill_admission_duration_seconds_bucket",
+        "seckill_http_requests_total{route=\"/vouchers/{id}/seckill\",status=\"202\"}",
+        "seckill_worker_orders_total{result=\"inserted\"}",
+        "seckill_worker_batch_size",
+        "seckill_worker_commit_seconds",
+        "seckill_stream_pending{shard=\"0\"} 0",
+        "seckill_stream_lag{shard=\"0\"} 0",
+        "seckill_dead_letters{shard=\"0\"} 0",
+    ] {
+        assert!(text.contains(series), "{series} missing from\n{text}");
+    }
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn the_api_document_and_its_docs_page_are_served(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let (status, doc) = app.get("/openapi.json", None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3.1"));
+    assert!(doc["paths"]["/vouchers/{id}/seckill"]["post"]["responses"]["429"].is_object());
+    let page = app.client.get(app.url("/docs")).send().await.unwrap();
+    assert_eq!(page.status(), StatusCode::OK);
+    assert!(page.text().await.unwrap().contains("/openapi.json"));
+}
