@@ -75,6 +75,25 @@ impl<S: Send + Sync> FromRequestParts<S> for PathId {
 #[cfg(test)]
 mod tests {
     use super::parse_id;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Every positive i64 written canonically parses back to itself.
+        #[test]
+        fn canonical_ids_round_trip(id in 1i64..=i64::MAX) {
+            prop_assert_eq!(parse_id(&id.to_string()), Some(id));
+        }
+
+        /// Whatever the input, the answer is either None or a positive id that prints back
+        /// as exactly the input: no lenient parse slips through.
+        #[test]
+        fn anything_parsed_is_canonical(s in "\\PC{0,24}") {
+            if let Some(id) = parse_id(&s) {
+                prop_assert!(id > 0);
+                prop_assert_eq!(id.to_string(), s);
+            }
+        }
+    }
 
     #[test]
     fn ids_are_parsed_strictly() {

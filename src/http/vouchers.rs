@@ -330,6 +330,36 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        /// Whatever JSON-typed values arrive, validation either refuses them or yields a
+        /// voucher that satisfies every constraint the database has.
+        #[test]
+        fn what_validation_lets_through_fits_the_database(
+            shop_id in proptest::prelude::any::<i64>(),
+            pay in proptest::prelude::any::<i64>(),
+            actual in proptest::prelude::any::<i64>(),
+            stock in proptest::prelude::any::<i64>(),
+            title in "\\PC{0,300}",
+            begin_offset in -100_000i64..100_000,
+            length in -100_000i64..100_000,
+        ) {
+            let now = Utc::now();
+            let begin = now + chrono::Duration::seconds(begin_offset);
+            let end = begin + chrono::Duration::seconds(length);
+            let json = serde_json::json!({"shop_id": shop_id, "title": title, "pay_value": pay,
+                "actual_value": actual, "seckill": {"stock": stock, "begin_time": begin, "end_time": end}});
+            let Ok(body) = serde_json::from_value::<CreateVoucher>(json) else { return Ok(()) };
+            if let Ok(v) = body.validate(now) {
+                proptest::prop_assert!(v.shop_id > 0 && v.pay_value >= 0 && v.actual_value >= 0);
+                proptest::prop_assert!(!v.title.trim().is_empty() && v.title.chars().count() <= 255);
+                proptest::prop_assert!(!v.title.contains('\0'));
+                let s = v.seckill.unwrap();
+                proptest::prop_assert!(s.stock >= 1 && s.stock as i64 <= MAX_STOCK);
+                proptest::prop_assert!(s.end_time > s.begin_time && s.end_time > now);
+            }
+        }
+    }
+
     #[test]
     fn an_ended_sale_cannot_be_created() {
         let mut json = valid();
