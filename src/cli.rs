@@ -50,14 +50,15 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
                 args.database.database_max_connections,
             )?;
             let cancel = shutdown_token();
-            worker(&db, &args.redis, keys, args.worker)?
+            worker(&db, &args.redis, keys, args.worker)
+                .await?
                 .run(cancel)
                 .await;
             Ok(ExitCode::SUCCESS)
         }
         Command::DeadLetters(args) => {
             let keys = keys(&args.redis)?;
-            let mut conn = redis_conn::connect(&args.redis.redis_url, redis_conn::COMMAND_TIMEOUT)?;
+            let mut conn = redis(&args.redis, redis_conn::COMMAND_TIMEOUT).await?;
             let letters = crate::reconcile::dead_letters(&mut conn, &keys, args.limit).await?;
             for letter in &letters {
                 let fields: Vec<String> = letter
@@ -85,7 +86,7 @@ async fn reconcile(args: crate::config::ReconcileArgs) -> anyhow::Result<ExitCod
     use crate::reconcile::{books, render, repair};
     let keys = keys(&args.redis)?;
     let db = store::pool(&args.database.database_url, 4)?;
-    let mut conn = redis_conn::connect(&args.redis.redis_url, Duration::from_secs(30))?;
+    let mut conn = redis(&args.redis, Duration::from_secs(30)).await?;
     let retention = Duration::from_secs(args.sale_state_retention_secs);
     let mut rows = books(&db, &mut conn, &keys, args.voucher, retention).await?;
     print!("{}", render(&rows));
@@ -150,14 +151,16 @@ fn token(args: crate::config::TokenArgs) -> anyhow::Result<()> {
 }
 
 fn keys(redis: &RedisArgs) -> anyhow::Result<Keys> {
-    anyhow::ensure!(
-        redis.redis_cluster_urls.is_empty(),
-        "REDIS_CLUSTER_URLS is set, but Redis Cluster mode is not available in this build yet"
-    );
-    Keys::new(redis.redis_key_prefix.clone())
+    Keys::with_shards(redis.redis_key_prefix.clone(), redis.stream_shards)
 }
 
-fn worker(
+/// A connection to the configured Redis (a cluster must answer within a minute).
+async fn redis(args: &RedisArgs, response_timeout: Duration) -> anyhow::Result<redis_conn::RedisConn> {
+    let target = redis_conn::RedisTarget::new(&args.redis_url, &args.redis_cluster_urls);
+    redis_conn::connect_to(&target, response_timeout, Duration::from_secs(60)).await
+}
+
+async fn worker(
     db: &sqlx::PgPool,
     redis: &RedisArgs,
     keys: Keys,
@@ -165,7 +168,7 @@ fn worker(
 ) -> anyhow::Result<Worker> {
     let block = Duration::from_millis(opts.worker_block_ms);
     // Its own connection, with room for the blocking read in the response timeout.
-    let conn = redis_conn::connect(&redis.redis_url, block + redis_conn::COMMAND_TIMEOUT)?;
+    let conn = self::redis(redis, block + redis_conn::COMMAND_TIMEOUT).await?;
     let config = WorkerConfig {
         consumer: opts
             .worker_consumer
@@ -215,7 +218,7 @@ async fn serve(api: ApiArgs, worker_opts: Option<WorkerOptions>) -> anyhow::Resu
     if !api.skip_migrations {
         store::migrate(&db, Duration::from_secs(60)).await?;
     }
-    let redis = redis_conn::connect(&api.redis.redis_url, redis_conn::COMMAND_TIMEOUT)?;
+    let redis = redis(&api.redis, redis_conn::COMMAND_TIMEOUT).await?;
     let settings = Settings {
         sale_state_retention: Duration::from_secs(api.sale_state_retention_secs),
         limits: api.limits.clone(),
@@ -234,7 +237,7 @@ async fn serve(api: ApiArgs, worker_opts: Option<WorkerOptions>) -> anyhow::Resu
 
     tasks.spawn(upkeep::run(state.clone(), cancel.clone()));
     if let Some(opts) = worker_opts {
-        let worker = worker(&db, &api.redis, keys, opts)?;
+        let worker = worker(&db, &api.redis, keys, opts).await?;
         tasks.spawn(worker.run(cancel.clone()));
     }
 

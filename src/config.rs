@@ -72,6 +72,11 @@ pub struct RedisArgs {
     /// Prefix of every Redis key (to share one Redis between deployments or tests).
     #[arg(long, env = "REDIS_KEY_PREFIX", default_value = "")]
     pub redis_key_prefix: String,
+    /// Order streams; each voucher belongs to one (`voucher_id mod S`). Every process
+    /// of a deployment must use the same number; change it only with the streams drained.
+    #[arg(long, env = "STREAM_SHARDS", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub stream_shards: u32,
 }
 
 #[derive(Debug, Clone, Args)]

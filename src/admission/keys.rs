@@ -3,7 +3,10 @@
 //! Every key the admission script touches for a voucher carries the hash tag of the
 //! stream that voucher's orders go to, so one script call stays in one cluster slot.
 //! With one shard the stream is plain `stream.orders` (its slot is that of the whole
-//! name), and the voucher keys carry `{stream.orders}` as their tag.
+//! name), and the voucher keys carry `{stream.orders}` as their tag. With S shards the
+//! streams are `stream.orders:{<tag>}`, one tag per shard, the tags chosen so their
+//! slots spread evenly over the 16384 slots (and so over the nodes of a cluster); a
+//! voucher belongs to shard `voucher_id mod S`.
 
 /// Key names, optionally under a prefix (tests use one to get their own key space).
 /// The names that do not depend on a voucher are built once.
@@ -29,27 +32,50 @@ pub fn buyer_field(user_id: i64) -> String {
 /// Fields of a sale's hash besides the buyers.
 pub const SALE_FIELDS: i64 = 3;
 
-/// Which stream shard a voucher's orders go to (always 0 with one shard).
+/// Which stream shard a voucher's orders go to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Shard(pub u32);
 
 impl Keys {
-    /// `prefix` must not contain `{` or `}` (it would change the hash tag).
+    /// One shard. `prefix` must not contain `{` or `}` (it would change the hash tag).
     pub fn new(prefix: impl Into<String>) -> anyhow::Result<Self> {
+        Self::with_shards(prefix, 1)
+    }
+
+    /// `shards` streams (1 to 1024); every process of a deployment must use the same.
+    pub fn with_shards(prefix: impl Into<String>, shards: u32) -> anyhow::Result<Self> {
         let prefix = prefix.into();
         anyhow::ensure!(
             !prefix.contains(['{', '}']),
             "the Redis key prefix must not contain braces"
         );
-        let stream = format!("{prefix}stream.orders");
-        let shard = ShardKeys {
-            voucher_prefix: format!("{prefix}seckill:{{{stream}}}:voucher:"),
-            dead_letters: format!("{stream}.dlq"),
-            stream,
+        anyhow::ensure!(
+            (1..=1024).contains(&shards),
+            "the number of stream shards must be between 1 and 1024"
+        );
+        let shards: Vec<ShardKeys> = if shards == 1 {
+            let stream = format!("{prefix}stream.orders");
+            vec![ShardKeys {
+                voucher_prefix: format!("{prefix}seckill:{{{stream}}}:voucher:"),
+                dead_letters: format!("{stream}.dlq"),
+                stream,
+            }]
+        } else {
+            (0..shards)
+                .map(|i| {
+                    let tag = spread_tag(i, shards);
+                    let stream = format!("{prefix}stream.orders:{{{tag}}}");
+                    ShardKeys {
+                        voucher_prefix: format!("{prefix}seckill:{{{tag}}}:voucher:"),
+                        dead_letters: format!("{stream}.dlq"),
+                        stream,
+                    }
+                })
+                .collect()
         };
         Ok(Self {
             prefix,
-            shards: vec![shard].into(),
+            shards: shards.into(),
         })
     }
 
@@ -57,13 +83,13 @@ impl Keys {
         &self.prefix
     }
 
-    /// All shards that exist (one, until stream sharding is configured).
+    /// Every shard.
     pub fn shards(&self) -> impl Iterator<Item = Shard> {
         (0..self.shards.len() as u32).map(Shard)
     }
 
-    pub fn shard_of(&self, _voucher_id: i64) -> Shard {
-        Shard(0)
+    pub fn shard_of(&self, voucher_id: i64) -> Shard {
+        Shard(voucher_id.rem_euclid(self.shards.len() as i64) as u32)
     }
 
     fn shard(&self, shard: Shard) -> &ShardKeys {
@@ -100,33 +126,45 @@ impl Keys {
     }
 }
 
+/// CRC16 hash slot as Redis Cluster computes it (hash tag aware).
+pub fn slot(key: &str) -> u16 {
+    let bytes = key.as_bytes();
+    let hashed = match key.find('{') {
+        Some(open) => match key[open + 1..].find('}') {
+            Some(len) if len > 0 => &bytes[open + 1..open + 1 + len],
+            _ => bytes,
+        },
+        None => bytes,
+    };
+    let mut crc: u16 = 0;
+    for &b in hashed {
+        crc ^= (b as u16) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % 16384
+}
+
+/// A hash tag for shard `i` of `n` whose slot lies in the `i`-th of `n` equal slices of
+/// the slot space, so shards spread evenly over cluster nodes that own contiguous
+/// ranges (as `redis-cli --cluster create` assigns them).
+fn spread_tag(i: u32, n: u32) -> String {
+    let lo = (i as u64 * 16384 / n as u64) as u16;
+    let hi = ((i as u64 + 1) * 16384 / n as u64) as u16;
+    (0u32..)
+        .map(|k| format!("s{i}.{k}"))
+        .find(|tag| (lo..hi).contains(&slot(tag)))
+        .expect("some tag lands in every slice")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// CRC16 hash slot as Redis Cluster computes it (hash tag aware).
-    fn slot(key: &str) -> u16 {
-        let bytes = key.as_bytes();
-        let hashed = match key.find('{') {
-            Some(open) => match key[open + 1..].find('}') {
-                Some(len) if len > 0 => &bytes[open + 1..open + 1 + len],
-                _ => bytes,
-            },
-            None => bytes,
-        };
-        let mut crc: u16 = 0;
-        for &b in hashed {
-            crc ^= (b as u16) << 8;
-            for _ in 0..8 {
-                crc = if crc & 0x8000 != 0 {
-                    (crc << 1) ^ 0x1021
-                } else {
-                    crc << 1
-                };
-            }
-        }
-        crc % 16384
-    }
 
     #[test]
     fn every_key_of_a_voucher_shares_the_slot_of_its_stream() {
@@ -144,6 +182,26 @@ mod tests {
         let keys = Keys::new("").unwrap();
         assert_eq!(keys.stream(Shard(0)), "stream.orders");
         assert_eq!(keys.dead_letters(Shard(0)), "stream.orders.dlq");
+    }
+
+    #[test]
+    fn sharded_keys_share_their_shards_slot_and_shards_spread_over_the_slot_space() {
+        let keys = Keys::with_shards("p:", 6).unwrap();
+        let mut slots = Vec::new();
+        for voucher in 1..=12 {
+            let shard = keys.shard_of(voucher);
+            assert_eq!(shard.0 as i64, voucher % 6);
+            let stream_slot = slot(keys.stream(shard));
+            assert_eq!(slot(&keys.voucher(voucher)), stream_slot);
+            assert_eq!(slot(keys.dead_letters(shard)), stream_slot);
+            assert!(keys.stream(shard).starts_with("p:stream.orders:{"));
+            slots.push(stream_slot);
+        }
+        // Shard i's slot lies in the i-th sixth: three nodes get two shards each.
+        for (i, shard) in keys.shards().enumerate() {
+            let s = slot(keys.stream(shard)) as usize;
+            assert_eq!(s * 6 / 16384, i, "shard {i} at slot {s}");
+        }
     }
 
     #[test]

@@ -121,7 +121,7 @@ impl PendingOrder {
 
 /// The user's orders in the given sales, as their buyer records in Redis say: the
 /// orders admitted there, whether or not the worker has written them yet.
-pub async fn orders_of<C: ConnectionLike + Send>(
+pub async fn orders_of<C: ConnectionLike + Send + Clone>(
     conn: &mut C,
     keys: &Keys,
     user_id: i64,
@@ -131,11 +131,17 @@ pub async fn orders_of<C: ConnectionLike + Send>(
         return Ok(Vec::new());
     }
     let field = keys::buyer_field(user_id);
-    let mut pipe = redis::pipe();
-    for &voucher_id in voucher_ids {
-        pipe.cmd("HGET").arg(keys.voucher(voucher_id)).arg(&field);
-    }
-    let held: Vec<Option<i64>> = pipe.query_async(conn).await?;
+    // One command per sale, all in flight at once: the sales may live on different
+    // cluster nodes, so no pipeline.
+    let lookups = voucher_ids.iter().map(|&voucher_id| {
+        let mut conn = conn.clone();
+        let cmd = redis::cmd("HGET")
+            .arg(keys.voucher(voucher_id))
+            .arg(&field)
+            .clone();
+        async move { cmd.query_async::<Option<i64>>(&mut conn).await }
+    });
+    let held: Vec<Option<i64>> = futures_util::future::try_join_all(lookups).await?;
     Ok(voucher_ids
         .iter()
         .zip(held)

@@ -274,7 +274,10 @@ impl Worker {
                     entries
                 }
                 Source::New => {
-                    let block_ms = self.config.block.as_millis().max(1) as u64;
+                    // One blocking read per shard in turn, so a round over all shards
+                    // still waits at most `block` when everything is idle.
+                    let shards = self.keys.shards().count().max(1) as u128;
+                    let block_ms = (self.config.block.as_millis() / shards).max(1) as u64;
                     self.read_batch(shard, ReadFrom::New { block_ms }).await?
                 }
             };
