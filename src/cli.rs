@@ -155,7 +155,10 @@ fn keys(redis: &RedisArgs) -> anyhow::Result<Keys> {
 }
 
 /// A connection to the configured Redis (a cluster must answer within a minute).
-async fn redis(args: &RedisArgs, response_timeout: Duration) -> anyhow::Result<redis_conn::RedisConn> {
+async fn redis(
+    args: &RedisArgs,
+    response_timeout: Duration,
+) -> anyhow::Result<redis_conn::RedisConn> {
     let target = redis_conn::RedisTarget::new(&args.redis_url, &args.redis_cluster_urls);
     redis_conn::connect_to(&target, response_timeout, Duration::from_secs(60)).await
 }

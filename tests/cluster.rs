@@ -1,0 +1,161 @@
+//! Scale-out on a real 3-master Redis Cluster: two `seckill api` and two `seckill worker`
+//! processes, six stream shards, a dozen sales at once.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use common::cluster::PrivateCluster;
+use common::faults::{self, Process};
+use futures::StreamExt;
+use reqwest::StatusCode;
+use seckill::auth::JwtKeys;
+use serde_json::{json, Value};
+use sqlx::PgPool;
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_dozen_sales_on_a_three_master_cluster_sell_exactly_their_stock(db: PgPool) {
+    let cluster = PrivateCluster::start(3);
+    let url = faults::database_url(&db, None);
+    let env = |extra: Vec<(&'static str, String)>| {
+        let mut env = vec![
+            ("REDIS_CLUSTER_URLS", cluster.urls()),
+            ("STREAM_SHARDS", "6".to_string()),
+            ("WORKER_BLOCK_MS", "300".to_string()),
+        ];
+        env.extend(extra);
+        env
+    };
+    let ports = [faults::free_port(), faults::free_port()];
+    let _apis: Vec<Process> = ports
+        .iter()
+        .map(|p| {
+            Process::spawn(
+                "api",
+                "redis://127.0.0.1:1",
+                "",
+                &url,
+                &env(vec![("BIND", format!("127.0.0.1:{p}"))]),
+            )
+        })
+        .collect();
+    let _workers: Vec<Process> = (0..2)
+        .map(|_| Process::spawn("worker", "redis://127.0.0.1:1", "", &url, &env(vec![])))
+        .collect();
+    let bases: Vec<String> = ports
+        .iter()
+        .map(|p| format!("http://127.0.0.1:{p}"))
+        .collect();
+    for base in &bases {
+        faults::wait_ready(base).await;
+    }
+
+    let jwt = JwtKeys::new(common::SECRET).unwrap();
+    let http = reqwest::Client::new();
+    let now = chrono::Utc::now();
+    let stock = 40i64;
+    let mut vouchers = Vec::new();
+    for _ in 0..12 {
+        let created: Value = http
+            .post(format!("{}/vouchers", bases[0]))
+            .bearer_auth(jwt.mint(1, true, 600).unwrap())
+            .json(
+                &json!({"shop_id": 1, "title": "cluster sale", "pay_value": 1, "actual_value": 2,
+                "seckill": {"stock": stock, "begin_time": now - chrono::Duration::minutes(1),
+                            "end_time": now + chrono::Duration::hours(1)}}),
+            )
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        vouchers.push(created["id"].as_i64().expect("voucher created"));
+    }
+
+    // 60 shoppers per sale (each a different user), all sales at once, alternating
+    // between the two APIs.
+    let presses: Vec<(i64, i64, usize)> = vouchers
+        .iter()
+        .flat_map(|&v| (1..=60).map(move |u| (v, v * 1000 + u)))
+        .enumerate()
+        .map(|(i, (v, u))| (v, u, i % 2))
+        .collect();
+    let results: Vec<(i64, i64, StatusCode, Value)> = futures::stream::iter(presses)
+        .map(|(voucher, user, api)| {
+            let req = http
+                .post(format!("{}/vouchers/{voucher}/seckill", bases[api]))
+                .bearer_auth(jwt.mint(user, false, 600).unwrap());
+            async move {
+                let resp = req.send().await.unwrap();
+                let status = resp.status();
+                (voucher, user, status, resp.json::<Value>().await.unwrap())
+            }
+        })
+        .buffer_unordered(64)
+        .collect()
+        .await;
+    let mut admitted: HashMap<i64, HashSet<i64>> = HashMap::new();
+    for (voucher, _, status, body) in &results {
+        assert!(!status.is_server_error(), "{status} {body}");
+        if *status == StatusCode::ACCEPTED {
+            admitted
+                .entry(*voucher)
+                .or_default()
+                .insert(body["order_id"].as_str().unwrap().parse().unwrap());
+        } else {
+            assert_eq!(body["error"]["code"], "sold_out", "{body}");
+        }
+    }
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    for &voucher in &vouchers {
+        let ids = &admitted[&voucher];
+        assert_eq!(
+            ids.len() as i64,
+            stock,
+            "voucher {voucher}: admitted = stock"
+        );
+        let stored = loop {
+            let rows: Vec<(i64, i64)> =
+                sqlx::query_as("SELECT id, user_id FROM voucher_orders WHERE voucher_id = $1")
+                    .bind(voucher)
+                    .fetch_all(&db)
+                    .await
+                    .unwrap();
+            if rows.len() as i64 >= stock || tokio::time::Instant::now() > deadline {
+                break rows;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let stored_ids: HashSet<i64> = stored.iter().map(|(id, _)| *id).collect();
+        let users: HashSet<i64> = stored.iter().map(|(_, u)| *u).collect();
+        assert_eq!(&stored_ids, ids, "voucher {voucher}: persisted = admitted");
+        assert_eq!(
+            users.len(),
+            stored.len(),
+            "voucher {voucher}: no user twice"
+        );
+        let pg_stock: i32 =
+            sqlx::query_scalar("SELECT stock FROM seckill_vouchers WHERE voucher_id = $1")
+                .bind(voucher)
+                .fetch_one(&db)
+                .await
+                .unwrap();
+        assert_eq!(pg_stock, 0);
+    }
+    let per_node = cluster.keys_per_node("seckill:*:voucher:*");
+    println!("sale keys per node: {per_node:?}");
+    assert_eq!(per_node.iter().sum::<usize>(), 12);
+    assert!(
+        per_node.iter().filter(|n| **n > 0).count() > 1,
+        "sales spread over nodes: {per_node:?}"
+    );
+    let streams = cluster.keys_per_node("stream.orders:*");
+    println!("streams per node: {streams:?}");
+    assert!(
+        streams.iter().all(|n| *n >= 2),
+        "every node holds shards: {streams:?}"
+    );
+}
