@@ -2,6 +2,8 @@
 --
 --   wrk -t2 -c64 -d10s -s load/wrk/seckill.lua http://127.0.0.1:8080 -- VOUCHER_ID TOKENS_FILE 2
 --
+-- VOUCHER_ID may be a comma-separated list: requests then go round the vouchers.
+--
 -- TOKENS_FILE holds one bearer token per line (`seckill token --user 1 --count 100000`).
 -- The last argument repeats wrk's thread count (-t): thread k takes tokens k, k+T, k+2T...,
 -- so no two requests share a user until the file wraps.
@@ -21,7 +23,10 @@ function init(args)
   local path = args[2] or error("usage: -- VOUCHER_ID TOKENS_FILE THREADS")
   local total_threads = tonumber(args[3] or "1")
   local me = thread_id or 0
-  local target = "/vouchers/" .. voucher .. "/seckill"
+  local targets = {}
+  for id in string.gmatch(voucher, "[^,]+") do
+    targets[#targets + 1] = "/vouchers/" .. id .. "/seckill"
+  end
   -- Requests are built once, up front: the load generator shares the machine with the
   -- service, so it should spend as little as it can per request.
   requests = {}
@@ -29,6 +34,7 @@ function init(args)
   for line in io.lines(path) do
     if #line > 0 then
       if i % total_threads == me then
+        local target = targets[(#requests % #targets) + 1]
         requests[#requests + 1] = wrk.format("POST", target, { ["Authorization"] = "Bearer " .. line }, "")
       end
       i = i + 1
