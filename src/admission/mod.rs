@@ -150,40 +150,22 @@ pub async fn orders_of<C: ConnectionLike + Send + Clone>(
 }
 
 /// Looks an order up among the stream entries not yet trimmed (for administrators, who
-/// do not know whose order it is): a scan of at most `limit` entries.
+/// do not know whose order it is): a scan of at most `limit` entries per shard.
 pub async fn find_in_stream<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     order_id: i64,
     limit: usize,
 ) -> RedisResult<Option<PendingOrder>> {
-    let wanted = order_id.to_string();
     for shard in keys.shards() {
-        let mut start = "-".to_string();
-        let mut seen = 0;
-        while seen < limit {
-            let page: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
-                .arg(keys.stream(shard))
-                .arg(&start)
-                .arg("+")
-                .arg("COUNT")
-                .arg(1000)
-                .query_async(conn)
-                .await?;
-            let Some((last, _)) = page.last() else { break };
-            start = format!("({last}");
-            seen += page.len();
-            for (_, fields) in &page {
-                let get = |k: &str| fields.iter().find(|(f, _)| f == k).map(|(_, v)| v.as_str());
-                if get("order_id") == Some(wanted.as_str()) {
-                    if let (Some(Ok(v)), Some(Ok(u))) = (
-                        get("voucher_id").map(str::parse),
-                        get("user_id").map(str::parse),
-                    ) {
-                        return Ok(Some(PendingOrder::new(order_id, v, u)));
-                    }
-                }
-            }
+        let found = crate::stream::entries(conn, keys, shard, limit)
+            .await?
+            .iter()
+            .filter_map(|e| e.order())
+            .find(|o| o.id == order_id)
+            .map(|o| PendingOrder::new(o.id, o.voucher_id, o.user_id));
+        if found.is_some() {
+            return Ok(found);
         }
     }
     Ok(None)

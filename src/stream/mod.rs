@@ -335,27 +335,41 @@ pub async fn unacknowledged<C: ConnectionLike + Send>(
     } else {
         Default::default()
     };
-    let mut out = Vec::new();
-    let mut start = "-".to_string();
-    loop {
-        let reply: Value = redis::cmd("XRANGE")
-            .arg(stream)
-            .arg(&start)
-            .arg("+")
-            .arg("COUNT")
-            .arg(1000)
-            .query_async(conn)
-            .await?;
-        let page = parse_entries(reply)?;
-        let Some(last) = page.last() else { break };
-        start = format!("({}", last.entry_id());
-        out.extend(page.into_iter().filter(|e| {
+    Ok(entries(conn, keys, shard, usize::MAX)
+        .await?
+        .into_iter()
+        .filter(|e| {
             pending.contains(e.entry_id())
                 || match (parse_id(e.entry_id()), last_delivered) {
                     (Some(id), Some(last)) => id > last,
                     _ => true,
                 }
-        }));
+        })
+        .collect())
+}
+
+/// Up to `limit` entries of the shard's stream, oldest first, read in pages.
+pub async fn entries<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    shard: Shard,
+    limit: usize,
+) -> RedisResult<Vec<Entry>> {
+    let mut out = Vec::new();
+    let mut start = "-".to_string();
+    while out.len() < limit {
+        let reply: Value = redis::cmd("XRANGE")
+            .arg(keys.stream(shard))
+            .arg(&start)
+            .arg("+")
+            .arg("COUNT")
+            .arg(1000.min(limit - out.len()))
+            .query_async(conn)
+            .await?;
+        let page = parse_entries(reply)?;
+        let Some(last) = page.last() else { break };
+        start = format!("({}", last.entry_id());
+        out.extend(page);
     }
     Ok(out)
 }
