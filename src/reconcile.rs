@@ -7,9 +7,10 @@
 //! - Redis stock = Postgres stock - orders in flight (admitted, not yet written);
 //! - Redis buyers = Postgres orders + orders in flight.
 //!
-//! Dead-lettered orders took a unit and a buyer record in Redis but never reached
-//! Postgres, so Redis may hold up to that many units and buyers *less*/*more* than the
-//! rule says; anything else is unexplained drift.
+//! Dead-lettered orders took a unit in Redis but never reached Postgres (their buyer
+//! record is released when they are dead-lettered), so Redis may hold up to that many
+//! units fewer (and, until the release, buyers more) than the rule says; anything else
+//! is unexplained drift.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
