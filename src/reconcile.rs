@@ -230,26 +230,11 @@ pub async fn dead_letters<C: ConnectionLike + Send>(
 ) -> anyhow::Result<Vec<DeadLetter>> {
     let mut out = Vec::new();
     for shard in keys.shards() {
-        let stream = keys.dead_letters(shard);
-        let mut start = "-".to_string();
-        while out.len() < limit {
-            let page: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
-                .arg(stream)
-                .arg(&start)
-                .arg("+")
-                .arg("COUNT")
-                .arg(1000.min(limit - out.len()))
-                .query_async(conn)
-                .await?;
-            let Some((last, _)) = page.last() else {
-                break;
-            };
-            start = format!("({last}");
-            out.extend(
-                page.into_iter()
-                    .map(|(id, fields)| DeadLetter { id, fields }),
-            );
-        }
+        let page = crate::stream::range(conn, keys.dead_letters(shard), limit - out.len()).await?;
+        out.extend(page.into_iter().map(|(id, fields)| DeadLetter {
+            id,
+            fields: fields.unwrap_or_default(),
+        }));
     }
     Ok(out)
 }

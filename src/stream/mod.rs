@@ -229,8 +229,21 @@ fn parse_read_reply(reply: Value) -> RedisResult<Vec<Entry>> {
 }
 
 fn parse_entries(entries: Value) -> RedisResult<Vec<Entry>> {
+    Ok(parse_raw(entries)?
+        .into_iter()
+        .map(|(id, fields)| Entry::parse(id, fields))
+        .collect())
+}
+
+/// Entry ids and fields of a stream reply (`None`: the entry was deleted). Field names
+/// and values that are not UTF-8 are kept, lossily, so a poison entry stays visible.
+fn parse_raw(entries: Value) -> RedisResult<Vec<RawEntry>> {
     let Value::Array(entries) = entries else {
         return Err(unexpected());
+    };
+    let text = |v: &Value| match v {
+        Value::BulkString(bytes) => Some(String::from_utf8_lossy(bytes).into_owned()),
+        other => redis::from_redis_value_ref::<String>(other).ok(),
     };
     let mut out = Vec::with_capacity(entries.len());
     for entry in entries {
@@ -247,20 +260,20 @@ fn parse_entries(entries: Value) -> RedisResult<Vec<Entry>> {
             Value::Array(flat) => Some(
                 flat.chunks(2)
                     .filter_map(|kv| match kv {
-                        [k, v] => Some((
-                            redis::from_redis_value_ref::<String>(k).ok()?,
-                            redis::from_redis_value_ref::<String>(v).ok()?,
-                        )),
+                        [k, v] => Some((text(k)?, text(v)?)),
                         _ => None,
                     })
                     .collect(),
             ),
             _ => return Err(unexpected()),
         };
-        out.push(Entry::parse(id, fields));
+        out.push((id, fields));
     }
     Ok(out)
 }
+
+/// A stream entry's id and its fields (`None` when the entry was deleted).
+pub type RawEntry = (String, Option<Vec<(String, String)>>);
 
 fn unexpected() -> redis::RedisError {
     redis::RedisError::from((
@@ -348,27 +361,41 @@ pub async fn unacknowledged<C: ConnectionLike + Send>(
         .collect())
 }
 
-/// Up to `limit` entries of the shard's stream, oldest first, read in pages.
+/// Up to `limit` entries of the shard's stream, oldest first.
 pub async fn entries<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: Shard,
     limit: usize,
 ) -> RedisResult<Vec<Entry>> {
-    let mut out = Vec::new();
+    Ok(range(conn, keys.stream(shard), limit)
+        .await?
+        .into_iter()
+        .map(|(id, fields)| Entry::parse(id, fields))
+        .collect())
+}
+
+/// Up to `limit` entries of the stream at `key`, oldest first, read in pages of a
+/// thousand.
+pub async fn range<C: ConnectionLike + Send>(
+    conn: &mut C,
+    key: &str,
+    limit: usize,
+) -> RedisResult<Vec<RawEntry>> {
+    let mut out: Vec<RawEntry> = Vec::new();
     let mut start = "-".to_string();
     while out.len() < limit {
         let reply: Value = redis::cmd("XRANGE")
-            .arg(keys.stream(shard))
+            .arg(key)
             .arg(&start)
             .arg("+")
             .arg("COUNT")
             .arg(1000.min(limit - out.len()))
             .query_async(conn)
             .await?;
-        let page = parse_entries(reply)?;
-        let Some(last) = page.last() else { break };
-        start = format!("({}", last.entry_id());
+        let page = parse_raw(reply)?;
+        let Some((last, _)) = page.last() else { break };
+        start = format!("({last}");
         out.extend(page);
     }
     Ok(out)
