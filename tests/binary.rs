@@ -6,7 +6,7 @@ mod common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::faults::{self, Process, BIN};
+use common::faults::BIN;
 use common::TestApp;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
@@ -30,19 +30,9 @@ async fn the_serve_binary_runs_a_sale_end_to_end_and_stops_on_sigterm(db: PgPool
     // The binary applies the migrations itself; the app here only lends its key space
     // and helpers (spawning it touches no table).
     let app = TestApp::spawn(db.clone()).await;
-    let port = faults::free_port();
-    let mut server = Process::spawn(
-        "serve",
-        &app.redis_url,
-        app.keys.prefix(),
-        &faults::database_url(&db, None),
-        &[
-            ("BIND", format!("127.0.0.1:{port}")),
-            ("WORKER_BLOCK_MS", "200".to_string()),
-        ],
-    );
-    let base = format!("http://127.0.0.1:{port}");
-    faults::wait_ready(&base).await;
+    let (mut server, base) = app
+        .spawn_server("serve", &[("WORKER_BLOCK_MS", "200".to_string())])
+        .await;
     let http = reqwest::Client::new();
 
     let now = chrono::Utc::now();

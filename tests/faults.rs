@@ -66,16 +66,7 @@ async fn orders_admitted_while_only_the_api_runs_survive_workers_killed_mid_drai
     let app = TestApp::spawn(db.clone()).await;
     let prefix = app.keys.prefix().to_string();
     let url = faults::database_url(&db, None);
-    let port = faults::free_port();
-    let _api = Process::spawn(
-        "api",
-        &app.redis_url,
-        &prefix,
-        &url,
-        &[("BIND", format!("127.0.0.1:{port}"))],
-    );
-    let base = format!("http://127.0.0.1:{port}");
-    faults::wait_ready(&base).await;
+    let (_api, base) = app.spawn_server("api", &[]).await;
 
     let stock = 3000;
     let voucher = app.open_sale(stock).await;
@@ -265,19 +256,9 @@ async fn a_flushall_during_a_sale_fails_closed_and_recovers_from_postgres(db: Pg
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn sigterm_under_load_finishes_in_flight_requests_and_exits_zero(db: PgPool) {
     let app = TestApp::spawn(db.clone()).await;
-    let port = faults::free_port();
-    let mut server = Process::spawn(
-        "serve",
-        &app.redis_url,
-        app.keys.prefix(),
-        &faults::database_url(&db, None),
-        &[
-            ("BIND", format!("127.0.0.1:{port}")),
-            ("WORKER_BLOCK_MS", "200".to_string()),
-        ],
-    );
-    let base = format!("http://127.0.0.1:{port}");
-    faults::wait_ready(&base).await;
+    let (mut server, base) = app
+        .spawn_server("serve", &[("WORKER_BLOCK_MS", "200".to_string())])
+        .await;
     let stock = 5000;
     let voucher = app.open_sale(stock).await;
 
@@ -310,13 +291,7 @@ async fn sigterm_under_load_finishes_in_flight_requests_and_exits_zero(db: PgPoo
 
     // What the stopped worker had not read yet stays in the stream for the next one.
     app.drain().await;
-    let live: i64 = app
-        .redis_cmd(
-            redis::cmd("HGET")
-                .arg(app.keys.voucher(voucher))
-                .arg("stock"),
-        )
-        .await;
+    let live = app.live_stock(voucher).await.unwrap();
     let stored = app.assert_consistent(voucher, stock).await;
     assert_eq!(
         stored.len() as i64,

@@ -268,13 +268,7 @@ async fn a_sale_whose_redis_state_vanished_fails_closed_then_reloads_from_postgr
     for _ in 0..50 {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         let (_, v) = app.get(&format!("/vouchers/{voucher}"), None).await;
-        let live: Option<i64> = app
-            .redis_cmd(
-                redis::cmd("HGET")
-                    .arg(app.keys.voucher(voucher))
-                    .arg("stock"),
-            )
-            .await;
+        let live = app.live_stock(voucher).await;
         if live.is_some() {
             assert_eq!(v["stock"], 2);
             reloaded = true;
@@ -312,20 +306,12 @@ async fn start_up_loading_fills_missing_sales_and_leaves_live_ones_alone(db: PgP
         .await
         .unwrap();
     assert_eq!(report, LoadReport { loaded: 1, live: 1 });
-    let stock = |v| {
-        let cmd = redis::cmd("HGET")
-            .arg(app.keys.voucher(v))
-            .arg("stock")
-            .clone();
-        let app = &app;
-        async move { app.redis_cmd::<i64>(&cmd).await }
-    };
     assert_eq!(
-        stock(live).await,
+        app.live_stock(live).await.unwrap(),
         3,
         "live state untouched (one unit still pending)"
     );
-    assert_eq!(stock(lost).await, 6);
+    assert_eq!(app.live_stock(lost).await.unwrap(), 6);
     assert_eq!(
         app.grab(lost, 1).await.1["error"]["code"],
         "already_ordered"

@@ -80,13 +80,7 @@ async fn drift_is_reported_with_a_failing_exit_and_repair_rebuilds_redis(db: PgP
     let (code, table) = seckill(&app, &["reconcile", "--repair"]);
     assert_eq!(code, 0, "{table}");
     assert!(table.contains("books balance"));
-    let live: i64 = app
-        .redis_cmd(
-            redis::cmd("HGET")
-                .arg(app.keys.voucher(voucher))
-                .arg("stock"),
-        )
-        .await;
+    let live = app.live_stock(voucher).await.unwrap();
     assert_eq!(live, 17, "20 - 2 written - 1 in flight");
     let (status, again) = app.grab(voucher, 1).await;
     assert_eq!(status, StatusCode::CONFLICT);

@@ -234,6 +234,35 @@ impl TestApp {
             .unwrap()
     }
 
+    /// Redis's live stock of a sale (`None`: not loaded), read as the API reads it.
+    pub async fn live_stock(&self, voucher_id: i64) -> Option<i64> {
+        seckill::admission::live_stock(&mut self.redis.clone(), &self.keys, voucher_id)
+            .await
+            .unwrap()
+    }
+
+    /// Starts `seckill <subcommand>` on a spare port, in this app's database and key
+    /// space, and waits until it is ready. Returns the process and its base URL.
+    pub async fn spawn_server(
+        &self,
+        subcommand: &str,
+        env: &[(&str, String)],
+    ) -> (faults::Process, String) {
+        let port = faults::free_port();
+        let mut env = env.to_vec();
+        env.push(("BIND", format!("127.0.0.1:{port}")));
+        let process = faults::Process::spawn(
+            subcommand,
+            &self.redis_url,
+            self.keys.prefix(),
+            &faults::database_url(&self.db, None),
+            &env,
+        );
+        let base = format!("http://127.0.0.1:{port}");
+        faults::wait_ready(&base).await;
+        (process, base)
+    }
+
     pub async fn redis_cmd<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> T {
         cmd.query_async(&mut self.redis.clone()).await.unwrap()
     }
