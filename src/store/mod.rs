@@ -5,22 +5,41 @@ pub mod vouchers;
 
 use std::time::Duration;
 
-use sqlx::postgres::PgPoolOptions;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
+
+/// Bounds on every session of the service's pools. A worker waiting behind a row lock
+/// (an operator's, a loader's) gives up and retries with backoff instead of hanging;
+/// a transaction whose client stalled cannot hold the sale's row lock for long.
+const SESSION_TIMEOUTS: [(&str, &str); 3] = [
+    ("statement_timeout", "10s"),
+    ("lock_timeout", "5s"),
+    ("idle_in_transaction_session_timeout", "30s"),
+];
 
 /// A lazily connecting pool: processes start (and report not-ready) while Postgres is down.
 pub fn pool(url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
+    let options: PgConnectOptions = url.parse()?;
     Ok(PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(3))
-        .connect_lazy(url)?)
+        .connect_lazy_with(options.options(SESSION_TIMEOUTS)))
 }
 
 /// Applies pending migrations, waiting up to `patience` for Postgres to answer.
 pub async fn migrate(db: &PgPool, patience: Duration) -> anyhow::Result<()> {
     let deadline = tokio::time::Instant::now() + patience;
     loop {
-        match crate::MIGRATOR.run(db).await {
+        // Migrations may legitimately run long: lift the service's session bounds on a
+        // connection taken out of the pool for good (detached, closed when done).
+        let run = async {
+            let mut conn = db.acquire().await?.detach();
+            sqlx::query("SET statement_timeout = 0; SET lock_timeout = 0")
+                .execute(&mut conn)
+                .await?;
+            crate::MIGRATOR.run(&mut conn).await
+        };
+        match run.await {
             Ok(()) => return Ok(()),
             Err(sqlx::migrate::MigrateError::Execute(e))
                 if crate::error::is_connectivity(&e) && tokio::time::Instant::now() < deadline =>

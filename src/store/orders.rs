@@ -21,8 +21,66 @@ pub enum Persisted {
     Inserted,
     /// Already written earlier (a replayed entry): nothing changed.
     AlreadyThere,
-    /// Can never be written; the reason goes to the dead-letter stream.
-    Rejected(String),
+    /// Can never be written (or was dead-lettered before): it goes the dead-letter way.
+    Rejected(Rejection),
+}
+
+/// Why an order can never be written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Rejection {
+    /// The user already holds another order for the voucher.
+    UserHoldsOther,
+    /// Postgres has no unit left for it.
+    NoStock,
+    UnknownVoucher,
+    /// Its id names another order.
+    IdTaken,
+    /// Dead-lettered earlier (tombstoned in `dead_orders`).
+    AlreadyDead,
+    /// Delivered too often without being written (it keeps killing workers); the
+    /// text says how often.
+    Poison(String),
+    Refused(String),
+}
+
+impl Rejection {
+    /// The reason written with the dead letter.
+    pub fn reason(&self) -> String {
+        match self {
+            Rejection::UserHoldsOther => "user already holds another order for this voucher".into(),
+            Rejection::NoStock => "no stock left in postgres".into(),
+            Rejection::UnknownVoucher => "unknown voucher".into(),
+            Rejection::IdTaken => "order id already used by another order".into(),
+            Rejection::AlreadyDead => "dead-lettered before".into(),
+            Rejection::Poison(why) => format!("poison: {why}"),
+            Rejection::Refused(msg) => format!("refused by postgres: {msg}"),
+        }
+    }
+
+    /// A stable name for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Rejection::Poison(_) => "poison",
+            _ => "rejected",
+        }
+    }
+
+    /// Whether the unit the order took in Redis goes back on sale. Not when Postgres
+    /// had no unit for it: then Redis sold one too many, and giving it back would sell
+    /// it again.
+    pub fn returns_unit(&self) -> bool {
+        !matches!(self, Rejection::NoStock)
+    }
+}
+
+/// The end of an order that will not be written, decided under the sale's row lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Burial {
+    /// It is in `voucher_orders` after all (a slow worker committed it): acknowledge.
+    Written,
+    /// Tombstoned in `dead_orders` (`newly`: by this call). `holder` is the order the
+    /// user holds for the voucher instead, if any.
+    Dead { newly: bool, holder: Option<i64> },
 }
 
 #[derive(Debug, Clone, FromRow)]
@@ -37,9 +95,13 @@ pub struct OrderRow {
 /// Writes a batch in ONE transaction: idempotent inserts, and each voucher's stock
 /// lowered by exactly the rows inserted now, under a `stock >= n` guard.
 ///
+/// The transaction first locks the sales' `seckill_vouchers` rows: that is the fence
+/// every move of state between the stores takes (loading a sale into Redis, burying a
+/// dead order), so none of them can interleave with a commit for the same sale.
+///
 /// If a guard or constraint refuses the batch, it is rolled back and the orders are
 /// written one by one, so one bad order cannot hold up the rest. `Err` means a fault
-/// worth retrying (Postgres unreachable, deadlock): nothing was committed for the
+/// worth retrying (Postgres unreachable, lock timeout): nothing was committed for the
 /// orders concerned, and the caller keeps them pending.
 #[tracing::instrument(skip_all, fields(orders = orders.len()))]
 pub async fn persist_batch(
@@ -60,16 +122,35 @@ pub async fn persist_batch(
     }
 }
 
+/// Locks the flash-sale rows of the given vouchers, in voucher order so concurrent
+/// workers cannot deadlock each other. Waits at most the session's `lock_timeout`.
+pub(crate) async fn lock_sales(
+    tx: &mut Transaction<'_, Postgres>,
+    voucher_ids: &[i64],
+) -> Result<(), sqlx::Error> {
+    let mut ids = voucher_ids.to_vec();
+    ids.sort_unstable();
+    ids.dedup();
+    sqlx::query(
+        "SELECT voucher_id FROM seckill_vouchers WHERE voucher_id = ANY($1) \
+         ORDER BY voucher_id FOR NO KEY UPDATE",
+    )
+    .bind(&ids)
+    .fetch_all(&mut **tx)
+    .await?;
+    Ok(())
+}
+
 /// `Ok(None)` when a stock guard failed (the batch was rolled back).
 async fn try_batch(
     db: &PgPool,
     orders: &[NewOrder],
 ) -> Result<Option<Vec<Persisted>>, sqlx::Error> {
     let mut tx = db.begin().await?;
+    let vouchers: Vec<i64> = orders.iter().map(|o| o.voucher_id).collect();
+    lock_sales(&mut tx, &vouchers).await?;
     let inserted = insert_orders(&mut tx, orders).await?;
 
-    // Lower each voucher's stock once, in voucher order so concurrent workers lock
-    // rows in the same order and cannot deadlock each other.
     let mut per_voucher: BTreeMap<i64, i32> = BTreeMap::new();
     for o in orders.iter().filter(|o| inserted.contains(&o.id)) {
         *per_voucher.entry(o.voucher_id).or_default() += 1;
@@ -90,6 +171,7 @@ async fn one_by_one(db: &PgPool, orders: &[NewOrder]) -> Result<Vec<Persisted>, 
     let mut outcomes = Vec::with_capacity(orders.len());
     for order in orders {
         let mut tx = db.begin().await?;
+        lock_sales(&mut tx, &[order.voucher_id]).await?;
         let outcome = match insert_orders(&mut tx, std::slice::from_ref(order)).await {
             Ok(inserted) if inserted.is_empty() => {
                 classify(&mut tx, std::slice::from_ref(order), &inserted)
@@ -100,7 +182,7 @@ async fn one_by_one(db: &PgPool, orders: &[NewOrder]) -> Result<Vec<Persisted>, 
                 if take_stock(&mut tx, order.voucher_id, 1).await? {
                     Persisted::Inserted
                 } else {
-                    Persisted::Rejected("no stock left in postgres".into())
+                    Persisted::Rejected(Rejection::NoStock)
                 }
             }
             Err(e) if super::is_data_error(&e) => Persisted::Rejected(rejection(&e)),
@@ -115,15 +197,15 @@ async fn one_by_one(db: &PgPool, orders: &[NewOrder]) -> Result<Vec<Persisted>, 
     Ok(outcomes)
 }
 
-fn rejection(e: &sqlx::Error) -> String {
+fn rejection(e: &sqlx::Error) -> Rejection {
     match e {
-        sqlx::Error::Database(db) if db.is_foreign_key_violation() => "unknown voucher".into(),
-        sqlx::Error::Database(db) => format!("refused by postgres: {}", db.message()),
-        other => other.to_string(),
+        sqlx::Error::Database(db) if db.is_foreign_key_violation() => Rejection::UnknownVoucher,
+        sqlx::Error::Database(db) => Rejection::Refused(db.message().to_string()),
+        other => Rejection::Refused(other.to_string()),
     }
 }
 
-/// Inserts what is new; returns the ids inserted now.
+/// Inserts what is new and not tombstoned; returns the ids inserted now.
 async fn insert_orders(
     tx: &mut Transaction<'_, Postgres>,
     orders: &[NewOrder],
@@ -135,6 +217,8 @@ async fn insert_orders(
     let inserted: Vec<i64> = sqlx::query_scalar(
         "INSERT INTO voucher_orders (id, user_id, voucher_id, created_at) \
          SELECT * FROM unnest($1::int8[], $2::int8[], $3::int8[], $4::timestamptz[]) \
+             AS t (id, user_id, voucher_id, created_at) \
+         WHERE NOT EXISTS (SELECT 1 FROM dead_orders d WHERE d.id = t.id) \
          ON CONFLICT DO NOTHING RETURNING id",
     )
     .bind(&ids)
@@ -163,6 +247,45 @@ async fn take_stock(
     Ok(done.rows_affected() == 1)
 }
 
+/// Buries an order that will not be written: under the sale's row lock (so no worker
+/// can be half-way through committing it), either finds it written after all, or
+/// tombstones it so that no replay can ever write it.
+#[tracing::instrument(skip(db))]
+pub async fn bury(db: &PgPool, order: &NewOrder, reason: &str) -> Result<Burial, sqlx::Error> {
+    let mut tx = db.begin().await?;
+    lock_sales(&mut tx, &[order.voucher_id]).await?;
+    let written: Option<i64> = sqlx::query_scalar("SELECT id FROM voucher_orders WHERE id = $1")
+        .bind(order.id)
+        .fetch_optional(&mut *tx)
+        .await?;
+    if written.is_some() {
+        tx.commit().await?;
+        return Ok(Burial::Written);
+    }
+    let newly: Option<i64> = sqlx::query_scalar(
+        "INSERT INTO dead_orders (id, user_id, voucher_id, reason) VALUES ($1, $2, $3, $4) \
+         ON CONFLICT (id) DO NOTHING RETURNING id",
+    )
+    .bind(order.id)
+    .bind(order.user_id)
+    .bind(order.voucher_id)
+    .bind(reason)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let holder: Option<i64> = sqlx::query_scalar(
+        "SELECT id FROM voucher_orders WHERE user_id = $1 AND voucher_id = $2",
+    )
+    .bind(order.user_id)
+    .bind(order.voucher_id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(Burial::Dead {
+        newly: newly.is_some(),
+        holder,
+    })
+}
+
 /// Tells a replay (the same order already stored) from a conflicting order.
 async fn classify(
     tx: &mut Transaction<'_, Postgres>,
@@ -187,18 +310,28 @@ async fn classify(
         .map(|(id, u, v)| (id, (u, v)))
         .collect()
     };
+    let dead: HashSet<i64> = if skipped.is_empty() {
+        HashSet::new()
+    } else {
+        sqlx::query_scalar("SELECT id FROM dead_orders WHERE id = ANY($1)")
+            .bind(&skipped)
+            .fetch_all(&mut **tx)
+            .await?
+            .into_iter()
+            .collect()
+    };
     Ok(orders
         .iter()
         .map(|o| {
             if inserted.contains(&o.id) {
                 Persisted::Inserted
+            } else if dead.contains(&o.id) {
+                Persisted::Rejected(Rejection::AlreadyDead)
             } else {
                 match stored.get(&o.id) {
                     Some(&(u, v)) if (u, v) == (o.user_id, o.voucher_id) => Persisted::AlreadyThere,
-                    Some(_) => Persisted::Rejected("order id already used by another order".into()),
-                    None => Persisted::Rejected(
-                        "user already holds another order for this voucher".into(),
-                    ),
+                    Some(_) => Persisted::Rejected(Rejection::IdTaken),
+                    None => Persisted::Rejected(Rejection::UserHoldsOther),
                 }
             }
         })

@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admission::keys::{Keys, Shard};
 use crate::redis_conn::RedisConn;
-use crate::store::orders::{self, Persisted};
+use crate::store::orders::{self, Burial, NewOrder, Persisted, Rejection};
 use crate::stream::{self, Entry, ReadFrom};
 
 #[derive(Debug, Clone)]
@@ -98,6 +98,43 @@ enum Source {
     New,
 }
 
+/// Marks a shard whose pending list has been walked in the current claim pass.
+const CLAIM_DONE: &str = "done";
+
+/// The worker's place in its round over the shards: each read starts at the shard after
+/// the one served last (so a backlog on one shard cannot starve another), and each
+/// shard has its own XAUTOCLAIM cursor.
+#[derive(Debug)]
+struct Round {
+    next: usize,
+    claim_cursors: Vec<String>,
+}
+
+impl Round {
+    fn new(shards: usize) -> Self {
+        Self {
+            next: 0,
+            claim_cursors: vec!["0-0".to_string(); shards],
+        }
+    }
+
+    /// Starts a new claim pass over every shard.
+    fn restart_claims(&mut self) {
+        for c in &mut self.claim_cursors {
+            *c = "0-0".to_string();
+        }
+    }
+}
+
+/// What becomes of one entry of a batch.
+enum Fate {
+    Write(NewOrder),
+    /// Will not be written: buried in Postgres, settled in Redis.
+    Bury(NewOrder, Rejection),
+    /// No order in it: dead-lettered as it is.
+    Malformed,
+}
+
 pub struct Worker {
     db: PgPool,
     redis: RedisConn,
@@ -114,10 +151,6 @@ impl Worker {
             keys,
             config,
         }
-    }
-
-    pub fn consumer(&self) -> &str {
-        &self.config.consumer
     }
 
     /// Creates the consumer group of every shard (and the streams) if missing.
@@ -142,11 +175,45 @@ impl Worker {
         .await?)
     }
 
-    /// Writes a batch to Postgres in one transaction, dead-letters what can never be
-    /// written, then acknowledges the batch. On `Err` nothing was acknowledged and the
-    /// batch may simply be processed again.
+    /// Runs `work` while keeping the batch's entries fresh in the pending list, so that
+    /// peers do not take over a batch that is only waiting (for a row lock, a slow
+    /// Postgres): being claimed would count as a delivery and end in a dead letter.
+    async fn heartbeat<T>(
+        &self,
+        shard: Shard,
+        entries: &[Entry],
+        work: impl std::future::Future<Output = T>,
+    ) -> T {
+        tokio::pin!(work);
+        let every = (self.config.claim_idle / 3).max(Duration::from_millis(50));
+        let mut tick = tokio::time::interval_at(Instant::now() + every, every);
+        loop {
+            tokio::select! {
+                done = &mut work => return done,
+                _ = tick.tick() => {
+                    let mut conn = self.redis.clone();
+                    if let Err(e) = stream::touch(&mut conn, &self.keys, shard, &self.config.consumer, entries).await {
+                        tracing::debug!(error = %e, "could not refresh the batch's idle time");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Writes a batch to Postgres in one transaction, buries what can never be written,
+    /// then acknowledges the batch. On `Err` nothing was acknowledged that was not
+    /// finished, and the batch may simply be processed again.
     #[tracing::instrument(skip_all, fields(entries = entries.len()))]
     pub async fn process_batch(
+        &self,
+        shard: Shard,
+        entries: &[Entry],
+    ) -> anyhow::Result<BatchReport> {
+        self.heartbeat(shard, entries, self.process_batch_inner(shard, entries))
+            .await
+    }
+
+    async fn process_batch_inner(
         &self,
         shard: Shard,
         entries: &[Entry],
@@ -155,11 +222,31 @@ impl Worker {
             entries: entries.len(),
             ..Default::default()
         };
-        let new_orders: Vec<_> = entries
+        let mut fates: Vec<Fate> = entries
             .iter()
-            .filter_map(|e| match e {
-                Entry::Order { order, .. } => Some(*order),
-                Entry::DeadLetter { .. } => None,
+            .map(|e| match e {
+                // An order naming a voucher of another shard was not written by the
+                // admission script: nothing of it is in that sale's state.
+                Entry::Order { order, .. } if self.keys.shard_of(order.voucher_id) != shard => {
+                    Fate::Malformed
+                }
+                Entry::Order { order, .. } => Fate::Write(*order),
+                Entry::DeadLetter {
+                    order: Some(order),
+                    reason,
+                    ..
+                } if self.keys.shard_of(order.voucher_id) == shard => {
+                    Fate::Bury(*order, Rejection::Poison(reason.clone()))
+                }
+                Entry::DeadLetter { .. } => Fate::Malformed,
+            })
+            .collect();
+
+        let new_orders: Vec<NewOrder> = fates
+            .iter()
+            .filter_map(|f| match f {
+                Fate::Write(order) => Some(*order),
+                _ => None,
             })
             .collect();
         let started = std::time::Instant::now();
@@ -169,47 +256,38 @@ impl Worker {
         metrics::histogram!(crate::metrics::WORKER_COMMIT_SECONDS)
             .record(started.elapsed().as_secs_f64());
         metrics::histogram!(crate::metrics::WORKER_BATCH_SIZE).record(entries.len() as f64);
+        for fate in &mut fates {
+            if let Fate::Write(order) = fate {
+                match outcomes.next().expect("one outcome per order") {
+                    Persisted::Inserted => report.inserted += 1,
+                    Persisted::AlreadyThere => report.already_there += 1,
+                    Persisted::Rejected(why) => *fate = Fate::Bury(*order, why),
+                }
+            }
+        }
 
         let mut conn = self.redis.clone();
-        for entry in entries {
-            let dead = match entry {
-                Entry::DeadLetter { .. } => Some(entry.clone()),
-                Entry::Order { .. } => match outcomes.next().expect("one outcome per order") {
-                    Persisted::Inserted => {
-                        report.inserted += 1;
-                        None
-                    }
-                    Persisted::AlreadyThere => {
-                        report.already_there += 1;
-                        None
-                    }
-                    Persisted::Rejected(reason) => Some(entry.clone().into_dead_letter(reason)),
-                },
-            };
-            if let Some(dead) = dead {
-                if let Entry::DeadLetter { reason, .. } = &dead {
-                    tracing::warn!(entry_id = dead.entry_id(), %reason, "dead-lettering stream entry");
-                }
-                stream::dead_letter(&mut conn, &self.keys, shard, &dead).await?;
-                if let Some(order) = dead.order() {
-                    // The buyer holds no order now: let them see that, and try again.
-                    crate::admission::forget_buyer(
-                        &mut conn,
-                        &self.keys,
-                        order.voucher_id,
-                        order.user_id,
-                        order.id,
-                    )
-                    .await?;
-                }
-                report.dead_lettered += 1;
-                if let Entry::DeadLetter { reason, .. } = &dead {
-                    let kind = match reason.split(':').next() {
-                        Some("malformed") => "malformed",
-                        Some("poison") => "poison",
-                        _ => "rejected",
+        for (entry, fate) in entries.iter().zip(&fates) {
+            match fate {
+                Fate::Write(_) => {}
+                Fate::Malformed => {
+                    tracing::warn!(entry_id = entry.entry_id(), "dead-lettering a malformed stream entry");
+                    let reason = match entry {
+                        Entry::DeadLetter { reason, .. } => reason.clone(),
+                        Entry::Order { .. } => "malformed: voucher of another shard".into(),
                     };
-                    metrics::counter!(crate::metrics::DEAD_LETTERED, "kind" => kind).increment(1);
+                    let dead = entry.clone().into_dead_letter(reason);
+                    stream::dead_letter(&mut conn, &self.keys, shard, &dead).await?;
+                    metrics::counter!(crate::metrics::DEAD_LETTERED, "kind" => "malformed")
+                        .increment(1);
+                    report.dead_lettered += 1;
+                }
+                Fate::Bury(order, why) => {
+                    if self.bury(&mut conn, shard, entry, order, why).await? {
+                        report.dead_lettered += 1;
+                    } else {
+                        report.already_there += 1;
+                    }
                 }
             }
         }
@@ -223,8 +301,48 @@ impl Worker {
         Ok(report)
     }
 
-    /// Marks entries delivered more than `max_deliveries` times as dead letters: they
-    /// have outlived that many workers without being written.
+    /// Buries an order that will not be written: Postgres first (under the sale's row
+    /// lock: written after all, or tombstoned so no replay can write it), then the dead
+    /// letter, then Redis (acknowledged, buyer record handed back to the order Postgres
+    /// holds, unit returned) in one script. `false` when it was written after all.
+    async fn bury(
+        &self,
+        conn: &mut RedisConn,
+        shard: Shard,
+        entry: &Entry,
+        order: &NewOrder,
+        why: &Rejection,
+    ) -> anyhow::Result<bool> {
+        let reason = why.reason();
+        match orders::bury(&self.db, order, &reason).await? {
+            Burial::Written => Ok(false),
+            Burial::Dead { newly, holder } => {
+                if newly {
+                    tracing::warn!(entry_id = entry.entry_id(), order_id = order.id, %reason, "dead-lettering order");
+                    let dead = entry.clone().into_dead_letter(reason);
+                    stream::dead_letter(conn, &self.keys, shard, &dead).await?;
+                    metrics::counter!(crate::metrics::DEAD_LETTERED, "kind" => why.kind())
+                        .increment(1);
+                }
+                crate::admission::settle_dead(
+                    conn,
+                    &self.keys,
+                    entry.entry_id(),
+                    order.voucher_id,
+                    order.user_id,
+                    order.id,
+                    holder,
+                    why.returns_unit(),
+                )
+                .await?;
+                Ok(true)
+            }
+        }
+    }
+
+    /// Marks entries delivered more than `max_deliveries` times as poison: they have
+    /// outlived that many workers without being written. (Whether they were written
+    /// after all is asked of Postgres before anything is dead-lettered.)
     async fn screen_redeliveries(
         &self,
         shard: Shard,
@@ -236,54 +354,34 @@ impl Worker {
             .into_iter()
             .map(|e| match counts.get(e.entry_id()) {
                 Some(&n) if n > self.config.max_deliveries => {
-                    e.into_dead_letter(format!("poison: delivered {n} times without being written"))
+                    e.into_dead_letter(format!("delivered {n} times without being written"))
                 }
                 _ => e,
             })
             .collect())
     }
 
-    /// The next batch from `source` in any shard, or `None` when that source is empty.
-    async fn next_batch(
-        &self,
-        source: Source,
-        claim_cursor: &mut String,
-    ) -> anyhow::Result<Option<Held>> {
-        for shard in self.keys.shards() {
+    /// The next batch from `source`, trying the shards in turn from the one after the
+    /// shard served last; `None` when that source is empty in every shard.
+    async fn next_batch(&self, source: Source, round: &mut Round) -> anyhow::Result<Option<Held>> {
+        let n = self.keys.shards().count().max(1);
+        for i in 0..n {
+            let index = (round.next + i) % n;
+            let shard = Shard(index as u32);
             let entries = match source {
                 Source::OwnPending => self.read_batch(shard, ReadFrom::OwnPending).await?,
-                Source::Claim => {
-                    let mut conn = self.redis.clone();
-                    let (next, entries) = stream::claim(
-                        &mut conn,
-                        &self.keys,
-                        shard,
-                        &self.config.consumer,
-                        self.config.claim_idle.as_millis() as u64,
-                        claim_cursor,
-                        self.config.batch_size,
-                    )
-                    .await?;
-                    *claim_cursor = next;
-                    if !entries.is_empty() {
-                        tracing::info!(
-                            claimed = entries.len(),
-                            "took over entries of an idle consumer"
-                        );
-                    }
-                    entries
-                }
+                Source::Claim => self.claim_some(shard, &mut round.claim_cursors[index]).await?,
                 Source::New => {
                     // One blocking read per shard in turn, so a round over all shards
                     // still waits at most `block` when everything is idle.
-                    let shards = self.keys.shards().count().max(1) as u128;
-                    let block_ms = (self.config.block.as_millis() / shards).max(1) as u64;
+                    let block_ms = (self.config.block.as_millis() / n as u128).max(1) as u64;
                     self.read_batch(shard, ReadFrom::New { block_ms }).await?
                 }
             };
             if entries.is_empty() {
                 continue;
             }
+            round.next = (index + 1) % n;
             let entries = match source {
                 Source::New => entries,
                 Source::OwnPending | Source::Claim => {
@@ -295,11 +393,43 @@ impl Worker {
         Ok(None)
     }
 
+    /// Walks the shard's pending list from `cursor` until it takes over some entries or
+    /// reaches the end (then `cursor` becomes [`CLAIM_DONE`]).
+    async fn claim_some(&self, shard: Shard, cursor: &mut String) -> anyhow::Result<Vec<Entry>> {
+        let mut conn = self.redis.clone();
+        while cursor != CLAIM_DONE {
+            let (next, entries) = stream::claim(
+                &mut conn,
+                &self.keys,
+                shard,
+                &self.config.consumer,
+                self.config.claim_idle.as_millis() as u64,
+                cursor,
+                self.config.batch_size,
+            )
+            .await?;
+            *cursor = if next == "0-0" { CLAIM_DONE.into() } else { next };
+            if !entries.is_empty() {
+                tracing::info!(
+                    claimed = entries.len(),
+                    shard = shard.0,
+                    "took over entries of an idle consumer"
+                );
+                return Ok(entries);
+            }
+        }
+        Ok(Vec::new())
+    }
+
+    fn round(&self) -> Round {
+        Round::new(self.keys.shards().count())
+    }
+
     /// Replays this consumer's pending entries (delivered, never acknowledged).
     pub async fn replay_pending(&self) -> anyhow::Result<BatchReport> {
         let mut report = BatchReport::default();
-        let mut cursor = String::new();
-        while let Some(held) = self.next_batch(Source::OwnPending, &mut cursor).await? {
+        let mut round = self.round();
+        while let Some(held) = self.next_batch(Source::OwnPending, &mut round).await? {
             report.add(self.process_batch(held.shard, &held.entries).await?);
         }
         Ok(report)
@@ -309,15 +439,11 @@ impl Worker {
     /// than `claim_idle`.
     pub async fn reclaim(&self) -> anyhow::Result<BatchReport> {
         let mut report = BatchReport::default();
-        let mut cursor = "0-0".to_string();
-        loop {
-            if let Some(held) = self.next_batch(Source::Claim, &mut cursor).await? {
-                report.add(self.process_batch(held.shard, &held.entries).await?);
-            }
-            if cursor == "0-0" {
-                return Ok(report);
-            }
+        let mut round = self.round();
+        while let Some(held) = self.next_batch(Source::Claim, &mut round).await? {
+            report.add(self.process_batch(held.shard, &held.entries).await?);
         }
+        Ok(report)
     }
 
     /// Removes acknowledged entries from every stream, and consumers long dead with
@@ -340,15 +466,19 @@ impl Worker {
         self.ensure_groups().await?;
         let mut report = self.replay_pending().await?;
         report.add(self.reclaim().await?);
-        for shard in self.keys.shards() {
-            loop {
+        loop {
+            let mut any = false;
+            for shard in self.keys.shards() {
                 let entries = self
                     .read_batch(shard, ReadFrom::New { block_ms: 1 })
                     .await?;
-                if entries.is_empty() {
-                    break;
+                if !entries.is_empty() {
+                    any = true;
+                    report.add(self.process_batch(shard, &entries).await?);
                 }
-                report.add(self.process_batch(shard, &entries).await?);
+            }
+            if !any {
+                break;
             }
         }
         self.trim().await?;
@@ -366,7 +496,7 @@ impl Worker {
         let mut groups_ready = false;
         let mut replayed = false;
         let mut failing = false;
-        let mut claim_cursor = "0-0".to_string();
+        let mut round = self.round();
         let claim_every = (self.config.claim_idle / 2).max(Duration::from_millis(100));
         let mut last_claim = Instant::now();
         let mut last_trim = Instant::now();
@@ -385,10 +515,14 @@ impl Worker {
                     } else {
                         Source::New
                     };
-                    held = self.next_batch(source, &mut claim_cursor).await?;
+                    held = self.next_batch(source, &mut round).await?;
                     match source {
                         Source::OwnPending if held.is_none() => replayed = true,
-                        Source::Claim if claim_cursor == "0-0" => last_claim = Instant::now(),
+                        Source::Claim if held.is_none() => {
+                            // Every shard's pending list walked: the pass is over.
+                            round.restart_claims();
+                            last_claim = Instant::now();
+                        }
                         _ => {}
                     }
                 }
@@ -424,7 +558,10 @@ impl Worker {
                     };
                     metrics::counter!(crate::metrics::DEPENDENCY_ERRORS, "dependency" => dependency, "in" => "worker")
                         .increment(1);
-                    if format!("{e:#}").contains("NOGROUP") {
+                    if e
+                        .downcast_ref::<redis::RedisError>()
+                        .is_some_and(|r| r.code() == Some("NOGROUP"))
+                    {
                         // Redis lost the stream or the group: re-create it. Our pending
                         // list is gone with it, so there is nothing to replay.
                         groups_ready = false;
@@ -448,9 +585,20 @@ impl Worker {
                         )
                         .await;
                     }
+                    let pause = backoff.next_delay();
+                    let sleep = async {
+                        // Keep refreshing a held batch through a long pause too.
+                        match &held {
+                            Some(batch) => {
+                                self.heartbeat(batch.shard, &batch.entries, tokio::time::sleep(pause))
+                                    .await
+                            }
+                            None => tokio::time::sleep(pause).await,
+                        }
+                    };
                     tokio::select! {
                         _ = cancel.cancelled() => break,
-                        _ = tokio::time::sleep(backoff.next_delay()) => {}
+                        _ = sleep => {}
                     }
                 }
             }
