@@ -1,89 +1,181 @@
--- Load (or rebuild) one sale's Redis state from Postgres.
+-- The last, atomic step of loading (or checking) one sale's Redis state from Postgres.
+--
+-- The caller holds the sale's seckill_vouchers row lock in Postgres for the whole load
+-- (no worker can commit or bury an order of this sale meanwhile), has read Postgres's
+-- stock and buyers under it, and has paged through the shard's stream outside any
+-- script, collecting this voucher's entries of users Postgres does not know. This step
+-- reads only the stream's tail after the last page (bounded by ARGV[9]: a longer tail
+-- answers {-2}, and the caller pages on), so it costs Redis a few milliseconds
+-- whatever the backlog.
+--
+-- Orders in flight = the candidates still unacknowledged now (pending in the group,
+-- or not delivered yet), one per user. Stock = Postgres's stock minus those.
 --
 -- KEYS[1] the sale hash  KEYS[2] the shard's order stream
--- ARGV[1] mode: 'create' (a new sale: load if missing; nothing can be in flight yet),
---         'load' (load if missing, counting orders in flight), 'repair' (overwrite)
--- ARGV[2] voucher_id  ARGV[3] Postgres remaining stock  ARGV[4] begin_ms  ARGV[5] end_ms
--- ARGV[6] expire_at_ms  ARGV[7] the consumer group
--- ARGV[8..] pairs user_id, order_id of the orders Postgres holds
+-- ARGV[1] mode: 'create' / 'load' (only if missing), 'repair' (overwrite), 'check'
+--         (write nothing; compare)
+-- ARGV[2] voucher_id  ARGV[3] Postgres stock  ARGV[4] begin_ms  ARGV[5] end_ms
+-- ARGV[6] expire_at_ms  ARGV[7] consumer group  ARGV[8] id of the last entry paged
+-- ('' when none)  ARGV[9] most tail entries read here  ARGV[10] '1': consider the
+-- stream ('0' for a new sale)  ARGV[11] n, then n pairs user_id, order_id (Postgres's
+-- buyers), then triples entry_id, user_id, order_id (the paged candidates, in order)
 --
--- Buyers become Postgres's buyers plus the orders in flight: this voucher's stream
--- entries not yet acknowledged (pending, or not delivered yet) whose user Postgres does
--- not know. Stock becomes Postgres's stock minus those in-flight orders. Buyers whose
--- orders were dead-lettered are dropped: they hold no order.
--- Returns {-1} when live state was left alone, else {stock, buyers, in_flight}.
+-- Returns {-1} when live state was left alone, {-2} when the tail is too long, else
+-- {expected_stock, expected_buyers, in_flight, actual_stock (-1: none), actual_buyers,
+-- mismatched_buyers}; 'actual' is the state before this step.
 local mode = ARGV[1]
-if mode ~= 'repair' and redis.call('EXISTS', KEYS[1]) == 1 then
+local exists = redis.call('EXISTS', KEYS[1]) == 1
+if (mode == 'create' or mode == 'load') and exists then
   return {-1}
 end
+local voucher = ARGV[2]
 
-local fields = {}
-local in_pg = {}
-for i = 8, #ARGV, 2 do
-  in_pg[ARGV[i]] = true
-  fields[#fields + 1] = 'u:' .. ARGV[i]
-  fields[#fields + 1] = ARGV[i + 1]
+local pg = {}
+local n_pg = tonumber(ARGV[11])
+local i = 12
+for _ = 1, n_pg do
+  pg[ARGV[i]] = ARGV[i + 1]
+  i = i + 2
+end
+local cands = {}
+while i + 2 <= #ARGV do
+  cands[#cands + 1] = {ARGV[i], ARGV[i + 1], ARGV[i + 2]}
+  i = i + 3
 end
 
--- O(stream length): the stream only holds what the workers have not acknowledged and
--- trimmed yet. Loading and repair are rare; admission never does this.
+local stream = ARGV[10] == '1' and redis.call('EXISTS', KEYS[2]) == 1
+local group, last = false, '0-0'
+if stream then
+  local start = '-'
+  if ARGV[8] ~= '' then
+    start = '(' .. ARGV[8]
+  end
+  local max = tonumber(ARGV[9])
+  local tail = redis.call('XRANGE', KEYS[2], start, '+', 'COUNT', max + 1)
+  if #tail > max then
+    return {-2}
+  end
+  for _, e in ipairs(tail) do
+    local f = e[2]
+    local order, v, user
+    for j = 1, #f, 2 do
+      if f[j] == 'order_id' then order = f[j + 1]
+      elseif f[j] == 'voucher_id' then v = f[j + 1]
+      elseif f[j] == 'user_id' then user = f[j + 1] end
+    end
+    if v == voucher and user and order then
+      cands[#cands + 1] = {e[1], user, order}
+    end
+  end
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[2])) do
+    local name, lid
+    for j = 1, #g, 2 do
+      if g[j] == 'name' then name = g[j + 1] end
+      if g[j] == 'last-delivered-id' then lid = g[j + 1] end
+    end
+    if name == ARGV[7] then
+      group, last = true, lid
+    end
+  end
+end
+
+-- Unacknowledged: pending in the group (the pending list is small: what workers hold
+-- right now), or after the group's last delivered entry, or no group yet.
+local pending = {}
+if group and #cands > 0 then
+  for _, p in ipairs(redis.call('XPENDING', KEYS[2], ARGV[7], cands[1][1], cands[#cands][1], 1000000)) do
+    pending[p[1]] = true
+  end
+end
 local function id_parts(id)
   local ms, seq = string.match(id, '^(%d+)-(%d+)$')
   return tonumber(ms), tonumber(seq)
 end
-local function after(a, b)
-  local ams, aseq = id_parts(a)
-  local bms, bseq = id_parts(b)
-  return ams > bms or (ams == bms and aseq > bseq)
+local lms, lseq = id_parts(last)
+local function unacked(id)
+  if not group or pending[id] then
+    return true
+  end
+  local ms, seq = id_parts(id)
+  return ms > lms or (ms == lms and seq > lseq)
 end
 
-local in_flight = 0
-if mode ~= 'create' and redis.call('EXISTS', KEYS[2]) == 1 then
-  -- Unacknowledged = pending in the group, or after its last delivered entry.
-  local last_delivered = '0-0'
-  local unacked = {}
-  for _, group in ipairs(redis.call('XINFO', 'GROUPS', KEYS[2])) do
-    local name, last
-    for i = 1, #group, 2 do
-      if group[i] == 'name' then name = group[i + 1] end
-      if group[i] == 'last-delivered-id' then last = group[i + 1] end
-    end
-    if name == ARGV[7] then
-      last_delivered = last
-      for _, p in ipairs(redis.call('XPENDING', KEYS[2], ARGV[7], '-', '+', 1000000000)) do
-        unacked[p[1]] = true
-      end
-    end
-  end
-  local voucher = ARGV[2]
-  for _, entry in ipairs(redis.call('XRANGE', KEYS[2], '-', '+')) do
-    if unacked[entry[1]] or after(entry[1], last_delivered) then
-      local f = entry[2]
-      local order, v, user
-      for i = 1, #f, 2 do
-        if f[i] == 'order_id' then order = f[i + 1]
-        elseif f[i] == 'voucher_id' then v = f[i + 1]
-        elseif f[i] == 'user_id' then user = f[i + 1] end
-      end
-      if v == voucher and user and order and not in_pg[user] then
-        in_pg[user] = true
-        fields[#fields + 1] = 'u:' .. user
-        fields[#fields + 1] = order
-        in_flight = in_flight + 1
+local in_flight, n_in = {}, 0
+-- An unacknowledged order of a user Postgres knows under another id will be buried;
+-- until then the user's record may still name it, with its unit out.
+local conflicts = {}
+if stream then
+  for _, c in ipairs(cands) do
+    local id, user, order = c[1], c[2], c[3]
+    if unacked(id) then
+      if pg[user] then
+        if pg[user] ~= order then
+          conflicts[user] = order
+        end
+      elseif not in_flight[user] then
+        in_flight[user] = order
+        n_in = n_in + 1
       end
     end
   end
 end
 
-local stock = tonumber(ARGV[3]) - in_flight
+local stock = tonumber(ARGV[3]) - n_in
 if stock < 0 then
   stock = 0
 end
 
+local actual_stock, actual_buyers, mismatched = -1, 0, 0
+if exists then
+  actual_stock = tonumber(redis.call('HGET', KEYS[1], 'stock') or '-1') or -1
+  actual_buyers = redis.call('HLEN', KEYS[1]) - 3
+end
+
+if mode == 'check' then
+  if exists then
+    local users, want = {}, {}
+    for u, o in pairs(pg) do
+      users[#users + 1] = u
+      want[#want + 1] = o
+    end
+    for u, o in pairs(in_flight) do
+      users[#users + 1] = u
+      want[#want + 1] = o
+    end
+    for from = 1, #users, 1000 do
+      local fields = {}
+      for k = from, math.min(from + 999, #users) do
+        fields[#fields + 1] = 'u:' .. users[k]
+      end
+      local got = redis.call('HMGET', KEYS[1], unpack(fields))
+      for k = 1, #got do
+        local u = users[from + k - 1]
+        if got[k] ~= want[from + k - 1] then
+          if conflicts[u] and got[k] == conflicts[u] then
+            stock = stock - 1
+          else
+            mismatched = mismatched + 1
+          end
+        end
+      end
+    end
+  end
+  return {stock, n_pg + n_in, n_in, actual_stock, actual_buyers, mismatched}
+end
+
+local fields = {}
+for u, o in pairs(pg) do
+  fields[#fields + 1] = 'u:' .. u
+  fields[#fields + 1] = o
+end
+for u, o in pairs(in_flight) do
+  fields[#fields + 1] = 'u:' .. u
+  fields[#fields + 1] = o
+end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'stock', stock, 'begin_ms', ARGV[4], 'end_ms', ARGV[5])
-for i = 1, #fields, 1000 do
-  redis.call('HSET', KEYS[1], unpack(fields, i, math.min(i + 999, #fields)))
+for k = 1, #fields, 1000 do
+  redis.call('HSET', KEYS[1], unpack(fields, k, math.min(k + 999, #fields)))
 end
 redis.call('PEXPIREAT', KEYS[1], ARGV[6])
-return {stock, #fields / 2, in_flight}
+return {stock, n_pg + n_in, n_in, actual_stock, actual_buyers, 0}

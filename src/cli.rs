@@ -60,14 +60,16 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
             let keys = keys(&args.redis)?;
             let mut conn = redis(&args.redis, redis_conn::COMMAND_TIMEOUT).await?;
             let letters = crate::reconcile::dead_letters(&mut conn, &keys, args.limit).await?;
+            let mut listing = String::new();
             for letter in &letters {
                 let fields: Vec<String> = letter
                     .fields
                     .iter()
                     .map(|(k, v)| format!("{k}={v}"))
                     .collect();
-                println!("{} {}", letter.id, fields.join(" "));
+                listing.push_str(&format!("{} {}\n", letter.id, fields.join(" ")));
             }
+            print_out(&listing)?;
             let mut total = 0u64;
             for shard in keys.shards() {
                 let n: u64 = redis::cmd("XLEN")
@@ -76,38 +78,32 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
                     .await?;
                 total += n;
             }
-            println!("{total} dead letter(s) in all, {} shown", letters.len());
+            print_out(&format!(
+                "{total} dead letter(s) in all, {} shown\n",
+                letters.len()
+            ))?;
             Ok(ExitCode::SUCCESS)
         }
     }
 }
 
 async fn reconcile(args: crate::config::ReconcileArgs) -> anyhow::Result<ExitCode> {
-    use crate::reconcile::{books, render, repair};
+    use crate::reconcile::{books, render, repair, VoucherBooks};
     let keys = keys(&args.redis)?;
     let db = store::pool(&args.database.database_url, 4)?;
     let mut conn = redis(&args.redis, Duration::from_secs(30)).await?;
     let retention = Duration::from_secs(args.sale_state_retention_secs);
-    let mut rows = books(&db, &mut conn, &keys, args.voucher, retention).await?;
-    print!("{}", render(&rows));
-    let out_of_balance = |rows: &[crate::reconcile::VoucherBooks]| -> Vec<i64> {
+    let out_of_balance = |rows: &[VoucherBooks]| -> Vec<i64> {
         rows.iter()
             .filter(|r| !r.verdict().is_ok())
             .map(|r| r.voucher_id)
             .collect()
     };
+    // Each sale is read through the loader's fence, so a sale in full swing balances:
+    // what is out of balance is drift, not timing.
+    let mut rows = books(&db, &mut conn, &keys, args.voucher, retention).await?;
+    print_out(&render(&rows))?;
     let mut bad = out_of_balance(&rows);
-    if !bad.is_empty() && !args.repair {
-        // A sale in progress moves between the two reads: look again before judging.
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        rows = books(&db, &mut conn, &keys, args.voucher, retention).await?;
-        let again = out_of_balance(&rows);
-        bad.retain(|id| again.contains(id));
-        if !bad.is_empty() {
-            println!("re-checked after 1 s:");
-            print!("{}", render(&rows));
-        }
-    }
     if args.repair {
         let targets = match args.voucher {
             Some(id) => vec![id],
@@ -115,22 +111,31 @@ async fn reconcile(args: crate::config::ReconcileArgs) -> anyhow::Result<ExitCod
         };
         for id in targets {
             let loaded = repair(&db, &mut conn, &keys, id, retention).await?;
-            println!(
-                "repaired voucher {id}: redis stock {}, buyers {} ({} in flight)",
+            print_out(&format!(
+                "repaired voucher {id}: redis stock {}, buyers {} ({} in flight)\n",
                 loaded.stock, loaded.buyers, loaded.in_flight
-            );
+            ))?;
         }
         rows = books(&db, &mut conn, &keys, args.voucher, retention).await?;
-        println!("after repair:");
-        print!("{}", render(&rows));
+        print_out(&format!("after repair:\n{}", render(&rows)))?;
         bad = out_of_balance(&rows);
     }
     if bad.is_empty() {
-        println!("books balance");
+        print_out("books balance\n")?;
         Ok(ExitCode::SUCCESS)
     } else {
-        println!("unexplained drift in voucher(s) {bad:?}; `seckill reconcile --repair` rebuilds Redis from Postgres");
+        print_out(&format!("drift in voucher(s) {bad:?}; `seckill reconcile --repair` rebuilds Redis from Postgres (safe during a sale)\n"))?;
         Ok(ExitCode::from(1))
+    }
+}
+
+/// Writes to standard output; a reader that went away (`| head`) is not an error.
+fn print_out(text: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
     }
 }
 
@@ -139,15 +144,27 @@ fn token(args: crate::config::TokenArgs) -> anyhow::Result<()> {
     use std::io::Write;
     let keys = JwtKeys::new(&args.jwt_secret)?;
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
-    for i in 0..args.count as i64 {
-        let user = args
-            .user
-            .checked_add(i)
-            .ok_or_else(|| anyhow::anyhow!("user id overflows"))?;
-        writeln!(out, "{}", keys.mint(user, args.admin, args.ttl)?)?;
+    let written = (|| -> anyhow::Result<()> {
+        for i in 0..args.count as i64 {
+            let user = args
+                .user
+                .checked_add(i)
+                .ok_or_else(|| anyhow::anyhow!("user id overflows"))?;
+            writeln!(out, "{}", keys.mint(user, args.admin, args.ttl)?)?;
+        }
+        out.flush()?;
+        Ok(())
+    })();
+    match written {
+        // `seckill token --count N | head` stops reading early: not an error.
+        Err(e)
+            if e.downcast_ref::<std::io::Error>()
+                .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) =>
+        {
+            Ok(())
+        }
+        other => other,
     }
-    out.flush()?;
-    Ok(())
 }
 
 fn keys(redis: &RedisArgs) -> anyhow::Result<Keys> {

@@ -1,28 +1,27 @@
-//! `seckill reconcile`: compares each sale's Redis state with Postgres, explains the
-//! difference by orders in flight and dead letters, and (with `--repair`) rebuilds Redis
-//! from Postgres.
+//! `seckill reconcile`: compares each sale's Redis state with Postgres and (with
+//! `--repair`) rebuilds Redis from Postgres.
 //!
-//! The books balance when, per voucher:
+//! Each sale is read through the same fence as loading (see
+//! [`loader::fenced`]): Postgres under the sale's row lock, Redis's state and stream
+//! position in one script. So a healthy sale in full swing balances exactly:
 //! - Postgres: `initial_stock = stock + orders`;
 //! - Redis stock = Postgres stock - orders in flight (admitted, not yet written);
-//! - Redis buyers = Postgres orders + orders in flight.
+//! - Redis buyers = Postgres's buyers + the buyers of orders in flight, each naming
+//!   the right order.
 //!
-//! Dead-lettered orders took a unit in Redis but never reached Postgres (their buyer
-//! record is released when they are dead-lettered), so Redis may hold up to that many
-//! units fewer (and, until the release, buyers more) than the rule says; anything else
-//! is unexplained drift.
+//! Dead-lettered orders are buried with their unit returned and their buyer record
+//! settled (see `lua/settle_dead.lua`), so they leave no difference behind; they are
+//! shown for information.
 
-use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
+use chrono::Utc;
 use redis::aio::ConnectionLike;
 use sqlx::PgPool;
 
 use crate::admission::keys::Keys;
-use crate::admission::keys::SALE_FIELDS;
-use crate::admission::loader::{self, Mode};
+use crate::admission::loader::{self, Fenced, Mode};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VoucherBooks {
@@ -35,14 +34,17 @@ pub struct VoucherBooks {
     pub redis_stock: Option<i64>,
     pub redis_buyers: i64,
     pub in_flight: i64,
+    /// What Redis's stock and buyer count must be.
+    pub expected_stock: i64,
+    pub expected_buyers: i64,
+    /// Buyer records missing or naming another order.
+    pub mismatched_buyers: i64,
     pub dead_letters: i64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
     Balanced,
-    /// Differences the dead letters account for.
-    Explained,
     /// An ended sale whose Redis state has expired: nothing to compare.
     Expired,
     /// An open sale with no Redis state: admission fails closed until it is loaded.
@@ -52,16 +54,12 @@ pub enum Verdict {
 
 impl Verdict {
     pub fn is_ok(self) -> bool {
-        matches!(
-            self,
-            Verdict::Balanced | Verdict::Explained | Verdict::Expired
-        )
+        matches!(self, Verdict::Balanced | Verdict::Expired)
     }
 
     fn as_str(self) -> &'static str {
         match self {
             Verdict::Balanced => "ok",
-            Verdict::Explained => "ok (dead letters)",
             Verdict::Expired => "expired",
             Verdict::Missing => "MISSING",
             Verdict::Drift => "DRIFT",
@@ -70,15 +68,31 @@ impl Verdict {
 }
 
 impl VoucherBooks {
-    /// Redis stock minus what the rule expects (positive: Redis could sell units
-    /// Postgres does not have).
+    fn new(voucher_id: i64, f: &Fenced, dead_letters: i64) -> Self {
+        Self {
+            voucher_id,
+            initial_stock: f.initial_stock,
+            pg_stock: f.pg_stock,
+            pg_orders: f.pg_orders,
+            open: f.end_time > Utc::now(),
+            redis_stock: f.actual_stock,
+            redis_buyers: f.actual_buyers,
+            in_flight: f.expected.in_flight,
+            expected_stock: f.expected.stock,
+            expected_buyers: f.expected.buyers,
+            mismatched_buyers: f.mismatched_buyers,
+            dead_letters,
+        }
+    }
+
+    /// Redis stock minus what it must be (positive: Redis could sell units Postgres
+    /// does not have).
     pub fn stock_drift(&self) -> Option<i64> {
-        self.redis_stock
-            .map(|s| s - (self.pg_stock - self.in_flight))
+        self.redis_stock.map(|s| s - self.expected_stock)
     }
 
     pub fn buyers_drift(&self) -> i64 {
-        self.redis_buyers - (self.pg_orders + self.in_flight)
+        self.redis_buyers - self.expected_buyers
     }
 
     pub fn verdict(&self) -> Verdict {
@@ -92,21 +106,16 @@ impl VoucherBooks {
                 Verdict::Expired
             };
         };
-        let buyers_drift = self.buyers_drift();
-        if stock_drift == 0 && buyers_drift == 0 {
-            return Verdict::Balanced;
-        }
-        let dead = self.dead_letters;
-        if stock_drift <= 0 && -stock_drift <= dead && (0..=dead).contains(&buyers_drift) {
-            Verdict::Explained
+        if stock_drift == 0 && self.buyers_drift() == 0 && self.mismatched_buyers == 0 {
+            Verdict::Balanced
         } else {
             Verdict::Drift
         }
     }
 }
 
-/// The books of the given vouchers, or of every sale not ended longer ago than
-/// `retention` ago.
+/// The books of the given voucher, or of every sale not ended longer than `retention`
+/// ago, each read through the fence.
 pub async fn books<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
@@ -114,96 +123,27 @@ pub async fn books<C: ConnectionLike + Send>(
     voucher: Option<i64>,
     retention: Duration,
 ) -> anyhow::Result<Vec<VoucherBooks>> {
-    let since = Utc::now() - chrono::Duration::from_std(retention)?;
-    let sales: Vec<(i64, i32, i32, DateTime<Utc>, i64)> = sqlx::query_as(
-        "SELECT s.voucher_id, s.initial_stock, s.stock, s.end_time, \
-                (SELECT count(*) FROM voucher_orders o WHERE o.voucher_id = s.voucher_id) \
-         FROM seckill_vouchers s \
-         WHERE ($1::int8 IS NULL AND s.end_time > $2) OR s.voucher_id = $1 \
-         ORDER BY s.voucher_id",
-    )
-    .bind(voucher)
-    .bind(since)
-    .fetch_all(db)
-    .await?;
-    if let (Some(id), true) = (voucher, sales.is_empty()) {
-        anyhow::bail!("voucher {id} has no flash sale");
-    }
-
-    let in_flight = in_flight_orders(db, conn, keys).await?;
-    let dead = dead_letters_per_voucher(conn, keys).await?;
-    let now = Utc::now();
-    let mut out = Vec::with_capacity(sales.len());
-    for (voucher_id, initial, stock, end, orders) in sales {
-        let (redis_stock, fields): (Option<i64>, i64) = redis::pipe()
-            .cmd("HGET")
-            .arg(keys.voucher(voucher_id))
-            .arg("stock")
-            .cmd("HLEN")
-            .arg(keys.voucher(voucher_id))
-            .query_async(conn)
-            .await?;
-        let redis_buyers = (fields - SALE_FIELDS).max(0);
-        out.push(VoucherBooks {
-            voucher_id,
-            initial_stock: initial as i64,
-            pg_stock: stock as i64,
-            pg_orders: orders,
-            open: end > now,
-            redis_stock,
-            redis_buyers,
-            in_flight: in_flight.get(&voucher_id).copied().unwrap_or(0),
-            dead_letters: dead.get(&voucher_id).copied().unwrap_or(0),
-        });
+    let ids = match voucher {
+        Some(id) => vec![id],
+        None => {
+            let since = Utc::now() - chrono::Duration::from_std(retention)?;
+            crate::store::vouchers::sales_ending_after(db, since).await?
+        }
+    };
+    let dead = crate::store::orders::dead_per_voucher(db).await?;
+    let mut out = Vec::with_capacity(ids.len());
+    for id in ids {
+        match loader::fenced(db, conn, keys, id, retention, Mode::Check).await? {
+            Some(f) => out.push(VoucherBooks::new(
+                id,
+                &f,
+                dead.get(&id).copied().unwrap_or(0),
+            )),
+            None if voucher.is_some() => anyhow::bail!("voucher {id} has no flash sale"),
+            None => {}
+        }
     }
     Ok(out)
-}
-
-/// Orders admitted in Redis and not yet in Postgres, per voucher: unacknowledged
-/// stream entries whose order Postgres does not hold (an entry committed but not yet
-/// acknowledged does not count).
-async fn in_flight_orders<C: ConnectionLike + Send>(
-    db: &PgPool,
-    conn: &mut C,
-    keys: &Keys,
-) -> anyhow::Result<HashMap<i64, i64>> {
-    let mut admitted: Vec<(i64, i64)> = Vec::new(); // (order_id, voucher_id)
-    for shard in keys.shards() {
-        for entry in crate::stream::unacknowledged(conn, keys, shard).await? {
-            if let Some(order) = entry.order() {
-                admitted.push((order.id, order.voucher_id));
-            }
-        }
-    }
-    let ids: Vec<i64> = admitted.iter().map(|(id, _)| *id).collect();
-    let committed: HashSet<i64> =
-        sqlx::query_scalar("SELECT id FROM voucher_orders WHERE id = ANY($1)")
-            .bind(&ids)
-            .fetch_all(db)
-            .await?
-            .into_iter()
-            .collect();
-    let mut per_voucher = HashMap::new();
-    for (order_id, voucher_id) in admitted {
-        if !committed.contains(&order_id) {
-            *per_voucher.entry(voucher_id).or_default() += 1;
-        }
-    }
-    Ok(per_voucher)
-}
-
-/// Dead letters per voucher (of the ones whose fields named a voucher).
-pub async fn dead_letters_per_voucher<C: ConnectionLike + Send>(
-    conn: &mut C,
-    keys: &Keys,
-) -> anyhow::Result<HashMap<i64, i64>> {
-    let mut per_voucher = HashMap::new();
-    for entry in dead_letters(conn, keys, usize::MAX).await? {
-        if let Some(Ok(voucher_id)) = entry.field("orig.voucher_id").map(str::parse::<i64>) {
-            *per_voucher.entry(voucher_id).or_default() += 1;
-        }
-    }
-    Ok(per_voucher)
 }
 
 /// One entry of the dead-letter stream.
@@ -239,7 +179,8 @@ pub async fn dead_letters<C: ConnectionLike + Send>(
     Ok(out)
 }
 
-/// Rebuilds one sale's Redis state from Postgres (see `lua/load_voucher.lua`).
+/// Rebuilds one sale's Redis state from Postgres through the fence (see
+/// [`loader::fenced`]): safe during a live sale.
 pub async fn repair<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
@@ -283,10 +224,10 @@ pub fn render(rows: &[VoucherBooks]) -> String {
             r.in_flight,
             r.dead_letters,
             opt(r.stock_drift()),
-            if r.redis_stock.is_some() {
-                r.buyers_drift().to_string()
-            } else {
-                "-".into()
+            match (r.redis_stock, r.mismatched_buyers) {
+                (None, _) => "-".to_string(),
+                (Some(_), 0) => r.buyers_drift().to_string(),
+                (Some(_), m) => format!("{}/{m}≠", r.buyers_drift()),
             },
             r.verdict().as_str()
         );
@@ -308,6 +249,9 @@ mod tests {
             redis_stock: Some(50),
             redis_buyers: 50,
             in_flight: 10,
+            expected_stock: 50,
+            expected_buyers: 50,
+            mismatched_buyers: 0,
             dead_letters: 0,
         }
     }
@@ -318,34 +262,36 @@ mod tests {
     }
 
     #[test]
-    fn redis_holding_more_stock_than_postgres_allows_is_drift() {
-        let b = VoucherBooks {
-            redis_stock: Some(51),
-            ..books()
-        };
-        assert_eq!(b.verdict(), Verdict::Drift);
+    fn redis_holding_more_or_less_stock_than_expected_is_drift() {
+        for stock in [49, 51] {
+            let b = VoucherBooks {
+                redis_stock: Some(stock),
+                ..books()
+            };
+            assert_eq!(b.verdict(), Verdict::Drift);
+        }
     }
 
     #[test]
-    fn dead_letters_explain_missing_units_and_extra_buyers_but_no_more() {
+    fn dead_letters_explain_nothing_since_burial_settles_them() {
         let b = VoucherBooks {
             redis_stock: Some(48),
             redis_buyers: 52,
             dead_letters: 2,
             ..books()
         };
-        assert_eq!(b.verdict(), Verdict::Explained);
-        let b = VoucherBooks {
-            redis_stock: Some(47),
-            ..b
-        };
         assert_eq!(b.verdict(), Verdict::Drift);
     }
 
     #[test]
-    fn lost_buyers_or_postgres_out_of_balance_is_drift() {
+    fn lost_or_wrong_buyers_or_postgres_out_of_balance_is_drift() {
         let b = VoucherBooks {
             redis_buyers: 49,
+            ..books()
+        };
+        assert_eq!(b.verdict(), Verdict::Drift);
+        let b = VoucherBooks {
+            mismatched_buyers: 1,
             ..books()
         };
         assert_eq!(b.verdict(), Verdict::Drift);

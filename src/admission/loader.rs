@@ -2,6 +2,7 @@
 //! and on line when admission finds a sale's state missing (Redis restarted or lost data).
 //! Live state is never overwritten.
 
+use std::collections::HashSet;
 use std::sync::LazyLock;
 use std::time::Duration;
 
@@ -33,6 +34,9 @@ pub enum Mode {
     Load,
     /// Overwrite live state (`seckill reconcile --repair`).
     Repair,
+    /// Write nothing: compare live state with what a load would write
+    /// (`seckill reconcile`).
+    Check,
 }
 
 impl Mode {
@@ -41,6 +45,7 @@ impl Mode {
             Mode::Create => "create",
             Mode::Load => "load",
             Mode::Repair => "repair",
+            Mode::Check => "check",
         }
     }
 }
@@ -53,10 +58,32 @@ pub struct Loaded {
     pub in_flight: i64,
 }
 
-/// Loads one sale from one Postgres snapshot (see `lua/load_voucher.lua`): buyers are
-/// Postgres's buyers plus the orders in flight, stock is Postgres's minus those.
-/// `None` when live state was left alone or the voucher has no flash sale.
-#[tracing::instrument(skip(db, conn, keys))]
+/// One sale seen from both stores at one moment: Postgres under the sale's row lock,
+/// Redis (sale state and stream position) in one script.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fenced {
+    pub initial_stock: i64,
+    pub pg_stock: i64,
+    pub pg_orders: i64,
+    pub end_time: chrono::DateTime<chrono::Utc>,
+    /// What Redis must hold: stock, buyer records, and how many of those are orders in
+    /// flight (admitted, not yet written).
+    pub expected: Loaded,
+    /// Redis's stock before the step (`None`: the sale's state was missing).
+    pub actual_stock: Option<i64>,
+    pub actual_buyers: i64,
+    /// Expected buyer records Redis lacks or names another order in (`Check` only).
+    pub mismatched_buyers: i64,
+}
+
+/// Stream entries paged per XRANGE, and the most the final script reads itself.
+const PAGE: usize = 1000;
+/// Rounds of paging before giving up (the stream grew faster than it could be read).
+const MAX_ROUNDS: usize = 100;
+
+/// Loads one sale (see `lua/load_voucher.lua`): buyers are Postgres's buyers plus the
+/// orders in flight, stock is Postgres's minus those. `None` when live state was left
+/// alone or the voucher has no flash sale.
 pub async fn load_sale<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
@@ -65,39 +92,126 @@ pub async fn load_sale<C: ConnectionLike + Send>(
     retention: Duration,
     mode: Mode,
 ) -> anyhow::Result<Option<Loaded>> {
-    let Some((sale, buyers)) = store::vouchers::sale_snapshot(db, voucher_id).await? else {
-        return Ok(None);
-    };
-    let end_ms = sale.end_time.timestamp_millis();
-    let mut load = LOAD.prepare_invoke();
-    load.key(keys.voucher(voucher_id))
-        .key(keys.stream(keys.shard_of(voucher_id)))
-        .arg(mode.as_str())
-        .arg(voucher_id)
-        .arg(sale.stock)
-        .arg(sale.begin_time.timestamp_millis())
-        .arg(end_ms)
-        .arg(end_ms.saturating_add(retention.as_millis() as i64))
-        .arg(crate::stream::GROUP);
-    for (user_id, order_id) in &buyers {
-        load.arg(user_id).arg(order_id);
+    let done = fenced(db, conn, keys, voucher_id, retention, mode).await?;
+    Ok(done.map(|f| f.expected))
+}
+
+/// The fenced step behind every move of a sale's state from Postgres into Redis, and
+/// behind reconcile's comparison:
+///
+/// 1. lock the sale's `seckill_vouchers` row and read stock and buyers: from now until
+///    the end no worker can commit or bury an order of this sale (both take the lock),
+///    so Postgres cannot move under the load;
+/// 2. page through the shard's stream (one bounded XRANGE at a time, Redis never
+///    stalls), collecting this sale's orders of users Postgres does not know;
+/// 3. one script reads the short tail since the last page and the group's position,
+///    keeps the candidates still unacknowledged, and writes (or compares) the state;
+/// 4. release the lock.
+///
+/// An order committed before step 1 is in Postgres's buyers; one not committed by then
+/// cannot be committed before step 4, so its entry is still unacknowledged in step 3
+/// and counted in flight. Either way it is counted once: no unit is given out twice
+/// and no buyer record is lost.
+#[tracing::instrument(skip(db, conn, keys))]
+pub async fn fenced<C: ConnectionLike + Send>(
+    db: &PgPool,
+    conn: &mut C,
+    keys: &Keys,
+    voucher_id: i64,
+    retention: Duration,
+    mode: Mode,
+) -> anyhow::Result<Option<Fenced>> {
+    let key = keys.voucher(voucher_id);
+    if matches!(mode, Mode::Create | Mode::Load) {
+        // Live state is never overwritten: spare Postgres the lock when it is there.
+        let exists: bool = redis::cmd("EXISTS").arg(&key).query_async(conn).await?;
+        if exists {
+            return Ok(None);
+        }
     }
-    let reply: Vec<i64> = load.invoke_async(conn).await?;
-    let [stock, buyers, in_flight] = reply[..] else {
+    let mut tx = db.begin().await?;
+    let Some((sale, buyers)) = store::vouchers::lock_sale(&mut tx, voucher_id).await? else {
         return Ok(None);
     };
-    tracing::info!(
-        voucher_id,
+    let shard = keys.shard_of(voucher_id);
+    let known: HashSet<i64> = buyers.iter().map(|(user, _)| *user).collect();
+    let scan = mode != Mode::Create;
+    let mut candidates: Vec<(String, i64, i64)> = Vec::new();
+    let mut last: Option<String> = None;
+    let end_ms = sale.end_time.timestamp_millis();
+    let mut rounds = 0;
+    let reply: Vec<i64> = loop {
+        rounds += 1;
+        anyhow::ensure!(
+            rounds <= MAX_ROUNDS,
+            "the order stream grows faster than voucher {voucher_id} can be loaded"
+        );
+        if scan {
+            loop {
+                let page = crate::stream::page(conn, keys, shard, last.as_deref(), PAGE).await?;
+                let full = page.len() == PAGE;
+                if let Some(e) = page.last() {
+                    last = Some(e.entry_id().to_string());
+                }
+                for e in &page {
+                    if let Some(o) = e.order() {
+                        if o.voucher_id == voucher_id && !known.contains(&o.user_id) {
+                            candidates.push((e.entry_id().to_string(), o.user_id, o.id));
+                        }
+                    }
+                }
+                if !full {
+                    break;
+                }
+            }
+        }
+        let mut step = LOAD.prepare_invoke();
+        step.key(&key)
+            .key(keys.stream(shard))
+            .arg(mode.as_str())
+            .arg(voucher_id)
+            .arg(sale.stock)
+            .arg(sale.begin_time.timestamp_millis())
+            .arg(end_ms)
+            .arg(end_ms.saturating_add(retention.as_millis() as i64))
+            .arg(crate::stream::GROUP)
+            .arg(last.as_deref().unwrap_or(""))
+            .arg(PAGE)
+            .arg(if scan { "1" } else { "0" })
+            .arg(buyers.len());
+        for (user_id, order_id) in &buyers {
+            step.arg(user_id).arg(order_id);
+        }
+        for (entry_id, user_id, order_id) in &candidates {
+            step.arg(entry_id).arg(user_id).arg(order_id);
+        }
+        let reply: Vec<i64> = step.invoke_async(conn).await?;
+        match reply.first() {
+            Some(-2) => continue,
+            _ => break reply,
+        }
+    };
+    tx.commit().await?;
+    let [stock, buyer_count, in_flight, actual_stock, actual_buyers, mismatched] = reply[..] else {
+        return Ok(None);
+    };
+    let expected = Loaded {
         stock,
-        buyers,
+        buyers: buyer_count,
         in_flight,
-        ?mode,
-        "sale state loaded into redis"
-    );
-    Ok(Some(Loaded {
-        stock,
-        buyers,
-        in_flight,
+    };
+    if mode != Mode::Check {
+        tracing::info!(voucher_id, ?expected, ?mode, "sale state loaded into redis");
+    }
+    Ok(Some(Fenced {
+        initial_stock: sale.initial_stock as i64,
+        pg_stock: sale.stock as i64,
+        pg_orders: buyers.len() as i64,
+        end_time: sale.end_time,
+        expected,
+        actual_stock: (actual_stock >= 0).then_some(actual_stock),
+        actual_buyers,
+        mismatched_buyers: mismatched,
     }))
 }
 

@@ -272,13 +272,12 @@ pub async fn bury(db: &PgPool, order: &NewOrder, reason: &str) -> Result<Burial,
     .bind(reason)
     .fetch_optional(&mut *tx)
     .await?;
-    let holder: Option<i64> = sqlx::query_scalar(
-        "SELECT id FROM voucher_orders WHERE user_id = $1 AND voucher_id = $2",
-    )
-    .bind(order.user_id)
-    .bind(order.voucher_id)
-    .fetch_optional(&mut *tx)
-    .await?;
+    let holder: Option<i64> =
+        sqlx::query_scalar("SELECT id FROM voucher_orders WHERE user_id = $1 AND voucher_id = $2")
+            .bind(order.user_id)
+            .bind(order.voucher_id)
+            .fetch_optional(&mut *tx)
+            .await?;
     tx.commit().await?;
     Ok(Burial::Dead {
         newly: newly.is_some(),
@@ -336,6 +335,18 @@ async fn classify(
             }
         })
         .collect())
+}
+
+/// Buried (dead-lettered) orders per voucher.
+#[tracing::instrument(skip(db))]
+pub async fn dead_per_voucher(db: &PgPool) -> Result<HashMap<i64, i64>, sqlx::Error> {
+    Ok(sqlx::query_as::<_, (i64, i64)>(
+        "SELECT voucher_id, count(*) FROM dead_orders GROUP BY voucher_id",
+    )
+    .fetch_all(db)
+    .await?
+    .into_iter()
+    .collect())
 }
 
 #[tracing::instrument(skip(db))]

@@ -155,30 +155,37 @@ pub async fn sale(db: &PgPool, voucher_id: i64) -> Result<Option<SeckillState>, 
 /// `(user_id, order_id)` of every order of a sale: the buyers Redis must know.
 pub type Buyers = Vec<(i64, i64)>;
 
-/// A sale's remaining stock together with the `(user_id, order_id)` of its buyers, read
-/// from one snapshot so the two agree.
-#[tracing::instrument(skip(db))]
-pub async fn sale_snapshot(
-    db: &PgPool,
+/// A sale as the loader sees it under its row lock.
+#[derive(Debug, Clone, FromRow)]
+pub struct LockedSale {
+    pub initial_stock: i32,
+    pub stock: i32,
+    pub begin_time: DateTime<Utc>,
+    pub end_time: DateTime<Utc>,
+}
+
+/// Locks a sale's row (the fence against the worker's commits and burials for it, which
+/// take the same lock) and reads it with its buyers. Nothing about the sale can change
+/// in Postgres until `tx` ends. `None` when the voucher has no flash sale.
+#[tracing::instrument(skip(tx))]
+pub async fn lock_sale(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
     voucher_id: i64,
-) -> Result<Option<(SeckillState, Buyers)>, sqlx::Error> {
-    let mut tx = db.begin().await?;
-    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-        .execute(&mut *tx)
-        .await?;
-    let sale: Option<SeckillState> = sqlx::query_as(
-        "SELECT voucher_id, stock, begin_time, end_time FROM seckill_vouchers WHERE voucher_id = $1",
+) -> Result<Option<(LockedSale, Buyers)>, sqlx::Error> {
+    let sale: Option<LockedSale> = sqlx::query_as(
+        "SELECT initial_stock, stock, begin_time, end_time FROM seckill_vouchers \
+         WHERE voucher_id = $1 FOR NO KEY UPDATE",
     )
     .bind(voucher_id)
-    .fetch_optional(&mut *tx)
+    .fetch_optional(&mut **tx)
     .await?;
     let Some(sale) = sale else {
         return Ok(None);
     };
+    // A new statement: it sees every commit made before the lock was granted.
     let buyers = sqlx::query_as("SELECT user_id, id FROM voucher_orders WHERE voucher_id = $1")
         .bind(voucher_id)
-        .fetch_all(&mut *tx)
+        .fetch_all(&mut **tx)
         .await?;
-    tx.commit().await?;
     Ok(Some((sale, buyers)))
 }

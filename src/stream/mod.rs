@@ -375,6 +375,27 @@ pub async fn entries<C: ConnectionLike + Send>(
         .collect())
 }
 
+/// Up to `count` entries of the shard's stream after the entry `after` (from the
+/// start when `None`), oldest first: one XRANGE, so one bounded step for Redis.
+pub async fn page<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    shard: Shard,
+    after: Option<&str>,
+    count: usize,
+) -> RedisResult<Vec<Entry>> {
+    let start = after.map_or_else(|| "-".to_string(), |id| format!("({id}"));
+    let reply: Value = redis::cmd("XRANGE")
+        .arg(keys.stream(shard))
+        .arg(start)
+        .arg("+")
+        .arg("COUNT")
+        .arg(count)
+        .query_async(conn)
+        .await?;
+    parse_entries(reply)
+}
+
 /// Up to `limit` entries of the stream at `key`, oldest first, read in pages of a
 /// thousand.
 pub async fn range<C: ConnectionLike + Send>(

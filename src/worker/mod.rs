@@ -271,7 +271,10 @@ impl Worker {
             match fate {
                 Fate::Write(_) => {}
                 Fate::Malformed => {
-                    tracing::warn!(entry_id = entry.entry_id(), "dead-lettering a malformed stream entry");
+                    tracing::warn!(
+                        entry_id = entry.entry_id(),
+                        "dead-lettering a malformed stream entry"
+                    );
                     let reason = match entry {
                         Entry::DeadLetter { reason, .. } => reason.clone(),
                         Entry::Order { .. } => "malformed: voucher of another shard".into(),
@@ -370,7 +373,10 @@ impl Worker {
             let shard = Shard(index as u32);
             let entries = match source {
                 Source::OwnPending => self.read_batch(shard, ReadFrom::OwnPending).await?,
-                Source::Claim => self.claim_some(shard, &mut round.claim_cursors[index]).await?,
+                Source::Claim => {
+                    self.claim_some(shard, &mut round.claim_cursors[index])
+                        .await?
+                }
                 Source::New => {
                     // One blocking read per shard in turn, so a round over all shards
                     // still waits at most `block` when everything is idle.
@@ -408,7 +414,11 @@ impl Worker {
                 self.config.batch_size,
             )
             .await?;
-            *cursor = if next == "0-0" { CLAIM_DONE.into() } else { next };
+            *cursor = if next == "0-0" {
+                CLAIM_DONE.into()
+            } else {
+                next
+            };
             if !entries.is_empty() {
                 tracing::info!(
                     claimed = entries.len(),
@@ -558,8 +568,7 @@ impl Worker {
                     };
                     metrics::counter!(crate::metrics::DEPENDENCY_ERRORS, "dependency" => dependency, "in" => "worker")
                         .increment(1);
-                    if e
-                        .downcast_ref::<redis::RedisError>()
+                    if e.downcast_ref::<redis::RedisError>()
                         .is_some_and(|r| r.code() == Some("NOGROUP"))
                     {
                         // Redis lost the stream or the group: re-create it. Our pending
@@ -590,8 +599,12 @@ impl Worker {
                         // Keep refreshing a held batch through a long pause too.
                         match &held {
                             Some(batch) => {
-                                self.heartbeat(batch.shard, &batch.entries, tokio::time::sleep(pause))
-                                    .await
+                                self.heartbeat(
+                                    batch.shard,
+                                    &batch.entries,
+                                    tokio::time::sleep(pause),
+                                )
+                                .await
                             }
                             None => tokio::time::sleep(pause).await,
                         }
