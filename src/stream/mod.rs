@@ -304,63 +304,6 @@ pub async fn ack<C: ConnectionLike + Send>(
     }
 }
 
-/// Entries of the stream not yet acknowledged: pending in the group, or not delivered
-/// yet. (All of them when the group does not exist.)
-pub async fn unacknowledged<C: ConnectionLike + Send>(
-    conn: &mut C,
-    keys: &Keys,
-    shard: Shard,
-) -> RedisResult<Vec<Entry>> {
-    let stream = keys.stream(shard);
-    let groups: Vec<std::collections::HashMap<String, redis::Value>> = match redis::cmd("XINFO")
-        .arg("GROUPS")
-        .arg(stream)
-        .query_async(conn)
-        .await
-    {
-        Ok(groups) => groups,
-        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) => {
-            Vec::new()
-        }
-        Err(e) => return Err(e),
-    };
-    let last_delivered = groups
-        .iter()
-        .find(|g| {
-            g.get("name")
-                .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
-                .as_deref()
-                == Some(GROUP)
-        })
-        .and_then(|g| g.get("last-delivered-id"))
-        .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
-        .and_then(|id| parse_id(&id));
-    let pending: std::collections::HashSet<String> = if last_delivered.is_some() {
-        let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
-            .arg(stream)
-            .arg(GROUP)
-            .arg("-")
-            .arg("+")
-            .arg(u32::MAX)
-            .query_async(conn)
-            .await?;
-        rows.into_iter().map(|(id, ..)| id).collect()
-    } else {
-        Default::default()
-    };
-    Ok(entries(conn, keys, shard, usize::MAX)
-        .await?
-        .into_iter()
-        .filter(|e| {
-            pending.contains(e.entry_id())
-                || match (parse_id(e.entry_id()), last_delivered) {
-                    (Some(id), Some(last)) => id > last,
-                    _ => true,
-                }
-        })
-        .collect())
-}
-
 /// Up to `limit` entries of the shard's stream, oldest first.
 pub async fn entries<C: ConnectionLike + Send>(
     conn: &mut C,
