@@ -34,7 +34,7 @@ pub async fn migrate(db: &PgPool, patience: Duration) -> anyhow::Result<()> {
         // connection taken out of the pool for good (detached, closed when done).
         let run = async {
             let mut conn = db.acquire().await?.detach();
-            sqlx::query("SET statement_timeout = 0; SET lock_timeout = 0")
+            sqlx::raw_sql("SET statement_timeout = 0; SET lock_timeout = 0")
                 .execute(&mut conn)
                 .await?;
             crate::MIGRATOR.run(&mut conn).await
