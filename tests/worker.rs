@@ -352,3 +352,130 @@ async fn a_dead_lettered_order_releases_its_buyer_who_may_try_again(db: PgPool) 
     app.drain().await;
     assert!(stored_ids(&app, voucher).await.is_empty());
 }
+
+/// Reads the sale's live stock and a user's buyer record straight from Redis.
+async fn redis_sale(app: &TestApp, voucher: i64, user: i64) -> (Option<i64>, Option<String>) {
+    let key = app.keys.voucher(voucher);
+    let stock: Option<i64> = app
+        .redis_cmd(redis::cmd("HGET").arg(&key).arg("stock"))
+        .await;
+    let buyer: Option<String> = app
+        .redis_cmd(redis::cmd("HGET").arg(&key).arg(format!("u:{user}")))
+        .await;
+    (stock, buyer)
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_committed_order_delivered_too_often_is_acknowledged_not_dead_lettered(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(10).await;
+    admit(&app, voucher, 1..=2).await;
+    // A slow worker committed the batch but never acknowledged it ...
+    let slow = app.worker_named("worker-slow");
+    slow.ensure_groups().await.unwrap();
+    let shard = app.keys.shard_of(voucher);
+    let batch = slow
+        .read_batch(shard, ReadFrom::New { block_ms: 1 })
+        .await
+        .unwrap();
+    let orders: Vec<NewOrder> = batch.iter().filter_map(|e| e.order().copied()).collect();
+    orders::persist_batch(&app.db, &orders).await.unwrap();
+    // ... and its entries were re-read until they passed the delivery bound.
+    for _ in 0..4 {
+        slow.read_batch(shard, ReadFrom::OwnPending).await.unwrap();
+    }
+    let report = slow.drain().await.unwrap();
+    assert_eq!(
+        (report.dead_lettered, report.already_there),
+        (0, 2),
+        "{report:?}"
+    );
+    let dlq: usize = app
+        .redis_cmd(redis::cmd("XLEN").arg(app.keys.dead_letters(shard)))
+        .await;
+    assert_eq!(dlq, 0, "a committed order is never a dead letter");
+    assert_eq!(stored_ids(&app, voucher).await.len(), 2);
+    assert_eq!(app.pending_count().await, 0);
+    let (stock, buyer) = redis_sale(&app, voucher, 1).await;
+    assert_eq!(stock, Some(8));
+    assert!(buyer.is_some(), "the buyer record stays");
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_buried_order_is_never_written_by_a_late_replay_and_its_unit_returns_once(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(10).await;
+    let admitted = admit(&app, voucher, 1..=1).await;
+    let order_id = *admitted.iter().next().unwrap();
+    assert_eq!(redis_sale(&app, voucher, 1).await.0, Some(9));
+    // Poison: delivered past the bound without being written.
+    let dying = app.worker_named("worker-dying");
+    dying.ensure_groups().await.unwrap();
+    let shard = app.keys.shard_of(voucher);
+    let original = dying
+        .read_batch(shard, ReadFrom::New { block_ms: 1 })
+        .await
+        .unwrap();
+    for _ in 0..5 {
+        dying.read_batch(shard, ReadFrom::OwnPending).await.unwrap();
+    }
+    let report = dying.drain().await.unwrap();
+    assert_eq!(report.dead_lettered, 1, "{report:?}");
+    let (stock, buyer) = redis_sale(&app, voucher, 1).await;
+    assert_eq!(stock, Some(10), "the unit is back on sale");
+    assert_eq!(buyer, None, "the user holds no order");
+
+    // A worker that read the entry long ago wakes up and writes its batch: refused.
+    let late = app.worker_named("worker-late");
+    let report = late.process_batch(shard, &original).await.unwrap();
+    assert_eq!((report.inserted, report.dead_lettered), (0, 1));
+    assert!(stored_ids(&app, voucher).await.is_empty());
+    assert_eq!(app.pg_stock(voucher).await, 10);
+    let dead: Vec<i64> = sqlx::query_scalar("SELECT id FROM dead_orders")
+        .fetch_all(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(dead, vec![order_id]);
+    // The replay settled nothing twice: still exactly one unit returned.
+    assert_eq!(redis_sale(&app, voucher, 1).await.0, Some(10));
+    let dlq: usize = app
+        .redis_cmd(redis::cmd("XLEN").arg(app.keys.dead_letters(shard)))
+        .await;
+    assert_eq!(dlq, 1, "one dead letter per order");
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_buyer_redis_forgot_gets_their_real_order_back_and_the_phantom_unit_returns(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(10).await;
+    let real = *admit(&app, voucher, 5..=5).await.iter().next().unwrap();
+    app.drain().await;
+    // Redis forgets the buyer (an AOF-second loss, a failover).
+    let _: () = app
+        .redis_cmd(redis::cmd("HDEL").arg(app.keys.voucher(voucher)).arg("u:5"))
+        .await;
+    let (status, phantom) = app.grab(voucher, 5).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{phantom}");
+    assert_eq!(redis_sale(&app, voucher, 5).await.0, Some(8));
+    let report = app.drain().await;
+    assert_eq!(report.dead_lettered, 1);
+
+    let (stock, buyer) = redis_sale(&app, voucher, 5).await;
+    assert_eq!(
+        stock,
+        Some(9),
+        "the phantom's unit is back: redis = postgres"
+    );
+    assert_eq!(app.pg_stock(voucher).await, 9);
+    assert_eq!(
+        buyer,
+        Some(real.to_string()),
+        "the record names the real order"
+    );
+    for _ in 0..5 {
+        let (status, body) = app.grab(voucher, 5).await;
+        assert_eq!(status, StatusCode::CONFLICT, "{body}");
+        assert_eq!(body["error"]["order_id"], real.to_string());
+    }
+    assert_eq!(redis_sale(&app, voucher, 5).await.0, Some(9));
+}
