@@ -91,8 +91,11 @@ pub struct ApiArgs {
     /// Listen address of the API.
     #[arg(long, env = "BIND", default_value = "0.0.0.0:8080")]
     pub bind: SocketAddr,
-    /// Do not apply pending migrations at start-up.
-    #[arg(long, env = "SKIP_MIGRATIONS")]
+    /// Do not apply pending migrations at start-up. `--skip-migrations` alone means
+    /// true; the variable takes 1/0, true/false, yes/no, on/off (any case).
+    #[arg(long, env = "SKIP_MIGRATIONS", action = clap::ArgAction::Set,
+          num_args = 0..=1, default_value_t = false, default_missing_value = "true",
+          value_parser = clap::builder::BoolishValueParser::new())]
     pub skip_migrations: bool,
     /// How long buyer records and sale state stay in Redis after a sale ends, in seconds.
     #[arg(long, env = "SALE_STATE_RETENTION_SECS", default_value_t = 86_400)]
@@ -247,5 +250,46 @@ impl Default for Settings {
             sale_state_retention: Duration::from_secs(86_400),
             limits: LimitArgs::default(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn skip_migrations(args: &[&str]) -> Result<bool, clap::Error> {
+        let base = [
+            "seckill",
+            "api",
+            "--database-url",
+            "postgres://x",
+            "--jwt-secret",
+            "s",
+        ];
+        let cli = Cli::try_parse_from(base.iter().chain(args))?;
+        match cli.command {
+            Command::Api(api) => Ok(api.skip_migrations),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn skip_migrations_accepts_one_zero_true_and_false_in_any_case() {
+        assert!(!skip_migrations(&[]).unwrap());
+        assert!(skip_migrations(&["--skip-migrations"]).unwrap());
+        for yes in ["1", "true", "TRUE", "True", "yes", "on"] {
+            let arg = format!("--skip-migrations={yes}");
+            assert!(skip_migrations(&[&arg]).unwrap(), "{yes}");
+        }
+        for no in ["0", "false", "FALSE", "no", "off"] {
+            let arg = format!("--skip-migrations={no}");
+            assert!(!skip_migrations(&[&arg]).unwrap(), "{no}");
+        }
+        assert!(skip_migrations(&["--skip-migrations=maybe"]).is_err());
+        // The environment, in the same test so that no other parse sees the variable.
+        std::env::set_var("SKIP_MIGRATIONS", "1");
+        let parsed = skip_migrations(&[]);
+        std::env::remove_var("SKIP_MIGRATIONS");
+        assert!(parsed.unwrap());
     }
 }

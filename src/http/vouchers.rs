@@ -17,6 +17,13 @@ use crate::store::vouchers::{self, NewSeckill, NewVoucher, VoucherRow};
 pub const MAX_STOCK: i64 = 1_000_000;
 const MAX_TITLE: usize = 255;
 const MAX_RULES: usize = 4_000;
+/// Sale times outside this range are typing errors, and some (chrono reaches year
+/// -262143) Postgres cannot even store.
+const EARLIEST: DateTime<Utc> = DateTime::UNIX_EPOCH;
+const LATEST: DateTime<Utc> = match DateTime::from_timestamp(253_402_300_799, 0) {
+    Some(t) => t, // 9999-12-31T23:59:59Z
+    None => panic!("in range"),
+};
 
 /// A voucher to publish; with `seckill` it is a flash-sale voucher. Money in cents.
 #[derive(Debug, Deserialize, ToSchema)]
@@ -59,9 +66,9 @@ pub struct CreateVoucher {
 pub struct CreateSeckill {
     #[schema(minimum = 1, maximum = 1000000)]
     pub stock: i64,
-    /// RFC 3339.
+    /// RFC 3339, from 1970 to 9999.
     pub begin_time: DateTime<Utc>,
-    /// RFC 3339, after `begin_time`.
+    /// RFC 3339, after `begin_time`, at most 9999-12-31T23:59:59Z.
     pub end_time: DateTime<Utc>,
 }
 
@@ -100,6 +107,13 @@ impl CreateVoucher {
                     return Err(AppError::invalid(format!(
                         "seckill.stock must be between 1 and {MAX_STOCK}"
                     )));
+                }
+                for (field, at) in [("begin_time", s.begin_time), ("end_time", s.end_time)] {
+                    if !(EARLIEST..=LATEST).contains(&at) {
+                        return Err(AppError::invalid(format!(
+                            "seckill.{field} must lie between 1970-01-01 and 9999-12-31"
+                        )));
+                    }
                 }
                 if s.end_time <= s.begin_time {
                     return Err(AppError::invalid(
@@ -319,6 +333,9 @@ mod tests {
             ("/seckill/stock", (MAX_STOCK + 1).into()),
             ("/seckill/end_time", "2025-12-31T00:00:00Z".into()),
             ("/seckill/end_time", "2026-01-01T00:00:00Z".into()),
+            ("/seckill/begin_time", "-262143-01-01T00:00:00Z".into()),
+            ("/seckill/begin_time", "1969-12-31T23:59:59Z".into()),
+            ("/seckill/end_time", "+10000-01-01T00:00:00Z".into()),
         ];
         for (pointer, value) in cases {
             let mut json = valid();
