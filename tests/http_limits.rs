@@ -4,6 +4,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::TestApp;
 use reqwest::StatusCode;
 use serde_json::json;
@@ -33,4 +35,104 @@ async fn a_begin_time_postgres_cannot_store_is_a_422_validation_error(db: PgPool
         .await
         .unwrap();
     assert_eq!(stored, 0);
+}
+
+/// The cluster client may re-send the script after a dropped connection: the second run
+/// finds the buyer record the first wrote, with this request's own order id. That is
+/// the request's admission (202), not somebody's earlier order (409).
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_script_run_twice_for_one_request_answers_202_with_the_order_it_minted(db: PgPool) {
+    use seckill::admission::{admit, Outcome};
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(5).await;
+    let minted = app.state.ids.next().unwrap();
+    let mut conn = app.redis.clone();
+    let first = admit(&mut conn, &app.keys, voucher, 42, minted)
+        .await
+        .unwrap();
+    assert_eq!(first, Outcome::Admitted { order_id: minted });
+    let second = admit(&mut conn, &app.keys, voucher, 42, minted).await;
+    assert_eq!(
+        second.as_ref().unwrap(),
+        &Outcome::AlreadyOrdered { order_id: minted }
+    );
+    assert_eq!(
+        seckill::http::seckill::answer(second, minted).unwrap(),
+        minted
+    );
+    assert_eq!(app.live_stock(voucher).await, Some(4), "one unit, once");
+    // Another request of the same user (another minted id) is told about the order.
+    let (status, body) = app.grab(voucher, 42).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    assert_eq!(body["error"]["order_id"], minted.to_string());
+}
+
+/// Blocks a Redis server for `millis` with a busy script (no DEBUG command needed):
+/// commands sent meanwhile wait in its socket buffers and run afterwards.
+async fn block_redis(url: &str, millis: u64) -> tokio::task::JoinHandle<()> {
+    let client = redis::Client::open(url).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let task = tokio::spawn(async move {
+        let busy = "local t = redis.call('TIME') local start = t[1] * 1000 + t[2] / 1000 \
+                    while true do t = redis.call('TIME') \
+                    if t[1] * 1000 + t[2] / 1000 - start > tonumber(ARGV[1]) then return 1 end end";
+        let _: redis::RedisResult<i64> = redis::cmd("EVAL")
+            .arg(busy)
+            .arg(0)
+            .arg(millis)
+            .query_async(&mut conn)
+            .await;
+    });
+    // Let the script start before anything else is sent.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    task
+}
+
+/// Redis takes the grab but answers after the API's command timeout: the script ran
+/// and the order exists, so the 503 must not say that nothing was reserved. A retry
+/// once Redis answers tells the truth.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_grab_whose_redis_call_times_out_says_the_outcome_is_unknown_and_a_retry_tells(
+    db: PgPool,
+) {
+    let redis = common::faults::PrivateRedis::start();
+    let app = TestApp::spawn_with(db, redis.url.clone(), false).await;
+    let voucher = app.open_sale(5).await;
+    // A first grab loads the script into this new Redis (else EVALSHA finds no script).
+    assert_eq!(app.grab(voucher, 6).await.0, StatusCode::ACCEPTED);
+    // Longer than the API's Redis command timeout (2 s).
+    let blocked = block_redis(&redis.url, 3_500).await;
+    let started = std::time::Instant::now();
+    let (status, body) = app.grab(voucher, 7).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "answered while Redis was blocked"
+    );
+    assert_eq!(body["error"]["code"], "unavailable", "{body}");
+    assert_eq!(body["error"]["outcome"], "unknown", "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(!message.contains("nothing was reserved"), "{message}");
+    assert!(
+        message.contains("already_ordered"),
+        "says how to find out: {message}"
+    );
+    tokio::time::timeout(Duration::from_secs(10), blocked)
+        .await
+        .unwrap()
+        .unwrap();
+
+    // The grab did go through once Redis woke up; the retry says so, with the order id.
+    let (status, body) = app.grab(voucher, 7).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    assert_eq!(body["error"]["code"], "already_ordered", "{body}");
+    let order_id: i64 = body["error"]["order_id"].as_str().unwrap().parse().unwrap();
+    assert_eq!(app.live_stock(voucher).await, Some(3));
+    let orders = seckill::admission::orders_of(&mut app.redis.clone(), &app.keys, 7, &[voucher])
+        .await
+        .unwrap();
+    assert_eq!(
+        orders.iter().map(|o| o.order_id).collect::<Vec<_>>(),
+        [order_id]
+    );
 }
