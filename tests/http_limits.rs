@@ -136,3 +136,65 @@ async fn a_grab_whose_redis_call_times_out_says_the_outcome_is_unknown_and_a_ret
         [order_id]
     );
 }
+
+/// With Redis gone, read paths answer from Postgres within a second instead of paying
+/// reconnect attempts per sale until the request times out.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn read_paths_answer_from_postgres_within_a_second_while_redis_is_down(db: PgPool) {
+    let redis = common::faults::PrivateRedis::start();
+    let app = TestApp::spawn_with(db, redis.url.clone(), false).await;
+    let mut sales = Vec::new();
+    for _ in 0..25 {
+        sales.push(app.open_sale(3).await);
+    }
+    assert_eq!(app.grab(sales[0], 9).await.0, StatusCode::ACCEPTED);
+    app.drain().await;
+    drop(redis); // killed
+
+    let timed = |path: String, token: Option<String>| {
+        let app = &app;
+        async move {
+            let started = std::time::Instant::now();
+            let mut req = app.client.get(app.url(&path));
+            if let Some(t) = token {
+                req = req.bearer_auth(t);
+            }
+            let resp = tokio::time::timeout(Duration::from_secs(8), req.send())
+                .await
+                .unwrap_or_else(|_| panic!("{path}: no answer in 8 s"))
+                .unwrap();
+            let fallback = resp.headers().get("x-seckill-fallback").cloned();
+            let status = resp.status();
+            let body: serde_json::Value = resp.json().await.unwrap();
+            let took = started.elapsed();
+            // Generous for a slow CI; the deadline is 500 ms.
+            assert!(took < Duration::from_secs(3), "{path} took {took:?}");
+            (status, fallback, body)
+        }
+    };
+    let (status, fallback, list) = timed("/shops/1/vouchers".into(), None).await;
+    assert_eq!(status, StatusCode::OK, "{list}");
+    assert_eq!(fallback.unwrap(), "postgres");
+    let list = list.as_array().unwrap();
+    assert_eq!(list.len(), 25);
+    let first = list.iter().find(|v| v["id"] == sales[0]).unwrap();
+    assert_eq!(
+        first["stock"], 2,
+        "Postgres's count, the written order taken off"
+    );
+
+    let (status, fallback, voucher) = timed(format!("/vouchers/{}", sales[1]), None).await;
+    assert_eq!(status, StatusCode::OK, "{voucher}");
+    assert_eq!(fallback.unwrap(), "postgres");
+    assert_eq!(voucher["stock"], 3);
+
+    let (status, fallback, orders) = timed("/orders".into(), Some(app.token(9))).await;
+    assert_eq!(status, StatusCode::OK, "{orders}");
+    assert_eq!(fallback.unwrap(), "postgres");
+    assert_eq!(orders.as_array().unwrap().len(), 1, "{orders}");
+
+    // Not in Postgres: only Redis could say whether it is pending, so 503, quickly.
+    let (status, _, body) = timed("/orders/123456789".into(), Some(app.token(9))).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert_eq!(body["error"]["code"], "unavailable");
+}

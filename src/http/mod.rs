@@ -31,6 +31,42 @@ pub const BODY_LIMIT: usize = 64 * 1024;
 
 const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
+/// How long a read path waits for Redis (live stock, pending orders) before it answers
+/// from Postgres alone: a Redis that is down must not cost a read its whole timeout.
+pub const REDIS_READ_DEADLINE: Duration = Duration::from_millis(500);
+
+/// Set to `postgres` on a read answered without Redis (see the OpenAPI descriptions).
+pub const FALLBACK_HEADER: HeaderName = HeaderName::from_static("x-seckill-fallback");
+
+/// A read path's Redis look-ups, under [`REDIS_READ_DEADLINE`]; `None` if Redis failed
+/// or was too slow, and the caller answers from Postgres alone.
+pub async fn redis_read<T>(
+    what: &'static str,
+    lookups: impl std::future::Future<Output = redis::RedisResult<T>>,
+) -> Option<T> {
+    let error = match tokio::time::timeout(REDIS_READ_DEADLINE, lookups).await {
+        Ok(Ok(value)) => return Some(value),
+        Ok(Err(e)) => e.to_string(),
+        Err(_) => format!("no answer within {REDIS_READ_DEADLINE:?}"),
+    };
+    metrics::counter!(crate::metrics::DEPENDENCY_ERRORS, "dependency" => "redis", "in" => "api")
+        .increment(1);
+    tracing::debug!(what, error, "redis unavailable; answering from postgres");
+    None
+}
+
+/// The headers of a read answer: [`FALLBACK_HEADER`] when Redis was left out.
+pub fn fallback_headers(fell_back: bool) -> axum::http::HeaderMap {
+    let mut headers = axum::http::HeaderMap::new();
+    if fell_back {
+        headers.insert(
+            FALLBACK_HEADER,
+            axum::http::HeaderValue::from_static("postgres"),
+        );
+    }
+    headers
+}
+
 pub fn build_app(state: AppState) -> Router {
     // Install the metrics recorder before the first request records anything.
     crate::metrics::handle();
