@@ -102,6 +102,28 @@ pub struct ApiArgs {
     pub sale_state_retention_secs: u64,
     #[command(flatten)]
     pub limits: LimitArgs,
+    #[command(flatten)]
+    pub server: ServerArgs,
+}
+
+/// Limits of the HTTP server itself: what a connection may cost before any request.
+#[derive(Debug, Clone, Args)]
+pub struct ServerArgs {
+    /// A request's headers must arrive within this many seconds of its first byte (of
+    /// the connection's opening, for its first request); slower clients are cut off.
+    #[arg(long, env = "HTTP_HEADER_READ_TIMEOUT_SECS", default_value_t = 5,
+          value_parser = clap::value_parser!(u64).range(1..=300))]
+    pub http_header_read_timeout_secs: u64,
+    /// A keep-alive connection idle this many seconds between requests is closed (keep
+    /// it above the idle timeout of a load balancer in front).
+    #[arg(long, env = "HTTP_KEEPALIVE_IDLE_SECS", default_value_t = 75,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub http_keepalive_idle_secs: u64,
+    /// Open client connections at most; beyond, new ones wait in the listen backlog
+    /// until one closes. Lowered to fit the process's descriptor limit.
+    #[arg(long, env = "HTTP_MAX_CONNECTIONS", default_value_t = 10_000,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub http_max_connections: u32,
 }
 
 /// Abuse limits of the HTTP API.

@@ -198,3 +198,199 @@ async fn read_paths_answer_from_postgres_within_a_second_while_redis_is_down(db:
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
     assert_eq!(body["error"]["code"], "unavailable");
 }
+
+// --- The server's own limits, against the real binary. ---
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+fn addr_of(base: &str) -> String {
+    base.trim_start_matches("http://").to_string()
+}
+
+/// Reads from `stream` until the server closes it (EOF or reset); `Err` if it is still
+/// open after `limit`. Whatever it sent before is returned.
+async fn until_closed(stream: &mut TcpStream, limit: Duration) -> Result<Vec<u8>, Vec<u8>> {
+    let mut got = Vec::new();
+    let deadline = tokio::time::Instant::now() + limit;
+    let mut buf = [0u8; 4096];
+    loop {
+        match tokio::time::timeout_at(deadline, stream.read(&mut buf)).await {
+            Err(_) => return Err(got),
+            Ok(Ok(0)) | Ok(Err(_)) => return Ok(got),
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
+/// Sends `GET /healthz` on `stream` and reads its whole (small) answer.
+async fn healthz_on(stream: &mut TcpStream) -> String {
+    stream
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: test\r\n\r\n")
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&got).contains("\"ok\"}") {
+        let n = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf))
+            .await
+            .expect("an answer within 5 s")
+            .unwrap();
+        assert!(
+            n > 0,
+            "closed before answering: {}",
+            String::from_utf8_lossy(&got)
+        );
+        got.extend_from_slice(&buf[..n]);
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+/// Opens a connection that starts a request and then sends one more header byte every
+/// `every`, as a slowloris client does, until the server closes it.
+async fn trickle(addr: &str, every: Duration) -> tokio::task::JoinHandle<Option<Duration>> {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    tokio::spawn(async move {
+        let started = std::time::Instant::now();
+        if stream
+            .write_all(b"GET /healthz HTTP/1.1\r\nHost: test\r\nX-Slow: ")
+            .await
+            .is_err()
+        {
+            return Some(started.elapsed());
+        }
+        let mut buf = [0u8; 64];
+        while started.elapsed() < Duration::from_secs(60) {
+            tokio::select! {
+                read = stream.read(&mut buf) => match read {
+                    Ok(0) | Err(_) => return Some(started.elapsed()),
+                    Ok(_) => {}
+                },
+                _ = tokio::time::sleep(every) => {
+                    if stream.write_all(b"a").await.is_err() {
+                        return Some(started.elapsed());
+                    }
+                }
+            }
+        }
+        None
+    })
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_client_trickling_its_headers_is_cut_off_after_the_header_read_timeout(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let (_server, base) = app
+        .spawn_server("api", &[("HTTP_HEADER_READ_TIMEOUT_SECS", "2".into())])
+        .await;
+    let slow = trickle(&addr_of(&base), Duration::from_millis(500)).await;
+    let closed_after = tokio::time::timeout(Duration::from_secs(20), slow)
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("the server kept the trickling connection open");
+    assert!(
+        closed_after >= Duration::from_millis(1500) && closed_after < Duration::from_secs(4),
+        "closed after {closed_after:?}, want about 2 s"
+    );
+    // Fresh clients are served as ever.
+    let mut fresh = TcpStream::connect(addr_of(&base)).await.unwrap();
+    assert!(healthz_on(&mut fresh).await.starts_with("HTTP/1.1 200"));
+}
+
+/// An idle keep-alive connection is closed after the idle timeout, which is longer than
+/// the header deadline: the wait between requests is not a slow header.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn an_idle_keep_alive_connection_is_closed_after_the_idle_timeout(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let env = [
+        ("HTTP_HEADER_READ_TIMEOUT_SECS", "1".to_string()),
+        ("HTTP_KEEPALIVE_IDLE_SECS", "3".to_string()),
+    ];
+    let (_server, base) = app.spawn_server("api", &env).await;
+    let mut conn = TcpStream::connect(addr_of(&base)).await.unwrap();
+    assert!(healthz_on(&mut conn).await.starts_with("HTTP/1.1 200"));
+    // Idle for longer than the header deadline, then reused: still open.
+    tokio::time::sleep(Duration::from_millis(1800)).await;
+    assert!(healthz_on(&mut conn).await.starts_with("HTTP/1.1 200"));
+    let idle_from = std::time::Instant::now();
+    until_closed(&mut conn, Duration::from_secs(10))
+        .await
+        .expect("the idle connection was never closed");
+    let idle = idle_from.elapsed();
+    assert!(
+        idle >= Duration::from_millis(2500) && idle < Duration::from_secs(5),
+        "closed after {idle:?} idle, want about 3 s"
+    );
+}
+
+/// The incident: slowloris clients held every descriptor and `/healthz` could not even
+/// be accepted. With the process's descriptor limit at 128 and more slow clients than
+/// that, the connection cap keeps descriptors free and the header deadline frees
+/// slots: a fresh client is answered.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn slow_clients_beyond_the_connection_cap_do_not_stop_healthz_from_answering(db: PgPool) {
+    use common::faults;
+    let app = TestApp::spawn(db).await;
+    let port = faults::free_port();
+    let mut cmd = std::process::Command::new("sh");
+    cmd.args(["-c", "ulimit -n 128 && exec \"$0\" api", faults::BIN])
+        .env("DATABASE_URL", faults::database_url(&app.db, None))
+        .env("DATABASE_MAX_CONNECTIONS", "4")
+        .env("REDIS_URL", &app.redis_url)
+        .env("REDIS_KEY_PREFIX", app.keys.prefix())
+        .env("JWT_SECRET", common::SECRET)
+        .env("BIND", format!("127.0.0.1:{port}"))
+        .env("HTTP_HEADER_READ_TIMEOUT_SECS", "1")
+        .env("HTTP_MAX_CONNECTIONS", "32")
+        .env("RUST_LOG", "error")
+        .stdout(std::process::Stdio::null());
+    let _server = faults::Process {
+        child: cmd.spawn().unwrap(),
+    };
+    let base = format!("http://127.0.0.1:{port}");
+    faults::wait_ready(&base).await;
+
+    let mut slow = Vec::new();
+    for _ in 0..140 {
+        slow.push(trickle(&addr_of(&base), Duration::from_millis(300)).await);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let started = std::time::Instant::now();
+    let mut fresh = TcpStream::connect(addr_of(&base)).await.unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(15), healthz_on(&mut fresh))
+        .await
+        .expect("healthz unanswered for 15 s");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    eprintln!("healthz answered after {:?}", started.elapsed());
+    for task in slow {
+        task.abort();
+    }
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn oversized_headers_get_a_431_in_the_json_error_format(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let (_server, base) = app.spawn_server("api", &[]).await;
+    let client = reqwest::Client::new();
+    let big = client
+        .get(format!("{base}/healthz"))
+        .header("x-big", "a".repeat(40 * 1024));
+    let mut many = client.get(format!("{base}/healthz"));
+    for i in 0..150 {
+        many = many.header(format!("x-h{i}"), "1");
+    }
+    for (what, req) in [("40 KiB header", big), ("150 headers", many)] {
+        let resp = req.send().await.unwrap();
+        assert_eq!(
+            resp.status(),
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "{what}"
+        );
+        let body: serde_json::Value = resp.json().await.expect("a JSON body");
+        assert_eq!(body["error"]["code"], "validation", "{what}: {body}");
+    }
+    // Ordinary requests pass.
+    let ok = client.get(format!("{base}/healthz")).send().await.unwrap();
+    assert_eq!(ok.status(), StatusCode::OK);
+}

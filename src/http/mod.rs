@@ -6,6 +6,7 @@ pub mod limits;
 pub mod openapi;
 pub mod orders;
 pub mod seckill;
+pub mod server;
 pub mod vouchers;
 
 use std::time::Duration;
@@ -28,6 +29,11 @@ use crate::state::AppState;
 
 /// Largest request body accepted (a voucher is well under 1 KiB).
 pub const BODY_LIMIT: usize = 64 * 1024;
+/// Most headers, and most bytes of request target and headers, a request may have; more
+/// is a 431 in the JSON error format. hyper refuses still larger heads (over 400 KiB)
+/// with its own 431, which has no body.
+pub const MAX_HEADERS: usize = 100;
+pub const MAX_HEADER_BYTES: usize = 32 * 1024;
 
 const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
@@ -109,6 +115,7 @@ pub fn build_app(state: AppState) -> Router {
                     tracing::debug_span!("request", method = %req.method(), uri = %req.uri(), request_id = %id)
                 }))
                 .layer(middleware::from_fn(count_requests))
+                .layer(middleware::from_fn(limit_headers))
                 // Overload answers 503 at once rather than queueing without end; a
                 // request that takes too long answers 503 too.
                 .layer(HandleErrorLayer::new(overloaded))
@@ -119,6 +126,28 @@ pub fn build_app(state: AppState) -> Router {
                 .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT)),
         )
         .with_state(state)
+}
+
+/// 431 `validation` for a head over [`MAX_HEADERS`] or [`MAX_HEADER_BYTES`].
+async fn limit_headers(req: Request, next: Next) -> Response {
+    let headers = req.headers();
+    let target = req.uri().path_and_query().map_or(0, |p| p.as_str().len());
+    let bytes: usize = target
+        + headers
+            .iter()
+            .map(|(name, value)| name.as_str().len() + value.len() + 4)
+            .sum::<usize>();
+    if headers.len() > MAX_HEADERS || bytes > MAX_HEADER_BYTES {
+        return AppError::Validation {
+            status: StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            message: format!(
+                "request headers too large: at most {MAX_HEADERS} headers and {} KiB",
+                MAX_HEADER_BYTES / 1024
+            ),
+        }
+        .into_response();
+    }
+    next.run(req).await
 }
 
 async fn overloaded(err: BoxError) -> AppError {
