@@ -263,14 +263,8 @@ async fn serve(api: ApiArgs, worker_opts: Option<WorkerOptions>) -> anyhow::Resu
 
     let listener = tokio::net::TcpListener::bind(api.bind).await?;
     tracing::info!(addr = %listener.local_addr()?, "listening");
-    // Small responses go out at once instead of waiting on Nagle's algorithm.
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    let app = crate::build_app(state).into_make_service_with_connect_info::<std::net::SocketAddr>();
-    axum::serve(listener, app)
-        .with_graceful_shutdown(cancel.clone().cancelled_owned())
-        .await?;
+    let app = crate::build_app(state);
+    crate::http::server::serve(listener, app, (&api.server).into(), cancel.clone()).await;
     cancel.cancel();
     tasks.close();
     tasks.wait().await;

@@ -91,14 +91,39 @@ pub struct ApiArgs {
     /// Listen address of the API.
     #[arg(long, env = "BIND", default_value = "0.0.0.0:8080")]
     pub bind: SocketAddr,
-    /// Do not apply pending migrations at start-up.
-    #[arg(long, env = "SKIP_MIGRATIONS")]
+    /// Do not apply pending migrations at start-up. `--skip-migrations` alone means
+    /// true; the variable takes 1/0, true/false, yes/no, on/off (any case).
+    #[arg(long, env = "SKIP_MIGRATIONS", action = clap::ArgAction::Set,
+          num_args = 0..=1, default_value_t = false, default_missing_value = "true",
+          value_parser = clap::builder::BoolishValueParser::new())]
     pub skip_migrations: bool,
     /// How long buyer records and sale state stay in Redis after a sale ends, in seconds.
     #[arg(long, env = "SALE_STATE_RETENTION_SECS", default_value_t = 86_400)]
     pub sale_state_retention_secs: u64,
     #[command(flatten)]
     pub limits: LimitArgs,
+    #[command(flatten)]
+    pub server: ServerArgs,
+}
+
+/// Limits of the HTTP server itself: what a connection may cost before any request.
+#[derive(Debug, Clone, Args)]
+pub struct ServerArgs {
+    /// A request's headers must arrive within this many seconds of its first byte (of
+    /// the connection's opening, for its first request); slower clients are cut off.
+    #[arg(long, env = "HTTP_HEADER_READ_TIMEOUT_SECS", default_value_t = 5,
+          value_parser = clap::value_parser!(u64).range(1..=300))]
+    pub http_header_read_timeout_secs: u64,
+    /// A keep-alive connection idle this many seconds between requests is closed (keep
+    /// it above the idle timeout of a load balancer in front).
+    #[arg(long, env = "HTTP_KEEPALIVE_IDLE_SECS", default_value_t = 75,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub http_keepalive_idle_secs: u64,
+    /// Open client connections at most; beyond, new ones wait in the listen backlog
+    /// until one closes. Lowered to fit the process's descriptor limit.
+    #[arg(long, env = "HTTP_MAX_CONNECTIONS", default_value_t = 10_000,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub http_max_connections: u32,
 }
 
 /// Abuse limits of the HTTP API.
@@ -247,5 +272,46 @@ impl Default for Settings {
             sale_state_retention: Duration::from_secs(86_400),
             limits: LimitArgs::default(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn skip_migrations(args: &[&str]) -> Result<bool, clap::Error> {
+        let base = [
+            "seckill",
+            "api",
+            "--database-url",
+            "postgres://x",
+            "--jwt-secret",
+            "s",
+        ];
+        let cli = Cli::try_parse_from(base.iter().chain(args))?;
+        match cli.command {
+            Command::Api(api) => Ok(api.skip_migrations),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn skip_migrations_accepts_one_zero_true_and_false_in_any_case() {
+        assert!(!skip_migrations(&[]).unwrap());
+        assert!(skip_migrations(&["--skip-migrations"]).unwrap());
+        for yes in ["1", "true", "TRUE", "True", "yes", "on"] {
+            let arg = format!("--skip-migrations={yes}");
+            assert!(skip_migrations(&[&arg]).unwrap(), "{yes}");
+        }
+        for no in ["0", "false", "FALSE", "no", "off"] {
+            let arg = format!("--skip-migrations={no}");
+            assert!(!skip_migrations(&[&arg]).unwrap(), "{no}");
+        }
+        assert!(skip_migrations(&["--skip-migrations=maybe"]).is_err());
+        // The environment, in the same test so that no other parse sees the variable.
+        std::env::set_var("SKIP_MIGRATIONS", "1");
+        let parsed = skip_migrations(&[]);
+        std::env::remove_var("SKIP_MIGRATIONS");
+        assert!(parsed.unwrap());
     }
 }

@@ -25,6 +25,11 @@ pub struct ErrorDetail {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(pattern = "^[1-9][0-9]{0,18}$")]
     pub order_id: Option<String>,
+    /// `unknown` on a grab's 503 whose Redis call failed after it was sent: the order
+    /// may exist. Retrying tells (202, or `already_ordered` with its `order_id`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(example = "unknown")]
+    pub outcome: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -54,6 +59,10 @@ pub enum AppError {
     /// A dependency is down or not ready; nothing was reserved.
     #[error("unavailable: {0}")]
     Unavailable(String),
+    /// The admission script was sent but no answer came (timeout, connection lost): it
+    /// may have run, so the order may exist.
+    #[error("admission outcome unknown: {0}")]
+    OutcomeUnknown(redis::RedisError),
     #[error("database: {0}")]
     Database(#[from] sqlx::Error),
     #[error("redis: {0}")]
@@ -126,7 +135,15 @@ impl AppError {
             Redis(_) => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 "unavailable",
-                "the admission store is unavailable, try again; nothing was reserved".into(),
+                "the admission store is unavailable, try again".into(),
+            ),
+            OutcomeUnknown(_) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "the admission store did not answer in time: your grab may or may not have \
+                 gone through. Retry: a retry answers 202, or `already_ordered` with the \
+                 order id if it went through"
+                    .into(),
             ),
             Database(_) | Internal(_) => (
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -159,7 +176,7 @@ impl IntoResponse for AppError {
         let (status, code, message) = self.parts();
         let dependency = match &self {
             AppError::Database(_) => Some("postgres"),
-            AppError::Redis(_) => Some("redis"),
+            AppError::Redis(_) | AppError::OutcomeUnknown(_) => Some("redis"),
             _ => None,
         };
         if let Some(dependency) = dependency {
@@ -167,9 +184,10 @@ impl IntoResponse for AppError {
                 .increment(1);
         }
         match &self {
-            AppError::Database(_) | AppError::Redis(_) | AppError::Internal(_) => {
-                tracing::error!(error = %self, "request failed")
-            }
+            AppError::Database(_)
+            | AppError::Redis(_)
+            | AppError::OutcomeUnknown(_)
+            | AppError::Internal(_) => tracing::error!(error = %self, "request failed"),
             AppError::Unavailable(_) => tracing::warn!(error = %self, "request failed"),
             _ => {}
         }
@@ -182,6 +200,7 @@ impl IntoResponse for AppError {
                 code: code.to_string(),
                 message,
                 order_id,
+                outcome: matches!(self, AppError::OutcomeUnknown(_)).then(|| "unknown".into()),
             },
         };
         let mut response = (status, axum::Json(body)).into_response();

@@ -6,6 +6,7 @@ pub mod limits;
 pub mod openapi;
 pub mod orders;
 pub mod seckill;
+pub mod server;
 pub mod vouchers;
 
 use std::time::Duration;
@@ -28,8 +29,49 @@ use crate::state::AppState;
 
 /// Largest request body accepted (a voucher is well under 1 KiB).
 pub const BODY_LIMIT: usize = 64 * 1024;
+/// Most headers, and most bytes of request target and headers, a request may have; more
+/// is a 431 in the JSON error format. hyper refuses still larger heads (over 400 KiB)
+/// with its own 431, which has no body.
+pub const MAX_HEADERS: usize = 100;
+pub const MAX_HEADER_BYTES: usize = 32 * 1024;
 
 const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// How long a read path waits for Redis (live stock, pending orders) before it answers
+/// from Postgres alone: a Redis that is down must not cost a read its whole timeout.
+pub const REDIS_READ_DEADLINE: Duration = Duration::from_millis(500);
+
+/// Set to `postgres` on a read answered without Redis (see the OpenAPI descriptions).
+pub const FALLBACK_HEADER: HeaderName = HeaderName::from_static("x-seckill-fallback");
+
+/// A read path's Redis look-ups, under [`REDIS_READ_DEADLINE`]; `None` if Redis failed
+/// or was too slow, and the caller answers from Postgres alone.
+pub async fn redis_read<T>(
+    what: &'static str,
+    lookups: impl std::future::Future<Output = redis::RedisResult<T>>,
+) -> Option<T> {
+    let error = match tokio::time::timeout(REDIS_READ_DEADLINE, lookups).await {
+        Ok(Ok(value)) => return Some(value),
+        Ok(Err(e)) => e.to_string(),
+        Err(_) => format!("no answer within {REDIS_READ_DEADLINE:?}"),
+    };
+    metrics::counter!(crate::metrics::DEPENDENCY_ERRORS, "dependency" => "redis", "in" => "api")
+        .increment(1);
+    tracing::debug!(what, error, "redis unavailable; answering from postgres");
+    None
+}
+
+/// The headers of a read answer: [`FALLBACK_HEADER`] when Redis was left out.
+pub fn fallback_headers(fell_back: bool) -> axum::http::HeaderMap {
+    let mut headers = axum::http::HeaderMap::new();
+    if fell_back {
+        headers.insert(
+            FALLBACK_HEADER,
+            axum::http::HeaderValue::from_static("postgres"),
+        );
+    }
+    headers
+}
 
 pub fn build_app(state: AppState) -> Router {
     // Install the metrics recorder before the first request records anything.
@@ -73,6 +115,7 @@ pub fn build_app(state: AppState) -> Router {
                     tracing::debug_span!("request", method = %req.method(), uri = %req.uri(), request_id = %id)
                 }))
                 .layer(middleware::from_fn(count_requests))
+                .layer(middleware::from_fn(limit_headers))
                 // Overload answers 503 at once rather than queueing without end; a
                 // request that takes too long answers 503 too.
                 .layer(HandleErrorLayer::new(overloaded))
@@ -83,6 +126,28 @@ pub fn build_app(state: AppState) -> Router {
                 .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT)),
         )
         .with_state(state)
+}
+
+/// 431 `validation` for a head over [`MAX_HEADERS`] or [`MAX_HEADER_BYTES`].
+async fn limit_headers(req: Request, next: Next) -> Response {
+    let headers = req.headers();
+    let target = req.uri().path_and_query().map_or(0, |p| p.as_str().len());
+    let bytes: usize = target
+        + headers
+            .iter()
+            .map(|(name, value)| name.as_str().len() + value.len() + 4)
+            .sum::<usize>();
+    if headers.len() > MAX_HEADERS || bytes > MAX_HEADER_BYTES {
+        return AppError::Validation {
+            status: StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            message: format!(
+                "request headers too large: at most {MAX_HEADERS} headers and {} KiB",
+                MAX_HEADER_BYTES / 1024
+            ),
+        }
+        .into_response();
+    }
+    next.run(req).await
 }
 
 async fn overloaded(err: BoxError) -> AppError {

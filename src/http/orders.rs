@@ -2,6 +2,7 @@
 //! knows it and `created` once the worker has written it to Postgres.
 
 use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::Json;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -11,6 +12,7 @@ use crate::admission::{self, PendingOrder};
 use crate::auth::AuthUser;
 use crate::error::{AppError, AppResult, ErrorBody};
 use crate::http::extract::PathId;
+use crate::http::{fallback_headers, redis_read};
 use crate::state::AppState;
 use crate::store::orders::{self, OrderRow};
 
@@ -70,7 +72,8 @@ const ADMIN_STREAM_SCAN: usize = 200_000;
         (status = 400, description = "not a valid id (`validation`)", body = ErrorBody),
         (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
         (status = 404, description = "no such order, or somebody else's (`not_found`)", body = ErrorBody),
-        (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
+        (status = 503, description = "a dependency is down (`unavailable`); also, within about 500 ms, when the order \
+            is not in Postgres and Redis (which knows pending orders) does not answer", body = ErrorBody),
     ))]
 pub async fn get(
     State(state): State<AppState>,
@@ -87,14 +90,29 @@ pub async fn get(
         };
     }
     // Not in Postgres (yet): admitted orders are found through the caller's buyer
-    // records; an administrator's lookup scans the stream instead.
+    // records; an administrator's lookup scans the stream instead. Without Redis it
+    // cannot be told whether the order is pending: 503 at once, not 404.
+    let redis_down = || {
+        AppError::Unavailable(format!(
+            "order {order_id} is not in Postgres, and Redis, which holds pending orders, \
+             is unavailable; try again"
+        ))
+    };
     let mut conn = state.redis.clone();
     let pending = if user.admin {
+        // The scan may take longer than the read deadline: only the first answer must
+        // come within it.
+        let ping = redis::cmd("PING");
+        redis_read("ping", ping.query_async::<String>(&mut conn))
+            .await
+            .ok_or_else(redis_down)?;
         admission::find_in_stream(&mut conn, &state.keys, order_id, ADMIN_STREAM_SCAN).await?
     } else {
         let sales = recent_sales(&state).await?;
-        admission::orders_of(&mut conn, &state.keys, user.user_id, &sales)
-            .await?
+        let lookup = admission::orders_of(&mut conn, &state.keys, user.user_id, &sales);
+        redis_read("pending orders", lookup)
+            .await
+            .ok_or_else(redis_down)?
             .into_iter()
             .find(|p| p.order_id == order_id)
     };
@@ -106,17 +124,23 @@ pub async fn get(
 
 #[utoipa::path(get, path = "/orders", tag = "orders", security(("bearer" = [])),
     responses(
-        (status = 200, description = "the caller's orders, newest first", body = [OrderResponse]),
+        (status = 200, description = "the caller's orders, newest first. If Redis does not answer within 500 ms, \
+            only the orders already written to Postgres, and the answer carries `x-seckill-fallback: postgres`", body = [OrderResponse],
+            headers(("x-seckill-fallback" = String, description = "`postgres` when Redis did not answer: `pending` orders are missing"))),
         (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
         (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
     ))]
 pub async fn list_mine(
     State(state): State<AppState>,
     user: AuthUser,
-) -> AppResult<Json<Vec<OrderResponse>>> {
+) -> AppResult<(HeaderMap, Json<Vec<OrderResponse>>)> {
     let sales = recent_sales(&state).await?;
     let mut conn = state.redis.clone();
-    let admitted = admission::orders_of(&mut conn, &state.keys, user.user_id, &sales).await?;
+    // Redis before Postgres: an order written in between is then in the second read.
+    let lookup = admission::orders_of(&mut conn, &state.keys, user.user_id, &sales);
+    let admitted = redis_read("pending orders", lookup).await;
+    let headers = fallback_headers(admitted.is_none());
+    let admitted = admitted.unwrap_or_default();
     let stored = orders::list_by_user(&state.db, user.user_id).await?;
     let mut all: Vec<OrderResponse> = stored.into_iter().map(Into::into).collect();
     for p in admitted {
@@ -130,5 +154,5 @@ pub async fn list_mine(
             .cmp(&a.created_at)
             .then(b.order_id.cmp(&a.order_id))
     });
-    Ok(Json(all))
+    Ok((headers, Json(all)))
 }

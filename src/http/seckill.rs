@@ -63,7 +63,9 @@ fn limited(wait: std::time::Duration) -> AppError {
         (status = 409, description = "`not_started`, `ended`, `sold_out`, or `already_ordered` (with the caller's `order_id`)", body = ErrorBody),
         (status = 429, description = "too many grabs (`rate_limited`); see `Retry-After`", body = ErrorBody,
             headers(("Retry-After" = u64, description = "seconds to wait"))),
-        (status = 503, description = "Redis is down or the sale is being loaded (`unavailable`); nothing was reserved", body = ErrorBody,
+        (status = 503, description = "`unavailable`. The sale is being loaded or Redis cannot be reached: nothing was reserved. \
+            Or Redis took the grab but its answer did not come (timeout, connection lost): the error carries `\"outcome\": \"unknown\"`, \
+            the order may exist, and a retry tells (202, or `already_ordered` with its `order_id`)", body = ErrorBody,
             headers(("Retry-After" = u64, description = "seconds to wait"))),
     ))]
 pub async fn grab(
@@ -89,24 +91,51 @@ pub async fn grab(
     hot.admission_seconds
         .record(started.elapsed().as_secs_f64());
     let label = match &outcome {
+        Ok(Outcome::AlreadyOrdered { order_id: held }) if *held == order_id => "admitted",
         Ok(o) => o.label(),
         Err(_) => "redis_error",
     };
     hot.outcome(label).increment(1);
-    match outcome? {
-        Outcome::Admitted { order_id } => Ok((
-            StatusCode::ACCEPTED,
-            Json(Admitted {
-                order_id: order_id.to_string(),
-                status: "pending".into(),
-            }),
-        )),
-        Outcome::NotStarted => Err(AppError::NotStarted),
-        Outcome::Ended => Err(AppError::Ended),
-        Outcome::SoldOut => Err(AppError::SoldOut),
-        Outcome::AlreadyOrdered { order_id } => Err(AppError::AlreadyOrdered { order_id }),
-        Outcome::NotLoaded => Err(not_loaded(&state, voucher_id).await),
+    if let Ok(Outcome::NotLoaded) = outcome {
+        return Err(not_loaded(&state, voucher_id).await);
     }
+    let admitted = answer(outcome, order_id)?;
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(Admitted {
+            order_id: admitted.to_string(),
+            status: "pending".into(),
+        }),
+    ))
+}
+
+/// The answer to a grab, from the script's verdict and the order id minted for this
+/// request: `Ok(order id)` is a 202.
+pub fn answer(outcome: redis::RedisResult<Outcome>, minted: i64) -> AppResult<i64> {
+    match outcome {
+        Ok(Outcome::Admitted { order_id }) => Ok(order_id),
+        // The script ran twice for this request (the cluster client re-sends a command
+        // after a dropped connection): the order it names is this request's own.
+        Ok(Outcome::AlreadyOrdered { order_id }) if order_id == minted => Ok(order_id),
+        Ok(Outcome::AlreadyOrdered { order_id }) => Err(AppError::AlreadyOrdered { order_id }),
+        Ok(Outcome::NotStarted) => Err(AppError::NotStarted),
+        Ok(Outcome::Ended) => Err(AppError::Ended),
+        Ok(Outcome::SoldOut) => Err(AppError::SoldOut),
+        Ok(Outcome::NotLoaded) => Err(AppError::Unavailable(
+            "the sale is being loaded, try again shortly; nothing was reserved".into(),
+        )),
+        Err(e) if never_ran(&e) => Err(AppError::Unavailable(
+            "the admission store is unavailable, try again; nothing was reserved".into(),
+        )),
+        Err(e) => Err(AppError::OutcomeUnknown(e)),
+    }
+}
+
+/// Errors after which the script surely did not run: no connection was made, or Redis
+/// refused the command with an error reply. A timeout or a connection lost after
+/// sending may come after the script ran.
+fn never_ran(e: &redis::RedisError) -> bool {
+    e.is_connection_refusal() || matches!(e.kind(), redis::ErrorKind::Server(_))
 }
 
 /// The sale is not in Redis: an unknown voucher, an ended sale whose state expired, or
@@ -120,5 +149,51 @@ async fn not_loaded(state: &AppState, voucher_id: i64) -> AppError {
             AppError::Unavailable("the sale is being loaded, try again shortly".into())
         }
         Err(e) => e.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io;
+
+    fn io_error(kind: io::ErrorKind) -> redis::RedisError {
+        io::Error::new(kind, "test").into()
+    }
+
+    #[test]
+    fn the_script_answering_with_this_requests_own_order_is_an_admission() {
+        let mine = 117_514_385_399_746_560;
+        assert_eq!(
+            answer(Ok(Outcome::AlreadyOrdered { order_id: mine }), mine).unwrap(),
+            mine
+        );
+        let other = answer(Ok(Outcome::AlreadyOrdered { order_id: 7 }), mine);
+        assert!(matches!(
+            other,
+            Err(AppError::AlreadyOrdered { order_id: 7 })
+        ));
+        assert_eq!(
+            answer(Ok(Outcome::Admitted { order_id: mine }), mine).unwrap(),
+            mine
+        );
+    }
+
+    #[test]
+    fn a_timeout_or_lost_connection_leaves_the_outcome_unknown() {
+        for kind in [
+            io::ErrorKind::TimedOut,
+            io::ErrorKind::ConnectionReset,
+            io::ErrorKind::UnexpectedEof,
+            io::ErrorKind::BrokenPipe,
+        ] {
+            let err = answer(Err(io_error(kind)), 1).unwrap_err();
+            assert!(
+                matches!(err, AppError::OutcomeUnknown(_)),
+                "{kind:?}: {err}"
+            );
+        }
+        let refused = answer(Err(io_error(io::ErrorKind::ConnectionRefused)), 1).unwrap_err();
+        assert!(matches!(refused, AppError::Unavailable(_)), "{refused}");
     }
 }

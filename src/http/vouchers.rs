@@ -1,7 +1,7 @@
 //! `POST /vouchers`, `GET /vouchers/{id}`, `GET /shops/{shop_id}/vouchers`.
 
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::Json;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -11,12 +11,20 @@ use crate::admission::{self, loader};
 use crate::auth::Admin;
 use crate::error::{AppError, AppResult, ErrorBody};
 use crate::http::extract::{AppJson, PathId};
+use crate::http::fallback_headers;
 use crate::state::AppState;
 use crate::store::vouchers::{self, NewSeckill, NewVoucher, VoucherRow};
 
 pub const MAX_STOCK: i64 = 1_000_000;
 const MAX_TITLE: usize = 255;
 const MAX_RULES: usize = 4_000;
+/// Sale times outside this range are typing errors, and some (chrono reaches year
+/// -262143) Postgres cannot even store.
+const EARLIEST: DateTime<Utc> = DateTime::UNIX_EPOCH;
+const LATEST: DateTime<Utc> = match DateTime::from_timestamp(253_402_300_799, 0) {
+    Some(t) => t, // 9999-12-31T23:59:59Z
+    None => panic!("in range"),
+};
 
 /// A voucher to publish; with `seckill` it is a flash-sale voucher. Money in cents.
 #[derive(Debug, Deserialize, ToSchema)]
@@ -59,9 +67,9 @@ pub struct CreateVoucher {
 pub struct CreateSeckill {
     #[schema(minimum = 1, maximum = 1000000)]
     pub stock: i64,
-    /// RFC 3339.
+    /// RFC 3339, from 1970 to 9999.
     pub begin_time: DateTime<Utc>,
-    /// RFC 3339, after `begin_time`.
+    /// RFC 3339, after `begin_time`, at most 9999-12-31T23:59:59Z.
     pub end_time: DateTime<Utc>,
 }
 
@@ -100,6 +108,13 @@ impl CreateVoucher {
                     return Err(AppError::invalid(format!(
                         "seckill.stock must be between 1 and {MAX_STOCK}"
                     )));
+                }
+                for (field, at) in [("begin_time", s.begin_time), ("end_time", s.end_time)] {
+                    if !(EARLIEST..=LATEST).contains(&at) {
+                        return Err(AppError::invalid(format!(
+                            "seckill.{field} must lie between 1970-01-01 and 9999-12-31"
+                        )));
+                    }
                 }
                 if s.end_time <= s.begin_time {
                     return Err(AppError::invalid(
@@ -182,25 +197,27 @@ impl VoucherResponse {
     }
 }
 
-/// Redis's live stock for each flash-sale row; `None` where not loaded or Redis is down
-/// (the response then shows Postgres's count rather than failing).
-async fn live_stocks(state: &AppState, rows: &[VoucherRow]) -> Vec<Option<i64>> {
-    let mut conn = state.redis.clone();
-    let mut out = Vec::with_capacity(rows.len());
-    for row in rows {
-        let live = match row.initial_stock {
-            Some(_) => admission::live_stock(&mut conn, &state.keys, row.id)
-                .await
-                .unwrap_or_else(|e| {
-                    tracing::debug!(error = %e, "live stock unavailable");
-                    None
-                }),
-            None => None,
-        };
-        out.push(live);
-    }
-    out
+/// Redis's live stock for each flash-sale row (`None` where not loaded), all looked up
+/// at once under one deadline; `None` in all if Redis is down or slow: the response
+/// then shows Postgres's count rather than failing or waiting.
+async fn live_stocks(state: &AppState, rows: &[VoucherRow]) -> Option<Vec<Option<i64>>> {
+    let lookups = rows.iter().map(|row| {
+        let mut conn = state.redis.clone();
+        let (keys, sale) = (&state.keys, row.initial_stock.map(|_| row.id));
+        async move {
+            match sale {
+                Some(id) => admission::live_stock(&mut conn, keys, id).await,
+                None => Ok(None),
+            }
+        }
+    });
+    crate::http::redis_read("live stock", futures_util::future::try_join_all(lookups)).await
 }
+
+/// Said of every voucher read that shows stock.
+const STOCK_NOTE: &str = "A flash sale's `stock` is Redis's live count; \
+    if Redis does not answer within 500 ms it is Postgres's count (which trails the live one \
+    by the orders not yet written) and the answer carries `x-seckill-fallback: postgres`.";
 
 #[utoipa::path(post, path = "/vouchers", tag = "vouchers", security(("bearer" = [])),
     request_body = CreateVoucher,
@@ -244,10 +261,11 @@ pub async fn create(
     Ok((StatusCode::CREATED, Json(VoucherResponse::new(row, live))))
 }
 
-#[utoipa::path(get, path = "/vouchers/{id}", tag = "vouchers",
+#[utoipa::path(get, path = "/vouchers/{id}", tag = "vouchers", description = STOCK_NOTE,
     params(("id" = i64, Path, description = "voucher id", minimum = 1)),
     responses(
-        (status = 200, description = "the voucher; a flash sale shows its live stock", body = VoucherResponse),
+        (status = 200, description = "the voucher; a flash sale shows its live stock", body = VoucherResponse,
+            headers(("x-seckill-fallback" = String, description = "`postgres` when Redis did not answer: `stock` is Postgres's"))),
         (status = 400, description = "not a valid id (`validation`)", body = ErrorBody),
         (status = 404, description = "no such voucher (`not_found`)", body = ErrorBody),
         (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
@@ -255,32 +273,41 @@ pub async fn create(
 pub async fn get(
     State(state): State<AppState>,
     PathId(id): PathId,
-) -> AppResult<Json<VoucherResponse>> {
+) -> AppResult<(HeaderMap, Json<VoucherResponse>)> {
     let row = vouchers::get(&state.db, id)
         .await?
         .ok_or_else(|| AppError::NotFound(format!("voucher {id} not found")))?;
     let live = live_stocks(&state, std::slice::from_ref(&row)).await;
-    Ok(Json(VoucherResponse::new(row, live[0])))
+    Ok((
+        fallback_headers(live.is_none()),
+        Json(VoucherResponse::new(row, live.and_then(|l| l[0]))),
+    ))
 }
 
-#[utoipa::path(get, path = "/shops/{shop_id}/vouchers", tag = "vouchers",
+#[utoipa::path(get, path = "/shops/{shop_id}/vouchers", tag = "vouchers", description = STOCK_NOTE,
     params(("shop_id" = i64, Path, description = "shop id", minimum = 1)),
     responses(
-        (status = 200, description = "the shop's vouchers (at most 1000)", body = [VoucherResponse]),
+        (status = 200, description = "the shop's vouchers (at most 1000)", body = [VoucherResponse],
+            headers(("x-seckill-fallback" = String, description = "`postgres` when Redis did not answer: `stock` is Postgres's"))),
         (status = 400, description = "not a valid id (`validation`)", body = ErrorBody),
         (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
     ))]
 pub async fn list_by_shop(
     State(state): State<AppState>,
     PathId(shop_id): PathId,
-) -> AppResult<Json<Vec<VoucherResponse>>> {
+) -> AppResult<(HeaderMap, Json<Vec<VoucherResponse>>)> {
     let rows = vouchers::list_by_shop(&state.db, shop_id).await?;
     let live = live_stocks(&state, &rows).await;
-    Ok(Json(
-        rows.into_iter()
-            .zip(live)
-            .map(|(row, live)| VoucherResponse::new(row, live))
-            .collect(),
+    let headers = fallback_headers(live.is_none());
+    let live = live.unwrap_or_else(|| vec![None; rows.len()]);
+    Ok((
+        headers,
+        Json(
+            rows.into_iter()
+                .zip(live)
+                .map(|(row, live)| VoucherResponse::new(row, live))
+                .collect(),
+        ),
     ))
 }
 
@@ -319,6 +346,9 @@ mod tests {
             ("/seckill/stock", (MAX_STOCK + 1).into()),
             ("/seckill/end_time", "2025-12-31T00:00:00Z".into()),
             ("/seckill/end_time", "2026-01-01T00:00:00Z".into()),
+            ("/seckill/begin_time", "-262143-01-01T00:00:00Z".into()),
+            ("/seckill/begin_time", "1969-12-31T23:59:59Z".into()),
+            ("/seckill/end_time", "+10000-01-01T00:00:00Z".into()),
         ];
         for (pointer, value) in cases {
             let mut json = valid();

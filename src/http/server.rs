@@ -1,0 +1,353 @@
+//! The HTTP server: hyper's HTTP/1 connection loop with the limits `axum::serve` lacks.
+//! A request's headers must arrive within a deadline, an idle keep-alive connection is
+//! closed, and open connections are capped below the descriptor limit, so slow or idle
+//! clients cannot starve well-behaved ones (and `/healthz`) of descriptors.
+//!
+//! The deadlines are a watchdog per connection rather than hyper's `header_read_timeout`:
+//! hyper's also runs while a keep-alive connection waits for its next request, so it
+//! cannot give a short header deadline and a long idle timeout at once.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::pin::{pin, Pin};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::{Body, HttpBody};
+use axum::extract::Request;
+use axum::response::Response;
+use axum::Router;
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tower::{Service, ServiceExt};
+
+/// Headers hyper parses before it refuses a request with its own bare 431; above the
+/// limit the middleware enforces ([`super::MAX_HEADERS`]), so that limit answers JSON.
+const PARSER_MAX_HEADERS: usize = 4 * super::MAX_HEADERS;
+/// Descriptors kept free of client connections: Postgres and Redis connections, the
+/// listener, the runtime, logs.
+const RESERVED_DESCRIPTORS: u64 = 64;
+
+#[derive(Debug, Clone, Copy)]
+pub struct ServerLimits {
+    pub header_read_timeout: Duration,
+    pub keepalive_idle: Duration,
+    pub max_connections: usize,
+}
+
+impl From<&crate::config::ServerArgs> for ServerLimits {
+    fn from(args: &crate::config::ServerArgs) -> Self {
+        Self {
+            header_read_timeout: Duration::from_secs(args.http_header_read_timeout_secs),
+            keepalive_idle: Duration::from_secs(args.http_keepalive_idle_secs),
+            max_connections: args.http_max_connections as usize,
+        }
+    }
+}
+
+/// Serves `router` on `listener` until `shutdown`, then lets requests in progress
+/// finish and returns once every connection is closed.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: ServerLimits,
+    shutdown: CancellationToken,
+) {
+    let max_connections = fit_descriptor_limit(limits.max_connections);
+    let slots = Arc::new(Semaphore::new(max_connections));
+    let connections = TaskTracker::new();
+    let mut make_service = router.into_make_service_with_connect_info::<SocketAddr>();
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.max_headers(PARSER_MAX_HEADERS)
+        // The watchdog below keeps the time (see the module comment).
+        .header_read_timeout(None);
+    loop {
+        // At the cap, stop accepting: new clients wait in the kernel's listen backlog
+        // until a slot frees (slow clients lose theirs within the header deadline),
+        // instead of failing at the descriptor limit.
+        let permit = tokio::select! {
+            permit = slots.clone().acquire_owned() => permit.expect("never closed"),
+            _ = shutdown.cancelled() => break,
+        };
+        let (tcp, remote) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    accept_error(e).await;
+                    continue;
+                }
+            },
+            _ = shutdown.cancelled() => break,
+        };
+        // Small responses go out at once instead of waiting on Nagle's algorithm.
+        let _ = tcp.set_nodelay(true);
+        let service = make_service
+            .call(remote)
+            .await
+            .unwrap_or_else(|e: Infallible| match e {});
+        connections.spawn(connection(
+            http.clone(),
+            tcp,
+            service,
+            limits,
+            shutdown.clone(),
+            permit,
+        ));
+    }
+    // New connections are refused from here on; those open finish their requests.
+    drop(listener);
+    connections.close();
+    connections.wait().await;
+}
+
+async fn accept_error(e: std::io::Error) {
+    use std::io::ErrorKind::*;
+    if matches!(
+        e.kind(),
+        ConnectionRefused | ConnectionAborted | ConnectionReset
+    ) {
+        return; // that client is gone; the next one is not affected
+    }
+    // Out of descriptors or memory: wait for some to be released.
+    tracing::error!(error = %e, "accept failed");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+}
+
+/// The connection cap, lowered to leave [`RESERVED_DESCRIPTORS`] below the process's
+/// descriptor limit: at that limit even `/healthz` could not be accepted.
+fn fit_descriptor_limit(wanted: usize) -> usize {
+    let Some(limit) = descriptor_limit() else {
+        return wanted;
+    };
+    let room = limit
+        .saturating_sub(RESERVED_DESCRIPTORS)
+        .max(limit / 2)
+        .max(1) as usize;
+    if wanted > room {
+        tracing::warn!(
+            wanted,
+            descriptor_limit = limit,
+            using = room,
+            "HTTP_MAX_CONNECTIONS exceeds what the descriptor limit (ulimit -n) allows; lowered"
+        );
+        return room;
+    }
+    wanted
+}
+
+/// The soft limit on open files, from `/proc/self/limits` (Linux; `None` elsewhere).
+fn descriptor_limit() -> Option<u64> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    line["Max open files".len()..]
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Serves one connection, closing it when a deadline of [`Activity`] passes.
+async fn connection<S>(
+    http: hyper::server::conn::http1::Builder,
+    tcp: TcpStream,
+    service: S,
+    limits: ServerLimits,
+    shutdown: CancellationToken,
+    _slot: OwnedSemaphorePermit,
+) where
+    S: Service<Request, Response = Response, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send,
+{
+    let activity = Arc::new(Activity::new());
+    let io = TokioIo::new(Watched {
+        inner: tcp,
+        activity: activity.clone(),
+    });
+    let hyper_service = hyper::service::service_fn({
+        let activity = activity.clone();
+        move |req: hyper::Request<hyper::body::Incoming>| {
+            let busy = activity.begin_request();
+            let response = service.clone().oneshot(req.map(Body::new));
+            async move {
+                let response = response.await?;
+                // Busy until the body is sent (or dropped), so a stream is not idle.
+                Ok::<_, Infallible>(response.map(|body| Body::new(Tracked { body, busy })))
+            }
+        }
+    });
+    let mut conn = pin!(http.serve_connection(io, hyper_service));
+    let mut draining = false;
+    loop {
+        let deadline = activity.deadline(&limits);
+        tokio::select! {
+            result = conn.as_mut() => {
+                if let Err(e) = result {
+                    tracing::debug!(error = %e, "connection ended with an error");
+                }
+                return;
+            }
+            _ = shutdown.cancelled(), if !draining => {
+                draining = true;
+                conn.as_mut().graceful_shutdown();
+            }
+            _ = tokio::time::sleep_until(deadline) => {
+                if activity.deadline(&limits) <= Instant::now() {
+                    tracing::debug!("connection too slow or idle; closed");
+                    return; // dropping the connection closes the socket
+                }
+            }
+        }
+    }
+}
+
+/// What a connection is doing, for its watchdog. Reads, requests and responses all
+/// happen on the connection's one task; atomics only make it shareable.
+struct Activity {
+    opened: Instant,
+    /// Requests whose response is not yet fully sent.
+    busy: AtomicUsize,
+    /// Since when (ms after `opened`) the connection waits for headers or sits idle.
+    since_ms: AtomicU64,
+    /// Whether it waits for headers (bytes of a request came, or it is new) rather than
+    /// idling between requests.
+    reading_head: std::sync::atomic::AtomicBool,
+}
+
+impl Activity {
+    fn new() -> Self {
+        Self {
+            opened: Instant::now(),
+            busy: AtomicUsize::new(0),
+            since_ms: AtomicU64::new(0),
+            reading_head: std::sync::atomic::AtomicBool::new(true),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.opened.elapsed().as_millis() as u64
+    }
+
+    /// When the connection is to be closed unless something happens first.
+    fn deadline(&self, limits: &ServerLimits) -> Instant {
+        if self.busy.load(Ordering::Relaxed) > 0 {
+            // The request timeout bounds the handler; look again later.
+            return Instant::now() + limits.keepalive_idle;
+        }
+        let since = self.opened + Duration::from_millis(self.since_ms.load(Ordering::Relaxed));
+        if self.reading_head.load(Ordering::Relaxed) {
+            since + limits.header_read_timeout
+        } else {
+            since + limits.keepalive_idle
+        }
+    }
+
+    fn on_read(&self) {
+        if self.busy.load(Ordering::Relaxed) == 0 && !self.reading_head.load(Ordering::Relaxed) {
+            // The first bytes of the next request: its header deadline starts.
+            self.since_ms.store(self.now_ms(), Ordering::Relaxed);
+            self.reading_head.store(true, Ordering::Relaxed);
+        }
+    }
+
+    fn begin_request(self: &Arc<Self>) -> Busy {
+        self.busy.fetch_add(1, Ordering::Relaxed);
+        self.reading_head.store(false, Ordering::Relaxed);
+        Busy(self.clone())
+    }
+}
+
+/// A request in progress; its drop (the response sent or abandoned) may start idling.
+struct Busy(Arc<Activity>);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        if self.0.busy.fetch_sub(1, Ordering::Relaxed) == 1 {
+            self.0.since_ms.store(self.0.now_ms(), Ordering::Relaxed);
+        }
+    }
+}
+
+/// The socket, telling [`Activity`] when bytes arrive.
+struct Watched {
+    inner: TcpStream,
+    activity: Arc<Activity>,
+}
+
+impl AsyncRead for Watched {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let poll = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.activity.on_read();
+        }
+        poll
+    }
+}
+
+impl AsyncWrite for Watched {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// A response body that keeps its request [`Busy`] until it is sent or dropped.
+struct Tracked {
+    body: Body,
+    #[allow(dead_code)] // held for its drop
+    busy: Busy,
+}
+
+impl HttpBody for Tracked {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
