@@ -141,12 +141,21 @@ fn never_ran(e: &redis::RedisError) -> bool {
 /// The sale is not in Redis: an unknown voucher, an ended sale whose state expired, or
 /// state lost with Redis. Only the last is worth a reload; until it is done, fail closed.
 async fn not_loaded(state: &AppState, voucher_id: i64) -> AppError {
+    // A reload is already under way: a storm of presses must not become a storm of
+    // Postgres queries.
+    if state.reloading.lock().expect("poisoned").contains(&voucher_id) {
+        return AppError::Unavailable(
+            "the sale is being loaded, try again shortly; nothing was reserved".into(),
+        );
+    }
     match vouchers::sale(&state.db, voucher_id).await {
         Ok(None) => AppError::NotFound(format!("voucher {voucher_id} has no flash sale")),
         Ok(Some(sale)) if sale.end_time <= Utc::now() => AppError::Ended,
         Ok(Some(_)) => {
             loader::reload_in_background(state, voucher_id);
-            AppError::Unavailable("the sale is being loaded, try again shortly".into())
+            AppError::Unavailable(
+                "the sale is being loaded, try again shortly; nothing was reserved".into(),
+            )
         }
         Err(e) => e.into(),
     }
