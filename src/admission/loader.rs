@@ -2,7 +2,7 @@
 //! and on line when admission finds a sale's state missing (Redis restarted or lost data).
 //! Live state is never overwritten.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::LazyLock;
 use std::time::Duration;
 
@@ -129,15 +129,29 @@ pub async fn fenced<C: ConnectionLike + Send>(
             return Ok(None);
         }
     }
+    let shard = keys.shard_of(voucher_id);
+    let scan = mode != Mode::Create;
+    // The long part, before the lock: page through the stream as it is now. Orders
+    // Postgres already holds are skipped (an order once written stays written); the
+    // rest are re-checked under the lock and in the script. Entries of users Postgres
+    // knows under another order are kept: the script must see such a phantom, whose
+    // buyer record may still name it until it is buried.
+    let mut candidates: Vec<Candidate> = Vec::new();
+    let mut last: Option<String> = None;
+    if scan {
+        let early: HashMap<i64, i64> = store::vouchers::buyers(db, voucher_id)
+            .await?
+            .into_iter()
+            .collect();
+        page_on(conn, keys, voucher_id, &early, &mut last, &mut candidates).await?;
+    }
+
     let mut tx = db.begin().await?;
     let Some((sale, buyers)) = store::vouchers::lock_sale(&mut tx, voucher_id).await? else {
         return Ok(None);
     };
-    let shard = keys.shard_of(voucher_id);
-    let known: HashSet<i64> = buyers.iter().map(|(user, _)| *user).collect();
-    let scan = mode != Mode::Create;
-    let mut candidates: Vec<(String, i64, i64)> = Vec::new();
-    let mut last: Option<String> = None;
+    let known: HashMap<i64, i64> = buyers.iter().copied().collect();
+    candidates.retain(|c| known.get(&c.user_id) != Some(&c.order_id));
     let end_ms = sale.end_time.timestamp_millis();
     let mut rounds = 0;
     let reply: Vec<i64> = loop {
@@ -147,23 +161,8 @@ pub async fn fenced<C: ConnectionLike + Send>(
             "the order stream grows faster than voucher {voucher_id} can be loaded"
         );
         if scan {
-            loop {
-                let page = crate::stream::page(conn, keys, shard, last.as_deref(), PAGE).await?;
-                let full = page.len() == PAGE;
-                if let Some(e) = page.last() {
-                    last = Some(e.entry_id().to_string());
-                }
-                for e in &page {
-                    if let Some(o) = e.order() {
-                        if o.voucher_id == voucher_id && !known.contains(&o.user_id) {
-                            candidates.push((e.entry_id().to_string(), o.user_id, o.id));
-                        }
-                    }
-                }
-                if !full {
-                    break;
-                }
-            }
+            // Under the lock: only what was added since the last page.
+            page_on(conn, keys, voucher_id, &known, &mut last, &mut candidates).await?;
         }
         let mut step = LOAD.prepare_invoke();
         step.key(&key)
@@ -182,8 +181,8 @@ pub async fn fenced<C: ConnectionLike + Send>(
         for (user_id, order_id) in &buyers {
             step.arg(user_id).arg(order_id);
         }
-        for (entry_id, user_id, order_id) in &candidates {
-            step.arg(entry_id).arg(user_id).arg(order_id);
+        for c in &candidates {
+            step.arg(&c.entry_id).arg(c.user_id).arg(c.order_id);
         }
         let reply: Vec<i64> = step.invoke_async(conn).await?;
         match reply.first() {
@@ -213,6 +212,47 @@ pub async fn fenced<C: ConnectionLike + Send>(
         actual_buyers,
         mismatched_buyers: mismatched,
     }))
+}
+
+/// A stream entry of the sale being loaded whose order Postgres does not hold.
+struct Candidate {
+    entry_id: String,
+    user_id: i64,
+    order_id: i64,
+}
+
+/// Pages through the shard's stream after `last` until a page comes back short,
+/// collecting the sale's entries whose order is not in `known` (user → order);
+/// `last` advances.
+async fn page_on<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    voucher_id: i64,
+    known: &HashMap<i64, i64>,
+    last: &mut Option<String>,
+    candidates: &mut Vec<Candidate>,
+) -> anyhow::Result<()> {
+    let shard = keys.shard_of(voucher_id);
+    loop {
+        let page = crate::stream::page(conn, keys, shard, last.as_deref(), PAGE).await?;
+        if let Some(e) = page.last() {
+            *last = Some(e.entry_id().to_string());
+        }
+        for e in &page {
+            if let Some(o) = e.order() {
+                if o.voucher_id == voucher_id && known.get(&o.user_id) != Some(&o.id) {
+                    candidates.push(Candidate {
+                        entry_id: e.entry_id().to_string(),
+                        user_id: o.user_id,
+                        order_id: o.id,
+                    });
+                }
+            }
+        }
+        if page.len() < PAGE {
+            return Ok(());
+        }
+    }
 }
 
 /// Loads every sale that has not ended and whose Redis state is missing.

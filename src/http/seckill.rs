@@ -143,7 +143,12 @@ fn never_ran(e: &redis::RedisError) -> bool {
 async fn not_loaded(state: &AppState, voucher_id: i64) -> AppError {
     // A reload is already under way: a storm of presses must not become a storm of
     // Postgres queries.
-    if state.reloading.lock().expect("poisoned").contains(&voucher_id) {
+    if state
+        .reloading
+        .lock()
+        .expect("poisoned")
+        .contains(&voucher_id)
+    {
         return AppError::Unavailable(
             "the sale is being loaded, try again shortly; nothing was reserved".into(),
         );

@@ -155,6 +155,15 @@ pub async fn sale(db: &PgPool, voucher_id: i64) -> Result<Option<SeckillState>, 
 /// `(user_id, order_id)` of every order of a sale: the buyers Redis must know.
 pub type Buyers = Vec<(i64, i64)>;
 
+/// `(user_id, order_id)` of the sale's orders, without a lock (a hint, re-read under it).
+#[tracing::instrument(skip(db))]
+pub async fn buyers(db: &PgPool, voucher_id: i64) -> Result<Buyers, sqlx::Error> {
+    sqlx::query_as("SELECT user_id, id FROM voucher_orders WHERE voucher_id = $1")
+        .bind(voucher_id)
+        .fetch_all(db)
+        .await
+}
+
 /// A sale as the loader sees it under its row lock.
 #[derive(Debug, Clone, FromRow)]
 pub struct LockedSale {
