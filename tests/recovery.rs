@@ -43,40 +43,39 @@ async fn repair_racing_the_worker_during_a_storm_hands_out_exactly_the_stock_and
         )
         .await;
 
+    let voucher_arg = voucher.to_string();
+    let repair = ["reconcile", "--voucher", &voucher_arg, "--repair"];
     let storm_done = AtomicBool::new(false);
     let storm = async {
         let results = press_all(&app, &base, voucher, 1..=2500, 64).await;
         storm_done.store(true, Ordering::SeqCst);
         results
     };
-    let repairs = async {
+    // Two repairers, a dozen runs each at most, for as long as the storm lasts.
+    let repairs = || async {
         let mut runs = Vec::new();
         for _ in 0..12 {
             if storm_done.load(Ordering::SeqCst) {
                 break;
             }
-            runs.push(
-                seckill_async(
-                    &app,
-                    &["reconcile", "--voucher", &voucher.to_string(), "--repair"],
-                    &[],
-                )
-                .await,
-            );
+            runs.push(seckill_async(&app, &repair, &[]).await);
         }
         runs
     };
-    let (results, mut runs) = tokio::join!(storm, repairs);
+    let (mut results, mut runs, more) = tokio::join!(storm, repairs(), repairs());
+    runs.extend(more);
     let during = runs.len();
-    // Once more after the sale sold out.
-    runs.push(
-        seckill_async(
-            &app,
-            &["reconcile", "--voucher", &voucher.to_string(), "--repair"],
-            &[],
-        )
-        .await,
-    );
+    // Sold out: again while the worker is still writing the backlog (bounded); late
+    // shoppers get whatever stock Redis wrongly regained; once more after the drain.
+    for _ in 0..5 {
+        if !unacknowledged(&app, app.keys.stream(Shard(0))).await {
+            break;
+        }
+        runs.push(seckill_async(&app, &repair, &[]).await);
+    }
+    results.extend(press_all(&app, &base, voucher, 2501..=3000, 64).await);
+    wait_drained(&app, &app.keys, Duration::from_secs(60)).await;
+    runs.push(seckill_async(&app, &repair, &[]).await);
     let winners = admitted(&results);
     let drained = wait_drained(&app, &app.keys, Duration::from_secs(60)).await;
 
@@ -90,9 +89,10 @@ async fn repair_racing_the_worker_during_a_storm_hands_out_exactly_the_stock_and
     let pg_stock = app.pg_stock(voucher).await;
     let live = app.live_stock(voucher).await;
     println!(
-        "repair runs during the storm: {during} (exit codes {:?}); 202s: {} for stock {stock}; \
-         in postgres: {}; 202'd ids not in postgres: {}; dead letters: {dead}; \
-         pg stock {pg_stock}, redis stock {live:?}; drained: {drained}",
+        "repair runs: {during} during the storm, {} after (exit codes {:?}); 202s: {} for \
+         stock {stock}; in postgres: {}; 202'd ids not in postgres: {}; dead letters: \
+         {dead}; pg stock {pg_stock}, redis stock {live:?}; drained: {drained}",
+        runs.len() - during,
         runs.iter().map(|r| r.0).collect::<Vec<_>>(),
         winners.len(),
         stored.len(),
