@@ -122,34 +122,39 @@ async fn repair_racing_the_worker_during_a_storm_hands_out_exactly_the_stock_and
 async fn online_reloads_racing_the_worker_lose_no_buyer_and_oversell_nothing(db: PgPool) {
     let started = Instant::now();
     let app = TestApp::spawn(db).await;
-    let stock = 2000;
+    let stock = 3000;
     let voucher = app.open_sale(stock).await;
     let (_api, base) = app.spawn_server("api", &[]).await;
 
-    // A backlog: 1,500 orders admitted while no worker runs.
-    let first = admitted(&press_all(&app, &base, voucher, 1..=1500, 64).await);
-    assert_eq!(first.len(), 1500);
-    let _worker = Process::spawn(
-        "worker",
-        &app.redis_url,
-        app.keys.prefix(),
-        &faults::database_url(&app.db, None),
-        &[
-            ("WORKER_BATCH_SIZE", "8".into()),
-            ("WORKER_BLOCK_MS", "100".into()),
-        ],
-    );
+    // A backlog: 2,400 orders admitted while no worker runs; then three workers write it
+    // in small batches (many commits, each one a chance for the race).
+    let first = admitted(&press_all(&app, &base, voucher, 1..=2400, 64).await);
+    assert_eq!(first.len(), 2400);
+    let url = faults::database_url(&app.db, None);
+    let env = [
+        ("WORKER_BATCH_SIZE", "4".to_string()),
+        ("WORKER_BLOCK_MS", "100".to_string()),
+    ];
+    let _workers: Vec<Process> = (0..3)
+        .map(|_| Process::spawn("worker", &app.redis_url, app.keys.prefix(), &url, &env))
+        .collect();
 
     // During the drain: lose the sale's state, press once (503, reload starts), wait
-    // for the reload, again.
+    // for the reload, again: at least 40 times, and on while the drain lasts (150 at
+    // most). Each reload is a chance for a commit to fall between its Postgres read
+    // and its Redis write.
     let mut statuses: HashMap<u16, usize> = HashMap::new();
     let mut reload_winners: HashMap<i64, i64> = HashMap::new();
     let mut persisted_at_reload = Vec::new();
-    for i in 0..25i64 {
+    for i in 0..150i64 {
+        let persisted = pg_order_count(&app, voucher).await;
+        if i >= 40 && persisted >= first.len() as i64 {
+            break;
+        }
         let _: i64 = app
             .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(voucher)))
             .await;
-        persisted_at_reload.push(app.pg_orders(voucher).await.len());
+        persisted_at_reload.push(persisted);
         let user = 100_000 + i;
         let (status, body) = press(&app, &base, voucher, user).await;
         *statuses.entry(status.as_u16()).or_default() += 1;
@@ -158,7 +163,7 @@ async fn online_reloads_racing_the_worker_lose_no_buyer_and_oversell_nothing(db:
         }
         let deadline = Instant::now() + Duration::from_secs(5);
         while app.live_stock(voucher).await.is_none() && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            tokio::time::sleep(Duration::from_millis(1)).await;
         }
     }
     println!(
@@ -167,8 +172,8 @@ async fn online_reloads_racing_the_worker_lose_no_buyer_and_oversell_nothing(db:
     );
 
     // The rest of the sale, then every earlier winner presses again.
-    let rest = admitted(&press_all(&app, &base, voucher, 1501..=2700, 64).await);
-    let again = press_all(&app, &base, voucher, 1..=1500, 64).await;
+    let rest = admitted(&press_all(&app, &base, voucher, 2401..=3600, 64).await);
+    let again = press_all(&app, &base, voucher, 1..=2400, 64).await;
     let mut doubles = 0;
     for (user, answer) in &again {
         let (status, body) = answer.as_ref().expect("an answer");
@@ -196,7 +201,7 @@ async fn online_reloads_racing_the_worker_lose_no_buyer_and_oversell_nothing(db:
         stored.len(),
     );
     assert!(
-        persisted_at_reload.iter().any(|&n| n > 0 && n < 1500),
+        persisted_at_reload.iter().any(|&n| n > 0 && n < 2400),
         "no reload happened while the worker was draining: {persisted_at_reload:?}"
     );
     assert!(drained, "the streams were not drained within 60 s");
@@ -780,6 +785,15 @@ async fn unacknowledged(app: &TestApp, stream: &str) -> bool {
         )
         .await;
     matches!(after, redis::Value::Array(a) if !a.is_empty())
+}
+
+/// How many orders of the voucher Postgres holds.
+async fn pg_order_count(app: &TestApp, voucher: i64) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM voucher_orders WHERE voucher_id = $1")
+        .bind(voucher)
+        .fetch_one(&app.db)
+        .await
+        .unwrap()
 }
 
 /// Dead letters in every shard.
