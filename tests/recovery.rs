@@ -127,36 +127,46 @@ async fn online_reloads_racing_the_worker_lose_no_buyer_and_oversell_nothing(db:
     let (_api, base) = app.spawn_server("api", &[]).await;
 
     // A backlog: 2,400 orders admitted while no worker runs; then three workers write it
-    // in small batches (many commits, each one a chance for the race).
+    // in small batches.
     let first = admitted(&press_all(&app, &base, voucher, 1..=2400, 64).await);
     assert_eq!(first.len(), 2400);
     let url = faults::database_url(&app.db, None);
     let env = [
-        ("WORKER_BATCH_SIZE", "4".to_string()),
+        ("WORKER_BATCH_SIZE", "8".to_string()),
         ("WORKER_BLOCK_MS", "100".to_string()),
     ];
     let _workers: Vec<Process> = (0..3)
         .map(|_| Process::spawn("worker", &app.redis_url, app.keys.prefix(), &url, &env))
         .collect();
 
-    // During the drain: lose the sale's state, press once (503, reload starts), wait
-    // for the reload, again: at least 40 times, and on while the drain lasts (150 at
-    // most). Each reload is a chance for a commit to fall between its Postgres read
-    // and its Redis write.
+    // During the drain, 40 times: the sale's row is briefly locked (say, an admin's
+    // transaction), so the workers' commits bunch up behind it; the sale's state is
+    // lost; a press answers 503 and starts the reload; the lock is released meanwhile —
+    // the workers commit and acknowledge while the reload runs — and the reload ends.
+    let mut lock = sqlx::PgConnection::connect(&url).await.unwrap();
     let mut statuses: HashMap<u16, usize> = HashMap::new();
     let mut reload_winners: HashMap<i64, i64> = HashMap::new();
     let mut persisted_at_reload = Vec::new();
-    for i in 0..150i64 {
-        let persisted = pg_order_count(&app, voucher).await;
-        if i >= 40 && persisted >= first.len() as i64 {
-            break;
-        }
+    for i in 0..40i64 {
+        sqlx::query("BEGIN").execute(&mut lock).await.unwrap();
+        sqlx::query("SELECT 1 FROM seckill_vouchers WHERE voucher_id = $1 FOR UPDATE")
+            .bind(voucher)
+            .execute(&mut lock)
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(40)).await;
         let _: i64 = app
             .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(voucher)))
             .await;
-        persisted_at_reload.push(persisted);
+        persisted_at_reload.push(pg_order_count(&app, voucher).await);
         let user = 100_000 + i;
-        let (status, body) = press(&app, &base, voucher, user).await;
+        // The release goes out while the press is on its way, a little later each time
+        // (0 to 5 ms), so that some releases land inside the reload.
+        let release = async {
+            tokio::time::sleep(Duration::from_micros(1000 * (i as u64 % 6))).await;
+            sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
+        };
+        let ((status, body), ()) = tokio::join!(press(&app, &base, voucher, user), release);
         *statuses.entry(status.as_u16()).or_default() += 1;
         if status == StatusCode::ACCEPTED {
             reload_winners.insert(user, order_id(&body));
