@@ -29,7 +29,7 @@ use sqlx::{Connection, PgPool};
 async fn repair_racing_the_worker_during_a_storm_hands_out_exactly_the_stock_and_loses_no_order(
     db: PgPool,
 ) {
-    let started = Instant::now();
+    let _run_time = RunTime::start();
     let app = TestApp::spawn(db).await;
     let stock = 2000;
     let voucher = app.open_sale(stock).await;
@@ -112,7 +112,6 @@ async fn repair_racing_the_worker_during_a_storm_hands_out_exactly_the_stock_and
     assert_eq!(dead, 0, "dead letters");
     assert_eq!(pg_stock, 0);
     assert_eq!(live, Some(0), "redis stock after the drain");
-    println!("run time: {:.1} s", started.elapsed().as_secs_f64());
 }
 
 /// Issue 9, scenario 2: the same race through the API's on-line reload. While the worker
@@ -120,7 +119,7 @@ async fn repair_racing_the_worker_during_a_storm_hands_out_exactly_the_stock_and
 /// finds it missing answers 503 and reloads it from Postgres in the background.
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn online_reloads_racing_the_worker_lose_no_buyer_and_oversell_nothing(db: PgPool) {
-    let started = Instant::now();
+    let _run_time = RunTime::start();
     let app = TestApp::spawn(db).await;
     let stock = 3000;
     let voucher = app.open_sale(stock).await;
@@ -261,7 +260,6 @@ async fn online_reloads_racing_the_worker_lose_no_buyer_and_oversell_nothing(db:
     assert_eq!(dead, 0, "dead letters");
     assert_eq!(live, Some(pg_stock as i64), "redis stock vs postgres stock");
     assert_eq!(pg_stock, 0);
-    println!("run time: {:.1} s", started.elapsed().as_secs_f64());
 }
 
 /// Issue 9, scenario 3: a worker whose transaction waits on a row lock is slow, not dead.
@@ -270,7 +268,7 @@ async fn online_reloads_racing_the_worker_lose_no_buyer_and_oversell_nothing(db:
 /// dead-lettered as poison (which also forgets its buyer, who could then buy again).
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn orders_committed_behind_a_long_row_lock_are_never_dead_lettered_as_poison(db: PgPool) {
-    let started = Instant::now();
+    let _run_time = RunTime::start();
     let app = TestApp::spawn(db.clone()).await;
     let stock = 500;
     let voucher = app.open_sale(stock).await;
@@ -344,7 +342,6 @@ async fn orders_committed_behind_a_long_row_lock_are_never_dead_lettered_as_pois
     assert_eq!(dead_after, 0);
     assert_eq!(stored.len(), 100);
     assert_eq!(live, Some(pg_stock as i64), "redis stock vs postgres stock");
-    println!("run time: {:.1} s", started.elapsed().as_secs_f64());
 }
 
 /// Issue 9, scenario 4: Redis forgot a buyer whose order Postgres holds (a hand edit, a
@@ -355,7 +352,7 @@ async fn orders_committed_behind_a_long_row_lock_are_never_dead_lettered_as_pois
 async fn a_buyer_redis_forgot_is_restored_from_postgres_and_gets_no_more_phantom_orders(
     db: PgPool,
 ) {
-    let started = Instant::now();
+    let _run_time = RunTime::start();
     let app = TestApp::spawn(db).await;
     let stock = 100;
     let voucher = app.open_sale(stock).await;
@@ -423,14 +420,13 @@ async fn a_buyer_redis_forgot_is_restored_from_postgres_and_gets_no_more_phantom
     }
     assert_eq!(buyer, Some(pg_order.to_string()), "buyer record restored");
     assert_eq!(live, Some(pg_stock as i64), "redis stock vs postgres stock");
-    println!("run time: {:.1} s", started.elapsed().as_secs_f64());
 }
 
 /// Issue 9, scenario 5: a healthy live sale under load is not drift. Reconcile without
 /// `--repair` during a storm must exit 0 every time.
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn reconcile_during_a_storm_on_a_healthy_sale_exits_zero(db: PgPool) {
-    let started = Instant::now();
+    let _run_time = RunTime::start();
     let app = TestApp::spawn(db).await;
     let stock = 3000;
     let voucher = app.open_sale(stock).await;
@@ -490,7 +486,6 @@ async fn reconcile_during_a_storm_on_a_healthy_sale_exits_zero(db: PgPool) {
         failed, 0,
         "reconcile runs that failed during the storm: {codes:?}"
     );
-    println!("run time: {:.1} s", started.elapsed().as_secs_f64());
 }
 
 /// Issue 9, scenario 6: loading a sale must not stall Redis for everybody else. With a
@@ -498,7 +493,7 @@ async fn reconcile_during_a_storm_on_a_healthy_sale_exits_zero(db: PgPool) {
 /// a probe PINGs Redis: no PING may wait long.
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn repairing_a_sale_behind_a_long_backlog_does_not_stall_redis(db: PgPool) {
-    let started = Instant::now();
+    let run_time = RunTime::start();
     let app = TestApp::spawn(db).await;
     let voucher = app.open_sale(100).await;
     let stream = app.keys.stream(app.keys.shard_of(voucher)).to_string();
@@ -521,7 +516,7 @@ async fn repairing_a_sale_behind_a_long_backlog_does_not_stall_redis(db: PgPool)
     assert_eq!(len, backlog);
     println!(
         "backlog of {backlog} entries built in {:.1} s",
-        started.elapsed().as_secs_f64()
+        run_time.elapsed().as_secs_f64()
     );
 
     let probe = PingProbe::start(&app.redis_url);
@@ -542,14 +537,13 @@ async fn repairing_a_sale_behind_a_long_backlog_does_not_stall_redis(db: PgPool)
         worst < Duration::from_millis(250),
         "Redis stalled for {worst:?} while a sale was loaded"
     );
-    println!("run time: {:.1} s", started.elapsed().as_secs_f64());
 }
 
 /// Issue 9, scenario 6, through the API: the on-line reload of a sale whose state was
 /// lost must not stall Redis either, behind the same backlog.
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn reloading_a_lost_sale_on_line_behind_a_long_backlog_does_not_stall_redis(db: PgPool) {
-    let started = Instant::now();
+    let _run_time = RunTime::start();
     let app = TestApp::spawn(db).await;
     let voucher = app.open_sale(100).await;
     let stream = app.keys.stream(app.keys.shard_of(voucher)).to_string();
@@ -582,14 +576,13 @@ async fn reloading_a_lost_sale_on_line_behind_a_long_backlog_does_not_stall_redi
         "Redis stalled for {worst:?} while a sale was reloaded"
     );
     assert_eq!(press(&app, &base, voucher, 2).await.0, StatusCode::ACCEPTED);
-    println!("run time: {:.1} s", started.elapsed().as_secs_f64());
 }
 
 /// Issue 9, scenario 7: shards are served fairly. A backlog on shard 0 must not hold up
 /// an order on shard 1 until the whole backlog is written.
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn an_order_on_a_quiet_shard_is_written_before_a_busy_shards_backlog_drains(db: PgPool) {
-    let started = Instant::now();
+    let _run_time = RunTime::start();
     let app = TestApp::spawn(db.clone()).await;
     let keys = Keys::with_shards(app.keys.prefix(), 2).unwrap();
     let shards = [("STREAM_SHARDS", "2".to_string())];
@@ -655,11 +648,29 @@ async fn an_order_on_a_quiet_shard_is_written_before_a_busy_shards_backlog_drain
         busy_done < backlog / 2,
         "shard 1's order waited for {busy_done} of shard 0's {backlog} orders"
     );
-    println!("run time: {:.1} s", started.elapsed().as_secs_f64());
 }
 
 // ---------------------------------------------------------------------------------------
 // Helpers of this file.
+
+/// Prints how long the test ran when it ends, passed or failed.
+struct RunTime(Instant);
+
+impl RunTime {
+    fn start() -> Self {
+        Self(Instant::now())
+    }
+
+    fn elapsed(&self) -> Duration {
+        self.0.elapsed()
+    }
+}
+
+impl Drop for RunTime {
+    fn drop(&mut self) {
+        println!("run time: {:.1} s", self.0.elapsed().as_secs_f64());
+    }
+}
 
 /// One press by `user` against `base`.
 async fn press(app: &TestApp, base: &str, voucher: i64, user: i64) -> (StatusCode, Value) {
