@@ -441,8 +441,14 @@ async fn reconcile_during_a_storm_on_a_healthy_sale_exits_zero(db: PgPool) {
         .await;
 
     let storm_done = AtomicBool::new(false);
+    // A storm of some seconds: 3,600 shoppers in twelve waves, a quarter second apart.
     let storm = async {
-        let results = press_all(&app, &base, voucher, 1..=3600, 64).await;
+        let mut results = Vec::new();
+        for wave in 0..12 {
+            let users = wave * 300 + 1..=wave * 300 + 300;
+            results.extend(press_all(&app, &base, voucher, users, 64).await);
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
         storm_done.store(true, Ordering::SeqCst);
         results
     };
