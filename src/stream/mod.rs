@@ -140,6 +140,8 @@ pub enum ReadFrom {
     OwnPending,
     /// New entries, waiting up to `block_ms` when there are none.
     New { block_ms: u64 },
+    /// New entries there are now, without waiting.
+    Ready,
 }
 
 /// XREADGROUP for one consumer.
@@ -163,6 +165,7 @@ pub async fn read<C: ConnectionLike + Send>(
             cmd.arg("BLOCK").arg(block_ms);
             ">"
         }
+        ReadFrom::Ready => ">",
     };
     cmd.arg("STREAMS").arg(keys.stream(shard)).arg(id);
     let reply: Value = cmd.query_async(conn).await?;

@@ -368,33 +368,43 @@ impl Worker {
     /// shard served last; `None` when that source is empty in every shard.
     async fn next_batch(&self, source: Source, round: &mut Round) -> anyhow::Result<Option<Held>> {
         let n = self.keys.shards().count().max(1);
-        for i in 0..n {
-            let index = (round.next + i) % n;
-            let shard = Shard(index as u32);
-            let entries = match source {
-                Source::OwnPending => self.read_batch(shard, ReadFrom::OwnPending).await?,
-                Source::Claim => {
-                    self.claim_some(shard, &mut round.claim_cursors[index])
-                        .await?
+        // New entries: first what any shard has now; only when all are empty, one
+        // blocking read per shard in turn (so an idle round waits about `block`, and a
+        // busy shard never waits behind an empty one's block).
+        // `None`: a claim pass (XAUTOCLAIM, not a read).
+        let passes: &[Option<ReadFrom>] = match source {
+            Source::New => &[
+                Some(ReadFrom::Ready),
+                Some(ReadFrom::New {
+                    block_ms: (self.config.block.as_millis() / n as u128).max(1) as u64,
+                }),
+            ],
+            Source::OwnPending => &[Some(ReadFrom::OwnPending)],
+            Source::Claim => &[None],
+        };
+        for &from in passes {
+            for i in 0..n {
+                let index = (round.next + i) % n;
+                let shard = Shard(index as u32);
+                let entries = match from {
+                    None => {
+                        self.claim_some(shard, &mut round.claim_cursors[index])
+                            .await?
+                    }
+                    Some(from) => self.read_batch(shard, from).await?,
+                };
+                if entries.is_empty() {
+                    continue;
                 }
-                Source::New => {
-                    // One blocking read per shard in turn, so a round over all shards
-                    // still waits at most `block` when everything is idle.
-                    let block_ms = (self.config.block.as_millis() / n as u128).max(1) as u64;
-                    self.read_batch(shard, ReadFrom::New { block_ms }).await?
-                }
-            };
-            if entries.is_empty() {
-                continue;
+                round.next = (index + 1) % n;
+                let entries = match source {
+                    Source::New => entries,
+                    Source::OwnPending | Source::Claim => {
+                        self.screen_redeliveries(shard, entries).await?
+                    }
+                };
+                return Ok(Some(Held { shard, entries }));
             }
-            round.next = (index + 1) % n;
-            let entries = match source {
-                Source::New => entries,
-                Source::OwnPending | Source::Claim => {
-                    self.screen_redeliveries(shard, entries).await?
-                }
-            };
-            return Ok(Some(Held { shard, entries }));
         }
         Ok(None)
     }
