@@ -168,3 +168,27 @@ async fn a_phantom_order_waiting_to_be_buried_is_no_drift_before_or_after(db: Pg
     // initial pg_stock pg_orders redis_stock redis_buyers in_flight dead_letters
     assert_eq!(&cols[1..8], ["10", "9", "1", "9", "1", "0", "1"]);
 }
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn reconcile_into_a_closed_pipe_exits_quietly_instead_of_panicking(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    for _ in 0..3 {
+        app.open_sale(5).await;
+    }
+    // `seckill reconcile | head -0`: the reader is gone before the first line.
+    let mut child = Command::new(BIN)
+        .arg("reconcile")
+        .env("DATABASE_URL", database_url(&app.db, None))
+        .env("REDIS_URL", &app.redis_url)
+        .env("REDIS_KEY_PREFIX", app.keys.prefix())
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+}
