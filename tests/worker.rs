@@ -10,6 +10,13 @@ use seckill::store::orders::{self, NewOrder};
 use seckill::stream::{Entry, ReadFrom};
 use sqlx::PgPool;
 
+/// A live check that finds every entry still pending (the worker asks Redis).
+fn all_live(
+    ids: Vec<i64>,
+) -> futures::future::BoxFuture<'static, anyhow::Result<std::collections::HashSet<i64>>> {
+    Box::pin(async move { Ok(ids.into_iter().collect()) })
+}
+
 /// Admits `n` users and returns their order ids.
 async fn admit(app: &TestApp, voucher: i64, users: std::ops::RangeInclusive<i64>) -> HashSet<i64> {
     let mut ids = HashSet::new();
@@ -103,7 +110,9 @@ async fn a_batch_committed_but_never_acked_is_not_written_twice(db: PgPool) {
             other => panic!("unexpected {other:?}"),
         })
         .collect();
-    orders::persist_batch(&app.db, &new).await.unwrap();
+    orders::persist_batch(&app.db, &new, &all_live)
+        .await
+        .unwrap();
     assert_eq!(app.pg_stock(voucher).await, 10);
 
     let report = app.worker_named("worker-b").drain().await.unwrap();
@@ -379,7 +388,9 @@ async fn a_committed_order_delivered_too_often_is_acknowledged_not_dead_lettered
         .await
         .unwrap();
     let orders: Vec<NewOrder> = batch.iter().filter_map(|e| e.order().copied()).collect();
-    orders::persist_batch(&app.db, &orders).await.unwrap();
+    orders::persist_batch(&app.db, &orders, &all_live)
+        .await
+        .unwrap();
     // ... and its entries were re-read until they passed the delivery bound.
     for _ in 0..4 {
         slow.read_batch(shard, ReadFrom::OwnPending).await.unwrap();
@@ -408,40 +419,88 @@ async fn a_buried_order_is_never_written_by_a_late_replay_and_its_unit_returns_o
     let admitted = admit(&app, voucher, 1..=1).await;
     let order_id = *admitted.iter().next().unwrap();
     assert_eq!(redis_sale(&app, voucher, 1).await.0, Some(9));
-    // Poison: delivered past the bound without being written.
-    let dying = app.worker_named("worker-dying");
-    dying.ensure_groups().await.unwrap();
+    // A slow worker holds the entry; a peer gave up on it as poison and buried it in
+    // Postgres, then died before settling it in Redis.
+    let slow = app.worker_named("worker-slow");
+    slow.ensure_groups().await.unwrap();
     let shard = app.keys.shard_of(voucher);
-    let original = dying
+    let held = slow
         .read_batch(shard, ReadFrom::New { block_ms: 1 })
         .await
         .unwrap();
-    for _ in 0..5 {
-        dying.read_batch(shard, ReadFrom::OwnPending).await.unwrap();
-    }
-    let report = dying.drain().await.unwrap();
-    assert_eq!(report.dead_lettered, 1, "{report:?}");
+    let order = *held[0].order().unwrap();
+    orders::bury(&app.db, &order, "poison: test").await.unwrap();
+
+    // The slow worker writes its batch at last: the tombstone refuses it, and it
+    // finishes the burial instead.
+    let report = slow.process_batch(shard, &held).await.unwrap();
+    assert_eq!(
+        (report.inserted, report.dead_lettered),
+        (0, 1),
+        "{report:?}"
+    );
+    assert!(stored_ids(&app, voucher).await.is_empty());
+    assert_eq!(app.pg_stock(voucher).await, 10);
     let (stock, buyer) = redis_sale(&app, voucher, 1).await;
     assert_eq!(stock, Some(10), "the unit is back on sale");
     assert_eq!(buyer, None, "the user holds no order");
-
-    // A worker that read the entry long ago wakes up and writes its batch: refused.
-    let late = app.worker_named("worker-late");
-    let report = late.process_batch(shard, &original).await.unwrap();
-    assert_eq!((report.inserted, report.dead_lettered), (0, 1));
-    assert!(stored_ids(&app, voucher).await.is_empty());
-    assert_eq!(app.pg_stock(voucher).await, 10);
     let dead: Vec<i64> = sqlx::query_scalar("SELECT id FROM dead_orders")
         .fetch_all(&app.db)
         .await
         .unwrap();
     assert_eq!(dead, vec![order_id]);
-    // The replay settled nothing twice: still exactly one unit returned.
-    assert_eq!(redis_sale(&app, voucher, 1).await.0, Some(10));
-    let dlq: usize = app
-        .redis_cmd(redis::cmd("XLEN").arg(app.keys.dead_letters(shard)))
+    assert_eq!(app.pending_count().await, 0);
+
+    // Replayed once more (its entry is acknowledged now): nothing changes.
+    let report = slow.process_batch(shard, &held).await.unwrap();
+    assert_eq!((report.inserted, report.vanished), (0, 1), "{report:?}");
+    assert_eq!(
+        redis_sale(&app, voucher, 1).await.0,
+        Some(10),
+        "returned once"
+    );
+    assert!(stored_ids(&app, voucher).await.is_empty());
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_batch_whose_entries_redis_lost_is_not_written(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(10).await;
+    admit(&app, voucher, 1..=3).await;
+    let worker = app.worker_named("worker-held");
+    worker.ensure_groups().await.unwrap();
+    let shard = app.keys.shard_of(voucher);
+    let held = worker
+        .read_batch(shard, ReadFrom::New { block_ms: 1 })
+        .await
+        .unwrap();
+    assert_eq!(held.len(), 3);
+    // Redis loses its data while the batch is held (say, Postgres was down); the sale
+    // is reloaded from Postgres, which does not know these orders.
+    let _: () = app
+        .redis_cmd(
+            redis::cmd("DEL")
+                .arg(app.keys.stream(shard))
+                .arg(app.keys.voucher(voucher)),
+        )
         .await;
-    assert_eq!(dlq, 1, "one dead letter per order");
+    seckill::admission::loader::load_sale(
+        &app.db,
+        &mut app.redis.clone(),
+        &app.keys,
+        voucher,
+        std::time::Duration::from_secs(60),
+        seckill::admission::loader::Mode::Load,
+    )
+    .await
+    .unwrap();
+    assert_eq!(redis_sale(&app, voucher, 1).await.0, Some(10));
+    // Writing the batch now would leave Redis selling 10 units Postgres has 7 of.
+    worker.ensure_groups().await.unwrap();
+    let report = worker.process_batch(shard, &held).await.unwrap();
+    assert_eq!((report.inserted, report.vanished), (0, 3), "{report:?}");
+    assert!(stored_ids(&app, voucher).await.is_empty());
+    assert_eq!(app.pg_stock(voucher).await, 10);
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]

@@ -3,6 +3,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use chrono::{DateTime, Utc};
+use futures_util::future::BoxFuture;
 use sqlx::{FromRow, PgPool, Postgres, Transaction};
 
 /// An admitted order on its way from the stream into Postgres.
@@ -23,7 +24,17 @@ pub enum Persisted {
     AlreadyThere,
     /// Can never be written (or was dead-lettered before): it goes the dead-letter way.
     Rejected(Rejection),
+    /// Not written: its stream entry is no longer pending (Redis lost it, or another
+    /// worker finished it), so a reload of the sale may not have counted it.
+    Vanished,
 }
+
+/// Asked under the sales' row locks, just before writing: which of these order ids
+/// still have a pending stream entry. An order whose entry Redis lost may have been
+/// left out of a reload that ran meanwhile (it saw neither the entry nor the row), so
+/// writing it would sell a unit twice.
+pub type LiveCheck<'a> =
+    &'a (dyn Fn(Vec<i64>) -> BoxFuture<'a, anyhow::Result<HashSet<i64>>> + Send + Sync);
 
 /// Why an order can never be written.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -107,16 +118,20 @@ pub struct OrderRow {
 pub async fn persist_batch(
     db: &PgPool,
     orders: &[NewOrder],
-) -> Result<Vec<Persisted>, sqlx::Error> {
+    live: LiveCheck<'_>,
+) -> anyhow::Result<Vec<Persisted>> {
     if orders.is_empty() {
         return Ok(Vec::new());
     }
-    match try_batch(db, orders).await {
+    match try_batch(db, orders, live).await {
         Ok(Some(outcomes)) => Ok(outcomes),
-        Ok(None) => one_by_one(db, orders).await,
-        Err(e) if super::is_data_error(&e) => {
+        Ok(None) => one_by_one(db, orders, live).await,
+        Err(e)
+            if e.downcast_ref::<sqlx::Error>()
+                .is_some_and(super::is_data_error) =>
+        {
             tracing::warn!(error = %e, "batch refused by a constraint, writing orders one by one");
-            one_by_one(db, orders).await
+            one_by_one(db, orders, live).await
         }
         Err(e) => Err(e),
     }
@@ -144,11 +159,19 @@ pub(crate) async fn lock_sales(
 /// `Ok(None)` when a stock guard failed (the batch was rolled back).
 async fn try_batch(
     db: &PgPool,
-    orders: &[NewOrder],
-) -> Result<Option<Vec<Persisted>>, sqlx::Error> {
+    all: &[NewOrder],
+    live: LiveCheck<'_>,
+) -> anyhow::Result<Option<Vec<Persisted>>> {
     let mut tx = db.begin().await?;
-    let vouchers: Vec<i64> = orders.iter().map(|o| o.voucher_id).collect();
+    let vouchers: Vec<i64> = all.iter().map(|o| o.voucher_id).collect();
     lock_sales(&mut tx, &vouchers).await?;
+    let alive = live(all.iter().map(|o| o.id).collect()).await?;
+    let orders: Vec<NewOrder> = all
+        .iter()
+        .filter(|o| alive.contains(&o.id))
+        .copied()
+        .collect();
+    let orders = &orders[..];
     let inserted = insert_orders(&mut tx, orders).await?;
 
     let mut per_voucher: BTreeMap<i64, i32> = BTreeMap::new();
@@ -161,17 +184,33 @@ async fn try_batch(
             return Ok(None);
         }
     }
-    let outcomes = classify(&mut tx, orders, &inserted).await?;
+    let mut outcomes = classify(&mut tx, orders, &inserted).await?.into_iter();
     tx.commit().await?;
-    Ok(Some(outcomes))
+    Ok(Some(
+        all.iter()
+            .map(|o| match alive.contains(&o.id) {
+                true => outcomes.next().expect("one outcome per live order"),
+                false => Persisted::Vanished,
+            })
+            .collect(),
+    ))
 }
 
 /// The slow path: one transaction per order.
-async fn one_by_one(db: &PgPool, orders: &[NewOrder]) -> Result<Vec<Persisted>, sqlx::Error> {
+async fn one_by_one(
+    db: &PgPool,
+    orders: &[NewOrder],
+    live: LiveCheck<'_>,
+) -> anyhow::Result<Vec<Persisted>> {
     let mut outcomes = Vec::with_capacity(orders.len());
     for order in orders {
         let mut tx = db.begin().await?;
         lock_sales(&mut tx, &[order.voucher_id]).await?;
+        if !live(vec![order.id]).await?.contains(&order.id) {
+            tx.rollback().await?;
+            outcomes.push(Persisted::Vanished);
+            continue;
+        }
         let outcome = match insert_orders(&mut tx, std::slice::from_ref(order)).await {
             Ok(inserted) if inserted.is_empty() => {
                 classify(&mut tx, std::slice::from_ref(order), &inserted)
@@ -186,7 +225,7 @@ async fn one_by_one(db: &PgPool, orders: &[NewOrder]) -> Result<Vec<Persisted>, 
                 }
             }
             Err(e) if super::is_data_error(&e) => Persisted::Rejected(rejection(&e)),
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.into()),
         };
         match outcome {
             Persisted::Inserted => tx.commit().await?,

@@ -427,6 +427,35 @@ pub async fn delivery_counts<C: ConnectionLike + Send>(
         .collect())
 }
 
+/// Which of `entry_ids` (in id order) are pending in the group, whoever holds them:
+/// one XPENDING over their id range.
+pub async fn still_pending<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    shard: Shard,
+    entry_ids: &[&str],
+) -> RedisResult<std::collections::HashSet<String>> {
+    let (Some(first), Some(last)) = (entry_ids.first(), entry_ids.last()) else {
+        return Ok(Default::default());
+    };
+    // The range may hold other consumers' entries too; the pending list is what the
+    // workers hold right now, so this stays small.
+    let rows: Result<Vec<(String, String, u64, u64)>, _> = redis::cmd("XPENDING")
+        .arg(keys.stream(shard))
+        .arg(GROUP)
+        .arg(first)
+        .arg(last)
+        .arg(entry_ids.len().max(1) * 16 + 10_000)
+        .query_async(conn)
+        .await;
+    match rows {
+        Ok(rows) => Ok(rows.into_iter().map(|(id, ..)| id).collect()),
+        // The group is gone with Redis's data: nothing is pending.
+        Err(e) if e.code() == Some("NOGROUP") => Ok(Default::default()),
+        Err(e) => Err(e),
+    }
+}
+
 /// Resets the idle time of entries this consumer holds without counting a delivery, so
 /// live workers do not take over a batch that is only waiting for Postgres.
 pub async fn touch<C: ConnectionLike + Send>(
@@ -548,7 +577,7 @@ pub async fn forget_idle_consumers<C: ConnectionLike + Send>(
     Ok(forgotten)
 }
 
-fn parse_id(id: &str) -> Option<(u64, u64)> {
+pub(crate) fn parse_id(id: &str) -> Option<(u64, u64)> {
     let (ms, seq) = id.split_once('-')?;
     Some((ms.parse().ok()?, seq.parse().ok()?))
 }

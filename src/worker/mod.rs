@@ -11,7 +11,10 @@
 //! delivery. A batch that keeps killing workers is re-delivered each time, and an entry
 //! delivered more than `max_deliveries` times goes to the dead-letter stream.
 
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
+
+use futures_util::future::BoxFuture;
 
 use sqlx::PgPool;
 use tokio::time::Instant;
@@ -70,6 +73,8 @@ pub struct BatchReport {
     pub inserted: usize,
     pub already_there: usize,
     pub dead_lettered: usize,
+    /// Orders not written because their entry was no longer pending.
+    pub vanished: usize,
 }
 
 impl BatchReport {
@@ -78,6 +83,7 @@ impl BatchReport {
         self.inserted += other.inserted;
         self.already_there += other.already_there;
         self.dead_lettered += other.dead_lettered;
+        self.vanished += other.vanished;
     }
 }
 
@@ -133,6 +139,8 @@ enum Fate {
     Bury(NewOrder, Rejection),
     /// No order in it: dead-lettered as it is.
     Malformed,
+    /// Its entry is no longer pending: nothing to do.
+    Gone,
 }
 
 pub struct Worker {
@@ -249,8 +257,28 @@ impl Worker {
                 _ => None,
             })
             .collect();
+        let entry_of: HashMap<i64, &str> = entries
+            .iter()
+            .filter_map(|e| Some((e.order()?.id, e.entry_id())))
+            .collect();
+        let live = |ids: Vec<i64>| -> BoxFuture<'_, anyhow::Result<HashSet<i64>>> {
+            let mut conn = self.redis.clone();
+            let entry_of = &entry_of;
+            Box::pin(async move {
+                let mut wanted: Vec<&str> = ids
+                    .iter()
+                    .filter_map(|id| entry_of.get(id).copied())
+                    .collect();
+                wanted.sort_by_key(|id| stream::parse_id(id));
+                let pending = stream::still_pending(&mut conn, &self.keys, shard, &wanted).await?;
+                Ok(ids
+                    .into_iter()
+                    .filter(|id| entry_of.get(id).is_some_and(|e| pending.contains(*e)))
+                    .collect())
+            })
+        };
         let started = std::time::Instant::now();
-        let mut outcomes = orders::persist_batch(&self.db, &new_orders)
+        let mut outcomes = orders::persist_batch(&self.db, &new_orders, &live)
             .await?
             .into_iter();
         metrics::histogram!(crate::metrics::WORKER_COMMIT_SECONDS)
@@ -261,6 +289,14 @@ impl Worker {
                 match outcomes.next().expect("one outcome per order") {
                     Persisted::Inserted => report.inserted += 1,
                     Persisted::AlreadyThere => report.already_there += 1,
+                    Persisted::Vanished => {
+                        tracing::warn!(
+                            order_id = order.id,
+                            "not writing an order whose stream entry is gone (redis lost it)"
+                        );
+                        report.vanished += 1;
+                        *fate = Fate::Gone;
+                    }
                     Persisted::Rejected(why) => *fate = Fate::Bury(*order, why),
                 }
             }
@@ -269,7 +305,7 @@ impl Worker {
         let mut conn = self.redis.clone();
         for (entry, fate) in entries.iter().zip(&fates) {
             match fate {
-                Fate::Write(_) => {}
+                Fate::Write(_) | Fate::Gone => {}
                 Fate::Malformed => {
                     tracing::warn!(
                         entry_id = entry.entry_id(),
