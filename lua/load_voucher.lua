@@ -17,12 +17,19 @@
 -- ARGV[2] voucher_id  ARGV[3] Postgres stock  ARGV[4] begin_ms  ARGV[5] end_ms
 -- ARGV[6] expire_at_ms  ARGV[7] consumer group  ARGV[8] id of the last entry paged
 -- ('' when none)  ARGV[9] most tail entries read here  ARGV[10] '1': consider the
--- stream ('0' for a new sale)  ARGV[11] n, then n pairs user_id, order_id (Postgres's
--- buyers), then triples entry_id, user_id, order_id (the paged candidates, in order)
+-- stream ('0' for a new sale)  ARGV[11] deadline (ms, Redis clock): later, do nothing
+-- (the caller may have given up and released the lock)  ARGV[12] n, then n pairs
+-- user_id, order_id (Postgres's buyers), then triples entry_id, user_id, order_id (the
+-- paged candidates, in order)
 --
--- Returns {-1} when live state was left alone, {-2} when the tail is too long, else
+-- Returns {-1} when live state was left alone, {-2} when the tail is too long, {-3}
+-- past the deadline, else
 -- {expected_stock, expected_buyers, in_flight, actual_stock (-1: none), actual_buyers,
 -- mismatched_buyers}; 'actual' is the state before this step.
+local t = redis.call('TIME')
+if tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) > tonumber(ARGV[11]) then
+  return {-3}
+end
 local mode = ARGV[1]
 local exists = redis.call('EXISTS', KEYS[1]) == 1
 if (mode == 'create' or mode == 'load') and exists then
@@ -31,8 +38,8 @@ end
 local voucher = ARGV[2]
 
 local pg = {}
-local n_pg = tonumber(ARGV[11])
-local i = 12
+local n_pg = tonumber(ARGV[12])
+local i = 13
 for _ = 1, n_pg do
   pg[ARGV[i]] = ARGV[i + 1]
   i = i + 2

@@ -2,7 +2,7 @@
 //! and on line when admission finds a sale's state missing (Redis restarted or lost data).
 //! Live state is never overwritten.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::LazyLock;
 use std::time::Duration;
 
@@ -78,6 +78,9 @@ pub struct Fenced {
 
 /// Stream entries paged per XRANGE, and the most the final script reads itself.
 const PAGE: usize = 1000;
+/// How long after its send a load step may still run (below every Redis response
+/// timeout the loader's connections use, so the lock is still held when it runs).
+const STEP_DEADLINE: Duration = Duration::from_millis(500);
 /// Rounds of paging before giving up (the stream grew faster than it could be read).
 const MAX_ROUNDS: usize = 100;
 
@@ -152,6 +155,7 @@ pub async fn fenced<C: ConnectionLike + Send>(
     };
     let known: HashMap<i64, i64> = buyers.iter().copied().collect();
     candidates.retain(|c| known.get(&c.user_id) != Some(&c.order_id));
+    let mut buried: HashSet<i64> = HashSet::new();
     let end_ms = sale.end_time.timestamp_millis();
     let mut rounds = 0;
     let reply: Vec<i64> = loop {
@@ -163,7 +167,21 @@ pub async fn fenced<C: ConnectionLike + Send>(
         if scan {
             // Under the lock: only what was added since the last page.
             page_on(conn, keys, voucher_id, &known, &mut last, &mut candidates).await?;
+            if mode != Mode::Check {
+                // Buried (tombstoned) but not yet settled in Redis: not in flight. Its
+                // settle script will find no record naming it and return nothing.
+                let ids: Vec<i64> = candidates.iter().map(|c| c.order_id).collect();
+                buried.extend(store::orders::buried_among(&mut tx, &ids).await?);
+                candidates.retain(|c| !buried.contains(&c.order_id));
+            }
         }
+        // The script may write only while the lock is surely held: the session answers
+        // now (so it holds the lock for at least the idle-in-transaction timeout), and
+        // the script refuses to run later than STEP_DEADLINE after this (a step queued
+        // in Redis behind a client that gave up and released the lock does nothing).
+        sqlx::query("SELECT 1").execute(&mut *tx).await?;
+        let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(conn).await?;
+        let deadline_ms = secs * 1000 + micros / 1000 + STEP_DEADLINE.as_millis() as i64;
         let mut step = LOAD.prepare_invoke();
         step.key(&key)
             .key(keys.stream(shard))
@@ -177,6 +195,7 @@ pub async fn fenced<C: ConnectionLike + Send>(
             .arg(last.as_deref().unwrap_or(""))
             .arg(PAGE)
             .arg(if scan { "1" } else { "0" })
+            .arg(deadline_ms)
             .arg(buyers.len());
         for (user_id, order_id) in &buyers {
             step.arg(user_id).arg(order_id);
@@ -187,6 +206,7 @@ pub async fn fenced<C: ConnectionLike + Send>(
         let reply: Vec<i64> = step.invoke_async(conn).await?;
         match reply.first() {
             Some(-2) => continue,
+            Some(-3) => anyhow::bail!("loading voucher {voucher_id} reached Redis too late; nothing was written"),
             _ => break reply,
         }
     };

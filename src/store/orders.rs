@@ -376,6 +376,20 @@ async fn classify(
         .collect())
 }
 
+/// Which of these order ids are buried (in `dead_orders`).
+pub async fn buried_among(
+    tx: &mut Transaction<'_, Postgres>,
+    ids: &[i64],
+) -> Result<Vec<i64>, sqlx::Error> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    sqlx::query_scalar("SELECT id FROM dead_orders WHERE id = ANY($1)")
+        .bind(ids)
+        .fetch_all(&mut **tx)
+        .await
+}
+
 /// Buried (dead-lettered) orders per voucher.
 #[tracing::instrument(skip(db))]
 pub async fn dead_per_voucher(db: &PgPool) -> Result<HashMap<i64, i64>, sqlx::Error> {

@@ -545,36 +545,15 @@ pub async fn forget_idle_consumers<C: ConnectionLike + Send>(
     shard: Shard,
     idle_ms: u64,
 ) -> RedisResult<u64> {
-    let stream = keys.stream(shard);
-    let consumers: Vec<std::collections::HashMap<String, redis::Value>> = redis::cmd("XINFO")
-        .arg("CONSUMERS")
-        .arg(stream)
+    static FORGET: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+        redis::Script::new(include_str!("../../lua/forget_idle_consumers.lua"))
+    });
+    FORGET
+        .key(keys.stream(shard))
         .arg(GROUP)
-        .query_async(conn)
-        .await?;
-    let mut forgotten = 0;
-    for c in consumers {
-        let get = |k: &str| {
-            c.get(k)
-                .and_then(|v| redis::from_redis_value_ref::<u64>(v).ok())
-        };
-        let name: Option<String> = c
-            .get("name")
-            .and_then(|v| redis::from_redis_value_ref(v).ok());
-        if let (Some(name), Some(0), Some(idle)) = (name, get("pending"), get("idle")) {
-            if idle >= idle_ms {
-                let _: i64 = redis::cmd("XGROUP")
-                    .arg("DELCONSUMER")
-                    .arg(stream)
-                    .arg(GROUP)
-                    .arg(name)
-                    .query_async(conn)
-                    .await?;
-                forgotten += 1;
-            }
-        }
-    }
-    Ok(forgotten)
+        .arg(idle_ms)
+        .invoke_async(conn)
+        .await
 }
 
 pub(crate) fn parse_id(id: &str) -> Option<(u64, u64)> {
