@@ -180,8 +180,10 @@ pub struct WorkerOptions {
     #[arg(long, env = "WORKER_CLAIM_IDLE_MS", default_value_t = 15_000,
           value_parser = clap::value_parser!(u64).range(100..))]
     pub worker_claim_idle_ms: u64,
-    /// An entry delivered more often than this (worker crashes while holding it) goes to
-    /// the dead-letter stream instead of being retried forever.
+    /// An entry delivered more often than this (workers died holding it) is written in a
+    /// transaction of its own; delivered more than twice as often, it is buried as poison
+    /// (dead-lettered, after asking Postgres whether it was written) instead of retried
+    /// forever.
     #[arg(long, env = "WORKER_MAX_DELIVERIES", default_value_t = 5,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub worker_max_deliveries: u64,

@@ -221,17 +221,18 @@ async fn an_entry_delivered_too_often_is_dead_lettered_instead_of_retried_foreve
     let app = TestApp::spawn(db).await;
     let voucher = app.open_sale(10).await;
     admit(&app, voucher, 1..=2).await;
-    // Delivered once, then re-read three more times by a consumer that keeps dying.
+    // Delivered once, then re-read six more times by a consumer that keeps dying.
     deliver_and_die(&app, "worker-crashloop").await;
     let crashing = app.worker_named("worker-crashloop");
-    for _ in 0..3 {
+    for _ in 0..6 {
         let again = crashing
             .read_batch(app.keys.shard_of(0), ReadFrom::OwnPending)
             .await
             .unwrap();
         assert_eq!(again.len(), 2);
     }
-    // The harness allows 3 deliveries: the next replay gives up on them.
+    // The harness allows 3 deliveries (then entries are written alone) and gives up
+    // past twice that: the next replay, the 8th delivery, buries them.
     let report = crashing.drain().await.unwrap();
     assert_eq!((report.inserted, report.dead_lettered), (0, 2));
     assert_eq!(app.pending_count().await, 0);
@@ -241,7 +242,7 @@ async fn an_entry_delivered_too_often_is_dead_lettered_instead_of_retried_foreve
         .await;
     assert_eq!(dead.len(), 2);
     let reason = &dead[0].1.iter().find(|(k, _)| k == "reason").unwrap().1;
-    assert!(reason.starts_with("poison: delivered 5 times"), "{reason}");
+    assert!(reason.starts_with("poison: delivered 8 times"), "{reason}");
     assert!(dead[0]
         .1
         .iter()
@@ -391,8 +392,8 @@ async fn a_committed_order_delivered_too_often_is_acknowledged_not_dead_lettered
     orders::persist_batch(&app.db, &orders, &all_live)
         .await
         .unwrap();
-    // ... and its entries were re-read until they passed the delivery bound.
-    for _ in 0..4 {
+    // ... and its entries were re-read until they counted as poison.
+    for _ in 0..6 {
         slow.read_batch(shard, ReadFrom::OwnPending).await.unwrap();
     }
     let report = slow.drain().await.unwrap();
@@ -537,4 +538,29 @@ async fn a_buyer_redis_forgot_gets_their_real_order_back_and_the_phantom_unit_re
         assert_eq!(body["error"]["order_id"], real.to_string());
     }
     assert_eq!(redis_sale(&app, voucher, 5).await.0, Some(9));
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn orders_redelivered_past_the_bound_are_written_one_by_one_not_buried(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(10).await;
+    let admitted = admit(&app, voucher, 1..=4).await;
+    // Workers kept dying while holding the batch (killed, not poisoned by it).
+    deliver_and_die(&app, "worker-killed").await;
+    let killed = app.worker_named("worker-killed");
+    for _ in 0..3 {
+        killed
+            .read_batch(app.keys.shard_of(0), ReadFrom::OwnPending)
+            .await
+            .unwrap();
+    }
+    // Fifth delivery: past the bound of 3, within twice it: written, entry by entry.
+    let report = killed.drain().await.unwrap();
+    assert_eq!(
+        (report.inserted, report.dead_lettered),
+        (4, 0),
+        "{report:?}"
+    );
+    assert_eq!(stored_ids(&app, voucher).await, admitted);
+    assert_eq!(app.pending_count().await, 0);
 }

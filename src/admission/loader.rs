@@ -206,7 +206,9 @@ pub async fn fenced<C: ConnectionLike + Send>(
         let reply: Vec<i64> = step.invoke_async(conn).await?;
         match reply.first() {
             Some(-2) => continue,
-            Some(-3) => anyhow::bail!("loading voucher {voucher_id} reached Redis too late; nothing was written"),
+            Some(-3) => anyhow::bail!(
+                "loading voucher {voucher_id} reached Redis too late; nothing was written"
+            ),
             _ => break reply,
         }
     };

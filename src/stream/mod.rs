@@ -418,7 +418,8 @@ pub async fn delivery_counts<C: ConnectionLike + Send>(
         .arg(GROUP)
         .arg(first.entry_id())
         .arg(last.entry_id())
-        .arg(entries.len().max(1) * 4)
+        // The range may hold other consumers' entries too (the pending list is small).
+        .arg(entries.len().max(1) * 16 + 10_000)
         .query_async(conn)
         .await?;
     Ok(rows

@@ -92,6 +92,10 @@ impl BatchReport {
 struct Held {
     shard: Shard,
     entries: Vec<Entry>,
+    /// Some entry was delivered more than `max_deliveries` times: write each entry in
+    /// a transaction of its own, so one entry that kills workers cannot take its
+    /// batch-mates down with it.
+    isolate: bool,
 }
 
 /// Where the next batch comes from.
@@ -379,25 +383,33 @@ impl Worker {
         }
     }
 
-    /// Marks entries delivered more than `max_deliveries` times as poison: they have
-    /// outlived that many workers without being written. (Whether they were written
-    /// after all is asked of Postgres before anything is dead-lettered.)
-    async fn screen_redeliveries(
-        &self,
-        shard: Shard,
-        entries: Vec<Entry>,
-    ) -> anyhow::Result<Vec<Entry>> {
+    /// Screens redelivered entries. Delivered more than `max_deliveries` times (workers
+    /// died holding them, or were killed): the batch is written entry by entry. More
+    /// than twice that, even alone: poison, buried (after asking Postgres whether it
+    /// was written after all).
+    async fn screen_redeliveries(&self, shard: Shard, entries: Vec<Entry>) -> anyhow::Result<Held> {
         let mut conn = self.redis.clone();
         let counts = stream::delivery_counts(&mut conn, &self.keys, shard, &entries).await?;
-        Ok(entries
+        let max = self.config.max_deliveries;
+        let mut isolate = false;
+        let entries = entries
             .into_iter()
             .map(|e| match counts.get(e.entry_id()) {
-                Some(&n) if n > self.config.max_deliveries => {
+                Some(&n) if n > 2 * max => {
                     e.into_dead_letter(format!("delivered {n} times without being written"))
+                }
+                Some(&n) if n > max => {
+                    isolate = true;
+                    e
                 }
                 _ => e,
             })
-            .collect())
+            .collect();
+        Ok(Held {
+            shard,
+            entries,
+            isolate,
+        })
     }
 
     /// The next batch from `source`, trying the shards in turn from the one after the
@@ -433,13 +445,16 @@ impl Worker {
                     continue;
                 }
                 round.next = (index + 1) % n;
-                let entries = match source {
-                    Source::New => entries,
+                return Ok(Some(match source {
+                    Source::New => Held {
+                        shard,
+                        entries,
+                        isolate: false,
+                    },
                     Source::OwnPending | Source::Claim => {
                         self.screen_redeliveries(shard, entries).await?
                     }
-                };
-                return Ok(Some(Held { shard, entries }));
+                }));
             }
         }
         Ok(None)
@@ -481,12 +496,28 @@ impl Worker {
         Round::new(self.keys.shards().count())
     }
 
+    /// Processes a batch, entry by entry if it must be isolated. Entries finished
+    /// before an error are acknowledged; processing them again changes nothing.
+    async fn process_held(&self, held: &Held) -> anyhow::Result<BatchReport> {
+        if !held.isolate {
+            return self.process_batch(held.shard, &held.entries).await;
+        }
+        let mut report = BatchReport::default();
+        for entry in &held.entries {
+            report.add(
+                self.process_batch(held.shard, std::slice::from_ref(entry))
+                    .await?,
+            );
+        }
+        Ok(report)
+    }
+
     /// Replays this consumer's pending entries (delivered, never acknowledged).
     pub async fn replay_pending(&self) -> anyhow::Result<BatchReport> {
         let mut report = BatchReport::default();
         let mut round = self.round();
         while let Some(held) = self.next_batch(Source::OwnPending, &mut round).await? {
-            report.add(self.process_batch(held.shard, &held.entries).await?);
+            report.add(self.process_held(&held).await?);
         }
         Ok(report)
     }
@@ -497,7 +528,7 @@ impl Worker {
         let mut report = BatchReport::default();
         let mut round = self.round();
         while let Some(held) = self.next_batch(Source::Claim, &mut round).await? {
-            report.add(self.process_batch(held.shard, &held.entries).await?);
+            report.add(self.process_held(&held).await?);
         }
         Ok(report)
     }
@@ -583,7 +614,7 @@ impl Worker {
                     }
                 }
                 if let Some(batch) = &held {
-                    let report = self.process_batch(batch.shard, &batch.entries).await?;
+                    let report = self.process_held(batch).await?;
                     tracing::debug!(?report, "batch done");
                     held = None;
                 }
