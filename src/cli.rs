@@ -7,11 +7,11 @@ use std::time::Duration;
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
-use crate::admission::keys::Keys;
 use crate::admission::order_id::OrderIds;
 use crate::admission::upkeep;
 use crate::auth::JwtKeys;
 use crate::config::{ApiArgs, Cli, Command, RedisArgs, Settings, WorkerOptions};
+use crate::keys::Keys;
 use crate::redis_conn;
 use crate::state::AppState;
 use crate::worker::{Worker, WorkerConfig};
@@ -255,7 +255,14 @@ async fn serve(api: ApiArgs, worker_opts: Option<WorkerOptions>) -> anyhow::Resu
     let cancel = shutdown_token();
     let tasks = tokio_util::task::TaskTracker::new();
 
-    tasks.spawn(upkeep::run(state.clone(), cancel.clone()));
+    let duties = upkeep::Upkeep {
+        db: db.clone(),
+        redis: redis.clone(),
+        keys: keys.clone(),
+        ids: ids.clone(),
+        retention: settings.sale_state_retention,
+    };
+    tasks.spawn(upkeep::run(duties, cancel.clone()));
     if let Some(opts) = worker_opts {
         let worker = worker(&db, &api.redis, keys, opts).await?;
         tasks.spawn(worker.run(cancel.clone()));

@@ -127,7 +127,7 @@ impl AppError {
                 "conflict",
                 "the record already exists".into(),
             ),
-            Database(e) if is_connectivity(e) => (
+            Database(e) if crate::store::is_connectivity(e) => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 "unavailable",
                 "the database is unavailable, try again".into(),
@@ -152,19 +152,6 @@ impl AppError {
             ),
         }
     }
-}
-
-/// Errors that say the database could not be reached, as opposed to a bad query.
-pub fn is_connectivity(e: &sqlx::Error) -> bool {
-    matches!(
-        e,
-        sqlx::Error::Io(_)
-            | sqlx::Error::Tls(_)
-            | sqlx::Error::PoolTimedOut
-            | sqlx::Error::PoolClosed
-            | sqlx::Error::WorkerCrashed
-            | sqlx::Error::Protocol(_)
-    )
 }
 
 pub fn is_unique_violation(e: &sqlx::Error) -> bool {

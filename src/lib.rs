@@ -7,10 +7,12 @@
 
 pub mod admission;
 pub mod auth;
+pub mod backoff;
 pub mod cli;
 pub mod config;
 pub mod error;
 pub mod http;
+pub mod keys;
 pub mod metrics;
 pub mod reconcile;
 pub mod redis_conn;

@@ -5,7 +5,7 @@ use std::sync::OnceLock;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use redis::aio::ConnectionLike;
 
-use crate::admission::keys::Keys;
+use crate::keys::Keys;
 
 pub const ADMISSIONS: &str = "seckill_admissions_total";
 pub const ADMISSION_SECONDS: &str = "seckill_admission_duration_seconds";

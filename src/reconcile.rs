@@ -20,8 +20,8 @@ use chrono::Utc;
 use redis::aio::ConnectionLike;
 use sqlx::PgPool;
 
-use crate::admission::keys::Keys;
 use crate::admission::loader::{self, Fenced, Mode};
+use crate::keys::Keys;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VoucherBooks {

@@ -5,11 +5,11 @@ use std::sync::{Arc, Mutex};
 
 use sqlx::PgPool;
 
-use crate::admission::keys::Keys;
 use crate::admission::order_id::OrderIds;
 use crate::auth::JwtKeys;
 use crate::config::Settings;
 use crate::http::limits::RateLimiter;
+use crate::keys::Keys;
 use crate::redis_conn::RedisConn;
 
 /// Cloned once per request, so it is one pointer to the shared [`Shared`].

@@ -18,7 +18,7 @@ use common::faults::{self, Process, BIN};
 use common::TestApp;
 use futures::StreamExt;
 use reqwest::StatusCode;
-use seckill::admission::keys::{Keys, Shard};
+use seckill::keys::{Keys, Shard};
 use serde_json::{json, Value};
 use sqlx::{Connection, PgPool};
 

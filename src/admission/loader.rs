@@ -10,8 +10,7 @@ use redis::aio::ConnectionLike;
 use redis::Script;
 use sqlx::PgPool;
 
-use super::keys::Keys;
-use crate::state::AppState;
+use crate::keys::Keys;
 use crate::store;
 
 static LOAD: LazyLock<Script> =
@@ -292,32 +291,4 @@ pub async fn load_open_sales<C: ConnectionLike + Send>(
         }
     }
     Ok(report)
-}
-
-/// Starts a reload of one sale in the background unless one is already running.
-pub fn reload_in_background(state: &AppState, voucher_id: i64) {
-    if !state.reloading.lock().expect("poisoned").insert(voucher_id) {
-        return;
-    }
-    let state = state.clone();
-    tokio::spawn(async move {
-        let mut conn = state.redis.clone();
-        let result = load_sale(
-            &state.db,
-            &mut conn,
-            &state.keys,
-            voucher_id,
-            state.settings.sale_state_retention,
-            Mode::Load,
-        )
-        .await;
-        if let Err(e) = result {
-            tracing::warn!(voucher_id, error = %e, "reloading sale state failed");
-        }
-        state
-            .reloading
-            .lock()
-            .expect("poisoned")
-            .remove(&voucher_id);
-    });
 }

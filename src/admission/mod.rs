@@ -1,6 +1,5 @@
 //! Admission: the one atomic Redis step that decides who gets an order.
 
-pub mod keys;
 pub mod loader;
 pub mod order_id;
 pub mod upkeep;
@@ -10,7 +9,7 @@ use std::sync::LazyLock;
 use redis::aio::ConnectionLike;
 use redis::{RedisResult, Script};
 
-use keys::Keys;
+use crate::keys::{self, Keys};
 
 static SECKILL: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../../lua/seckill.lua")));
@@ -169,36 +168,4 @@ pub async fn find_in_stream<C: ConnectionLike + Send>(
         }
     }
     Ok(None)
-}
-
-static SETTLE_DEAD: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../lua/settle_dead.lua")));
-
-/// Settles a dead order in Redis (see `lua/settle_dead.lua`): acknowledges its entry
-/// and, if the user's buyer record still names it, points the record at `holder` (the
-/// order Postgres holds for the user) or drops it, and returns the unit when
-/// `return_unit`. `true` when the buyer record was settled now.
-#[allow(clippy::too_many_arguments)]
-pub async fn settle_dead<C: ConnectionLike + Send>(
-    conn: &mut C,
-    keys: &Keys,
-    entry_id: &str,
-    voucher_id: i64,
-    user_id: i64,
-    order_id: i64,
-    holder: Option<i64>,
-    return_unit: bool,
-) -> RedisResult<bool> {
-    let settled: i64 = SETTLE_DEAD
-        .key(keys.voucher(voucher_id))
-        .key(keys.stream(keys.shard_of(voucher_id)))
-        .arg(crate::stream::GROUP)
-        .arg(entry_id)
-        .arg(keys::buyer_field(user_id))
-        .arg(order_id)
-        .arg(holder.map(|h| h.to_string()).unwrap_or_default())
-        .arg(if return_unit { "1" } else { "0" })
-        .invoke_async(conn)
-        .await?;
-    Ok(settled == 1)
 }

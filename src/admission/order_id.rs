@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use redis::aio::ConnectionLike;
 
-use crate::admission::keys::Keys;
+use crate::keys::Keys;
 
 /// 2026-01-01T00:00:00Z in Unix milliseconds.
 const EPOCH_MS: u64 = 1_767_225_600_000;
@@ -98,6 +98,9 @@ pub fn timestamp_ms(order_id: i64) -> u64 {
     ((order_id as u64) >> (NODE_BITS + SEQ_BITS)) + EPOCH_MS
 }
 
+static RENEW: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new(include_str!("../../lua/renew_lease.lua")));
+
 /// A node number held in Redis with a time-to-live, renewed while the process lives.
 pub struct NodeLease {
     keys: Keys,
@@ -143,23 +146,12 @@ impl NodeLease {
 
     /// Extends the lease.
     pub async fn renew<C: ConnectionLike + Send>(&self, conn: &mut C) -> anyhow::Result<Renewal> {
-        let code: i64 = redis::Script::new(
-            r"local holder = redis.call('GET', KEYS[1])
-              if holder == ARGV[1] then
-                redis.call('PEXPIRE', KEYS[1], ARGV[2])
-                return 1
-              end
-              if not holder then
-                redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-                return 2
-              end
-              return 0",
-        )
-        .key(self.keys.node_lease(self.node))
-        .arg(&self.token)
-        .arg(LEASE_TTL.as_millis() as u64)
-        .invoke_async(conn)
-        .await?;
+        let code: i64 = RENEW
+            .key(self.keys.node_lease(self.node))
+            .arg(&self.token)
+            .arg(LEASE_TTL.as_millis() as u64)
+            .invoke_async(conn)
+            .await?;
         Ok(match code {
             1 => Renewal::Extended,
             2 => Renewal::Recreated,

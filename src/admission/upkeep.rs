@@ -6,14 +6,31 @@ use tokio_util::sync::CancellationToken;
 
 use super::loader;
 use super::order_id::{NodeLease, Renewal, LEASE_RENEW_EVERY};
+use std::sync::Arc;
+
+use sqlx::PgPool;
+
+use super::order_id::OrderIds;
+use crate::backoff::Backoff;
+use crate::keys::Keys;
 use crate::redis_conn::RedisConn;
-use crate::state::AppState;
-use crate::worker::Backoff;
+
+/// What the background duties work with.
+#[derive(Clone)]
+pub struct Upkeep {
+    pub db: PgPool,
+    pub redis: RedisConn,
+    pub keys: Keys,
+    /// Told the leased node number (and told to stop minting when the lease is lost).
+    pub ids: Arc<OrderIds>,
+    /// How long a sale's Redis state outlives its end.
+    pub retention: Duration,
+}
 
 /// Holds an order-id node lease, and loads every open sale whose Redis state is missing:
 /// at start, and again whenever the lease shows that Redis lost its data (restart
 /// without persistence, FLUSHALL, failover).
-pub async fn run(state: AppState, cancel: CancellationToken) {
+pub async fn run(state: Upkeep, cancel: CancellationToken) {
     let mut conn: RedisConn = state.redis.clone();
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
     let mut lease: Option<NodeLease> = None;
@@ -43,13 +60,9 @@ pub async fn run(state: AppState, cancel: CancellationToken) {
                 lease = Some(l);
             }
             if reload {
-                let report = loader::load_open_sales(
-                    &state.db,
-                    &mut conn,
-                    &state.keys,
-                    state.settings.sale_state_retention,
-                )
-                .await?;
+                let report =
+                    loader::load_open_sales(&state.db, &mut conn, &state.keys, state.retention)
+                        .await?;
                 tracing::info!(?report, "open sales checked");
                 reload = false;
             }

@@ -157,13 +157,41 @@ async fn not_loaded(state: &AppState, voucher_id: i64) -> AppError {
         Ok(None) => AppError::NotFound(format!("voucher {voucher_id} has no flash sale")),
         Ok(Some(sale)) if sale.end_time <= Utc::now() => AppError::Ended,
         Ok(Some(_)) => {
-            loader::reload_in_background(state, voucher_id);
+            reload_in_background(state, voucher_id);
             AppError::Unavailable(
                 "the sale is being loaded, try again shortly; nothing was reserved".into(),
             )
         }
         Err(e) => e.into(),
     }
+}
+
+/// Starts a reload of one sale in the background unless one is already running.
+fn reload_in_background(state: &AppState, voucher_id: i64) {
+    if !state.reloading.lock().expect("poisoned").insert(voucher_id) {
+        return;
+    }
+    let state = state.clone();
+    tokio::spawn(async move {
+        let mut conn = state.redis.clone();
+        let result = loader::load_sale(
+            &state.db,
+            &mut conn,
+            &state.keys,
+            voucher_id,
+            state.settings.sale_state_retention,
+            loader::Mode::Load,
+        )
+        .await;
+        if let Err(e) = result {
+            tracing::warn!(voucher_id, error = %e, "reloading sale state failed");
+        }
+        state
+            .reloading
+            .lock()
+            .expect("poisoned")
+            .remove(&voucher_id);
+    });
 }
 
 #[cfg(test)]

@@ -42,7 +42,7 @@ pub async fn migrate(db: &PgPool, patience: Duration) -> anyhow::Result<()> {
         match run.await {
             Ok(()) => return Ok(()),
             Err(sqlx::migrate::MigrateError::Execute(e))
-                if crate::error::is_connectivity(&e) && tokio::time::Instant::now() < deadline =>
+                if is_connectivity(&e) && tokio::time::Instant::now() < deadline =>
             {
                 tracing::warn!(error = %e, "postgres not reachable yet, retrying migrations");
                 tokio::time::sleep(Duration::from_secs(1)).await;
@@ -61,4 +61,17 @@ pub fn is_data_error(e: &sqlx::Error) -> bool {
             .is_some_and(|c| c.starts_with("22") || c.starts_with("23")),
         _ => false,
     }
+}
+
+/// Errors that say the database could not be reached, as opposed to a bad query.
+pub fn is_connectivity(e: &sqlx::Error) -> bool {
+    matches!(
+        e,
+        sqlx::Error::Io(_)
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::WorkerCrashed
+            | sqlx::Error::Protocol(_)
+    )
 }

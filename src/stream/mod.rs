@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 use redis::aio::ConnectionLike;
 use redis::{RedisResult, Value};
 
-use crate::admission::keys::{Keys, Shard};
+use crate::keys::{Keys, Shard};
 use crate::store::orders::NewOrder;
 
 pub const GROUP: &str = "seckill-workers";
@@ -426,6 +426,38 @@ pub async fn delivery_counts<C: ConnectionLike + Send>(
         .into_iter()
         .map(|(id, _consumer, _idle, deliveries)| (id, deliveries))
         .collect())
+}
+
+static SETTLE_DEAD: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new(include_str!("../../lua/settle_dead.lua")));
+
+/// Settles a dead order in Redis (see `lua/settle_dead.lua`): acknowledges its entry
+/// and, if the user's buyer record still names it, points the record at `holder` (the
+/// order Postgres holds for the user) or drops it, and returns the unit when
+/// `return_unit`. `true` when the buyer record was settled now.
+#[allow(clippy::too_many_arguments)]
+pub async fn settle_dead<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    entry_id: &str,
+    voucher_id: i64,
+    user_id: i64,
+    order_id: i64,
+    holder: Option<i64>,
+    return_unit: bool,
+) -> RedisResult<bool> {
+    let settled: i64 = SETTLE_DEAD
+        .key(keys.voucher(voucher_id))
+        .key(keys.stream(keys.shard_of(voucher_id)))
+        .arg(GROUP)
+        .arg(entry_id)
+        .arg(crate::keys::buyer_field(user_id))
+        .arg(order_id)
+        .arg(holder.map(|h| h.to_string()).unwrap_or_default())
+        .arg(if return_unit { "1" } else { "0" })
+        .invoke_async(conn)
+        .await?;
+    Ok(settled == 1)
 }
 
 /// Which of `entry_ids` (in id order) are pending in the group, whoever holds them:

@@ -17,10 +17,10 @@ use serde_json::{json, Value};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
-use seckill::admission::keys::Keys;
 use seckill::admission::order_id::{NodeLease, OrderIds};
 use seckill::auth::JwtKeys;
 use seckill::config::Settings;
+use seckill::keys::Keys;
 use seckill::redis_conn::{self, RedisConn};
 use seckill::worker::{BatchReport, Worker, WorkerConfig};
 use seckill::AppState;
@@ -65,22 +65,28 @@ impl TestApp {
         let keys = Keys::new(prefix).unwrap();
         let redis = redis_conn::connect(&redis_url, redis_conn::COMMAND_TIMEOUT).unwrap();
         let lease = NodeLease::acquire(&mut redis.clone(), &keys).await.unwrap();
+        let ids = Arc::new(OrderIds::with_node(lease.node));
+        let retention = settings.sale_state_retention;
         let state = AppState::new(
             db.clone(),
             redis.clone(),
             keys.clone(),
             JwtKeys::new(SECRET).unwrap(),
-            Arc::new(OrderIds::with_node(lease.node)),
+            ids.clone(),
             settings,
         );
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let cancel = CancellationToken::new();
         if upkeep {
-            tokio::spawn(seckill::admission::upkeep::run(
-                state.clone(),
-                cancel.clone(),
-            ));
+            let duties = seckill::admission::upkeep::Upkeep {
+                db: db.clone(),
+                redis: redis.clone(),
+                keys: keys.clone(),
+                ids,
+                retention,
+            };
+            tokio::spawn(seckill::admission::upkeep::run(duties, cancel.clone()));
         }
         let app =
             seckill::build_app(state.clone()).into_make_service_with_connect_info::<SocketAddr>();
