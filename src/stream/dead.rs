@@ -1,0 +1,75 @@
+//! Entries that will never be orders: the dead-letter stream, and settling a buried
+//! order's buyer record and unit in the sale's state.
+
+use redis::aio::ConnectionLike;
+use redis::RedisResult;
+
+use crate::keys::{Keys, Shard};
+
+use super::entry::Entry;
+use super::group::GROUP;
+
+/// Most dead letters kept; older ones are trimmed away.
+pub const DEAD_LETTERS_KEPT: usize = 1_000_000;
+
+/// Appends an entry to the dead-letter stream with its reason. The caller acks it after.
+pub async fn dead_letter<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    shard: Shard,
+    entry: &Entry,
+) -> RedisResult<()> {
+    let Entry::DeadLetter { fields, reason, .. } = entry else {
+        return Err(redis::RedisError::from((
+            redis::ErrorKind::Client,
+            "only dead letters go to the dead-letter stream",
+        )));
+    };
+    let mut cmd = redis::cmd("XADD");
+    cmd.arg(keys.dead_letters(shard))
+        .arg("MAXLEN")
+        .arg("~")
+        .arg(DEAD_LETTERS_KEPT)
+        .arg("*")
+        .arg("entry_id")
+        .arg(entry.entry_id())
+        .arg("reason")
+        .arg(reason);
+    for (k, v) in fields {
+        // Prefixed so a stray field cannot pose as one of ours.
+        cmd.arg(format!("orig.{k}")).arg(v);
+    }
+    cmd.query_async(conn).await
+}
+
+static SETTLE_DEAD: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new(include_str!("../../lua/settle_dead.lua")));
+
+/// Settles a dead order in Redis (see `lua/settle_dead.lua`): acknowledges its entry
+/// and, if the user's buyer record still names it, points the record at `holder` (the
+/// order Postgres holds for the user) or drops it, and returns the unit when
+/// `return_unit`. `true` when the buyer record was settled now.
+#[allow(clippy::too_many_arguments)]
+pub async fn settle_dead<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    entry_id: &str,
+    voucher_id: i64,
+    user_id: i64,
+    order_id: i64,
+    holder: Option<i64>,
+    return_unit: bool,
+) -> RedisResult<bool> {
+    let settled: i64 = SETTLE_DEAD
+        .key(keys.voucher(voucher_id))
+        .key(keys.stream(keys.shard_of(voucher_id)))
+        .arg(GROUP)
+        .arg(entry_id)
+        .arg(crate::keys::buyer_field(user_id))
+        .arg(order_id)
+        .arg(holder.map(|h| h.to_string()).unwrap_or_default())
+        .arg(if return_unit { "1" } else { "0" })
+        .invoke_async(conn)
+        .await?;
+    Ok(settled == 1)
+}

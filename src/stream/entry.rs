@@ -1,0 +1,249 @@
+//! One stream entry: its fields (written by `lua/seckill.lua`), parsed leniently so a
+//! bad entry is dead-lettered rather than failing a read.
+
+use chrono::{DateTime, Utc};
+use redis::{RedisResult, Value};
+
+use crate::store::orders::NewOrder;
+
+/// One stream entry as the worker sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Entry {
+    Order {
+        entry_id: String,
+        order: NewOrder,
+    },
+    /// An entry that must go to the dead-letter stream without being written: malformed
+    /// (missing or non-numeric fields, or deleted from the stream), or a poison entry
+    /// delivered too often. `order` is set when the fields did parse.
+    DeadLetter {
+        entry_id: String,
+        fields: Vec<(String, String)>,
+        order: Option<NewOrder>,
+        reason: String,
+    },
+}
+
+impl Entry {
+    pub fn entry_id(&self) -> &str {
+        match self {
+            Entry::Order { entry_id, .. } | Entry::DeadLetter { entry_id, .. } => entry_id,
+        }
+    }
+
+    pub fn order(&self) -> Option<&NewOrder> {
+        match self {
+            Entry::Order { order, .. } => Some(order),
+            Entry::DeadLetter { order, .. } => order.as_ref(),
+        }
+    }
+
+    /// Turns the entry into a dead letter with `reason`.
+    pub fn into_dead_letter(self, reason: String) -> Entry {
+        match self {
+            Entry::Order { entry_id, order } => Entry::DeadLetter {
+                entry_id,
+                fields: order_fields(&order),
+                order: Some(order),
+                reason,
+            },
+            Entry::DeadLetter {
+                entry_id,
+                fields,
+                order,
+                ..
+            } => Entry::DeadLetter {
+                entry_id,
+                fields,
+                order,
+                reason,
+            },
+        }
+    }
+
+    pub(super) fn parse(entry_id: String, fields: Option<Vec<(String, String)>>) -> Entry {
+        let Some(fields) = fields else {
+            return Entry::DeadLetter {
+                entry_id,
+                fields: Vec::new(),
+                order: None,
+                reason: "malformed: entry no longer in the stream".into(),
+            };
+        };
+        let get = |name: &str| {
+            fields
+                .iter()
+                .find(|(k, _)| k == name)
+                .and_then(|(_, v)| v.parse::<i64>().ok())
+                .filter(|n| *n > 0)
+        };
+        let order = (|| {
+            Some(NewOrder {
+                id: get("order_id")?,
+                voucher_id: get("voucher_id")?,
+                user_id: get("user_id")?,
+                admitted_at: DateTime::<Utc>::from_timestamp_millis(get("admitted_ms")?)?,
+            })
+        })();
+        match order {
+            Some(order) => Entry::Order { entry_id, order },
+            None => Entry::DeadLetter {
+                entry_id,
+                fields,
+                order: None,
+                reason: "malformed: missing or non-numeric fields".into(),
+            },
+        }
+    }
+}
+
+fn order_fields(order: &NewOrder) -> Vec<(String, String)> {
+    vec![
+        ("order_id".into(), order.id.to_string()),
+        ("voucher_id".into(), order.voucher_id.to_string()),
+        ("user_id".into(), order.user_id.to_string()),
+        (
+            "admitted_ms".into(),
+            order.admitted_at.timestamp_millis().to_string(),
+        ),
+    ]
+}
+
+/// `[[stream, [[id, [field, value, ...] | nil], ...]], ...]` or nil on timeout.
+pub(super) fn parse_read_reply(reply: Value) -> RedisResult<Vec<Entry>> {
+    let mut out = Vec::new();
+    let streams = match reply {
+        Value::Nil => return Ok(out),
+        Value::Array(streams) => streams,
+        Value::Map(pairs) => pairs
+            .into_iter()
+            .map(|(k, v)| Value::Array(vec![k, v]))
+            .collect(),
+        _ => return Err(unexpected()),
+    };
+    for stream in streams {
+        let Value::Array(mut parts) = stream else {
+            return Err(unexpected());
+        };
+        let Some(entries) = parts.pop() else {
+            return Err(unexpected());
+        };
+        out.extend(parse_entries(entries)?);
+    }
+    Ok(out)
+}
+
+pub(super) fn parse_entries(entries: Value) -> RedisResult<Vec<Entry>> {
+    Ok(parse_raw(entries)?
+        .into_iter()
+        .map(|(id, fields)| Entry::parse(id, fields))
+        .collect())
+}
+
+/// Entry ids and fields of a stream reply (`None`: the entry was deleted). Field names
+/// and values that are not UTF-8 are kept, lossily, so a poison entry stays visible.
+pub(super) fn parse_raw(entries: Value) -> RedisResult<Vec<RawEntry>> {
+    let Value::Array(entries) = entries else {
+        return Err(unexpected());
+    };
+    let text = |v: &Value| match v {
+        Value::BulkString(bytes) => Some(String::from_utf8_lossy(bytes).into_owned()),
+        other => redis::from_redis_value_ref::<String>(other).ok(),
+    };
+    let mut out = Vec::with_capacity(entries.len());
+    for entry in entries {
+        let Value::Array(mut pair) = entry else {
+            return Err(unexpected());
+        };
+        if pair.len() != 2 {
+            return Err(unexpected());
+        }
+        let fields = pair.pop().expect("two elements");
+        let id: String = redis::from_redis_value(pair.pop().expect("two elements"))?;
+        let fields = match fields {
+            Value::Nil => None,
+            Value::Array(flat) => Some(
+                flat.chunks(2)
+                    .filter_map(|kv| match kv {
+                        [k, v] => Some((text(k)?, text(v)?)),
+                        _ => None,
+                    })
+                    .collect(),
+            ),
+            _ => return Err(unexpected()),
+        };
+        out.push((id, fields));
+    }
+    Ok(out)
+}
+
+/// A stream entry's id and its fields (`None` when the entry was deleted).
+pub type RawEntry = (String, Option<Vec<(String, String)>>);
+
+pub(super) fn unexpected() -> redis::RedisError {
+    redis::RedisError::from((
+        redis::ErrorKind::UnexpectedReturnType,
+        "unexpected reply to a stream read",
+    ))
+}
+
+pub(crate) fn parse_id(id: &str) -> Option<(u64, u64)> {
+    let (ms, seq) = id.split_once('-')?;
+    Some((ms.parse().ok()?, seq.parse().ok()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fields(pairs: &[(&str, &str)]) -> Option<Vec<(String, String)>> {
+        Some(
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn a_complete_entry_parses_into_an_order() {
+        let e = Entry::parse(
+            "1-0".into(),
+            fields(&[
+                ("order_id", "9"),
+                ("voucher_id", "2"),
+                ("user_id", "3"),
+                ("admitted_ms", "1790000000000"),
+            ]),
+        );
+        let Entry::Order { order, .. } = e else {
+            panic!("not an order: {e:?}")
+        };
+        assert_eq!((order.id, order.voucher_id, order.user_id), (9, 2, 3));
+    }
+
+    #[test]
+    fn entries_with_missing_or_bad_fields_or_no_fields_are_malformed() {
+        for f in [
+            fields(&[("order_id", "9"), ("voucher_id", "2"), ("admitted_ms", "1")]),
+            fields(&[
+                ("order_id", "x"),
+                ("voucher_id", "2"),
+                ("user_id", "3"),
+                ("admitted_ms", "1"),
+            ]),
+            fields(&[
+                ("order_id", "-9"),
+                ("voucher_id", "2"),
+                ("user_id", "3"),
+                ("admitted_ms", "1"),
+            ]),
+            None,
+        ] {
+            assert!(matches!(
+                Entry::parse("1-0".into(), f),
+                Entry::DeadLetter { .. }
+            ));
+        }
+    }
+}
