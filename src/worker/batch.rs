@@ -1,0 +1,240 @@
+//! Writing one batch: persist under the sales' row locks, bury what cannot be
+//! written, acknowledge; entries kept fresh in the pending list meanwhile.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use tokio::time::Instant;
+
+use super::read::Held;
+use super::{BatchReport, Worker};
+use crate::keys::Shard;
+use crate::redis_conn::RedisConn;
+use crate::store::orders::{self, Burial, NewOrder, Persisted, Rejection};
+use crate::stream::{self, Entry};
+
+/// What becomes of one entry of a batch.
+enum Fate {
+    Write(NewOrder),
+    /// Will not be written: buried in Postgres, settled in Redis.
+    Bury(NewOrder, Rejection),
+    /// No order in it: dead-lettered as it is.
+    Malformed,
+    /// Its entry is no longer pending: nothing to do.
+    Gone,
+}
+
+impl Worker {
+    /// Runs `work` while keeping the batch's entries fresh in the pending list, so that
+    /// peers do not take over a batch that is only waiting (for a row lock, a slow
+    /// Postgres): being claimed would count as a delivery and end in a dead letter.
+    pub(super) async fn heartbeat<T>(
+        &self,
+        shard: Shard,
+        entries: &[Entry],
+        work: impl std::future::Future<Output = T>,
+    ) -> T {
+        tokio::pin!(work);
+        let every = (self.config.claim_idle / 3).max(Duration::from_millis(50));
+        let mut tick = tokio::time::interval_at(Instant::now() + every, every);
+        loop {
+            tokio::select! {
+                done = &mut work => return done,
+                _ = tick.tick() => {
+                    let mut conn = self.redis.clone();
+                    if let Err(e) = stream::touch(&mut conn, &self.keys, shard, &self.config.consumer, entries).await {
+                        tracing::debug!(error = %e, "could not refresh the batch's idle time");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Writes a batch to Postgres in one transaction, buries what can never be written,
+    /// then acknowledges the batch. On `Err` nothing was acknowledged that was not
+    /// finished, and the batch may simply be processed again.
+    #[tracing::instrument(skip_all, fields(entries = entries.len()))]
+    pub async fn process_batch(
+        &self,
+        shard: Shard,
+        entries: &[Entry],
+    ) -> anyhow::Result<BatchReport> {
+        self.heartbeat(shard, entries, self.process_batch_inner(shard, entries))
+            .await
+    }
+
+    async fn process_batch_inner(
+        &self,
+        shard: Shard,
+        entries: &[Entry],
+    ) -> anyhow::Result<BatchReport> {
+        let mut report = BatchReport {
+            entries: entries.len(),
+            ..Default::default()
+        };
+        let mut fates: Vec<Fate> = entries
+            .iter()
+            .map(|e| match e {
+                // An order naming a voucher of another shard was not written by the
+                // admission script: nothing of it is in that sale's state.
+                Entry::Order { order, .. } if self.keys.shard_of(order.voucher_id) != shard => {
+                    Fate::Malformed
+                }
+                Entry::Order { order, .. } => Fate::Write(*order),
+                Entry::DeadLetter {
+                    order: Some(order),
+                    reason,
+                    ..
+                } if self.keys.shard_of(order.voucher_id) == shard => {
+                    Fate::Bury(*order, Rejection::Poison(reason.clone()))
+                }
+                Entry::DeadLetter { .. } => Fate::Malformed,
+            })
+            .collect();
+
+        let new_orders: Vec<NewOrder> = fates
+            .iter()
+            .filter_map(|f| match f {
+                Fate::Write(order) => Some(*order),
+                _ => None,
+            })
+            .collect();
+        let entry_of: HashMap<i64, &str> = entries
+            .iter()
+            .filter_map(|e| Some((e.order()?.id, e.entry_id())))
+            .collect();
+        let live = |ids: Vec<i64>| -> BoxFuture<'_, anyhow::Result<HashSet<i64>>> {
+            let mut conn = self.redis.clone();
+            let entry_of = &entry_of;
+            Box::pin(async move {
+                let mut wanted: Vec<&str> = ids
+                    .iter()
+                    .filter_map(|id| entry_of.get(id).copied())
+                    .collect();
+                wanted.sort_by_key(|id| stream::parse_id(id));
+                let pending = stream::still_pending(&mut conn, &self.keys, shard, &wanted).await?;
+                Ok(ids
+                    .into_iter()
+                    .filter(|id| entry_of.get(id).is_some_and(|e| pending.contains(*e)))
+                    .collect())
+            })
+        };
+        let started = std::time::Instant::now();
+        let mut outcomes = orders::persist_batch(&self.db, &new_orders, &live)
+            .await?
+            .into_iter();
+        metrics::histogram!(crate::metrics::WORKER_COMMIT_SECONDS)
+            .record(started.elapsed().as_secs_f64());
+        metrics::histogram!(crate::metrics::WORKER_BATCH_SIZE).record(entries.len() as f64);
+        for fate in &mut fates {
+            if let Fate::Write(order) = fate {
+                match outcomes.next().expect("one outcome per order") {
+                    Persisted::Inserted => report.inserted += 1,
+                    Persisted::AlreadyThere => report.already_there += 1,
+                    Persisted::Vanished => {
+                        tracing::warn!(
+                            order_id = order.id,
+                            "not writing an order whose stream entry is gone (redis lost it)"
+                        );
+                        report.vanished += 1;
+                        *fate = Fate::Gone;
+                    }
+                    Persisted::Rejected(why) => *fate = Fate::Bury(*order, why),
+                }
+            }
+        }
+
+        let mut conn = self.redis.clone();
+        for (entry, fate) in entries.iter().zip(&fates) {
+            match fate {
+                Fate::Write(_) | Fate::Gone => {}
+                Fate::Malformed => {
+                    tracing::warn!(
+                        entry_id = entry.entry_id(),
+                        "dead-lettering a malformed stream entry"
+                    );
+                    let reason = match entry {
+                        Entry::DeadLetter { reason, .. } => reason.clone(),
+                        Entry::Order { .. } => "malformed: voucher of another shard".into(),
+                    };
+                    let dead = entry.clone().into_dead_letter(reason);
+                    stream::dead_letter(&mut conn, &self.keys, shard, &dead).await?;
+                    metrics::counter!(crate::metrics::DEAD_LETTERED, "kind" => "malformed")
+                        .increment(1);
+                    report.dead_lettered += 1;
+                }
+                Fate::Bury(order, why) => {
+                    if self.bury(&mut conn, shard, entry, order, why).await? {
+                        report.dead_lettered += 1;
+                    } else {
+                        report.already_there += 1;
+                    }
+                }
+            }
+        }
+        stream::ack(&mut conn, &self.keys, shard, entries).await?;
+        metrics::counter!(crate::metrics::WORKER_ORDERS, "result" => "inserted")
+            .increment(report.inserted as u64);
+        metrics::counter!(crate::metrics::WORKER_ORDERS, "result" => "already_there")
+            .increment(report.already_there as u64);
+        metrics::counter!(crate::metrics::WORKER_ORDERS, "result" => "dead_lettered")
+            .increment(report.dead_lettered as u64);
+        Ok(report)
+    }
+
+    /// Buries an order that will not be written: Postgres first (under the sale's row
+    /// lock: written after all, or tombstoned so no replay can write it), then the dead
+    /// letter, then Redis (acknowledged, buyer record handed back to the order Postgres
+    /// holds, unit returned) in one script. `false` when it was written after all.
+    async fn bury(
+        &self,
+        conn: &mut RedisConn,
+        shard: Shard,
+        entry: &Entry,
+        order: &NewOrder,
+        why: &Rejection,
+    ) -> anyhow::Result<bool> {
+        let reason = why.reason();
+        match orders::bury(&self.db, order, &reason).await? {
+            Burial::Written => Ok(false),
+            Burial::Dead { newly, holder } => {
+                if newly {
+                    tracing::warn!(entry_id = entry.entry_id(), order_id = order.id, %reason, "dead-lettering order");
+                    let dead = entry.clone().into_dead_letter(reason);
+                    stream::dead_letter(conn, &self.keys, shard, &dead).await?;
+                    metrics::counter!(crate::metrics::DEAD_LETTERED, "kind" => why.kind())
+                        .increment(1);
+                }
+                stream::settle_dead(
+                    conn,
+                    &self.keys,
+                    entry.entry_id(),
+                    order.voucher_id,
+                    order.user_id,
+                    order.id,
+                    holder,
+                    why.returns_unit(),
+                )
+                .await?;
+                Ok(true)
+            }
+        }
+    }
+
+    /// Processes a batch, entry by entry if it must be isolated. Entries finished
+    /// before an error are acknowledged; processing them again changes nothing.
+    pub(super) async fn process_held(&self, held: &Held) -> anyhow::Result<BatchReport> {
+        if !held.isolate {
+            return self.process_batch(held.shard, &held.entries).await;
+        }
+        let mut report = BatchReport::default();
+        for entry in &held.entries {
+            report.add(
+                self.process_batch(held.shard, std::slice::from_ref(entry))
+                    .await?,
+            );
+        }
+        Ok(report)
+    }
+}
