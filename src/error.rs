@@ -161,23 +161,17 @@ pub fn is_unique_violation(e: &sqlx::Error) -> bool {
 impl IntoResponse for AppError {
     fn into_response(self) -> Response {
         let (status, code, message) = self.parts();
-        let dependency = match &self {
-            AppError::Database(_) => Some("postgres"),
-            AppError::Redis(_) | AppError::OutcomeUnknown(_) => Some("redis"),
+        // The cause stays on the server: logged and counted by the middleware that finds
+        // it in the response (`http::log_failures`), never sent.
+        let failure = match &self {
+            AppError::Database(_) => Some(Failure::new(&self, Some("postgres"), true)),
+            AppError::Redis(_) | AppError::OutcomeUnknown(_) => {
+                Some(Failure::new(&self, Some("redis"), true))
+            }
+            AppError::Internal(_) => Some(Failure::new(&self, None, true)),
+            AppError::Unavailable(_) => Some(Failure::new(&self, None, false)),
             _ => None,
         };
-        if let Some(dependency) = dependency {
-            metrics::counter!(crate::metrics::DEPENDENCY_ERRORS, "dependency" => dependency, "in" => "api")
-                .increment(1);
-        }
-        match &self {
-            AppError::Database(_)
-            | AppError::Redis(_)
-            | AppError::OutcomeUnknown(_)
-            | AppError::Internal(_) => tracing::error!(error = %self, "request failed"),
-            AppError::Unavailable(_) => tracing::warn!(error = %self, "request failed"),
-            _ => {}
-        }
         let order_id = match &self {
             AppError::AlreadyOrdered { order_id } => Some(order_id.to_string()),
             _ => None,
@@ -201,6 +195,30 @@ impl IntoResponse for AppError {
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
         }
+        if let Some(failure) = failure {
+            response.extensions_mut().insert(failure);
+        }
         response
+    }
+}
+
+/// What a failed request leaves in its response's extensions for the middleware that
+/// logs and counts failures.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    /// The dependency at fault, for `seckill_dependency_errors_total`.
+    pub dependency: Option<&'static str>,
+    /// Logged as an error (a dependency or a bug) rather than a warning.
+    pub serious: bool,
+    pub cause: std::sync::Arc<str>,
+}
+
+impl Failure {
+    fn new(error: &AppError, dependency: Option<&'static str>, serious: bool) -> Self {
+        Self {
+            dependency,
+            serious,
+            cause: error.to_string().into(),
+        }
     }
 }

@@ -115,6 +115,7 @@ pub fn build_app(state: AppState) -> Router {
                     tracing::debug_span!("request", method = %req.method(), uri = %req.uri(), request_id = %id)
                 }))
                 .layer(middleware::from_fn(count_requests))
+                .layer(middleware::from_fn(log_failures))
                 .layer(middleware::from_fn(limit_headers))
                 // Overload answers 503 at once rather than queueing without end; a
                 // request that takes too long answers 503 too.
@@ -184,6 +185,24 @@ impl MakeRequestId for RandomRequestId {
             .ok()
             .map(RequestId::new)
     }
+}
+
+/// Logs and counts the failures handlers left in their responses (see
+/// [`crate::error::Failure`]), inside the request's span.
+async fn log_failures(req: Request, next: Next) -> Response {
+    let response = next.run(req).await;
+    if let Some(failure) = response.extensions().get::<crate::error::Failure>() {
+        if let Some(dependency) = failure.dependency {
+            metrics::counter!(crate::metrics::DEPENDENCY_ERRORS, "dependency" => dependency, "in" => "api")
+                .increment(1);
+        }
+        if failure.serious {
+            tracing::error!(error = %failure.cause, "request failed");
+        } else {
+            tracing::warn!(error = %failure.cause, "request failed");
+        }
+    }
+    response
 }
 
 /// `seckill_http_requests_total{route, status}`, through a cache of counter handles so
