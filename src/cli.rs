@@ -59,74 +59,33 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::DeadLetters(args) => {
             let keys = keys(&args.redis)?;
             let mut conn = redis(&args.redis, redis_conn::COMMAND_TIMEOUT).await?;
-            let letters = crate::reconcile::dead_letters(&mut conn, &keys, args.limit).await?;
-            let mut listing = String::new();
-            for letter in &letters {
-                let fields: Vec<String> = letter
-                    .fields
-                    .iter()
-                    .map(|(k, v)| format!("{k}={v}"))
-                    .collect();
-                listing.push_str(&format!("{} {}\n", letter.id, fields.join(" ")));
-            }
-            print_out(&listing)?;
-            let mut total = 0u64;
-            for shard in keys.shards() {
-                let n: u64 = redis::cmd("XLEN")
-                    .arg(keys.dead_letters(shard))
-                    .query_async(&mut conn)
-                    .await?;
-                total += n;
-            }
-            print_out(&format!(
-                "{total} dead letter(s) in all, {} shown\n",
-                letters.len()
-            ))?;
+            crate::reconcile::list_dead_letters(&mut conn, &keys, args.limit, &mut print_out)
+                .await?;
             Ok(ExitCode::SUCCESS)
         }
     }
 }
 
 async fn reconcile(args: crate::config::ReconcileArgs) -> anyhow::Result<ExitCode> {
-    use crate::reconcile::{books, render, repair, VoucherBooks};
     let keys = keys(&args.redis)?;
     let db = store::pool(&args.database.database_url, 4)?;
     let mut conn = redis(&args.redis, Duration::from_secs(30)).await?;
     let retention = Duration::from_secs(args.sale_state_retention_secs);
-    let out_of_balance = |rows: &[VoucherBooks]| -> Vec<i64> {
-        rows.iter()
-            .filter(|r| !r.verdict().is_ok())
-            .map(|r| r.voucher_id)
-            .collect()
-    };
-    // Each sale is read through the loader's fence, so a sale in full swing balances:
-    // what is out of balance is drift, not timing.
-    let mut rows = books(&db, &mut conn, &keys, args.voucher, retention).await?;
-    print_out(&render(&rows))?;
-    let mut bad = out_of_balance(&rows);
-    if args.repair {
-        let targets = match args.voucher {
-            Some(id) => vec![id],
-            None => bad.clone(),
-        };
-        for id in targets {
-            let loaded = repair(&db, &mut conn, &keys, id, retention).await?;
-            print_out(&format!(
-                "repaired voucher {id}: redis stock {}, buyers {} ({} in flight)\n",
-                loaded.stock, loaded.buyers, loaded.in_flight
-            ))?;
-        }
-        rows = books(&db, &mut conn, &keys, args.voucher, retention).await?;
-        print_out(&format!("after repair:\n{}", render(&rows)))?;
-        bad = out_of_balance(&rows);
-    }
-    if bad.is_empty() {
-        print_out("books balance\n")?;
-        Ok(ExitCode::SUCCESS)
+    let balanced = crate::reconcile::run(
+        &db,
+        &mut conn,
+        &keys,
+        args.voucher,
+        args.repair,
+        retention,
+        &mut print_out,
+    )
+    .await?;
+    Ok(if balanced {
+        ExitCode::SUCCESS
     } else {
-        print_out(&format!("drift in voucher(s) {bad:?}; `seckill reconcile --repair` rebuilds Redis from Postgres (safe during a sale)\n"))?;
-        Ok(ExitCode::from(1))
-    }
+        ExitCode::from(1)
+    })
 }
 
 /// Writes to standard output; a reader that went away (`| head`) is not an error.

@@ -146,6 +146,88 @@ pub async fn books<C: ConnectionLike + Send>(
     Ok(out)
 }
 
+/// Where the report goes, a piece at a time (standard output, in the binary).
+pub type Emit<'a> = dyn FnMut(&str) -> anyhow::Result<()> + 'a;
+
+/// `seckill reconcile [--voucher ID] [--repair]`: prints the books, repairs what is out
+/// of balance (or the given voucher) when asked, and says whether the books balance.
+pub async fn run<C: ConnectionLike + Send>(
+    db: &PgPool,
+    conn: &mut C,
+    keys: &Keys,
+    voucher: Option<i64>,
+    repair_them: bool,
+    retention: Duration,
+    emit: &mut Emit<'_>,
+) -> anyhow::Result<bool> {
+    let out_of_balance = |rows: &[VoucherBooks]| -> Vec<i64> {
+        rows.iter()
+            .filter(|r| !r.verdict().is_ok())
+            .map(|r| r.voucher_id)
+            .collect()
+    };
+    // Each sale is read through the loader's fence, so a sale in full swing balances:
+    // what is out of balance is drift, not timing.
+    let mut rows = books(db, conn, keys, voucher, retention).await?;
+    emit(&render(&rows))?;
+    let mut bad = out_of_balance(&rows);
+    if repair_them {
+        let targets = match voucher {
+            Some(id) => vec![id],
+            None => bad.clone(),
+        };
+        for id in targets {
+            let loaded = repair(db, conn, keys, id, retention).await?;
+            emit(&format!(
+                "repaired voucher {id}: redis stock {}, buyers {} ({} in flight)\n",
+                loaded.stock, loaded.buyers, loaded.in_flight
+            ))?;
+        }
+        rows = books(db, conn, keys, voucher, retention).await?;
+        emit(&format!("after repair:\n{}", render(&rows)))?;
+        bad = out_of_balance(&rows);
+    }
+    if bad.is_empty() {
+        emit("books balance\n")?;
+    } else {
+        emit(&format!("drift in voucher(s) {bad:?}; `seckill reconcile --repair` rebuilds Redis from Postgres (safe during a sale)\n"))?;
+    }
+    Ok(bad.is_empty())
+}
+
+/// `seckill dead-letters [--limit N]`: the newest dead letters with their reason and
+/// fields, and the total.
+pub async fn list_dead_letters<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    limit: usize,
+    emit: &mut Emit<'_>,
+) -> anyhow::Result<()> {
+    let letters = dead_letters(conn, keys, limit).await?;
+    let mut listing = String::new();
+    for letter in &letters {
+        let fields: Vec<String> = letter
+            .fields
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        listing.push_str(&format!("{} {}\n", letter.id, fields.join(" ")));
+    }
+    emit(&listing)?;
+    let mut total = 0u64;
+    for shard in keys.shards() {
+        let n: u64 = redis::cmd("XLEN")
+            .arg(keys.dead_letters(shard))
+            .query_async(conn)
+            .await?;
+        total += n;
+    }
+    emit(&format!(
+        "{total} dead letter(s) in all, {} shown\n",
+        letters.len()
+    ))
+}
+
 /// One entry of the dead-letter stream.
 #[derive(Debug, Clone)]
 pub struct DeadLetter {
