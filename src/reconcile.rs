@@ -130,7 +130,7 @@ pub async fn books<C: ConnectionLike + Send>(
             crate::store::vouchers::sales_ending_after(db, since).await?
         }
     };
-    let dead = crate::store::orders::dead_per_voucher(db).await?;
+    let dead = crate::store::dead_orders::dead_per_voucher(db).await?;
     let mut out = Vec::with_capacity(ids.len());
     for id in ids {
         match loader::fenced(db, conn, keys, id, retention, Mode::Check).await? {

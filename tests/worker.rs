@@ -430,7 +430,9 @@ async fn a_buried_order_is_never_written_by_a_late_replay_and_its_unit_returns_o
         .await
         .unwrap();
     let order = *held[0].order().unwrap();
-    orders::bury(&app.db, &order, "poison: test").await.unwrap();
+    seckill::store::dead_orders::bury(&app.db, &order, "poison: test")
+        .await
+        .unwrap();
 
     // The slow worker writes its batch at last: the tombstone refuses it, and it
     // finishes the burial instead.

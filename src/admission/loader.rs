@@ -170,7 +170,7 @@ pub async fn fenced<C: ConnectionLike + Send>(
                 // Buried (tombstoned) but not yet settled in Redis: not in flight. Its
                 // settle script will find no record naming it and return nothing.
                 let ids: Vec<i64> = candidates.iter().map(|c| c.order_id).collect();
-                buried.extend(store::orders::buried_among(&mut tx, &ids).await?);
+                buried.extend(store::dead_orders::buried_among(&mut tx, &ids).await?);
                 candidates.retain(|c| !buried.contains(&c.order_id));
             }
         }

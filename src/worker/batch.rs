@@ -11,7 +11,8 @@ use super::read::Held;
 use super::{BatchReport, Worker};
 use crate::keys::Shard;
 use crate::redis_conn::RedisConn;
-use crate::store::orders::{self, Burial, NewOrder, Persisted, Rejection};
+use crate::store::dead_orders::{self, Burial};
+use crate::store::orders::{self, NewOrder, Persisted, Rejection};
 use crate::stream::{self, Entry};
 
 /// What becomes of one entry of a batch.
@@ -196,7 +197,7 @@ impl Worker {
         why: &Rejection,
     ) -> anyhow::Result<bool> {
         let reason = why.reason();
-        match orders::bury(&self.db, order, &reason).await? {
+        match dead_orders::bury(&self.db, order, &reason).await? {
             Burial::Written => Ok(false),
             Burial::Dead { newly, holder } => {
                 if newly {

@@ -1,0 +1,83 @@
+//! `dead_orders`: orders the worker gave up on. An id here is never written to
+//! `voucher_orders` afterwards (the worker's inserts skip tombstoned ids, and both
+//! happen under the sale's row lock).
+
+use std::collections::HashMap;
+
+use sqlx::{PgPool, Postgres, Transaction};
+
+use super::orders::{lock_sales, NewOrder};
+
+/// The end of an order that will not be written, decided under the sale's row lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Burial {
+    /// It is in `voucher_orders` after all (a slow worker committed it): acknowledge.
+    Written,
+    /// Tombstoned in `dead_orders` (`newly`: by this call). `holder` is the order the
+    /// user holds for the voucher instead, if any.
+    Dead { newly: bool, holder: Option<i64> },
+}
+
+/// Buries an order that will not be written: under the sale's row lock (so no worker
+/// can be half-way through committing it), either finds it written after all, or
+/// tombstones it so that no replay can ever write it.
+#[tracing::instrument(skip(db))]
+pub async fn bury(db: &PgPool, order: &NewOrder, reason: &str) -> Result<Burial, sqlx::Error> {
+    let mut tx = db.begin().await?;
+    lock_sales(&mut tx, &[order.voucher_id]).await?;
+    let written: Option<i64> = sqlx::query_scalar("SELECT id FROM voucher_orders WHERE id = $1")
+        .bind(order.id)
+        .fetch_optional(&mut *tx)
+        .await?;
+    if written.is_some() {
+        tx.commit().await?;
+        return Ok(Burial::Written);
+    }
+    let newly: Option<i64> = sqlx::query_scalar(
+        "INSERT INTO dead_orders (id, user_id, voucher_id, reason) VALUES ($1, $2, $3, $4) \
+         ON CONFLICT (id) DO NOTHING RETURNING id",
+    )
+    .bind(order.id)
+    .bind(order.user_id)
+    .bind(order.voucher_id)
+    .bind(reason)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let holder: Option<i64> =
+        sqlx::query_scalar("SELECT id FROM voucher_orders WHERE user_id = $1 AND voucher_id = $2")
+            .bind(order.user_id)
+            .bind(order.voucher_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+    tx.commit().await?;
+    Ok(Burial::Dead {
+        newly: newly.is_some(),
+        holder,
+    })
+}
+
+/// Which of these order ids are buried (in `dead_orders`).
+pub async fn buried_among(
+    tx: &mut Transaction<'_, Postgres>,
+    ids: &[i64],
+) -> Result<Vec<i64>, sqlx::Error> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    sqlx::query_scalar("SELECT id FROM dead_orders WHERE id = ANY($1)")
+        .bind(ids)
+        .fetch_all(&mut **tx)
+        .await
+}
+
+/// Buried (dead-lettered) orders per voucher.
+#[tracing::instrument(skip(db))]
+pub async fn dead_per_voucher(db: &PgPool) -> Result<HashMap<i64, i64>, sqlx::Error> {
+    Ok(sqlx::query_as::<_, (i64, i64)>(
+        "SELECT voucher_id, count(*) FROM dead_orders GROUP BY voucher_id",
+    )
+    .fetch_all(db)
+    .await?
+    .into_iter()
+    .collect())
+}
