@@ -5,6 +5,21 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+/// Every default, written once: the flags' defaults and the `Default` impls use these.
+pub mod defaults {
+    pub const RATE_LIMIT_PER_USER: u32 = 5;
+    pub const RATE_LIMIT_PER_USER_BURST: u32 = 10;
+    pub const RATE_LIMIT_PER_IP: u32 = 0;
+    pub const RATE_LIMIT_PER_IP_BURST: u32 = 200;
+    pub const MAX_CONCURRENT_REQUESTS: u32 = 10_000;
+    pub const REQUEST_TIMEOUT_SECS: u64 = 10;
+    pub const WORKER_BATCH_SIZE: u32 = 256;
+    pub const WORKER_BLOCK_MS: u64 = 1000;
+    pub const WORKER_CLAIM_IDLE_MS: u64 = 15_000;
+    pub const WORKER_MAX_DELIVERIES: u64 = 5;
+    pub const SALE_STATE_RETENTION_SECS: u64 = 86_400;
+}
+
 #[derive(Debug, Parser)]
 #[command(name = "seckill", version, about = "Flash-sale voucher service")]
 pub struct Cli {
@@ -98,7 +113,7 @@ pub struct ApiArgs {
           value_parser = clap::builder::BoolishValueParser::new())]
     pub skip_migrations: bool,
     /// How long buyer records and sale state stay in Redis after a sale ends, in seconds.
-    #[arg(long, env = "SALE_STATE_RETENTION_SECS", default_value_t = 86_400)]
+    #[arg(long, env = "SALE_STATE_RETENTION_SECS", default_value_t = defaults::SALE_STATE_RETENTION_SECS)]
     pub sale_state_retention_secs: u64,
     #[command(flatten)]
     pub limits: LimitArgs,
@@ -130,24 +145,24 @@ pub struct ServerArgs {
 #[derive(Debug, Clone, Args)]
 pub struct LimitArgs {
     /// Grabs per second one user may make, on average (0: off). Per API instance.
-    #[arg(long, env = "RATE_LIMIT_PER_USER", default_value_t = 5)]
+    #[arg(long, env = "RATE_LIMIT_PER_USER", default_value_t = defaults::RATE_LIMIT_PER_USER)]
     pub rate_limit_per_user: u32,
     /// Grabs one user may make at once before the per-user rate applies.
-    #[arg(long, env = "RATE_LIMIT_PER_USER_BURST", default_value_t = 10)]
+    #[arg(long, env = "RATE_LIMIT_PER_USER_BURST", default_value_t = defaults::RATE_LIMIT_PER_USER_BURST)]
     pub rate_limit_per_user_burst: u32,
     /// Grabs per second from one client IP address (0: off, the default: behind a proxy
     /// every client shares one address). Per API instance.
-    #[arg(long, env = "RATE_LIMIT_PER_IP", default_value_t = 0)]
+    #[arg(long, env = "RATE_LIMIT_PER_IP", default_value_t = defaults::RATE_LIMIT_PER_IP)]
     pub rate_limit_per_ip: u32,
     /// Grabs one IP address may make at once before the per-IP rate applies.
-    #[arg(long, env = "RATE_LIMIT_PER_IP_BURST", default_value_t = 200)]
+    #[arg(long, env = "RATE_LIMIT_PER_IP_BURST", default_value_t = defaults::RATE_LIMIT_PER_IP_BURST)]
     pub rate_limit_per_ip_burst: u32,
     /// Requests in progress at once; beyond that, answer 503 at once instead of queueing.
-    #[arg(long, env = "MAX_CONCURRENT_REQUESTS", default_value_t = 10_000,
+    #[arg(long, env = "MAX_CONCURRENT_REQUESTS", default_value_t = defaults::MAX_CONCURRENT_REQUESTS,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub max_concurrent_requests: u32,
     /// A request still unanswered after this many seconds gets 503.
-    #[arg(long, env = "REQUEST_TIMEOUT_SECS", default_value_t = 10,
+    #[arg(long, env = "REQUEST_TIMEOUT_SECS", default_value_t = defaults::REQUEST_TIMEOUT_SECS,
           value_parser = clap::value_parser!(u64).range(1..=600))]
     pub request_timeout_secs: u64,
 }
@@ -155,12 +170,12 @@ pub struct LimitArgs {
 impl Default for LimitArgs {
     fn default() -> Self {
         Self {
-            rate_limit_per_user: 5,
-            rate_limit_per_user_burst: 10,
-            rate_limit_per_ip: 0,
-            rate_limit_per_ip_burst: 200,
-            max_concurrent_requests: 10_000,
-            request_timeout_secs: 10,
+            rate_limit_per_user: defaults::RATE_LIMIT_PER_USER,
+            rate_limit_per_user_burst: defaults::RATE_LIMIT_PER_USER_BURST,
+            rate_limit_per_ip: defaults::RATE_LIMIT_PER_IP,
+            rate_limit_per_ip_burst: defaults::RATE_LIMIT_PER_IP_BURST,
+            max_concurrent_requests: defaults::MAX_CONCURRENT_REQUESTS,
+            request_timeout_secs: defaults::REQUEST_TIMEOUT_SECS,
         }
     }
 }
@@ -168,23 +183,23 @@ impl Default for LimitArgs {
 #[derive(Debug, Clone, Args)]
 pub struct WorkerOptions {
     /// Stream entries read and written to Postgres per batch.
-    #[arg(long, env = "WORKER_BATCH_SIZE", default_value_t = 256,
+    #[arg(long, env = "WORKER_BATCH_SIZE", default_value_t = defaults::WORKER_BATCH_SIZE,
           value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub worker_batch_size: u32,
     /// How long one read waits for new entries when idle, in milliseconds.
-    #[arg(long, env = "WORKER_BLOCK_MS", default_value_t = 1000,
+    #[arg(long, env = "WORKER_BLOCK_MS", default_value_t = defaults::WORKER_BLOCK_MS,
           value_parser = clap::value_parser!(u64).range(1..=30_000))]
     pub worker_block_ms: u64,
     /// Take over entries another consumer left unacknowledged this long (ms): that
     /// consumer is presumed dead. Must exceed the time one batch takes.
-    #[arg(long, env = "WORKER_CLAIM_IDLE_MS", default_value_t = 15_000,
+    #[arg(long, env = "WORKER_CLAIM_IDLE_MS", default_value_t = defaults::WORKER_CLAIM_IDLE_MS,
           value_parser = clap::value_parser!(u64).range(100..))]
     pub worker_claim_idle_ms: u64,
     /// An entry delivered more often than this (workers died holding it) is written in a
     /// transaction of its own; delivered more than twice as often, it is buried as poison
     /// (dead-lettered, after asking Postgres whether it was written) instead of retried
     /// forever.
-    #[arg(long, env = "WORKER_MAX_DELIVERIES", default_value_t = 5,
+    #[arg(long, env = "WORKER_MAX_DELIVERIES", default_value_t = defaults::WORKER_MAX_DELIVERIES,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub worker_max_deliveries: u64,
     /// Consumer name in the group (default: host-pid-random, unique per process).
@@ -229,7 +244,7 @@ pub struct ReconcileArgs {
     #[arg(long)]
     pub repair: bool,
     /// How long a sale's Redis state lives after its end, in seconds.
-    #[arg(long, env = "SALE_STATE_RETENTION_SECS", default_value_t = 86_400)]
+    #[arg(long, env = "SALE_STATE_RETENTION_SECS", default_value_t = defaults::SALE_STATE_RETENTION_SECS)]
     pub sale_state_retention_secs: u64,
 }
 
@@ -271,7 +286,7 @@ pub struct Settings {
 impl Default for Settings {
     fn default() -> Self {
         Self {
-            sale_state_retention: Duration::from_secs(86_400),
+            sale_state_retention: Duration::from_secs(defaults::SALE_STATE_RETENTION_SECS),
             limits: LimitArgs::default(),
         }
     }

@@ -23,6 +23,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
+use crate::config::defaults;
 use crate::keys::{Keys, Shard};
 use crate::redis_conn::RedisConn;
 use crate::stream::{self, Entry, ReadFrom};
@@ -35,7 +36,8 @@ pub struct WorkerConfig {
     /// Entries another consumer left pending this long are taken over (that consumer
     /// is presumed dead). Must exceed the time a healthy batch takes.
     pub claim_idle: Duration,
-    /// An entry delivered more often than this is dead-lettered instead of written.
+    /// An entry delivered more often than this is written alone; more than twice as
+    /// often, buried as poison.
     pub max_deliveries: u64,
     /// How often acknowledged entries are trimmed from the stream.
     pub trim_every: Duration,
@@ -59,10 +61,10 @@ impl Default for WorkerConfig {
     fn default() -> Self {
         Self {
             consumer: Self::unique_consumer_name(),
-            batch_size: 256,
-            block: Duration::from_secs(1),
-            claim_idle: Duration::from_secs(15),
-            max_deliveries: 5,
+            batch_size: defaults::WORKER_BATCH_SIZE as usize,
+            block: Duration::from_millis(defaults::WORKER_BLOCK_MS),
+            claim_idle: Duration::from_millis(defaults::WORKER_CLAIM_IDLE_MS),
+            max_deliveries: defaults::WORKER_MAX_DELIVERIES,
             trim_every: Duration::from_secs(1),
         }
     }
