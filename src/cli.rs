@@ -1,20 +1,15 @@
 //! The subcommands: wiring of configuration, connections and tasks.
 
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
-use crate::admission::order_id::OrderIds;
-use crate::admission::upkeep;
 use crate::auth::JwtKeys;
-use crate::config::{ApiArgs, Cli, Command, RedisArgs, Settings, WorkerOptions};
-use crate::keys::Keys;
+use crate::config::{ApiArgs, Cli, Command, WorkerOptions};
 use crate::redis_conn;
-use crate::state::AppState;
-use crate::worker::{Worker, WorkerConfig};
+use crate::startup::{build_worker, keys, redis, Application};
 use crate::{store, telemetry};
 
 pub async fn main() -> ExitCode {
@@ -50,7 +45,7 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
                 args.database.database_max_connections,
             )?;
             let cancel = shutdown_token();
-            worker(&db, &args.redis, keys, args.worker)
+            build_worker(&db, &args.redis, keys, args.worker)
                 .await?
                 .run(cancel)
                 .await;
@@ -126,41 +121,6 @@ fn token(args: crate::config::TokenArgs) -> anyhow::Result<()> {
     }
 }
 
-fn keys(redis: &RedisArgs) -> anyhow::Result<Keys> {
-    Keys::with_shards(redis.redis_key_prefix.clone(), redis.stream_shards)
-}
-
-/// A connection to the configured Redis (a cluster must answer within a minute).
-async fn redis(
-    args: &RedisArgs,
-    response_timeout: Duration,
-) -> anyhow::Result<redis_conn::RedisConn> {
-    let target = redis_conn::RedisTarget::new(&args.redis_url, &args.redis_cluster_urls);
-    redis_conn::connect_to(&target, response_timeout, Duration::from_secs(60)).await
-}
-
-async fn worker(
-    db: &sqlx::PgPool,
-    redis: &RedisArgs,
-    keys: Keys,
-    opts: WorkerOptions,
-) -> anyhow::Result<Worker> {
-    let block = Duration::from_millis(opts.worker_block_ms);
-    // Its own connection, with room for the blocking read in the response timeout.
-    let conn = self::redis(redis, block + redis_conn::COMMAND_TIMEOUT).await?;
-    let config = WorkerConfig {
-        consumer: opts
-            .worker_consumer
-            .unwrap_or_else(WorkerConfig::unique_consumer_name),
-        batch_size: opts.worker_batch_size as usize,
-        block,
-        claim_idle: Duration::from_millis(opts.worker_claim_idle_ms),
-        max_deliveries: opts.worker_max_deliveries,
-        ..WorkerConfig::default()
-    };
-    Ok(Worker::new(db.clone(), conn, keys, config))
-}
-
 /// SIGINT or SIGTERM cancels the token.
 fn shutdown_token() -> CancellationToken {
     let token = CancellationToken::new();
@@ -189,51 +149,9 @@ fn shutdown_token() -> CancellationToken {
 }
 
 async fn serve(api: ApiArgs, worker_opts: Option<WorkerOptions>) -> anyhow::Result<()> {
-    let keys = keys(&api.redis)?;
-    let db = store::pool(
-        &api.database.database_url,
-        api.database.database_max_connections,
-    )?;
-    if !api.skip_migrations {
-        store::migrate(&db, Duration::from_secs(60)).await?;
-    }
-    let redis = redis(&api.redis, redis_conn::COMMAND_TIMEOUT).await?;
-    let settings = Settings {
-        sale_state_retention: Duration::from_secs(api.sale_state_retention_secs),
-        limits: api.limits.clone(),
-    };
-    let ids = Arc::new(OrderIds::default());
-    let state = AppState::new(
-        db.clone(),
-        redis.clone(),
-        keys.clone(),
-        JwtKeys::new(&api.jwt_secret)?,
-        ids.clone(),
-        settings.clone(),
-    );
-    let cancel = shutdown_token();
-    let tasks = tokio_util::task::TaskTracker::new();
-
-    let duties = upkeep::Upkeep {
-        db: db.clone(),
-        redis: redis.clone(),
-        keys: keys.clone(),
-        ids: ids.clone(),
-        retention: settings.sale_state_retention,
-    };
-    tasks.spawn(upkeep::run(duties, cancel.clone()));
-    if let Some(opts) = worker_opts {
-        let worker = worker(&db, &api.redis, keys, opts).await?;
-        tasks.spawn(worker.run(cancel.clone()));
-    }
-
-    let listener = tokio::net::TcpListener::bind(api.bind).await?;
-    tracing::info!(addr = %listener.local_addr()?, "listening");
-    let app = crate::build_app(state);
-    crate::http::server::serve(listener, app, (&api.server).into(), cancel.clone()).await;
-    cancel.cancel();
-    tasks.close();
-    tasks.wait().await;
+    let app = Application::build(api, worker_opts, shutdown_token()).await?;
+    tracing::info!(addr = %app.local_addr()?, "listening");
+    app.run().await;
     tracing::info!("stopped");
     Ok(())
 }

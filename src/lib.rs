@@ -16,6 +16,7 @@ pub mod keys;
 pub mod metrics;
 pub mod reconcile;
 pub mod redis_conn;
+pub mod startup;
 pub mod state;
 pub mod store;
 pub mod stream;

@@ -30,10 +30,11 @@ pub struct Upkeep {
 /// Holds an order-id node lease, and loads every open sale whose Redis state is missing:
 /// at start, and again whenever the lease shows that Redis lost its data (restart
 /// without persistence, FLUSHALL, failover).
-pub async fn run(state: Upkeep, cancel: CancellationToken) {
+/// `lease`: one already acquired at start-up, if any.
+pub async fn run(state: Upkeep, lease: Option<NodeLease>, cancel: CancellationToken) {
     let mut conn: RedisConn = state.redis.clone();
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
-    let mut lease: Option<NodeLease> = None;
+    let mut lease = lease;
     // Cleared only once a load of the open sales has succeeded (Postgres may be down).
     let mut reload = true;
     while !cancel.is_cancelled() {

@@ -86,7 +86,11 @@ impl TestApp {
                 ids,
                 retention,
             };
-            tokio::spawn(seckill::admission::upkeep::run(duties, cancel.clone()));
+            tokio::spawn(seckill::admission::upkeep::run(
+                duties,
+                Some(lease),
+                cancel.clone(),
+            ));
         }
         let app =
             seckill::build_app(state.clone()).into_make_service_with_connect_info::<SocketAddr>();

@@ -1,0 +1,148 @@
+//! Starting the service: the one startup `seckill serve` / `seckill api` use, and the
+//! one the tests use (zero-to-production's `Application::build`).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::admission::order_id::{NodeLease, OrderIds};
+use crate::admission::upkeep;
+use crate::auth::JwtKeys;
+use crate::config::{ApiArgs, RedisArgs, Settings, WorkerOptions};
+use crate::http::server::ServerLimits;
+use crate::keys::Keys;
+use crate::redis_conn::{self, RedisConn};
+use crate::state::AppState;
+use crate::store;
+use crate::worker::{Worker, WorkerConfig};
+
+/// A bound, ready API process (and its worker, for `serve`), not yet serving.
+pub struct Application {
+    listener: TcpListener,
+    state: AppState,
+    limits: ServerLimits,
+    tasks: TaskTracker,
+    cancel: CancellationToken,
+}
+
+impl Application {
+    /// Connects, applies migrations unless told not to, binds, and starts the
+    /// background duties (and the worker when `worker` is given); they stop when
+    /// `cancel` fires.
+    pub async fn build(
+        api: ApiArgs,
+        worker: Option<WorkerOptions>,
+        cancel: CancellationToken,
+    ) -> anyhow::Result<Self> {
+        let keys = keys(&api.redis)?;
+        let db = store::pool(
+            &api.database.database_url,
+            api.database.database_max_connections,
+        )?;
+        if !api.skip_migrations {
+            store::migrate(&db, Duration::from_secs(60)).await?;
+        }
+        let redis = redis(&api.redis, redis_conn::COMMAND_TIMEOUT).await?;
+        let settings = Settings {
+            sale_state_retention: Duration::from_secs(api.sale_state_retention_secs),
+            limits: api.limits.clone(),
+        };
+        let ids = Arc::new(OrderIds::default());
+        // Lease an order-id node now if Redis answers, so the first grab can be served;
+        // otherwise the upkeep keeps trying (the process starts, and reports not ready).
+        let lease = match NodeLease::acquire(&mut redis.clone(), &keys).await {
+            Ok(lease) => {
+                ids.set_node(lease.node);
+                Some(lease)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "no order-id node leased yet");
+                None
+            }
+        };
+        let state = AppState::new(
+            db.clone(),
+            redis.clone(),
+            keys.clone(),
+            JwtKeys::new(&api.jwt_secret)?,
+            ids.clone(),
+            settings.clone(),
+        );
+        let tasks = TaskTracker::new();
+        let duties = upkeep::Upkeep {
+            db: db.clone(),
+            redis: redis.clone(),
+            keys: keys.clone(),
+            ids,
+            retention: settings.sale_state_retention,
+        };
+        tasks.spawn(upkeep::run(duties, lease, cancel.clone()));
+        if let Some(opts) = worker {
+            let worker = build_worker(&db, &api.redis, keys, opts).await?;
+            tasks.spawn(worker.run(cancel.clone()));
+        }
+        let listener = TcpListener::bind(api.bind).await?;
+        Ok(Self {
+            listener,
+            state,
+            limits: (&api.server).into(),
+            tasks,
+            cancel,
+        })
+    }
+
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    pub fn state(&self) -> &AppState {
+        &self.state
+    }
+
+    /// Serves until the token fires, lets requests in progress finish, then waits for
+    /// the background duties and the worker (which finishes its batch) to stop.
+    pub async fn run(self) {
+        let app = crate::build_app(self.state);
+        crate::http::server::serve(self.listener, app, self.limits, self.cancel.clone()).await;
+        self.cancel.cancel();
+        self.tasks.close();
+        self.tasks.wait().await;
+    }
+}
+
+pub fn keys(redis: &RedisArgs) -> anyhow::Result<Keys> {
+    Keys::with_shards(redis.redis_key_prefix.clone(), redis.stream_shards)
+}
+
+/// A connection to the configured Redis (a cluster must answer within a minute).
+pub async fn redis(args: &RedisArgs, response_timeout: Duration) -> anyhow::Result<RedisConn> {
+    let target = redis_conn::RedisTarget::new(&args.redis_url, &args.redis_cluster_urls);
+    redis_conn::connect_to(&target, response_timeout, Duration::from_secs(60)).await
+}
+
+/// A worker with a Redis connection of its own.
+pub async fn build_worker(
+    db: &sqlx::PgPool,
+    redis: &RedisArgs,
+    keys: Keys,
+    opts: WorkerOptions,
+) -> anyhow::Result<Worker> {
+    let block = Duration::from_millis(opts.worker_block_ms);
+    // Room for the blocking read in the response timeout.
+    let conn = self::redis(redis, block + redis_conn::COMMAND_TIMEOUT).await?;
+    let config = WorkerConfig {
+        consumer: opts
+            .worker_consumer
+            .unwrap_or_else(WorkerConfig::unique_consumer_name),
+        batch_size: opts.worker_batch_size as usize,
+        block,
+        claim_idle: Duration::from_millis(opts.worker_claim_idle_ms),
+        max_deliveries: opts.worker_max_deliveries,
+        ..WorkerConfig::default()
+    };
+    Ok(Worker::new(db.clone(), conn, keys, config))
+}
