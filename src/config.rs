@@ -18,6 +18,10 @@ pub mod defaults {
     pub const WORKER_CLAIM_IDLE_MS: u64 = 15_000;
     pub const WORKER_MAX_DELIVERIES: u64 = 5;
     pub const SALE_STATE_RETENTION_SECS: u64 = 86_400;
+    pub const HTTP_HEADER_READ_TIMEOUT_SECS: u64 = 5;
+    pub const HTTP_KEEPALIVE_IDLE_SECS: u64 = 75;
+    pub const HTTP_MAX_CONNECTIONS: u32 = 10_000;
+    pub const DATABASE_MAX_CONNECTIONS: u32 = 16;
 }
 
 #[derive(Debug, Parser)]
@@ -72,7 +76,7 @@ pub struct DatabaseArgs {
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
     /// Largest number of Postgres connections this process opens.
-    #[arg(long, env = "DATABASE_MAX_CONNECTIONS", default_value_t = 16)]
+    #[arg(long, env = "DATABASE_MAX_CONNECTIONS", default_value_t = defaults::DATABASE_MAX_CONNECTIONS)]
     pub database_max_connections: u32,
 }
 
@@ -121,22 +125,32 @@ pub struct ApiArgs {
     pub server: ServerArgs,
 }
 
+impl Default for ServerArgs {
+    fn default() -> Self {
+        Self {
+            http_header_read_timeout_secs: defaults::HTTP_HEADER_READ_TIMEOUT_SECS,
+            http_keepalive_idle_secs: defaults::HTTP_KEEPALIVE_IDLE_SECS,
+            http_max_connections: defaults::HTTP_MAX_CONNECTIONS,
+        }
+    }
+}
+
 /// Limits of the HTTP server itself: what a connection may cost before any request.
 #[derive(Debug, Clone, Args)]
 pub struct ServerArgs {
     /// A request's headers must arrive within this many seconds of its first byte (of
     /// the connection's opening, for its first request); slower clients are cut off.
-    #[arg(long, env = "HTTP_HEADER_READ_TIMEOUT_SECS", default_value_t = 5,
+    #[arg(long, env = "HTTP_HEADER_READ_TIMEOUT_SECS", default_value_t = defaults::HTTP_HEADER_READ_TIMEOUT_SECS,
           value_parser = clap::value_parser!(u64).range(1..=300))]
     pub http_header_read_timeout_secs: u64,
     /// A keep-alive connection idle this many seconds between requests is closed (keep
     /// it above the idle timeout of a load balancer in front).
-    #[arg(long, env = "HTTP_KEEPALIVE_IDLE_SECS", default_value_t = 75,
+    #[arg(long, env = "HTTP_KEEPALIVE_IDLE_SECS", default_value_t = defaults::HTTP_KEEPALIVE_IDLE_SECS,
           value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub http_keepalive_idle_secs: u64,
     /// Open client connections at most; beyond, new ones wait in the listen backlog
     /// until one closes. Lowered to fit the process's descriptor limit.
-    #[arg(long, env = "HTTP_MAX_CONNECTIONS", default_value_t = 10_000,
+    #[arg(long, env = "HTTP_MAX_CONNECTIONS", default_value_t = defaults::HTTP_MAX_CONNECTIONS,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub http_max_connections: u32,
 }

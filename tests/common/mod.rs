@@ -8,7 +8,6 @@ pub mod cluster;
 pub mod faults;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -17,11 +16,11 @@ use serde_json::{json, Value};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
-use seckill::admission::order_id::{NodeLease, OrderIds};
 use seckill::auth::JwtKeys;
-use seckill::config::Settings;
+use seckill::config::{ApiArgs, DatabaseArgs, RedisArgs, ServerArgs, Settings};
 use seckill::keys::Keys;
 use seckill::redis_conn::{self, RedisConn};
+use seckill::startup::Application;
 use seckill::worker::{BatchReport, Worker, WorkerConfig};
 use seckill::AppState;
 
@@ -60,47 +59,36 @@ impl TestApp {
         Self::spawn_full(db, redis_url(), false, settings).await
     }
 
-    async fn spawn_full(db: PgPool, redis_url: String, upkeep: bool, settings: Settings) -> Self {
+    /// The app started the way `seckill api` starts it ([`Application::build`]), on a
+    /// spare loopback port, in the test's database and a key prefix of its own.
+    /// (`_upkeep`: the background duties always run, as in production.)
+    async fn spawn_full(db: PgPool, redis_url: String, _upkeep: bool, settings: Settings) -> Self {
         let prefix = format!("test{:016x}:", rand::random::<u64>());
-        let keys = Keys::new(prefix).unwrap();
-        let redis = redis_conn::connect(&redis_url, redis_conn::COMMAND_TIMEOUT).unwrap();
-        let lease = NodeLease::acquire(&mut redis.clone(), &keys).await.unwrap();
-        let ids = Arc::new(OrderIds::with_node(lease.node));
-        let retention = settings.sale_state_retention;
-        let state = AppState::new(
-            db.clone(),
-            redis.clone(),
-            keys.clone(),
-            JwtKeys::new(SECRET).unwrap(),
-            ids.clone(),
-            settings,
-        );
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
+        let keys = Keys::new(prefix.clone()).unwrap();
+        let api = ApiArgs {
+            database: DatabaseArgs {
+                database_url: faults::database_url(&db, None),
+                database_max_connections: 16,
+            },
+            redis: RedisArgs {
+                redis_url: redis_url.clone(),
+                redis_cluster_urls: Vec::new(),
+                redis_key_prefix: prefix,
+                stream_shards: 1,
+            },
+            jwt_secret: SECRET.into(),
+            bind: "127.0.0.1:0".parse().unwrap(),
+            skip_migrations: true,
+            sale_state_retention_secs: settings.sale_state_retention.as_secs(),
+            limits: settings.limits,
+            server: ServerArgs::default(),
+        };
         let cancel = CancellationToken::new();
-        if upkeep {
-            let duties = seckill::admission::upkeep::Upkeep {
-                db: db.clone(),
-                redis: redis.clone(),
-                keys: keys.clone(),
-                ids,
-                retention,
-            };
-            tokio::spawn(seckill::admission::upkeep::run(
-                duties,
-                Some(lease),
-                cancel.clone(),
-            ));
-        }
-        let app =
-            seckill::build_app(state.clone()).into_make_service_with_connect_info::<SocketAddr>();
-        let stop = cancel.clone();
-        tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(stop.cancelled_owned())
-                .await
-                .unwrap();
-        });
+        let app = Application::build(api, None, cancel.clone()).await.unwrap();
+        let addr = app.local_addr().unwrap();
+        let state = app.state().clone();
+        tokio::spawn(app.run());
+        let redis = redis_conn::connect(&redis_url, redis_conn::COMMAND_TIMEOUT).unwrap();
         Self {
             redis_url,
             addr,
