@@ -1,8 +1,6 @@
 //! Real faults for tests: a TCP proxy that can be cut, a private Redis server that can
 //! be flushed, and the real binary that can be killed.
 
-#![allow(dead_code)]
-
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -1,13 +1,11 @@
 //! Scale-out on a real 3-master Redis Cluster: two `seckill api` and two `seckill worker`
 //! processes, six stream shards, a dozen sales at once.
 
-mod common;
-
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use common::cluster::PrivateCluster;
-use common::faults::{self, Process};
+use crate::common::cluster::PrivateCluster;
+use crate::common::faults::{self, Process};
 use futures::StreamExt;
 use reqwest::StatusCode;
 use seckill::auth::JwtKeys;
@@ -51,7 +49,7 @@ async fn a_dozen_sales_on_a_three_master_cluster_sell_exactly_their_stock(db: Pg
         faults::wait_ready(base).await;
     }
 
-    let jwt = JwtKeys::new(common::SECRET).unwrap();
+    let jwt = JwtKeys::new(crate::common::SECRET).unwrap();
     let http = reqwest::Client::new();
     let now = chrono::Utc::now();
     let stock = 40i64;

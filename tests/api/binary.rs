@@ -1,13 +1,11 @@
 //! The real binary: `seckill serve` migrates, serves, persists orders through its own
 //! worker and shuts down cleanly on SIGTERM; `seckill token` mints usable tokens.
 
-mod common;
-
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::faults::BIN;
-use common::TestApp;
+use crate::common::faults::BIN;
+use crate::common::TestApp;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 use sqlx::PgPool;
@@ -16,7 +14,7 @@ use sqlx::PgPool;
 fn token(user: i64, admin: bool) -> String {
     let mut cmd = Command::new(BIN);
     cmd.args(["token", "--user", &user.to_string()])
-        .env("JWT_SECRET", common::SECRET);
+        .env("JWT_SECRET", crate::common::SECRET);
     if admin {
         cmd.arg("--admin");
     }

@@ -2,13 +2,11 @@
 //! proxy, Redis flushed, SIGTERM under load. After each: every admitted order persisted
 //! exactly once, Postgres stock = initial - orders, no user twice, nothing left pending.
 
-mod common;
-
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use common::faults::{self, PrivateRedis, Process, Proxy};
-use common::TestApp;
+use crate::common::faults::{self, PrivateRedis, Process, Proxy};
+use crate::common::TestApp;
 use futures::StreamExt;
 use reqwest::StatusCode;
 use serde_json::Value;

@@ -2,11 +2,9 @@
 //! oversized headers), honest answers when the admission store fails mid-call, read
 //! paths that fall back to Postgres while Redis is down, and input nits.
 
-mod common;
-
 use std::time::Duration;
 
-use common::TestApp;
+use crate::common::TestApp;
 use reqwest::StatusCode;
 use serde_json::json;
 use sqlx::PgPool;
@@ -95,7 +93,7 @@ async fn block_redis(url: &str, millis: u64) -> tokio::task::JoinHandle<()> {
 async fn a_grab_whose_redis_call_times_out_says_the_outcome_is_unknown_and_a_retry_tells(
     db: PgPool,
 ) {
-    let redis = common::faults::PrivateRedis::start();
+    let redis = crate::common::faults::PrivateRedis::start();
     let app = TestApp::spawn_with(db, redis.url.clone(), false).await;
     let voucher = app.open_sale(5).await;
     // A first grab loads the script into this new Redis (else EVALSHA finds no script).
@@ -141,7 +139,7 @@ async fn a_grab_whose_redis_call_times_out_says_the_outcome_is_unknown_and_a_ret
 /// reconnect attempts per sale until the request times out.
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn read_paths_answer_from_postgres_within_a_second_while_redis_is_down(db: PgPool) {
-    let redis = common::faults::PrivateRedis::start();
+    let redis = crate::common::faults::PrivateRedis::start();
     let app = TestApp::spawn_with(db, redis.url.clone(), false).await;
     let mut sales = Vec::new();
     for _ in 0..25 {
@@ -335,7 +333,7 @@ async fn an_idle_keep_alive_connection_is_closed_after_the_idle_timeout(db: PgPo
 /// slots: a fresh client is answered.
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn slow_clients_beyond_the_connection_cap_do_not_stop_healthz_from_answering(db: PgPool) {
-    use common::faults;
+    use crate::common::faults;
     let app = TestApp::spawn(db).await;
     let port = faults::free_port();
     let mut cmd = std::process::Command::new("sh");
@@ -344,7 +342,7 @@ async fn slow_clients_beyond_the_connection_cap_do_not_stop_healthz_from_answeri
         .env("DATABASE_MAX_CONNECTIONS", "4")
         .env("REDIS_URL", &app.redis_url)
         .env("REDIS_KEY_PREFIX", app.keys.prefix())
-        .env("JWT_SECRET", common::SECRET)
+        .env("JWT_SECRET", crate::common::SECRET)
         .env("BIND", format!("127.0.0.1:{port}"))
         .env("HTTP_HEADER_READ_TIMEOUT_SECS", "1")
         .env("HTTP_MAX_CONNECTIONS", "32")

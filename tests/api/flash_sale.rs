@@ -1,11 +1,9 @@
 //! The flash sale end to end: admission over HTTP, the worker, Postgres.
 
-mod common;
-
 use std::collections::{HashMap, HashSet};
 
+use crate::common::TestApp;
 use chrono::{Duration, Utc};
-use common::TestApp;
 use reqwest::StatusCode;
 use serde_json::Value;
 use sqlx::PgPool;

@@ -1,10 +1,8 @@
 //! The worker: replays, take-overs, idempotent writes and entries that can never be orders.
 
-mod common;
-
 use std::collections::HashSet;
 
-use common::TestApp;
+use crate::common::TestApp;
 use reqwest::StatusCode;
 use seckill::store::orders::{self, NewOrder};
 use seckill::stream::{Entry, ReadFrom};

@@ -1,8 +1,6 @@
 //! Running it in front of real traffic: limits, request ids, metrics, the API document.
 
-mod common;
-
-use common::TestApp;
+use crate::common::TestApp;
 use reqwest::StatusCode;
 use seckill::config::{LimitArgs, Settings};
 use serde_json::Value;

@@ -1,8 +1,6 @@
 //! Who may do what, and bad input: every rejection is a JSON 4xx and stores nothing.
 
-mod common;
-
-use common::TestApp;
+use crate::common::TestApp;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 use sqlx::PgPool;
@@ -34,7 +32,7 @@ async fn requests_without_a_valid_token_are_unauthorized(db: PgPool) {
         jsonwebtoken::encode(
             &jsonwebtoken::Header::default(),
             &claims,
-            &jsonwebtoken::EncodingKey::from_secret(common::SECRET.as_bytes()),
+            &jsonwebtoken::EncodingKey::from_secret(crate::common::SECRET.as_bytes()),
         )
         .unwrap()
     };

@@ -1,11 +1,9 @@
 //! `seckill reconcile` and `seckill dead-letters`, run as the real binary.
 
-mod common;
-
 use std::process::Command;
 
-use common::faults::{database_url, BIN};
-use common::TestApp;
+use crate::common::faults::{database_url, BIN};
+use crate::common::TestApp;
 use reqwest::StatusCode;
 use sqlx::PgPool;
 

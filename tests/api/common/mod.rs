@@ -2,12 +2,9 @@
 //! database per test, from `#[sqlx::test]`) and the real Redis under a key prefix of
 //! the test's own, deleted when the test ends.
 
-#![allow(dead_code)]
-
 pub mod cluster;
 pub mod faults;
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -32,7 +29,6 @@ pub fn redis_url() -> String {
 
 pub struct TestApp {
     pub redis_url: String,
-    pub addr: SocketAddr,
     pub base: String,
     pub db: PgPool,
     pub redis: RedisConn,
@@ -91,7 +87,6 @@ impl TestApp {
         let redis = redis_conn::connect(&redis_url, redis_conn::COMMAND_TIMEOUT).unwrap();
         Self {
             redis_url,
-            addr,
             base: format!("http://{addr}"),
             db,
             redis,

@@ -6,16 +6,14 @@
 //! The system is driven only from outside: HTTP, the `seckill` binary (`serve`, `api`,
 //! `worker`, `reconcile`), SQL on the test's database and raw Redis commands.
 
-mod common;
-
 use std::collections::HashMap;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::faults::{self, Process, BIN};
-use common::TestApp;
+use crate::common::faults::{self, Process, BIN};
+use crate::common::TestApp;
 use futures::StreamExt;
 use reqwest::StatusCode;
 use seckill::keys::{Keys, Shard};
@@ -804,7 +802,7 @@ async fn seckill_async(
 }
 
 fn run_captured(mut cmd: Command, env: &[(String, String)]) -> (Option<i32>, String, Duration) {
-    cmd.env("JWT_SECRET", common::SECRET)
+    cmd.env("JWT_SECRET", crate::common::SECRET)
         .env("RUST_LOG", "warn")
         .stdout(std::process::Stdio::piped());
     for (k, v) in env {

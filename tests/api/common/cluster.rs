@@ -1,8 +1,6 @@
 //! A real Redis Cluster of the test's own: `redis-server --cluster-enabled yes` nodes on
 //! spare loopback ports, joined by `redis-cli --cluster create`.
 
-#![allow(dead_code)]
-
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 

@@ -1,0 +1,17 @@
+//! The integration tests, one binary: the real app (started through
+//! `seckill::startup::Application`, as `main` starts it) and the real `seckill` binary,
+//! against real Redis and Postgres. Each test has its own database (`#[sqlx::test]`)
+//! and its own Redis key prefix, so tests run in parallel and leave nothing behind.
+
+mod common;
+
+mod auth_and_validation;
+mod binary;
+mod cluster;
+mod faults;
+mod flash_sale;
+mod http_limits;
+mod operations;
+mod reconcile;
+mod recovery;
+mod worker;
