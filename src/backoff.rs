@@ -4,14 +4,14 @@ use std::time::Duration;
 
 /// Capped exponential backoff with jitter.
 #[derive(Debug)]
-pub struct Backoff {
+pub(crate) struct Backoff {
     base: Duration,
     cap: Duration,
     attempt: u32,
 }
 
 impl Backoff {
-    pub fn new(base: Duration, cap: Duration) -> Self {
+    pub(crate) fn new(base: Duration, cap: Duration) -> Self {
         Self {
             base,
             cap,
@@ -19,7 +19,7 @@ impl Backoff {
         }
     }
 
-    pub fn next_delay(&mut self) -> Duration {
+    pub(crate) fn next_delay(&mut self) -> Duration {
         let exp = self.base.saturating_mul(1 << self.attempt.min(16));
         self.attempt += 1;
         let capped = exp.min(self.cap);
@@ -28,7 +28,7 @@ impl Backoff {
         half + half.mul_f64(rand::random::<f64>())
     }
 
-    pub fn reset(&mut self) {
+    pub(crate) fn reset(&mut self) {
         self.attempt = 0;
     }
 }

@@ -25,12 +25,9 @@ struct ShardKeys {
 }
 
 /// The field of a sale's hash recording a buyer's order id.
-pub fn buyer_field(user_id: i64) -> String {
+pub(crate) fn buyer_field(user_id: i64) -> String {
     format!("u:{user_id}")
 }
-
-/// Fields of a sale's hash besides the buyers.
-pub const SALE_FIELDS: i64 = 3;
 
 /// Which stream shard a voucher's orders go to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -117,17 +114,17 @@ impl Keys {
     }
 
     /// Lease of an order-id node number (not tied to a shard).
-    pub fn node_lease(&self, node: u16) -> String {
+    pub(crate) fn node_lease(&self, node: u16) -> String {
         format!("{}seckill:node:{node}", self.prefix)
     }
 
-    pub fn node_counter(&self) -> String {
+    pub(crate) fn node_counter(&self) -> String {
         format!("{}seckill:node-counter", self.prefix)
     }
 }
 
 /// CRC16 hash slot as Redis Cluster computes it (hash tag aware).
-pub fn slot(key: &str) -> u16 {
+pub(crate) fn slot(key: &str) -> u16 {
     let bytes = key.as_bytes();
     let hashed = match key.find('{') {
         Some(open) => match key[open + 1..].find('}') {

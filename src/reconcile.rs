@@ -24,7 +24,7 @@ use crate::admission::loader::{self, Fenced, Mode};
 use crate::keys::Keys;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct VoucherBooks {
+pub(crate) struct VoucherBooks {
     pub voucher_id: i64,
     pub initial_stock: i64,
     pub pg_stock: i64,
@@ -43,7 +43,7 @@ pub struct VoucherBooks {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
+pub(crate) enum Verdict {
     Balanced,
     /// An ended sale whose Redis state has expired: nothing to compare.
     Expired,
@@ -53,7 +53,7 @@ pub enum Verdict {
 }
 
 impl Verdict {
-    pub fn is_ok(self) -> bool {
+    pub(crate) fn is_ok(self) -> bool {
         matches!(self, Verdict::Balanced | Verdict::Expired)
     }
 
@@ -87,15 +87,15 @@ impl VoucherBooks {
 
     /// Redis stock minus what it must be (positive: Redis could sell units Postgres
     /// does not have).
-    pub fn stock_drift(&self) -> Option<i64> {
+    pub(crate) fn stock_drift(&self) -> Option<i64> {
         self.redis_stock.map(|s| s - self.expected_stock)
     }
 
-    pub fn buyers_drift(&self) -> i64 {
+    pub(crate) fn buyers_drift(&self) -> i64 {
         self.redis_buyers - self.expected_buyers
     }
 
-    pub fn verdict(&self) -> Verdict {
+    pub(crate) fn verdict(&self) -> Verdict {
         if self.initial_stock != self.pg_stock + self.pg_orders {
             return Verdict::Drift;
         }
@@ -116,7 +116,7 @@ impl VoucherBooks {
 
 /// The books of the given voucher, or of every sale not ended longer than `retention`
 /// ago, each read through the fence.
-pub async fn books<C: ConnectionLike + Send>(
+pub(crate) async fn books<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,
@@ -147,11 +147,11 @@ pub async fn books<C: ConnectionLike + Send>(
 }
 
 /// Where the report goes, a piece at a time (standard output, in the binary).
-pub type Emit<'a> = dyn FnMut(&str) -> anyhow::Result<()> + 'a;
+pub(crate) type Emit<'a> = dyn FnMut(&str) -> anyhow::Result<()> + 'a;
 
 /// `seckill reconcile [--voucher ID] [--repair]`: prints the books, repairs what is out
 /// of balance (or the given voucher) when asked, and says whether the books balance.
-pub async fn run<C: ConnectionLike + Send>(
+pub(crate) async fn run<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,
@@ -197,7 +197,7 @@ pub async fn run<C: ConnectionLike + Send>(
 
 /// `seckill dead-letters [--limit N]`: the newest dead letters with their reason and
 /// fields, and the total.
-pub async fn list_dead_letters<C: ConnectionLike + Send>(
+pub(crate) async fn list_dead_letters<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     limit: usize,
@@ -230,22 +230,13 @@ pub async fn list_dead_letters<C: ConnectionLike + Send>(
 
 /// One entry of the dead-letter stream.
 #[derive(Debug, Clone)]
-pub struct DeadLetter {
+pub(crate) struct DeadLetter {
     pub id: String,
     pub fields: Vec<(String, String)>,
 }
 
-impl DeadLetter {
-    pub fn field(&self, name: &str) -> Option<&str> {
-        self.fields
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
-    }
-}
-
 /// Up to `limit` dead letters of every shard, oldest first.
-pub async fn dead_letters<C: ConnectionLike + Send>(
+pub(crate) async fn dead_letters<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     limit: usize,
@@ -263,7 +254,7 @@ pub async fn dead_letters<C: ConnectionLike + Send>(
 
 /// Rebuilds one sale's Redis state from Postgres through the fence (see
 /// [`loader::fenced`]): safe during a live sale.
-pub async fn repair<C: ConnectionLike + Send>(
+pub(crate) async fn repair<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,
@@ -276,7 +267,7 @@ pub async fn repair<C: ConnectionLike + Send>(
 }
 
 /// The table `seckill reconcile` prints.
-pub fn render(rows: &[VoucherBooks]) -> String {
+pub(crate) fn render(rows: &[VoucherBooks]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,

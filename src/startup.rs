@@ -114,18 +114,21 @@ impl Application {
     }
 }
 
-pub fn keys(redis: &RedisArgs) -> anyhow::Result<Keys> {
+pub(crate) fn keys(redis: &RedisArgs) -> anyhow::Result<Keys> {
     Keys::with_shards(redis.redis_key_prefix.clone(), redis.stream_shards)
 }
 
 /// A connection to the configured Redis (a cluster must answer within a minute).
-pub async fn redis(args: &RedisArgs, response_timeout: Duration) -> anyhow::Result<RedisConn> {
+pub(crate) async fn redis(
+    args: &RedisArgs,
+    response_timeout: Duration,
+) -> anyhow::Result<RedisConn> {
     let target = redis_conn::RedisTarget::new(&args.redis_url, &args.redis_cluster_urls);
     redis_conn::connect_to(&target, response_timeout, Duration::from_secs(60)).await
 }
 
 /// A worker with a Redis connection of its own.
-pub async fn build_worker(
+pub(crate) async fn build_worker(
     db: &sqlx::PgPool,
     redis: &RedisArgs,
     keys: Keys,

@@ -60,7 +60,7 @@ pub struct Loaded {
 /// One sale seen from both stores at one moment: Postgres under the sale's row lock,
 /// Redis (sale state and stream position) in one script.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Fenced {
+pub(crate) struct Fenced {
     pub initial_stock: i64,
     pub pg_stock: i64,
     pub pg_orders: i64,
@@ -115,7 +115,7 @@ pub async fn load_sale<C: ConnectionLike + Send>(
 /// and counted in flight. Either way it is counted once: no unit is given out twice
 /// and no buyer record is lost.
 #[tracing::instrument(skip(db, conn, keys))]
-pub async fn fenced<C: ConnectionLike + Send>(
+pub(crate) async fn fenced<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,

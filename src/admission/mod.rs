@@ -32,7 +32,7 @@ pub enum Outcome {
 
 impl Outcome {
     /// A stable name for metrics.
-    pub fn label(&self) -> &'static str {
+    pub(crate) fn label(&self) -> &'static str {
         match self {
             Outcome::Admitted { .. } => "admitted",
             Outcome::NotLoaded => "not_loaded",
@@ -150,7 +150,7 @@ pub async fn orders_of<C: ConnectionLike + Send + Clone>(
 
 /// Looks an order up among the stream entries not yet trimmed (for administrators, who
 /// do not know whose order it is): a scan of at most `limit` entries per shard.
-pub async fn find_in_stream<C: ConnectionLike + Send>(
+pub(crate) async fn find_in_stream<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     order_id: i64,

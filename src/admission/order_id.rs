@@ -18,7 +18,7 @@ use crate::keys::Keys;
 const EPOCH_MS: u64 = 1_767_225_600_000;
 const NODE_BITS: u32 = 10;
 const SEQ_BITS: u32 = 12;
-pub const NODES: u16 = 1 << NODE_BITS;
+pub(crate) const NODES: u16 = 1 << NODE_BITS;
 const NO_NODE: u64 = u64::MAX;
 
 /// Mints order ids once a node number is set.
@@ -40,23 +40,24 @@ impl Default for OrderIds {
 }
 
 impl OrderIds {
-    pub fn with_node(node: u16) -> Self {
+    #[cfg(test)]
+    fn with_node(node: u16) -> Self {
         let ids = Self::default();
         ids.set_node(node);
         ids
     }
 
-    pub fn set_node(&self, node: u16) {
+    pub(crate) fn set_node(&self, node: u16) {
         assert!(node < NODES, "node number out of range");
         self.node.store(node as u64, Ordering::Release);
     }
 
     /// Stops minting until a node number is set again.
-    pub fn clear_node(&self) {
+    pub(crate) fn clear_node(&self) {
         self.node.store(NO_NODE, Ordering::Release);
     }
 
-    pub fn node(&self) -> Option<u16> {
+    pub(crate) fn node(&self) -> Option<u16> {
         match self.node.load(Ordering::Acquire) {
             NO_NODE => None,
             n => Some(n as u16),
@@ -94,7 +95,7 @@ fn now_ms() -> u64 {
 }
 
 /// The admission time encoded in an order id.
-pub fn timestamp_ms(order_id: i64) -> u64 {
+pub(crate) fn timestamp_ms(order_id: i64) -> u64 {
     ((order_id as u64) >> (NODE_BITS + SEQ_BITS)) + EPOCH_MS
 }
 
@@ -102,19 +103,19 @@ static RENEW: std::sync::LazyLock<redis::Script> =
     std::sync::LazyLock::new(|| redis::Script::new(include_str!("../../lua/renew_lease.lua")));
 
 /// A node number held in Redis with a time-to-live, renewed while the process lives.
-pub struct NodeLease {
+pub(crate) struct NodeLease {
     keys: Keys,
     token: String,
     pub node: u16,
 }
 
-pub const LEASE_TTL: Duration = Duration::from_secs(60);
+pub(crate) const LEASE_TTL: Duration = Duration::from_secs(60);
 /// How often a lease is renewed (also how soon an API notices Redis lost its data).
-pub const LEASE_RENEW_EVERY: Duration = Duration::from_secs(5);
+pub(crate) const LEASE_RENEW_EVERY: Duration = Duration::from_secs(5);
 
 impl NodeLease {
     /// Claims a free node number, starting from a rotating counter so restarts spread out.
-    pub async fn acquire<C: ConnectionLike + Send>(
+    pub(crate) async fn acquire<C: ConnectionLike + Send>(
         conn: &mut C,
         keys: &Keys,
     ) -> anyhow::Result<Self> {
@@ -145,7 +146,10 @@ impl NodeLease {
     }
 
     /// Extends the lease.
-    pub async fn renew<C: ConnectionLike + Send>(&self, conn: &mut C) -> anyhow::Result<Renewal> {
+    pub(crate) async fn renew<C: ConnectionLike + Send>(
+        &self,
+        conn: &mut C,
+    ) -> anyhow::Result<Renewal> {
         let code: i64 = RENEW
             .key(self.keys.node_lease(self.node))
             .arg(&self.token)
@@ -162,7 +166,7 @@ impl NodeLease {
 
 /// What renewing a lease found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Renewal {
+pub(crate) enum Renewal {
     Extended,
     /// The lease key was gone (Redis restarted empty or lost data) and is ours again.
     Recreated,

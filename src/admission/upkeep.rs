@@ -17,7 +17,7 @@ use crate::redis_conn::RedisConn;
 
 /// What the background duties work with.
 #[derive(Clone)]
-pub struct Upkeep {
+pub(crate) struct Upkeep {
     pub db: PgPool,
     pub redis: RedisConn,
     pub keys: Keys,
@@ -31,7 +31,7 @@ pub struct Upkeep {
 /// at start, and again whenever the lease shows that Redis lost its data (restart
 /// without persistence, FLUSHALL, failover).
 /// `lease`: one already acquired at start-up, if any.
-pub async fn run(state: Upkeep, lease: Option<NodeLease>, cancel: CancellationToken) {
+pub(crate) async fn run(state: Upkeep, lease: Option<NodeLease>, cancel: CancellationToken) {
     let mut conn: RedisConn = state.redis.clone();
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
     let mut lease = lease;

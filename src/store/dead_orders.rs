@@ -57,7 +57,7 @@ pub async fn bury(db: &PgPool, order: &NewOrder, reason: &str) -> Result<Burial,
 }
 
 /// Which of these order ids are buried (in `dead_orders`).
-pub async fn buried_among(
+pub(crate) async fn buried_among(
     tx: &mut Transaction<'_, Postgres>,
     ids: &[i64],
 ) -> Result<Vec<i64>, sqlx::Error> {
@@ -72,7 +72,7 @@ pub async fn buried_among(
 
 /// Buried (dead-lettered) orders per voucher.
 #[tracing::instrument(skip(db))]
-pub async fn dead_per_voucher(db: &PgPool) -> Result<HashMap<i64, i64>, sqlx::Error> {
+pub(crate) async fn dead_per_voucher(db: &PgPool) -> Result<HashMap<i64, i64>, sqlx::Error> {
     Ok(sqlx::query_as::<_, (i64, i64)>(
         "SELECT voucher_id, count(*) FROM dead_orders GROUP BY voucher_id",
     )

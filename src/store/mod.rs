@@ -19,7 +19,7 @@ const SESSION_TIMEOUTS: [(&str, &str); 3] = [
 ];
 
 /// A lazily connecting pool: processes start (and report not-ready) while Postgres is down.
-pub fn pool(url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
+pub(crate) fn pool(url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
     let options: PgConnectOptions = url.parse()?;
     Ok(PgPoolOptions::new()
         .max_connections(max_connections)
@@ -28,7 +28,7 @@ pub fn pool(url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
 }
 
 /// Applies pending migrations, waiting up to `patience` for Postgres to answer.
-pub async fn migrate(db: &PgPool, patience: Duration) -> anyhow::Result<()> {
+pub(crate) async fn migrate(db: &PgPool, patience: Duration) -> anyhow::Result<()> {
     let deadline = tokio::time::Instant::now() + patience;
     loop {
         // Migrations may legitimately run long: lift the service's session bounds on a
@@ -55,7 +55,7 @@ pub async fn migrate(db: &PgPool, patience: Duration) -> anyhow::Result<()> {
 
 /// SQLSTATE classes that say "this data can never be written" (data exceptions and
 /// integrity violations), as opposed to a fault worth retrying.
-pub fn is_data_error(e: &sqlx::Error) -> bool {
+pub(crate) fn is_data_error(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Database(db) => db
             .code()
@@ -65,7 +65,7 @@ pub fn is_data_error(e: &sqlx::Error) -> bool {
 }
 
 /// Errors that say the database could not be reached, as opposed to a bad query.
-pub fn is_connectivity(e: &sqlx::Error) -> bool {
+pub(crate) fn is_connectivity(e: &sqlx::Error) -> bool {
     matches!(
         e,
         sqlx::Error::Io(_)

@@ -33,7 +33,7 @@ pub enum Persisted {
 /// still have a pending stream entry. An order whose entry Redis lost may have been
 /// left out of a reload that ran meanwhile (it saw neither the entry nor the row), so
 /// writing it would sell a unit twice.
-pub type LiveCheck<'a> =
+pub(crate) type LiveCheck<'a> =
     &'a (dyn Fn(Vec<i64>) -> BoxFuture<'a, anyhow::Result<HashSet<i64>>> + Send + Sync);
 
 /// Why an order can never be written.
@@ -56,7 +56,7 @@ pub enum Rejection {
 
 impl Rejection {
     /// The reason written with the dead letter.
-    pub fn reason(&self) -> String {
+    pub(crate) fn reason(&self) -> String {
         match self {
             Rejection::UserHoldsOther => "user already holds another order for this voucher".into(),
             Rejection::NoStock => "no stock left in postgres".into(),
@@ -69,7 +69,7 @@ impl Rejection {
     }
 
     /// A stable name for metrics.
-    pub fn kind(&self) -> &'static str {
+    pub(crate) fn kind(&self) -> &'static str {
         match self {
             Rejection::Poison(_) => "poison",
             _ => "rejected",
@@ -79,13 +79,13 @@ impl Rejection {
     /// Whether the unit the order took in Redis goes back on sale. Not when Postgres
     /// had no unit for it: then Redis sold one too many, and giving it back would sell
     /// it again.
-    pub fn returns_unit(&self) -> bool {
+    pub(crate) fn returns_unit(&self) -> bool {
         !matches!(self, Rejection::NoStock)
     }
 }
 
 #[derive(Debug, Clone, FromRow)]
-pub struct OrderRow {
+pub(crate) struct OrderRow {
     pub id: i64,
     pub user_id: i64,
     pub voucher_id: i64,
@@ -329,7 +329,7 @@ async fn classify(
 }
 
 #[tracing::instrument(skip(db))]
-pub async fn get(db: &PgPool, order_id: i64) -> Result<Option<OrderRow>, sqlx::Error> {
+pub(crate) async fn get(db: &PgPool, order_id: i64) -> Result<Option<OrderRow>, sqlx::Error> {
     sqlx::query_as(
         "SELECT id, user_id, voucher_id, status, created_at FROM voucher_orders WHERE id = $1",
     )
@@ -339,7 +339,7 @@ pub async fn get(db: &PgPool, order_id: i64) -> Result<Option<OrderRow>, sqlx::E
 }
 
 #[tracing::instrument(skip(db))]
-pub async fn list_by_user(db: &PgPool, user_id: i64) -> Result<Vec<OrderRow>, sqlx::Error> {
+pub(crate) async fn list_by_user(db: &PgPool, user_id: i64) -> Result<Vec<OrderRow>, sqlx::Error> {
     sqlx::query_as(
         "SELECT id, user_id, voucher_id, status, created_at FROM voucher_orders \
          WHERE user_id = $1 ORDER BY id DESC LIMIT 1000",

@@ -23,7 +23,7 @@ pub struct NewSeckill {
 }
 
 #[derive(Debug, Clone, FromRow)]
-pub struct VoucherRow {
+pub(crate) struct VoucherRow {
     pub id: i64,
     pub shop_id: i64,
     pub title: String,
@@ -38,23 +38,10 @@ pub struct VoucherRow {
     pub end_time: Option<DateTime<Utc>>,
 }
 
-impl VoucherRow {
-    pub fn seckill(&self) -> Option<SeckillState> {
-        Some(SeckillState {
-            voucher_id: self.id,
-            stock: self.stock?,
-            begin_time: self.begin_time?,
-            end_time: self.end_time?,
-        })
-    }
-}
-
-/// What Postgres knows of a flash sale: what is left to sell and when.
+/// A flash sale, as far as finding the ones to load needs.
 #[derive(Debug, Clone, FromRow)]
-pub struct SeckillState {
+pub(crate) struct SeckillState {
     pub voucher_id: i64,
-    pub stock: i32,
-    pub begin_time: DateTime<Utc>,
     pub end_time: DateTime<Utc>,
 }
 
@@ -65,7 +52,7 @@ const SELECT_VOUCHER: &str = "SELECT v.id, v.shop_id, v.title, v.sub_title, v.ru
 
 /// Creates the voucher and its flash-sale part in one transaction.
 #[tracing::instrument(skip_all, fields(shop_id = new.shop_id))]
-pub async fn insert(db: &PgPool, new: &NewVoucher) -> Result<VoucherRow, sqlx::Error> {
+pub(crate) async fn insert(db: &PgPool, new: &NewVoucher) -> Result<VoucherRow, sqlx::Error> {
     let mut tx = db.begin().await?;
     let id: i64 = sqlx::query_scalar(
         "INSERT INTO vouchers (shop_id, title, sub_title, rules, pay_value, actual_value) \
@@ -100,7 +87,7 @@ pub async fn insert(db: &PgPool, new: &NewVoucher) -> Result<VoucherRow, sqlx::E
 }
 
 #[tracing::instrument(skip(db))]
-pub async fn get(db: &PgPool, id: i64) -> Result<Option<VoucherRow>, sqlx::Error> {
+pub(crate) async fn get(db: &PgPool, id: i64) -> Result<Option<VoucherRow>, sqlx::Error> {
     sqlx::query_as(&format!("{SELECT_VOUCHER} WHERE v.id = $1"))
         .bind(id)
         .fetch_optional(db)
@@ -108,7 +95,10 @@ pub async fn get(db: &PgPool, id: i64) -> Result<Option<VoucherRow>, sqlx::Error
 }
 
 #[tracing::instrument(skip(db))]
-pub async fn list_by_shop(db: &PgPool, shop_id: i64) -> Result<Vec<VoucherRow>, sqlx::Error> {
+pub(crate) async fn list_by_shop(
+    db: &PgPool,
+    shop_id: i64,
+) -> Result<Vec<VoucherRow>, sqlx::Error> {
     sqlx::query_as(&format!(
         "{SELECT_VOUCHER} WHERE v.shop_id = $1 ORDER BY v.id LIMIT 1000"
     ))
@@ -119,10 +109,9 @@ pub async fn list_by_shop(db: &PgPool, shop_id: i64) -> Result<Vec<VoucherRow>, 
 
 /// Flash sales that have not ended: the ones whose Redis state must exist.
 #[tracing::instrument(skip(db))]
-pub async fn open_sales(db: &PgPool) -> Result<Vec<SeckillState>, sqlx::Error> {
+pub(crate) async fn open_sales(db: &PgPool) -> Result<Vec<SeckillState>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT voucher_id, stock, begin_time, end_time FROM seckill_vouchers \
-         WHERE end_time > now() ORDER BY voucher_id",
+        "SELECT voucher_id, end_time FROM seckill_vouchers WHERE end_time > now() ORDER BY voucher_id",
     )
     .fetch_all(db)
     .await
@@ -130,7 +119,7 @@ pub async fn open_sales(db: &PgPool) -> Result<Vec<SeckillState>, sqlx::Error> {
 
 /// Ids of the sales that ended after `since` (or have not ended).
 #[tracing::instrument(skip(db))]
-pub async fn sales_ending_after(
+pub(crate) async fn sales_ending_after(
     db: &PgPool,
     since: DateTime<Utc>,
 ) -> Result<Vec<i64>, sqlx::Error> {
@@ -143,21 +132,22 @@ pub async fn sales_ending_after(
 }
 
 #[tracing::instrument(skip(db))]
-pub async fn sale(db: &PgPool, voucher_id: i64) -> Result<Option<SeckillState>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT voucher_id, stock, begin_time, end_time FROM seckill_vouchers WHERE voucher_id = $1",
-    )
-    .bind(voucher_id)
-    .fetch_optional(db)
-    .await
+pub(crate) async fn sale(
+    db: &PgPool,
+    voucher_id: i64,
+) -> Result<Option<SeckillState>, sqlx::Error> {
+    sqlx::query_as("SELECT voucher_id, end_time FROM seckill_vouchers WHERE voucher_id = $1")
+        .bind(voucher_id)
+        .fetch_optional(db)
+        .await
 }
 
 /// `(user_id, order_id)` of every order of a sale: the buyers Redis must know.
-pub type Buyers = Vec<(i64, i64)>;
+pub(crate) type Buyers = Vec<(i64, i64)>;
 
 /// `(user_id, order_id)` of the sale's orders, without a lock (a hint, re-read under it).
 #[tracing::instrument(skip(db))]
-pub async fn buyers(db: &PgPool, voucher_id: i64) -> Result<Buyers, sqlx::Error> {
+pub(crate) async fn buyers(db: &PgPool, voucher_id: i64) -> Result<Buyers, sqlx::Error> {
     sqlx::query_as("SELECT user_id, id FROM voucher_orders WHERE voucher_id = $1")
         .bind(voucher_id)
         .fetch_all(db)
@@ -166,7 +156,7 @@ pub async fn buyers(db: &PgPool, voucher_id: i64) -> Result<Buyers, sqlx::Error>
 
 /// A sale as the loader sees it under its row lock.
 #[derive(Debug, Clone, FromRow)]
-pub struct LockedSale {
+pub(crate) struct LockedSale {
     pub initial_stock: i32,
     pub stock: i32,
     pub begin_time: DateTime<Utc>,
@@ -177,7 +167,7 @@ pub struct LockedSale {
 /// take the same lock) and reads it with its buyers. Nothing about the sale can change
 /// in Postgres until `tx` ends. `None` when the voucher has no flash sale.
 #[tracing::instrument(skip(tx))]
-pub async fn lock_sale(
+pub(crate) async fn lock_sale(
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
     voucher_id: i64,
 ) -> Result<Option<(LockedSale, Buyers)>, sqlx::Error> {

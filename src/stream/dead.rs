@@ -10,10 +10,10 @@ use super::entry::Entry;
 use super::group::GROUP;
 
 /// Most dead letters kept; older ones are trimmed away.
-pub const DEAD_LETTERS_KEPT: usize = 1_000_000;
+pub(crate) const DEAD_LETTERS_KEPT: usize = 1_000_000;
 
 /// Appends an entry to the dead-letter stream with its reason. The caller acks it after.
-pub async fn dead_letter<C: ConnectionLike + Send>(
+pub(crate) async fn dead_letter<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: Shard,
@@ -50,7 +50,7 @@ static SETTLE_DEAD: std::sync::LazyLock<redis::Script> =
 /// order Postgres holds for the user) or drops it, and returns the unit when
 /// `return_unit`. `true` when the buyer record was settled now.
 #[allow(clippy::too_many_arguments)]
-pub async fn settle_dead<C: ConnectionLike + Send>(
+pub(crate) async fn settle_dead<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     entry_id: &str,

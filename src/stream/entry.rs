@@ -25,7 +25,7 @@ pub enum Entry {
 }
 
 impl Entry {
-    pub fn entry_id(&self) -> &str {
+    pub(crate) fn entry_id(&self) -> &str {
         match self {
             Entry::Order { entry_id, .. } | Entry::DeadLetter { entry_id, .. } => entry_id,
         }
@@ -39,7 +39,7 @@ impl Entry {
     }
 
     /// Turns the entry into a dead letter with `reason`.
-    pub fn into_dead_letter(self, reason: String) -> Entry {
+    pub(crate) fn into_dead_letter(self, reason: String) -> Entry {
         match self {
             Entry::Order { entry_id, order } => Entry::DeadLetter {
                 entry_id,
@@ -178,7 +178,7 @@ pub(super) fn parse_raw(entries: Value) -> RedisResult<Vec<RawEntry>> {
 }
 
 /// A stream entry's id and its fields (`None` when the entry was deleted).
-pub type RawEntry = (String, Option<Vec<(String, String)>>);
+pub(crate) type RawEntry = (String, Option<Vec<(String, String)>>);
 
 pub(super) fn unexpected() -> redis::RedisError {
     redis::RedisError::from((

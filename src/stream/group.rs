@@ -10,7 +10,7 @@ use super::entry::{parse_entries, parse_read_reply, unexpected, Entry};
 pub const GROUP: &str = "seckill-workers";
 
 /// Creates the consumer group (and the stream) if missing; BUSYGROUP is fine.
-pub async fn ensure_group<C: ConnectionLike + Send>(
+pub(crate) async fn ensure_group<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: Shard,
@@ -41,7 +41,7 @@ pub enum ReadFrom {
 }
 
 /// XREADGROUP for one consumer.
-pub async fn read<C: ConnectionLike + Send>(
+pub(crate) async fn read<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: Shard,
@@ -71,7 +71,7 @@ pub async fn read<C: ConnectionLike + Send>(
 /// XAUTOCLAIM: takes over entries other consumers (dead ones, typically) left pending
 /// longer than `min_idle_ms`. Returns the cursor to continue from (`"0-0"` when the
 /// pending list has been walked) and the entries now owned by `consumer`.
-pub async fn claim<C: ConnectionLike + Send>(
+pub(crate) async fn claim<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: Shard,
@@ -105,7 +105,7 @@ pub async fn claim<C: ConnectionLike + Send>(
 
 /// Acknowledges entries. A missing group (Redis lost its data) means there is nothing
 /// left to acknowledge.
-pub async fn ack<C: ConnectionLike + Send>(
+pub(crate) async fn ack<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: Shard,
@@ -127,7 +127,7 @@ pub async fn ack<C: ConnectionLike + Send>(
 
 /// How often each of `entries` has been delivered (XPENDING); entries not pending are
 /// left out.
-pub async fn delivery_counts<C: ConnectionLike + Send>(
+pub(crate) async fn delivery_counts<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: Shard,
@@ -154,7 +154,7 @@ pub async fn delivery_counts<C: ConnectionLike + Send>(
 
 /// Which of `entry_ids` (in id order) are pending in the group, whoever holds them:
 /// one XPENDING over their id range.
-pub async fn still_pending<C: ConnectionLike + Send>(
+pub(crate) async fn still_pending<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: Shard,
@@ -183,7 +183,7 @@ pub async fn still_pending<C: ConnectionLike + Send>(
 
 /// Resets the idle time of entries this consumer holds without counting a delivery, so
 /// live workers do not take over a batch that is only waiting for Postgres.
-pub async fn touch<C: ConnectionLike + Send>(
+pub(crate) async fn touch<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: Shard,
@@ -206,7 +206,7 @@ pub async fn touch<C: ConnectionLike + Send>(
 /// each process is a consumer of its own, so they would pile up). A live consumer reads
 /// at least once per block and is never that idle; if it were, its next read would
 /// simply re-create it.
-pub async fn forget_idle_consumers<C: ConnectionLike + Send>(
+pub(crate) async fn forget_idle_consumers<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: Shard,

@@ -8,7 +8,7 @@ use crate::keys::{Keys, Shard};
 use super::entry::{parse_entries, parse_raw, Entry, RawEntry};
 
 /// Up to `limit` entries of the shard's stream, oldest first.
-pub async fn entries<C: ConnectionLike + Send>(
+pub(crate) async fn entries<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: Shard,
@@ -23,7 +23,7 @@ pub async fn entries<C: ConnectionLike + Send>(
 
 /// Up to `count` entries of the shard's stream after the entry `after` (from the
 /// start when `None`), oldest first: one XRANGE, so one bounded step for Redis.
-pub async fn page<C: ConnectionLike + Send>(
+pub(crate) async fn page<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: Shard,
@@ -44,7 +44,7 @@ pub async fn page<C: ConnectionLike + Send>(
 
 /// Up to `limit` entries of the stream at `key`, oldest first, read in pages of a
 /// thousand.
-pub async fn range<C: ConnectionLike + Send>(
+pub(crate) async fn range<C: ConnectionLike + Send>(
     conn: &mut C,
     key: &str,
     limit: usize,

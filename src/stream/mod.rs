@@ -11,12 +11,12 @@ mod group;
 mod inspect;
 mod trim;
 
-pub use dead::{dead_letter, settle_dead, DEAD_LETTERS_KEPT};
+pub(crate) use dead::{dead_letter, settle_dead};
 pub(crate) use entry::parse_id;
-pub use entry::{Entry, RawEntry};
-pub use group::{
+pub use entry::Entry;
+pub(crate) use group::{
     ack, claim, delivery_counts, ensure_group, forget_idle_consumers, read, still_pending, touch,
-    ReadFrom, GROUP,
 };
-pub use inspect::{entries, page, range};
-pub use trim::trim_acknowledged;
+pub use group::{ReadFrom, GROUP};
+pub(crate) use inspect::{entries, page, range};
+pub(crate) use trim::trim_acknowledged;

@@ -9,7 +9,7 @@ use super::entry::{parse_id, unexpected};
 
 /// Trims entries every consumer is done with: below the oldest pending entry, or up to
 /// the last delivered one when nothing is pending. Returns the entries removed.
-pub async fn trim_acknowledged<C: ConnectionLike + Send>(
+pub(crate) async fn trim_acknowledged<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: Shard,

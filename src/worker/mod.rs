@@ -132,7 +132,7 @@ impl Worker {
     }
 
     /// Replays this consumer's pending entries (delivered, never acknowledged).
-    pub async fn replay_pending(&self) -> anyhow::Result<BatchReport> {
+    pub(crate) async fn replay_pending(&self) -> anyhow::Result<BatchReport> {
         let mut report = BatchReport::default();
         let mut round = self.round();
         while let Some(held) = self.next_batch(Source::OwnPending, &mut round).await? {
