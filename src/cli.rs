@@ -256,6 +256,10 @@ async fn serve(api: ApiArgs, worker_opts: Option<WorkerOptions>) -> anyhow::Resu
     let tasks = tokio_util::task::TaskTracker::new();
 
     tasks.spawn(upkeep::run(state.clone(), cancel.clone()));
+    tasks.spawn(crate::http::limits::forget_idle(
+        state.clone(),
+        cancel.clone(),
+    ));
     if let Some(opts) = worker_opts {
         let worker = worker(&db, &api.redis, keys, opts).await?;
         tasks.spawn(worker.run(cancel.clone()));
