@@ -81,6 +81,10 @@ impl Application {
             retention: settings.sale_state_retention,
         };
         tasks.spawn(upkeep::run(duties, lease, cancel.clone()));
+        tasks.spawn(crate::http::limits::forget_idle(
+            state.clone(),
+            cancel.clone(),
+        ));
         if let Some(opts) = worker {
             let worker = build_worker(&db, &api.redis, keys, opts).await?;
             tasks.spawn(worker.run(cancel.clone()));

@@ -1,6 +1,7 @@
 //! Everything a request handler needs, shared by clone.
 
 use std::collections::HashSet;
+use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 
 use sqlx::PgPool;
@@ -25,8 +26,8 @@ pub struct Shared {
     pub settings: Arc<Settings>,
     /// Vouchers whose Redis state is being reloaded right now (one reload at a time).
     pub reloading: Arc<Mutex<HashSet<i64>>>,
-    pub per_user: Option<RateLimiter>,
-    pub per_ip: Option<RateLimiter>,
+    pub per_user: Option<RateLimiter<i64>>,
+    pub per_ip: Option<RateLimiter<IpAddr>>,
 }
 
 impl AppState {

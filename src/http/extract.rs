@@ -2,10 +2,12 @@
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequest, FromRequestParts, Path, Request};
-use axum::http::{request::Parts, StatusCode};
+use axum::http::{header, request::Parts, StatusCode};
 use serde::de::DeserializeOwned;
 
+use crate::auth::{Admin, AuthUser};
 use crate::error::AppError;
+use crate::state::AppState;
 
 /// `axum::Json`, but a malformed body is a `validation` error: 400 when it cannot be
 /// read as JSON, 422 when it is JSON of the wrong shape.
@@ -69,6 +71,41 @@ impl<S: Send + Sync> FromRequestParts<S> for PathId {
                 "`{raw}` is not a valid id: expected a positive 64-bit integer"
             ))
         })
+    }
+}
+
+/// The caller of a `Authorization: Bearer <token>` request; 401 without a valid token.
+impl FromRequestParts<AppState> for AuthUser {
+    type Rejection = AppError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, AppError> {
+        let value = parts
+            .headers
+            .get(header::AUTHORIZATION)
+            .ok_or(AppError::Unauthorized("missing bearer token"))?;
+        let token = value
+            .to_str()
+            .ok()
+            .and_then(|v| {
+                v.strip_prefix("Bearer ")
+                    .or_else(|| v.strip_prefix("bearer "))
+            })
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .ok_or(AppError::Unauthorized("malformed authorization header"))?;
+        state.jwt.verify(token)
+    }
+}
+
+impl FromRequestParts<AppState> for Admin {
+    type Rejection = AppError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, AppError> {
+        let user = AuthUser::from_request_parts(parts, state).await?;
+        if !user.admin {
+            return Err(AppError::Forbidden);
+        }
+        Ok(Admin(user))
     }
 }
 

@@ -19,9 +19,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{BoxError, Router};
 use tower::ServiceBuilder;
-use tower_http::request_id::{
-    MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
-};
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
 
 use crate::error::AppError;
@@ -100,9 +98,10 @@ pub fn build_app(state: AppState) -> Router {
         })
         .layer(
             ServiceBuilder::new()
-                // Accept the caller's x-request-id or make one; it is in every log line
-                // of the request and in the answer.
-                .layer(SetRequestIdLayer::new(REQUEST_ID, RandomRequestId))
+                // Accept the caller's x-request-id or make a UUID v4 (from the thread's
+                // generator: uuid's `fast-rng`); it is in every log line of the request
+                // and in the answer.
+                .layer(SetRequestIdLayer::new(REQUEST_ID, MakeRequestUuid))
                 .layer(PropagateRequestIdLayer::new(REQUEST_ID))
                 // Per-request spans and events at DEBUG only: the hot path logs nothing
                 // at the default level.
@@ -159,31 +158,6 @@ async fn overloaded(err: BoxError) -> AppError {
         AppError::Unavailable("the server is at capacity, try again".into())
     } else {
         AppError::Internal(anyhow::anyhow!("middleware error: {err}"))
-    }
-}
-
-/// Request ids in UUID v4 form from the thread's user-space generator (the `uuid`
-/// crate's default asks the kernel for every id, a syscall per request).
-#[derive(Clone, Copy)]
-struct RandomRequestId;
-
-impl MakeRequestId for RandomRequestId {
-    fn make_request_id<B>(&mut self, _: &axum::http::Request<B>) -> Option<RequestId> {
-        let bits = (rand::random::<u128>() & !(0xF000 << 64) & !(0xC000 << 48))
-            | (0x4000 << 64)
-            | (0x8000 << 48);
-        let hex = format!("{bits:032x}");
-        let id = format!(
-            "{}-{}-{}-{}-{}",
-            &hex[0..8],
-            &hex[8..12],
-            &hex[12..16],
-            &hex[16..20],
-            &hex[20..32]
-        );
-        axum::http::HeaderValue::from_str(&id)
-            .ok()
-            .map(RequestId::new)
     }
 }
 

@@ -75,10 +75,10 @@ pub async fn grab(
     PathId(voucher_id): PathId,
 ) -> AppResult<(StatusCode, Json<Admitted>)> {
     if let (Some(limiter), Some(ip)) = (&state.per_ip, ip) {
-        limiter.check(ip).map_err(limited)?;
+        limiter.check(&ip).map_err(limited)?;
     }
     if let Some(limiter) = &state.per_user {
-        limiter.check(user.user_id).map_err(limited)?;
+        limiter.check(&user.user_id).map_err(limited)?;
     }
     let order_id = state.ids.next().ok_or_else(|| {
         AppError::Unavailable("order ids are not ready yet (waiting for redis)".into())
