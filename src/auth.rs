@@ -10,8 +10,6 @@ use base64::Engine as _;
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use serde::{Deserialize, Deserializer, Serialize};
 
-use crate::error::AppError;
-
 pub const ADMIN_ROLE: &str = "admin";
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -43,8 +41,7 @@ fn positive_id<'de, D: Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
                 .ok_or_else(|| E::custom("sub out of range"))
         }
         fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<i64, E> {
-            crate::http::extract::parse_id(v)
-                .ok_or_else(|| E::custom("sub is not a positive integer"))
+            parse_id(v).ok_or_else(|| E::custom("sub is not a positive integer"))
         }
     }
     d.deserialize_any(Id)
@@ -107,8 +104,8 @@ impl JwtKeys {
     /// Verifies an HS256 token: algorithm pinned (a header naming any other, or `none`,
     /// is refused), signature checked in constant time, `exp` required (5 s leeway),
     /// `sub` a positive integer, `role` absent or `"admin"`.
-    pub fn verify(&self, token: &str) -> Result<AuthUser, AppError> {
-        let invalid = || AppError::Unauthorized("invalid or expired token");
+    pub fn verify(&self, token: &str) -> Result<AuthUser, Unauthorized> {
+        let invalid = || Unauthorized("invalid or expired token");
         let mut parts = token.split('.');
         let (Some(header), Some(payload), Some(signature), None) =
             (parts.next(), parts.next(), parts.next(), parts.next())
@@ -138,7 +135,7 @@ impl JwtKeys {
         let admin = match claims.role.as_deref() {
             None => false,
             Some(ADMIN_ROLE) => true,
-            Some(_) => return Err(AppError::Unauthorized("unknown role in token")),
+            Some(_) => return Err(Unauthorized("unknown role in token")),
         };
         Ok(AuthUser {
             user_id: claims.sub,
@@ -164,6 +161,23 @@ pub struct AuthUser {
 /// An authenticated administrator; shoppers get 403.
 #[derive(Debug, Clone, Copy)]
 pub struct Admin(pub AuthUser);
+
+/// Why a token was refused (the HTTP layer answers 401 with it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Unauthorized(pub &'static str);
+
+/// Parses an id strictly: ASCII digits only, no sign, no leading zero, a positive i64.
+pub fn parse_id(s: &str) -> Option<i64> {
+    let canonical = !s.is_empty()
+        && s.len() <= 19
+        && s.bytes().all(|b| b.is_ascii_digit())
+        && !s.starts_with('0');
+    if !canonical {
+        return None;
+    }
+    s.parse::<i64>().ok().filter(|&id| id > 0)
+}
 
 #[cfg(test)]
 mod tests {

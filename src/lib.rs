@@ -10,22 +10,18 @@ pub mod auth;
 pub mod backoff;
 pub mod cli;
 pub mod config;
-pub mod error;
 pub mod http;
 pub mod keys;
 pub mod metrics;
 pub mod reconcile;
 pub mod redis_conn;
 pub mod startup;
-pub mod state;
 pub mod store;
 pub mod stream;
 pub mod telemetry;
 pub mod worker;
 
-pub use error::AppError;
 pub use http::build_app;
-pub use state::AppState;
-
-/// Migrations embedded in the binary (`seckill migrate`, and start-up of `serve`/`api`).
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+pub use http::error::AppError;
+pub use http::state::AppState;
+pub use store::MIGRATOR;

@@ -14,9 +14,9 @@ use crate::admission::upkeep;
 use crate::auth::JwtKeys;
 use crate::config::{ApiArgs, RedisArgs, Settings, WorkerOptions};
 use crate::http::server::ServerLimits;
+use crate::http::state::AppState;
 use crate::keys::Keys;
 use crate::redis_conn::{self, RedisConn};
-use crate::state::AppState;
 use crate::store;
 use crate::worker::{Worker, WorkerConfig};
 
@@ -81,10 +81,7 @@ impl Application {
             retention: settings.sale_state_retention,
         };
         tasks.spawn(upkeep::run(duties, lease, cancel.clone()));
-        tasks.spawn(crate::http::limits::forget_idle(
-            state.clone(),
-            cancel.clone(),
-        ));
+        tasks.spawn(state.clone().forget_idle_rate_limits(cancel.clone()));
         if let Some(opts) = worker {
             let worker = build_worker(&db, &api.redis, keys, opts).await?;
             tasks.spawn(worker.run(cancel.clone()));

@@ -5,9 +5,10 @@ use axum::extract::{FromRequest, FromRequestParts, Path, Request};
 use axum::http::{header, request::Parts, StatusCode};
 use serde::de::DeserializeOwned;
 
+use crate::auth::parse_id;
 use crate::auth::{Admin, AuthUser};
-use crate::error::AppError;
-use crate::state::AppState;
+use crate::http::error::AppError;
+use crate::http::state::AppState;
 
 /// `axum::Json`, but a malformed body is a `validation` error: 400 when it cannot be
 /// read as JSON, 422 when it is JSON of the wrong shape.
@@ -41,18 +42,6 @@ fn json_rejection(rejection: JsonRejection) -> AppError {
         status,
         message: rejection.body_text(),
     }
-}
-
-/// Parses an id strictly: ASCII digits only, no sign, no leading zero, a positive i64.
-pub fn parse_id(s: &str) -> Option<i64> {
-    let canonical = !s.is_empty()
-        && s.len() <= 19
-        && s.bytes().all(|b| b.is_ascii_digit())
-        && !s.starts_with('0');
-    if !canonical {
-        return None;
-    }
-    s.parse::<i64>().ok().filter(|&id| id > 0)
 }
 
 /// The single id in a route's path (`/vouchers/{id}`, `/orders/{order_id}`, ...).
@@ -93,7 +82,7 @@ impl FromRequestParts<AppState> for AuthUser {
             .map(str::trim)
             .filter(|t| !t.is_empty())
             .ok_or(AppError::Unauthorized("malformed authorization header"))?;
-        state.jwt.verify(token)
+        Ok(state.jwt.verify(token)?)
     }
 }
 

@@ -8,7 +8,7 @@ use axum::http::StatusCode;
 use axum::Json;
 use serde_json::{json, Value};
 
-use crate::state::AppState;
+use crate::http::state::AppState;
 
 #[utoipa::path(get, path = "/healthz", tag = "operations",
     responses((status = 200, description = "the process runs", body = Object, example = json!({"status": "ok"}))))]

@@ -14,9 +14,6 @@ use governor::clock::{Clock, DefaultClock};
 use governor::middleware::NoOpMiddleware;
 use governor::state::keyed::DashMapStateStore;
 use governor::Quota;
-use tokio_util::sync::CancellationToken;
-
-use crate::state::AppState;
 
 /// How often keys whose limit is back to its fresh state are dropped: the map holds only
 /// the keys seen in about the last second plus their window, whatever the churn of users.
@@ -61,27 +58,6 @@ impl<K: Hash + Eq + Clone, C: Clock> RateLimiter<K, C> {
     /// Keys currently tracked (for tests: memory stays bounded).
     pub fn tracked(&self) -> usize {
         self.inner.len()
-    }
-}
-
-/// Runs [`RateLimiter::forget_idle`] on the API's limiters every [`FORGET_IDLE_EVERY`].
-pub async fn forget_idle(state: AppState, cancel: CancellationToken) {
-    if state.per_user.is_none() && state.per_ip.is_none() {
-        return;
-    }
-    let mut every = tokio::time::interval(FORGET_IDLE_EVERY);
-    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = cancel.cancelled() => return,
-            _ = every.tick() => {}
-        }
-        if let Some(limiter) = &state.per_user {
-            limiter.forget_idle();
-        }
-        if let Some(limiter) = &state.per_ip {
-            limiter.forget_idle();
-        }
     }
 }
 

@@ -1,5 +1,6 @@
 //! The HTTP surface: routes, middleware and the JSON error format.
 
+pub mod error;
 pub mod extract;
 pub mod health;
 pub mod limits;
@@ -7,6 +8,7 @@ pub mod openapi;
 pub mod orders;
 pub mod seckill;
 pub mod server;
+pub mod state;
 pub mod vouchers;
 
 use std::time::Duration;
@@ -22,8 +24,8 @@ use tower::ServiceBuilder;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
 
-use crate::error::AppError;
-use crate::state::AppState;
+use crate::http::error::AppError;
+use crate::http::state::AppState;
 
 /// Largest request body accepted (a voucher is well under 1 KiB).
 pub const BODY_LIMIT: usize = 64 * 1024;
@@ -162,10 +164,10 @@ async fn overloaded(err: BoxError) -> AppError {
 }
 
 /// Logs and counts the failures handlers left in their responses (see
-/// [`crate::error::Failure`]), inside the request's span.
+/// [`crate::http::error::Failure`]), inside the request's span.
 async fn log_failures(req: Request, next: Next) -> Response {
     let response = next.run(req).await;
-    if let Some(failure) = response.extensions().get::<crate::error::Failure>() {
+    if let Some(failure) = response.extensions().get::<crate::http::error::Failure>() {
         if let Some(dependency) = failure.dependency {
             metrics::counter!(crate::metrics::DEPENDENCY_ERRORS, "dependency" => dependency, "in" => "api")
                 .increment(1);

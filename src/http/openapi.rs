@@ -8,7 +8,7 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
 use super::{health, orders, seckill, vouchers};
-use crate::error::{ErrorBody, ErrorDetail};
+use crate::http::error::{ErrorBody, ErrorDetail};
 
 #[derive(OpenApi)]
 #[openapi(

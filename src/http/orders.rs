@@ -10,10 +10,10 @@ use utoipa::ToSchema;
 
 use crate::admission::{self, PendingOrder};
 use crate::auth::AuthUser;
-use crate::error::{AppError, AppResult, ErrorBody};
+use crate::http::error::{AppError, AppResult, ErrorBody};
 use crate::http::extract::PathId;
+use crate::http::state::AppState;
 use crate::http::{fallback_headers, redis_read};
-use crate::state::AppState;
 use crate::store::orders::{self, OrderRow};
 
 #[derive(Debug, Serialize, Deserialize, ToSchema)]

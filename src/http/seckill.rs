@@ -10,9 +10,9 @@ use utoipa::ToSchema;
 
 use crate::admission::{self, loader, Outcome};
 use crate::auth::AuthUser;
-use crate::error::{AppError, AppResult, ErrorBody};
+use crate::http::error::{AppError, AppResult, ErrorBody};
 use crate::http::extract::PathId;
-use crate::state::AppState;
+use crate::http::state::AppState;
 use crate::store::vouchers;
 
 #[derive(Debug, Serialize, Deserialize, ToSchema)]

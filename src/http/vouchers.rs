@@ -9,10 +9,10 @@ use utoipa::ToSchema;
 
 use crate::admission::{self, loader};
 use crate::auth::Admin;
-use crate::error::{AppError, AppResult, ErrorBody};
+use crate::http::error::{AppError, AppResult, ErrorBody};
 use crate::http::extract::{AppJson, PathId};
 use crate::http::fallback_headers;
-use crate::state::AppState;
+use crate::http::state::AppState;
 use crate::store::vouchers::{self, NewSeckill, NewVoucher, VoucherRow};
 
 pub const MAX_STOCK: i64 = 1_000_000;

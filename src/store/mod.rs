@@ -18,6 +18,9 @@ const SESSION_TIMEOUTS: [(&str, &str); 3] = [
     ("idle_in_transaction_session_timeout", "30s"),
 ];
 
+/// Migrations embedded in the binary (`seckill migrate`, and start-up of `serve`/`api`).
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
 /// A lazily connecting pool: processes start (and report not-ready) while Postgres is down.
 pub(crate) fn pool(url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
     let options: PgConnectOptions = url.parse()?;
@@ -38,7 +41,7 @@ pub(crate) async fn migrate(db: &PgPool, patience: Duration) -> anyhow::Result<(
             sqlx::raw_sql("SET statement_timeout = 0; SET lock_timeout = 0")
                 .execute(&mut conn)
                 .await?;
-            crate::MIGRATOR.run(&mut conn).await
+            MIGRATOR.run(&mut conn).await
         };
         match run.await {
             Ok(()) => return Ok(()),

@@ -64,3 +64,27 @@ impl std::ops::Deref for AppState {
         &self.0
     }
 }
+
+impl AppState {
+    /// Runs [`RateLimiter::forget_idle`] on the API's limiters every
+    /// [`FORGET_IDLE_EVERY`](crate::http::limits::FORGET_IDLE_EVERY), until cancelled.
+    pub async fn forget_idle_rate_limits(self, cancel: tokio_util::sync::CancellationToken) {
+        if self.per_user.is_none() && self.per_ip.is_none() {
+            return;
+        }
+        let mut every = tokio::time::interval(crate::http::limits::FORGET_IDLE_EVERY);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = every.tick() => {}
+            }
+            if let Some(limiter) = &self.per_user {
+                limiter.forget_idle();
+            }
+            if let Some(limiter) = &self.per_ip {
+                limiter.forget_idle();
+            }
+        }
+    }
+}

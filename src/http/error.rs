@@ -73,6 +73,12 @@ pub enum AppError {
 
 pub type AppResult<T> = Result<T, AppError>;
 
+impl From<crate::auth::Unauthorized> for AppError {
+    fn from(e: crate::auth::Unauthorized) -> Self {
+        AppError::Unauthorized(e.0)
+    }
+}
+
 impl AppError {
     pub fn invalid(message: impl Into<String>) -> Self {
         Self::Validation {
