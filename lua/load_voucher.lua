@@ -11,6 +11,9 @@
 -- Orders in flight = the candidates still unacknowledged now (pending in the group,
 -- or not delivered yet), one per user. Stock = Postgres's stock minus those.
 --
+-- The layout (buyer prefix, entry fields) is the one src/keys.rs defines; a unit test
+-- there keeps this script in step.
+--
 -- KEYS[1] the sale hash  KEYS[2] the shard's order stream
 -- ARGV[1] mode: 'create' / 'load' (only if missing), 'repair' (overwrite), 'check'
 --         (write nothing; compare)

@@ -11,6 +11,9 @@
 --   0 admitted (order_id), 1 not loaded, 2 not started, 3 ended,
 --   4 already ordered (the existing order_id), 5 sold out
 --
+-- The layout (buyer prefix, entry fields) is the one src/keys.rs defines; a unit test
+-- there keeps this script in step.
+--
 -- Kept to four commands: this script is most of Redis's work during a sale.
 local buyer = 'u:' .. ARGV[2]
 local v = redis.call('HMGET', KEYS[1], 'stock', 'begin_ms', 'end_ms', buyer)

@@ -26,7 +26,18 @@ struct ShardKeys {
 
 /// The field of a sale's hash recording a buyer's order id.
 pub(crate) fn buyer_field(user_id: i64) -> String {
-    format!("u:{user_id}")
+    format!("{BUYER_PREFIX}{user_id}")
+}
+
+/// The prefix of a buyer's field in a sale's hash (`u:<user_id>`).
+pub(crate) const BUYER_PREFIX: &str = "u:";
+
+/// The fields of an order's stream entry, as `lua/seckill.lua` writes them.
+pub(crate) mod entry_field {
+    pub(crate) const ORDER_ID: &str = "order_id";
+    pub(crate) const VOUCHER_ID: &str = "voucher_id";
+    pub(crate) const USER_ID: &str = "user_id";
+    pub(crate) const ADMITTED_MS: &str = "admitted_ms";
 }
 
 /// Which stream shard a voucher's orders go to.
@@ -199,6 +210,25 @@ mod tests {
             let s = slot(keys.stream(shard)) as usize;
             assert_eq!(s * 6 / 16384, i, "shard {i} at slot {s}");
         }
+    }
+
+    /// The scripts cannot import Rust constants: they spell the layout out, and this
+    /// keeps them in step with the constants above.
+    #[test]
+    fn the_lua_scripts_spell_the_layout_as_keys_rs_does() {
+        let seckill = include_str!("../lua/seckill.lua");
+        let load = include_str!("../lua/load_voucher.lua");
+        for script in [seckill, load] {
+            assert!(script.contains(&format!("'{BUYER_PREFIX}'")));
+            for field in [
+                entry_field::ORDER_ID,
+                entry_field::VOUCHER_ID,
+                entry_field::USER_ID,
+            ] {
+                assert!(script.contains(&format!("'{field}'")), "{field}");
+            }
+        }
+        assert!(seckill.contains(&format!("'{}'", entry_field::ADMITTED_MS)));
     }
 
     #[test]

@@ -33,10 +33,6 @@ impl RedisTarget {
             RedisTarget::Cluster(seeds)
         }
     }
-
-    pub fn is_cluster(&self) -> bool {
-        matches!(self, RedisTarget::Cluster(_))
-    }
 }
 
 /// A connection to either kind of deployment; cheap to clone.

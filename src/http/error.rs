@@ -51,8 +51,6 @@ pub enum AppError {
     SoldOut,
     #[error("already ordered: {order_id}")]
     AlreadyOrdered { order_id: i64 },
-    #[error("conflict: {0}")]
-    Conflict(String),
     /// Too many requests; try again after this many seconds.
     #[error("rate limited")]
     RateLimited { retry_after_secs: u64 },
@@ -121,7 +119,6 @@ impl AppError {
                 "already_ordered",
                 "you already hold an order for this voucher".into(),
             ),
-            Conflict(what) => (StatusCode::CONFLICT, "conflict", what.clone()),
             RateLimited { .. } => (
                 StatusCode::TOO_MANY_REQUESTS,
                 "rate_limited",

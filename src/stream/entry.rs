@@ -4,6 +4,7 @@
 use chrono::{DateTime, Utc};
 use redis::{RedisResult, Value};
 
+use crate::keys::entry_field;
 use crate::store::orders::NewOrder;
 
 /// One stream entry as the worker sees it.
@@ -79,10 +80,12 @@ impl Entry {
         };
         let order = (|| {
             Some(NewOrder {
-                id: get("order_id")?,
-                voucher_id: get("voucher_id")?,
-                user_id: get("user_id")?,
-                admitted_at: DateTime::<Utc>::from_timestamp_millis(get("admitted_ms")?)?,
+                id: get(entry_field::ORDER_ID)?,
+                voucher_id: get(entry_field::VOUCHER_ID)?,
+                user_id: get(entry_field::USER_ID)?,
+                admitted_at: DateTime::<Utc>::from_timestamp_millis(get(
+                    entry_field::ADMITTED_MS,
+                )?)?,
             })
         })();
         match order {
@@ -99,11 +102,11 @@ impl Entry {
 
 fn order_fields(order: &NewOrder) -> Vec<(String, String)> {
     vec![
-        ("order_id".into(), order.id.to_string()),
-        ("voucher_id".into(), order.voucher_id.to_string()),
-        ("user_id".into(), order.user_id.to_string()),
+        (entry_field::ORDER_ID.into(), order.id.to_string()),
+        (entry_field::VOUCHER_ID.into(), order.voucher_id.to_string()),
+        (entry_field::USER_ID.into(), order.user_id.to_string()),
         (
-            "admitted_ms".into(),
+            entry_field::ADMITTED_MS.into(),
             order.admitted_at.timestamp_millis().to_string(),
         ),
     ]
