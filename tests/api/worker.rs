@@ -361,6 +361,23 @@ async fn a_dead_lettered_order_releases_its_buyer_who_may_try_again(db: PgPool) 
     assert!(stored_ids(&app, voucher).await.is_empty());
 }
 
+/// A worker named `consumer` that has read (and holds, unacknowledged) the new entries
+/// of the voucher's shard.
+async fn read_new(
+    app: &TestApp,
+    voucher: i64,
+    consumer: &str,
+) -> (seckill::worker::Worker, seckill::keys::Shard, Vec<Entry>) {
+    let worker = app.worker_named(consumer);
+    worker.ensure_groups().await.unwrap();
+    let shard = app.keys.shard_of(voucher);
+    let entries = worker
+        .read_batch(shard, ReadFrom::New { block_ms: 1 })
+        .await
+        .unwrap();
+    (worker, shard, entries)
+}
+
 /// Reads the sale's live stock and a user's buyer record straight from Redis.
 async fn redis_sale(app: &TestApp, voucher: i64, user: i64) -> (Option<i64>, Option<String>) {
     let key = app.keys.voucher(voucher);
@@ -379,13 +396,7 @@ async fn a_committed_order_delivered_too_often_is_acknowledged_not_dead_lettered
     let voucher = app.open_sale(10).await;
     admit(&app, voucher, 1..=2).await;
     // A slow worker committed the batch but never acknowledged it ...
-    let slow = app.worker_named("worker-slow");
-    slow.ensure_groups().await.unwrap();
-    let shard = app.keys.shard_of(voucher);
-    let batch = slow
-        .read_batch(shard, ReadFrom::New { block_ms: 1 })
-        .await
-        .unwrap();
+    let (slow, shard, batch) = read_new(&app, voucher, "worker-slow").await;
     let orders: Vec<NewOrder> = batch.iter().filter_map(|e| e.order().copied()).collect();
     orders::persist_batch(&app.db, &orders, &all_live)
         .await
@@ -420,13 +431,7 @@ async fn a_buried_order_is_never_written_by_a_late_replay_and_its_unit_returns_o
     assert_eq!(redis_sale(&app, voucher, 1).await.0, Some(9));
     // A slow worker holds the entry; a peer gave up on it as poison and buried it in
     // Postgres, then died before settling it in Redis.
-    let slow = app.worker_named("worker-slow");
-    slow.ensure_groups().await.unwrap();
-    let shard = app.keys.shard_of(voucher);
-    let held = slow
-        .read_batch(shard, ReadFrom::New { block_ms: 1 })
-        .await
-        .unwrap();
+    let (slow, shard, held) = read_new(&app, voucher, "worker-slow").await;
     let order = *held[0].order().unwrap();
     seckill::store::dead_orders::bury(&app.db, &order, "poison: test")
         .await
@@ -468,13 +473,7 @@ async fn a_batch_whose_entries_redis_lost_is_not_written(db: PgPool) {
     let app = TestApp::spawn(db).await;
     let voucher = app.open_sale(10).await;
     admit(&app, voucher, 1..=3).await;
-    let worker = app.worker_named("worker-held");
-    worker.ensure_groups().await.unwrap();
-    let shard = app.keys.shard_of(voucher);
-    let held = worker
-        .read_batch(shard, ReadFrom::New { block_ms: 1 })
-        .await
-        .unwrap();
+    let (worker, shard, held) = read_new(&app, voucher, "worker-held").await;
     assert_eq!(held.len(), 3);
     // Redis loses its data while the batch is held (say, Postgres was down); the sale
     // is reloaded from Postgres, which does not know these orders.
