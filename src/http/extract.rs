@@ -1,14 +1,15 @@
 //! Extractors whose rejections speak the contract's JSON error format.
 
+use std::sync::Arc;
+
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{FromRequest, FromRequestParts, Path, Request};
+use axum::extract::{FromRef, FromRequest, FromRequestParts, Path, Request};
 use axum::http::{header, request::Parts, StatusCode};
 use serde::de::DeserializeOwned;
 
 use crate::auth::parse_id;
-use crate::auth::{Admin, AuthUser};
+use crate::auth::{Admin, AuthUser, JwtKeys};
 use crate::http::error::AppError;
-use crate::http::state::AppState;
 
 /// `axum::Json`, but a malformed body is a `validation` error: 400 when it cannot be
 /// read as JSON, 422 when it is JSON of the wrong shape.
@@ -64,10 +65,15 @@ impl<S: Send + Sync> FromRequestParts<S> for PathId {
 }
 
 /// The caller of a `Authorization: Bearer <token>` request; 401 without a valid token.
-impl FromRequestParts<AppState> for AuthUser {
+/// Works with any state the token keys can be taken from.
+impl<S> FromRequestParts<S> for AuthUser
+where
+    Arc<JwtKeys>: FromRef<S>,
+    S: Send + Sync,
+{
     type Rejection = AppError;
 
-    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, AppError> {
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, AppError> {
         let value = parts
             .headers
             .get(header::AUTHORIZATION)
@@ -82,14 +88,18 @@ impl FromRequestParts<AppState> for AuthUser {
             .map(str::trim)
             .filter(|t| !t.is_empty())
             .ok_or(AppError::Unauthorized("malformed authorization header"))?;
-        Ok(state.jwt.verify(token)?)
+        Ok(Arc::<JwtKeys>::from_ref(state).verify(token)?)
     }
 }
 
-impl FromRequestParts<AppState> for Admin {
+impl<S> FromRequestParts<S> for Admin
+where
+    Arc<JwtKeys>: FromRef<S>,
+    S: Send + Sync,
+{
     type Rejection = AppError;
 
-    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, AppError> {
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, AppError> {
         let user = AuthUser::from_request_parts(parts, state).await?;
         if !user.admin {
             return Err(AppError::Forbidden);

@@ -65,6 +65,13 @@ impl std::ops::Deref for AppState {
     }
 }
 
+/// The token keys, for the extractors (`FromRef`, so they need no concrete state).
+impl axum::extract::FromRef<AppState> for Arc<JwtKeys> {
+    fn from_ref(state: &AppState) -> Self {
+        state.jwt.clone()
+    }
+}
+
 impl AppState {
     /// Runs [`RateLimiter::forget_idle`] on the API's limiters every
     /// [`FORGET_IDLE_EVERY`](crate::http::limits::FORGET_IDLE_EVERY), until cancelled.
