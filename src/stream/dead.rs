@@ -34,7 +34,7 @@ pub(crate) async fn dead_letter<C: ConnectionLike + Send>(
         .arg("entry_id")
         .arg(entry.entry_id())
         .arg("reason")
-        .arg(reason);
+        .arg(reason.to_string());
     for (k, v) in fields {
         // Prefixed so a stray field cannot pose as one of ours.
         cmd.arg(format!("orig.{k}")).arg(v);

@@ -21,8 +21,37 @@ pub enum Entry {
         entry_id: String,
         fields: Vec<(String, String)>,
         order: Option<NewOrder>,
-        reason: String,
+        reason: DeadReason,
     },
+}
+
+/// Why an entry goes to the dead-letter stream; its text is the dead letter's `reason`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeadReason {
+    /// Deleted from the stream while pending (nothing left to read).
+    Deleted,
+    /// Missing or non-numeric fields.
+    Malformed,
+    /// An order naming a voucher of another shard (not written by the admission script).
+    OtherShard,
+    /// Delivered this often without being written.
+    Poison { deliveries: u64 },
+    /// Will never be written, for this reason (Postgres refused it, ...).
+    Refused(String),
+}
+
+impl std::fmt::Display for DeadReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeadReason::Deleted => f.write_str("malformed: entry no longer in the stream"),
+            DeadReason::Malformed => f.write_str("malformed: missing or non-numeric fields"),
+            DeadReason::OtherShard => f.write_str("malformed: voucher of another shard"),
+            DeadReason::Poison { deliveries } => {
+                write!(f, "delivered {deliveries} times without being written")
+            }
+            DeadReason::Refused(why) => f.write_str(why),
+        }
+    }
 }
 
 impl Entry {
@@ -40,7 +69,7 @@ impl Entry {
     }
 
     /// Turns the entry into a dead letter with `reason`.
-    pub(crate) fn into_dead_letter(self, reason: String) -> Entry {
+    pub(crate) fn into_dead_letter(self, reason: DeadReason) -> Entry {
         match self {
             Entry::Order { entry_id, order } => Entry::DeadLetter {
                 entry_id,
@@ -68,7 +97,7 @@ impl Entry {
                 entry_id,
                 fields: Vec::new(),
                 order: None,
-                reason: "malformed: entry no longer in the stream".into(),
+                reason: DeadReason::Deleted,
             };
         };
         let get = |name: &str| {
@@ -94,7 +123,7 @@ impl Entry {
                 entry_id,
                 fields,
                 order: None,
-                reason: "malformed: missing or non-numeric fields".into(),
+                reason: DeadReason::Malformed,
             },
         }
     }

@@ -13,7 +13,7 @@ use crate::keys::Shard;
 use crate::redis_conn::RedisConn;
 use crate::store::dead_orders::{self, Burial};
 use crate::store::orders::{self, NewOrder, Persisted, Rejection};
-use crate::stream::{self, Entry};
+use crate::stream::{self, DeadReason, Entry};
 
 /// What becomes of one entry of a batch.
 enum Fate {
@@ -85,10 +85,10 @@ impl Worker {
                 Entry::Order { order, .. } => Fate::Write(*order),
                 Entry::DeadLetter {
                     order: Some(order),
-                    reason,
+                    reason: reason @ DeadReason::Poison { .. },
                     ..
                 } if self.keys.shard_of(order.voucher_id) == shard => {
-                    Fate::Bury(*order, Rejection::Poison(reason.clone()))
+                    Fate::Bury(*order, Rejection::Poison(reason.to_string()))
                 }
                 Entry::DeadLetter { .. } => Fate::Malformed,
             })
@@ -157,7 +157,7 @@ impl Worker {
                     );
                     let reason = match entry {
                         Entry::DeadLetter { reason, .. } => reason.clone(),
-                        Entry::Order { .. } => "malformed: voucher of another shard".into(),
+                        Entry::Order { .. } => DeadReason::OtherShard,
                     };
                     let dead = entry.clone().into_dead_letter(reason);
                     stream::dead_letter(&mut conn, &self.keys, shard, &dead).await?;
@@ -202,7 +202,7 @@ impl Worker {
             Burial::Dead { newly, holder } => {
                 if newly {
                     tracing::warn!(entry_id = entry.entry_id(), order_id = order.id, %reason, "dead-lettering order");
-                    let dead = entry.clone().into_dead_letter(reason);
+                    let dead = entry.clone().into_dead_letter(DeadReason::Refused(reason));
                     stream::dead_letter(conn, &self.keys, shard, &dead).await?;
                     metrics::counter!(crate::metrics::DEAD_LETTERED, "kind" => why.kind())
                         .increment(1);

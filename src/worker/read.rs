@@ -3,7 +3,7 @@
 
 use super::Worker;
 use crate::keys::Shard;
-use crate::stream::{self, Entry, ReadFrom};
+use crate::stream::{self, DeadReason, Entry, ReadFrom};
 
 /// A batch read from the stream and not yet acknowledged.
 #[derive(Debug)]
@@ -71,9 +71,7 @@ impl Worker {
         let entries = entries
             .into_iter()
             .map(|e| match counts.get(e.entry_id()) {
-                Some(&n) if n > 2 * max => {
-                    e.into_dead_letter(format!("delivered {n} times without being written"))
-                }
+                Some(&n) if n > 2 * max => e.into_dead_letter(DeadReason::Poison { deliveries: n }),
                 Some(&n) if n > max => {
                     isolate = true;
                     e
