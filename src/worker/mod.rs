@@ -198,54 +198,10 @@ impl Worker {
         tracing::info!(consumer = %self.config.consumer, "worker started");
         crate::metrics::handle();
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
-        let mut held: Option<Held> = None;
-        let mut groups_ready = false;
-        let mut replayed = false;
+        let mut state = LoopState::new(self.round(), &self.config);
         let mut failing = false;
-        let mut round = self.round();
-        let claim_every = (self.config.claim_idle / 2).max(Duration::from_millis(100));
-        let mut last_claim = Instant::now();
-        let mut last_trim = Instant::now();
-
         while !cancel.is_cancelled() {
-            let result: anyhow::Result<()> = async {
-                if held.is_none() {
-                    if !groups_ready {
-                        self.ensure_groups().await?;
-                        groups_ready = true;
-                    }
-                    let source = if !replayed {
-                        Source::OwnPending
-                    } else if last_claim.elapsed() >= claim_every {
-                        Source::Claim
-                    } else {
-                        Source::New
-                    };
-                    held = self.next_batch(source, &mut round).await?;
-                    match source {
-                        Source::OwnPending if held.is_none() => replayed = true,
-                        Source::Claim if held.is_none() => {
-                            // Every shard's pending list walked: the pass is over.
-                            round.restart_claims();
-                            last_claim = Instant::now();
-                        }
-                        _ => {}
-                    }
-                }
-                if let Some(batch) = &held {
-                    let report = self.process_held(batch).await?;
-                    tracing::debug!(?report, "batch done");
-                    held = None;
-                }
-                if last_trim.elapsed() >= self.config.trim_every {
-                    self.trim().await?;
-                    last_trim = Instant::now();
-                }
-                Ok(())
-            }
-            .await;
-
-            match result {
+            match self.step(&mut state).await {
                 Ok(()) => {
                     if failing {
                         tracing::info!("worker recovered");
@@ -254,23 +210,6 @@ impl Worker {
                     backoff.reset();
                 }
                 Err(e) => {
-                    metrics::counter!(crate::metrics::WORKER_BATCH_ERRORS).increment(1);
-                    let dependency = if e.downcast_ref::<sqlx::Error>().is_some() {
-                        "postgres"
-                    } else if e.downcast_ref::<redis::RedisError>().is_some() {
-                        "redis"
-                    } else {
-                        "other"
-                    };
-                    metrics::counter!(crate::metrics::DEPENDENCY_ERRORS, "dependency" => dependency, "in" => "worker")
-                        .increment(1);
-                    if e.downcast_ref::<redis::RedisError>()
-                        .is_some_and(|r| r.code() == Some("NOGROUP"))
-                    {
-                        // Redis lost the stream or the group: re-create it. Our pending
-                        // list is gone with it, so there is nothing to replay.
-                        groups_ready = false;
-                    }
                     if !failing {
                         tracing::warn!(
                             error = format!("{e:#}"),
@@ -278,45 +217,113 @@ impl Worker {
                         );
                         failing = true;
                     }
-                    if let Some(batch) = &held {
-                        // Still ours: keep live workers from taking it over meanwhile.
-                        let mut conn = self.redis.clone();
-                        let _ = stream::touch(
-                            &mut conn,
-                            &self.keys,
-                            batch.shard,
-                            &self.config.consumer,
-                            &batch.entries,
-                        )
-                        .await;
-                    }
-                    let pause = backoff.next_delay();
-                    let sleep = async {
-                        // Keep refreshing a held batch through a long pause too.
-                        match &held {
-                            Some(batch) => {
-                                self.heartbeat(
-                                    batch.shard,
-                                    &batch.entries,
-                                    tokio::time::sleep(pause),
-                                )
-                                .await
-                            }
-                            None => tokio::time::sleep(pause).await,
+                    self.count_failure(&e, &mut state);
+                    // The held batch stays ours through the pause: keep it fresh so live
+                    // workers do not take it over.
+                    let pause = tokio::time::sleep(backoff.next_delay());
+                    let wait = async {
+                        match &state.held {
+                            Some(batch) => self.heartbeat(batch.shard, &batch.entries, pause).await,
+                            None => pause.await,
                         }
                     };
                     tokio::select! {
                         _ = cancel.cancelled() => break,
-                        _ = sleep => {}
+                        _ = wait => {}
                     }
                 }
             }
         }
-        if held.is_some() {
+        if state.held.is_some() {
             tracing::warn!(
                 "stopping with an unwritten batch; it stays pending for the next worker"
             );
         }
         tracing::info!(consumer = %self.config.consumer, "worker stopped");
+    }
+
+    /// One turn of the loop: take a batch if none is held (own pending list first, then
+    /// claims when due, else new entries), write it, trim when due. On `Err` a batch
+    /// taken stays held and is retried as it is.
+    async fn step(&self, st: &mut LoopState) -> anyhow::Result<()> {
+        if st.held.is_none() {
+            if !st.groups_ready {
+                self.ensure_groups().await?;
+                st.groups_ready = true;
+            }
+            let source = if !st.replayed {
+                Source::OwnPending
+            } else if st.last_claim.elapsed() >= st.claim_every {
+                Source::Claim
+            } else {
+                Source::New
+            };
+            st.held = self.next_batch(source, &mut st.round).await?;
+            match source {
+                Source::OwnPending if st.held.is_none() => st.replayed = true,
+                Source::Claim if st.held.is_none() => {
+                    // Every shard's pending list walked: the pass is over.
+                    st.round.restart_claims();
+                    st.last_claim = Instant::now();
+                }
+                _ => {}
+            }
+        }
+        if let Some(batch) = &st.held {
+            let report = self.process_held(batch).await?;
+            tracing::debug!(?report, "batch done");
+            st.held = None;
+        }
+        if st.last_trim.elapsed() >= self.config.trim_every {
+            self.trim().await?;
+            st.last_trim = Instant::now();
+        }
+        Ok(())
+    }
+
+    /// Counts a failed turn by the dependency at fault; after `NOGROUP` (Redis lost the
+    /// stream or the group, and our pending list with it) the groups are re-created.
+    fn count_failure(&self, e: &anyhow::Error, st: &mut LoopState) {
+        metrics::counter!(crate::metrics::WORKER_BATCH_ERRORS).increment(1);
+        let redis_error = e.downcast_ref::<redis::RedisError>();
+        let dependency = if e.downcast_ref::<sqlx::Error>().is_some() {
+            "postgres"
+        } else if redis_error.is_some() {
+            "redis"
+        } else {
+            "other"
+        };
+        metrics::counter!(crate::metrics::DEPENDENCY_ERRORS, "dependency" => dependency, "in" => "worker")
+            .increment(1);
+        if redis_error.is_some_and(|r| r.code() == Some("NOGROUP")) {
+            st.groups_ready = false;
+        }
+    }
+}
+
+/// What the loop carries from one turn to the next.
+struct LoopState {
+    /// A batch taken and not yet written.
+    held: Option<Held>,
+    groups_ready: bool,
+    /// This consumer's own pending list has been replayed since the start.
+    replayed: bool,
+    round: read::Round,
+    claim_every: Duration,
+    last_claim: Instant,
+    last_trim: Instant,
+}
+
+impl LoopState {
+    fn new(round: read::Round, config: &WorkerConfig) -> Self {
+        Self {
+            held: None,
+            groups_ready: false,
+            replayed: false,
+            round,
+            claim_every: (config.claim_idle / 2).max(Duration::from_millis(100)),
+            last_claim: Instant::now(),
+            last_trim: Instant::now(),
+        }
     }
 }
