@@ -10,10 +10,10 @@ use base64::Engine as _;
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use serde::{Deserialize, Deserializer, Serialize};
 
-pub const ADMIN_ROLE: &str = "admin";
+pub(crate) const ADMIN_ROLE: &str = "admin";
 
 #[derive(Debug, Serialize, Deserialize)]
-pub struct Claims {
+pub(crate) struct Claims {
     #[serde(deserialize_with = "positive_id", serialize_with = "as_string")]
     pub sub: i64,
     pub exp: u64,
@@ -104,7 +104,7 @@ impl JwtKeys {
     /// Verifies an HS256 token: algorithm pinned (a header naming any other, or `none`,
     /// is refused), signature checked in constant time, `exp` required (5 s leeway),
     /// `sub` a positive integer, `role` absent or `"admin"`.
-    pub fn verify(&self, token: &str) -> Result<AuthUser, Unauthorized> {
+    pub(crate) fn verify(&self, token: &str) -> Result<AuthUser, Unauthorized> {
         let invalid = || Unauthorized("invalid or expired token");
         let mut parts = token.split('.');
         let (Some(header), Some(payload), Some(signature), None) =
@@ -153,22 +153,22 @@ fn now_secs() -> u64 {
 
 /// The authenticated caller (extracted from the request in `http::extract`).
 #[derive(Debug, Clone, Copy)]
-pub struct AuthUser {
+pub(crate) struct AuthUser {
     pub user_id: i64,
     pub admin: bool,
 }
 
 /// An authenticated administrator; shoppers get 403.
 #[derive(Debug, Clone, Copy)]
-pub struct Admin(pub AuthUser);
+pub(crate) struct Admin;
 
 /// Why a token was refused (the HTTP layer answers 401 with it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
-pub struct Unauthorized(pub &'static str);
+pub(crate) struct Unauthorized(pub &'static str);
 
 /// Parses an id strictly: ASCII digits only, no sign, no leading zero, a positive i64.
-pub fn parse_id(s: &str) -> Option<i64> {
+pub(crate) fn parse_id(s: &str) -> Option<i64> {
     let canonical = !s.is_empty()
         && s.len() <= 19
         && s.bytes().all(|b| b.is_ascii_digit())

@@ -7,26 +7,26 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 /// Every default, written once: the flags' defaults and the `Default` impls use these.
 pub mod defaults {
-    pub const RATE_LIMIT_PER_USER: u32 = 5;
-    pub const RATE_LIMIT_PER_USER_BURST: u32 = 10;
-    pub const RATE_LIMIT_PER_IP: u32 = 0;
-    pub const RATE_LIMIT_PER_IP_BURST: u32 = 200;
-    pub const MAX_CONCURRENT_REQUESTS: u32 = 10_000;
-    pub const REQUEST_TIMEOUT_SECS: u64 = 10;
-    pub const WORKER_BATCH_SIZE: u32 = 256;
-    pub const WORKER_BLOCK_MS: u64 = 1000;
-    pub const WORKER_CLAIM_IDLE_MS: u64 = 15_000;
-    pub const WORKER_MAX_DELIVERIES: u64 = 5;
-    pub const SALE_STATE_RETENTION_SECS: u64 = 86_400;
-    pub const HTTP_HEADER_READ_TIMEOUT_SECS: u64 = 5;
-    pub const HTTP_KEEPALIVE_IDLE_SECS: u64 = 75;
-    pub const HTTP_MAX_CONNECTIONS: u32 = 10_000;
-    pub const DATABASE_MAX_CONNECTIONS: u32 = 16;
+    pub(crate) const RATE_LIMIT_PER_USER: u32 = 5;
+    pub(crate) const RATE_LIMIT_PER_USER_BURST: u32 = 10;
+    pub(crate) const RATE_LIMIT_PER_IP: u32 = 0;
+    pub(crate) const RATE_LIMIT_PER_IP_BURST: u32 = 200;
+    pub(crate) const MAX_CONCURRENT_REQUESTS: u32 = 10_000;
+    pub(crate) const REQUEST_TIMEOUT_SECS: u64 = 10;
+    pub(crate) const WORKER_BATCH_SIZE: u32 = 256;
+    pub(crate) const WORKER_BLOCK_MS: u64 = 1000;
+    pub(crate) const WORKER_CLAIM_IDLE_MS: u64 = 15_000;
+    pub(crate) const WORKER_MAX_DELIVERIES: u64 = 5;
+    pub(crate) const SALE_STATE_RETENTION_SECS: u64 = 86_400;
+    pub(crate) const HTTP_HEADER_READ_TIMEOUT_SECS: u64 = 5;
+    pub(crate) const HTTP_KEEPALIVE_IDLE_SECS: u64 = 75;
+    pub(crate) const HTTP_MAX_CONNECTIONS: u32 = 10_000;
+    pub(crate) const DATABASE_MAX_CONNECTIONS: u32 = 16;
 }
 
 #[derive(Debug, Parser)]
 #[command(name = "seckill", version, about = "Flash-sale voucher service")]
-pub struct Cli {
+pub(crate) struct Cli {
     #[command(flatten)]
     pub log: LogArgs,
     #[command(subcommand)]
@@ -34,7 +34,7 @@ pub struct Cli {
 }
 
 #[derive(Debug, Subcommand)]
-pub enum Command {
+pub(crate) enum Command {
     /// API and order worker in one process (the default deployment).
     Serve(ServeArgs),
     /// API only (scale out behind a load balancer).
@@ -52,13 +52,13 @@ pub enum Command {
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
-pub enum LogFormat {
+pub(crate) enum LogFormat {
     Text,
     Json,
 }
 
 #[derive(Debug, Clone, Args)]
-pub struct LogArgs {
+pub(crate) struct LogArgs {
     /// Log output format.
     #[arg(
         long,
@@ -222,7 +222,7 @@ pub struct WorkerOptions {
 }
 
 #[derive(Debug, Clone, Args)]
-pub struct ServeArgs {
+pub(crate) struct ServeArgs {
     #[command(flatten)]
     pub api: ApiArgs,
     #[command(flatten)]
@@ -230,7 +230,7 @@ pub struct ServeArgs {
 }
 
 #[derive(Debug, Clone, Args)]
-pub struct WorkerArgs {
+pub(crate) struct WorkerArgs {
     #[command(flatten)]
     pub database: DatabaseArgs,
     #[command(flatten)]
@@ -240,13 +240,13 @@ pub struct WorkerArgs {
 }
 
 #[derive(Debug, Clone, Args)]
-pub struct MigrateArgs {
+pub(crate) struct MigrateArgs {
     #[command(flatten)]
     pub database: DatabaseArgs,
 }
 
 #[derive(Debug, Clone, Args)]
-pub struct ReconcileArgs {
+pub(crate) struct ReconcileArgs {
     #[command(flatten)]
     pub database: DatabaseArgs,
     #[command(flatten)]
@@ -263,7 +263,7 @@ pub struct ReconcileArgs {
 }
 
 #[derive(Debug, Clone, Args)]
-pub struct DeadLetterArgs {
+pub(crate) struct DeadLetterArgs {
     #[command(flatten)]
     pub redis: RedisArgs,
     /// Most entries to print.
@@ -272,7 +272,7 @@ pub struct DeadLetterArgs {
 }
 
 #[derive(Debug, Clone, Args)]
-pub struct TokenArgs {
+pub(crate) struct TokenArgs {
     /// HS256 secret for bearer tokens.
     #[arg(long, env = "JWT_SECRET", hide_env_values = true)]
     pub jwt_secret: String,

@@ -7,24 +7,24 @@ use redis::aio::ConnectionLike;
 
 use crate::keys::Keys;
 
-pub const ADMISSIONS: &str = "seckill_admissions_total";
-pub const ADMISSION_SECONDS: &str = "seckill_admission_duration_seconds";
-pub const WORKER_ORDERS: &str = "seckill_worker_orders_total";
-pub const WORKER_BATCH_ERRORS: &str = "seckill_worker_batch_errors_total";
-pub const DEAD_LETTERED: &str = "seckill_dead_lettered_total";
-pub const STREAM_LENGTH: &str = "seckill_stream_length";
-pub const STREAM_PENDING: &str = "seckill_stream_pending";
-pub const DEAD_LETTERS: &str = "seckill_dead_letters";
-pub const STREAM_LAG: &str = "seckill_stream_lag";
-pub const HTTP_REQUESTS: &str = "seckill_http_requests_total";
-pub const SHED: &str = "seckill_http_shed_total";
-pub const WORKER_BATCH_SIZE: &str = "seckill_worker_batch_size";
-pub const WORKER_COMMIT_SECONDS: &str = "seckill_worker_commit_seconds";
-pub const DEPENDENCY_ERRORS: &str = "seckill_dependency_errors_total";
+pub(crate) const ADMISSIONS: &str = "seckill_admissions_total";
+pub(crate) const ADMISSION_SECONDS: &str = "seckill_admission_duration_seconds";
+pub(crate) const WORKER_ORDERS: &str = "seckill_worker_orders_total";
+pub(crate) const WORKER_BATCH_ERRORS: &str = "seckill_worker_batch_errors_total";
+pub(crate) const DEAD_LETTERED: &str = "seckill_dead_lettered_total";
+pub(crate) const STREAM_LENGTH: &str = "seckill_stream_length";
+pub(crate) const STREAM_PENDING: &str = "seckill_stream_pending";
+pub(crate) const DEAD_LETTERS: &str = "seckill_dead_letters";
+pub(crate) const STREAM_LAG: &str = "seckill_stream_lag";
+pub(crate) const HTTP_REQUESTS: &str = "seckill_http_requests_total";
+pub(crate) const SHED: &str = "seckill_http_shed_total";
+pub(crate) const WORKER_BATCH_SIZE: &str = "seckill_worker_batch_size";
+pub(crate) const WORKER_COMMIT_SECONDS: &str = "seckill_worker_commit_seconds";
+pub(crate) const DEPENDENCY_ERRORS: &str = "seckill_dependency_errors_total";
 
 /// The process-wide recorder (installed on first use, with a thread doing its upkeep:
 /// without it histogram samples would pile up in memory between scrapes).
-pub fn handle() -> PrometheusHandle {
+pub(crate) fn handle() -> PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE
         .get_or_init(|| {
@@ -53,13 +53,13 @@ pub fn handle() -> PrometheusHandle {
 
 /// Handles of the hot path's metrics, registered once: recording through them is an
 /// atomic add, not a registry lookup.
-pub struct HotPath {
+pub(crate) struct HotPath {
     pub admission_seconds: metrics::Histogram,
     outcomes: [metrics::Counter; 8],
 }
 
 impl HotPath {
-    pub const OUTCOMES: [&'static str; 8] = [
+    pub(crate) const OUTCOMES: [&'static str; 8] = [
         "rate_limited",
         "admitted",
         "not_loaded",
@@ -70,7 +70,7 @@ impl HotPath {
         "redis_error",
     ];
 
-    pub fn get() -> &'static HotPath {
+    pub(crate) fn get() -> &'static HotPath {
         static HOT: OnceLock<HotPath> = OnceLock::new();
         HOT.get_or_init(|| {
             handle();
@@ -81,7 +81,7 @@ impl HotPath {
         })
     }
 
-    pub fn outcome(&self, label: &str) -> &metrics::Counter {
+    pub(crate) fn outcome(&self, label: &str) -> &metrics::Counter {
         let i = Self::OUTCOMES
             .iter()
             .position(|o| *o == label)
@@ -92,7 +92,7 @@ impl HotPath {
 
 /// Samples the streams (length, pending entries, dead letters) into gauges; done at
 /// scrape time so an API-only process reports them too.
-pub async fn sample_streams<C: ConnectionLike + Send>(
+pub(crate) async fn sample_streams<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
 ) -> redis::RedisResult<()> {

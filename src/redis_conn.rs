@@ -15,13 +15,13 @@ use redis::{Cmd, Pipeline, RedisFuture, Value};
 
 /// Where Redis is: `REDIS_URL`, or `REDIS_CLUSTER_URLS` when set.
 #[derive(Debug, Clone)]
-pub enum RedisTarget {
+pub(crate) enum RedisTarget {
     Single(String),
     Cluster(Vec<String>),
 }
 
 impl RedisTarget {
-    pub fn new(url: &str, cluster_urls: &[String]) -> Self {
+    pub(crate) fn new(url: &str, cluster_urls: &[String]) -> Self {
         let seeds: Vec<String> = cluster_urls
             .iter()
             .map(|s| s.trim().to_string())
@@ -61,7 +61,7 @@ pub fn connect(url: &str, response_timeout: Duration) -> anyhow::Result<RedisCon
 
 /// Connects to `target`. A cluster must answer (its slot map is read at once): this
 /// waits up to `patience` for it.
-pub async fn connect_to(
+pub(crate) async fn connect_to(
     target: &RedisTarget,
     response_timeout: Duration,
     patience: Duration,

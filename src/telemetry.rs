@@ -4,7 +4,7 @@ use tracing_subscriber::{fmt, EnvFilter};
 
 use crate::config::LogFormat;
 
-pub fn init(format: LogFormat) {
+pub(crate) fn init(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = fmt()

@@ -8,12 +8,12 @@ use utoipa::ToSchema;
 
 /// Every error answer: `{"error": {"code": "...", "message": "..."}}`.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct ErrorBody {
+pub(crate) struct ErrorBody {
     pub error: ErrorDetail,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
-pub struct ErrorDetail {
+pub(crate) struct ErrorDetail {
     /// Machine-readable: `unauthorized`, `forbidden`, `not_found`, `validation`,
     /// `not_started`, `ended`, `sold_out`, `already_ordered`, `rate_limited`,
     /// `unavailable`, `conflict`, `internal`.
@@ -69,7 +69,7 @@ pub enum AppError {
     Internal(#[from] anyhow::Error),
 }
 
-pub type AppResult<T> = Result<T, AppError>;
+pub(crate) type AppResult<T> = Result<T, AppError>;
 
 impl From<crate::auth::Unauthorized> for AppError {
     fn from(e: crate::auth::Unauthorized) -> Self {
@@ -78,14 +78,14 @@ impl From<crate::auth::Unauthorized> for AppError {
 }
 
 impl AppError {
-    pub fn invalid(message: impl Into<String>) -> Self {
+    pub(crate) fn invalid(message: impl Into<String>) -> Self {
         Self::Validation {
             status: StatusCode::UNPROCESSABLE_ENTITY,
             message: message.into(),
         }
     }
 
-    pub fn bad_request(message: impl Into<String>) -> Self {
+    pub(crate) fn bad_request(message: impl Into<String>) -> Self {
         Self::Validation {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
@@ -157,7 +157,7 @@ impl AppError {
     }
 }
 
-pub fn is_unique_violation(e: &sqlx::Error) -> bool {
+pub(crate) fn is_unique_violation(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Database(db) if db.is_unique_violation())
 }
 
@@ -208,7 +208,7 @@ impl IntoResponse for AppError {
 /// What a failed request leaves in its response's extensions for the middleware that
 /// logs and counts failures.
 #[derive(Debug, Clone)]
-pub struct Failure {
+pub(crate) struct Failure {
     /// The dependency at fault, for `seckill_dependency_errors_total`.
     pub dependency: Option<&'static str>,
     /// Logged as an error (a dependency or a bug) rather than a warning.

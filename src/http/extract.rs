@@ -13,7 +13,7 @@ use crate::http::error::AppError;
 
 /// `axum::Json`, but a malformed body is a `validation` error: 400 when it cannot be
 /// read as JSON, 422 when it is JSON of the wrong shape.
-pub struct AppJson<T>(pub T);
+pub(crate) struct AppJson<T>(pub T);
 
 impl<T, S> FromRequest<S> for AppJson<T>
 where
@@ -47,7 +47,7 @@ fn json_rejection(rejection: JsonRejection) -> AppError {
 
 /// The single id in a route's path (`/vouchers/{id}`, `/orders/{order_id}`, ...).
 #[derive(Debug, Clone, Copy)]
-pub struct PathId(pub i64);
+pub(crate) struct PathId(pub i64);
 
 impl<S: Send + Sync> FromRequestParts<S> for PathId {
     type Rejection = AppError;
@@ -104,7 +104,7 @@ where
         if !user.admin {
             return Err(AppError::Forbidden);
         }
-        Ok(Admin(user))
+        Ok(Admin)
     }
 }
 

@@ -12,7 +12,7 @@ use crate::http::state::AppState;
 
 #[utoipa::path(get, path = "/healthz", tag = "operations",
     responses((status = 200, description = "the process runs", body = Object, example = json!({"status": "ok"}))))]
-pub async fn healthz() -> Json<Value> {
+pub(crate) async fn healthz() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
 
@@ -24,7 +24,7 @@ pub async fn healthz() -> Json<Value> {
             example = json!({"status": "not_ready", "checks": {"redis": "up", "postgres": "down"},
                 "error": {"code": "unavailable", "message": "not ready: postgres down"}})),
     ))]
-pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<Value>) {
+pub(crate) async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<Value>) {
     let timeout = Duration::from_secs(2);
     let mut conn = state.redis.clone();
     let redis = async {
@@ -66,7 +66,7 @@ pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<Value>) 
 
 #[utoipa::path(get, path = "/metrics", tag = "operations",
     responses((status = 200, description = "Prometheus text format", content_type = "text/plain", body = String)))]
-pub async fn metrics(State(state): State<AppState>) -> impl axum::response::IntoResponse {
+pub(crate) async fn metrics(State(state): State<AppState>) -> impl axum::response::IntoResponse {
     let mut conn = state.redis.clone();
     if let Err(e) = crate::metrics::sample_streams(&mut conn, &state.keys).await {
         tracing::debug!(error = %e, "stream gauges not sampled");

@@ -17,18 +17,18 @@ use governor::Quota;
 
 /// How often keys whose limit is back to its fresh state are dropped: the map holds only
 /// the keys seen in about the last second plus their window, whatever the churn of users.
-pub const FORGET_IDLE_EVERY: Duration = Duration::from_secs(1);
+pub(crate) const FORGET_IDLE_EVERY: Duration = Duration::from_secs(1);
 
 /// Generic cell rate algorithm: `rate` requests per second on average, bursts of up to
 /// `burst` at once. With the default clock the inner limiter is governor's
 /// `DefaultKeyedRateLimiter<K>`; tests drive it with a fake clock.
-pub struct RateLimiter<K: Hash + Eq + Clone, C: Clock = DefaultClock> {
+pub(crate) struct RateLimiter<K: Hash + Eq + Clone, C: Clock = DefaultClock> {
     inner: governor::RateLimiter<K, DashMapStateStore<K>, C, NoOpMiddleware<C::Instant>>,
 }
 
 impl<K: Hash + Eq + Clone> RateLimiter<K> {
     /// `None` when `per_second` is 0 (the limit is off).
-    pub fn new(per_second: u32, burst: u32) -> Option<Self> {
+    pub(crate) fn new(per_second: u32, burst: u32) -> Option<Self> {
         Self::with_clock(per_second, burst, DefaultClock::default())
     }
 }
@@ -43,7 +43,7 @@ impl<K: Hash + Eq + Clone, C: Clock> RateLimiter<K, C> {
     }
 
     /// Counts one request of `key`; `Err(wait)` if it is over the limit.
-    pub fn check(&self, key: &K) -> Result<(), Duration> {
+    pub(crate) fn check(&self, key: &K) -> Result<(), Duration> {
         self.inner
             .check_key(key)
             .map_err(|not_until| not_until.wait_time_from(self.inner.clock().now()))
@@ -51,12 +51,13 @@ impl<K: Hash + Eq + Clone, C: Clock> RateLimiter<K, C> {
 
     /// Drops the keys whose state is indistinguishable from a fresh one (governor never
     /// drops any by itself).
-    pub fn forget_idle(&self) {
+    pub(crate) fn forget_idle(&self) {
         self.inner.retain_recent();
     }
 
     /// Keys currently tracked (for tests: memory stays bounded).
-    pub fn tracked(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn tracked(&self) -> usize {
         self.inner.len()
     }
 }

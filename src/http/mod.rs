@@ -28,25 +28,25 @@ use crate::http::error::AppError;
 use crate::http::state::AppState;
 
 /// Largest request body accepted (a voucher is well under 1 KiB).
-pub const BODY_LIMIT: usize = 64 * 1024;
+pub(crate) const BODY_LIMIT: usize = 64 * 1024;
 /// Most headers, and most bytes of request target and headers, a request may have; more
 /// is a 431 in the JSON error format. hyper refuses still larger heads (over 400 KiB)
 /// with its own 431, which has no body.
-pub const MAX_HEADERS: usize = 100;
-pub const MAX_HEADER_BYTES: usize = 32 * 1024;
+pub(crate) const MAX_HEADERS: usize = 100;
+pub(crate) const MAX_HEADER_BYTES: usize = 32 * 1024;
 
 const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// How long a read path waits for Redis (live stock, pending orders) before it answers
 /// from Postgres alone: a Redis that is down must not cost a read its whole timeout.
-pub const REDIS_READ_DEADLINE: Duration = Duration::from_millis(500);
+pub(crate) const REDIS_READ_DEADLINE: Duration = Duration::from_millis(500);
 
 /// Set to `postgres` on a read answered without Redis (see the OpenAPI descriptions).
-pub const FALLBACK_HEADER: HeaderName = HeaderName::from_static("x-seckill-fallback");
+pub(crate) const FALLBACK_HEADER: HeaderName = HeaderName::from_static("x-seckill-fallback");
 
 /// A read path's Redis look-ups, under [`REDIS_READ_DEADLINE`]; `None` if Redis failed
 /// or was too slow, and the caller answers from Postgres alone.
-pub async fn redis_read<T>(
+pub(crate) async fn redis_read<T>(
     what: &'static str,
     lookups: impl std::future::Future<Output = redis::RedisResult<T>>,
 ) -> Option<T> {
@@ -62,7 +62,7 @@ pub async fn redis_read<T>(
 }
 
 /// The headers of a read answer: [`FALLBACK_HEADER`] when Redis was left out.
-pub fn fallback_headers(fell_back: bool) -> axum::http::HeaderMap {
+pub(crate) fn fallback_headers(fell_back: bool) -> axum::http::HeaderMap {
     let mut headers = axum::http::HeaderMap::new();
     if fell_back {
         headers.insert(

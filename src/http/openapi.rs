@@ -49,7 +49,7 @@ use crate::http::error::{ErrorBody, ErrorDetail};
         (name = "operations", description = "health, readiness, metrics, this document"),
     )
 )]
-pub struct ApiDoc;
+pub(crate) struct ApiDoc;
 
 struct BearerAuth;
 
@@ -76,7 +76,7 @@ static DOCUMENT: LazyLock<String> = LazyLock::new(|| {
 
 #[utoipa::path(get, path = "/openapi.json", tag = "operations",
     responses((status = 200, description = "this document (OpenAPI 3.1)", body = Object)))]
-pub async fn openapi_json() -> impl IntoResponse {
+pub(crate) async fn openapi_json() -> impl IntoResponse {
     (
         [(axum::http::header::CONTENT_TYPE, "application/json")],
         DOCUMENT.as_str(),
@@ -86,7 +86,7 @@ pub async fn openapi_json() -> impl IntoResponse {
 /// Scalar's API reference, loaded from its CDN by the browser, pointed at our document.
 #[utoipa::path(get, path = "/docs", tag = "operations",
     responses((status = 200, description = "interactive API documentation", content_type = "text/html", body = String)))]
-pub async fn docs() -> Html<&'static str> {
+pub(crate) async fn docs() -> Html<&'static str> {
     Html(
         r#"<!doctype html>
 <html>

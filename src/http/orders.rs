@@ -17,7 +17,7 @@ use crate::http::{fallback_headers, redis_read};
 use crate::store::orders::{self, OrderRow};
 
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
-pub struct OrderResponse {
+pub(crate) struct OrderResponse {
     /// 64-bit, as a string.
     #[schema(pattern = "^[1-9][0-9]{0,18}$")]
     pub order_id: String,
@@ -75,7 +75,7 @@ const ADMIN_STREAM_SCAN: usize = 200_000;
         (status = 503, description = "a dependency is down (`unavailable`); also, within about 500 ms, when the order \
             is not in Postgres and Redis (which knows pending orders) does not answer", body = ErrorBody),
     ))]
-pub async fn get(
+pub(crate) async fn get(
     State(state): State<AppState>,
     user: AuthUser,
     PathId(order_id): PathId,
@@ -130,7 +130,7 @@ pub async fn get(
         (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
         (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
     ))]
-pub async fn list_mine(
+pub(crate) async fn list_mine(
     State(state): State<AppState>,
     user: AuthUser,
 ) -> AppResult<(HeaderMap, Json<Vec<OrderResponse>>)> {

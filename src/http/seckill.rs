@@ -16,7 +16,7 @@ use crate::http::state::AppState;
 use crate::store::vouchers;
 
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
-pub struct Admitted {
+pub(crate) struct Admitted {
     /// 64-bit, as a string (JavaScript loses precision above 2^53).
     #[schema(pattern = "^[1-9][0-9]{0,18}$", example = "117514385399746560")]
     pub order_id: String,
@@ -26,7 +26,7 @@ pub struct Admitted {
 }
 
 /// The client's address, when the server was started with connect info.
-pub struct PeerIp(pub Option<std::net::IpAddr>);
+pub(crate) struct PeerIp(pub Option<std::net::IpAddr>);
 
 impl<S: Send + Sync> axum::extract::FromRequestParts<S> for PeerIp {
     type Rejection = std::convert::Infallible;
@@ -68,7 +68,7 @@ fn limited(wait: std::time::Duration) -> AppError {
             the order may exist, and a retry tells (202, or `already_ordered` with its `order_id`)", body = ErrorBody,
             headers(("Retry-After" = u64, description = "seconds to wait"))),
     ))]
-pub async fn grab(
+pub(crate) async fn grab(
     State(state): State<AppState>,
     PeerIp(ip): PeerIp,
     user: AuthUser,

@@ -36,7 +36,7 @@ const PARSER_MAX_HEADERS: usize = 4 * super::MAX_HEADERS;
 const RESERVED_DESCRIPTORS: u64 = 64;
 
 #[derive(Debug, Clone, Copy)]
-pub struct ServerLimits {
+pub(crate) struct ServerLimits {
     pub header_read_timeout: Duration,
     pub keepalive_idle: Duration,
     pub max_connections: usize,
@@ -54,7 +54,7 @@ impl From<&crate::config::ServerArgs> for ServerLimits {
 
 /// Serves `router` on `listener` until `shutdown`, then lets requests in progress
 /// finish and returns once every connection is closed.
-pub async fn serve(
+pub(crate) async fn serve(
     listener: TcpListener,
     router: Router,
     limits: ServerLimits,

@@ -26,12 +26,12 @@ pub struct Shared {
     pub settings: Arc<Settings>,
     /// Vouchers whose Redis state is being reloaded right now (one reload at a time).
     pub reloading: Arc<Mutex<HashSet<i64>>>,
-    pub per_user: Option<RateLimiter<i64>>,
-    pub per_ip: Option<RateLimiter<IpAddr>>,
+    pub(crate) per_user: Option<RateLimiter<i64>>,
+    pub(crate) per_ip: Option<RateLimiter<IpAddr>>,
 }
 
 impl AppState {
-    pub fn new(
+    pub(crate) fn new(
         db: PgPool,
         redis: RedisConn,
         keys: Keys,
@@ -75,7 +75,7 @@ impl axum::extract::FromRef<AppState> for Arc<JwtKeys> {
 impl AppState {
     /// Runs [`RateLimiter::forget_idle`] on the API's limiters every
     /// [`FORGET_IDLE_EVERY`](crate::http::limits::FORGET_IDLE_EVERY), until cancelled.
-    pub async fn forget_idle_rate_limits(self, cancel: tokio_util::sync::CancellationToken) {
+    pub(crate) async fn forget_idle_rate_limits(self, cancel: tokio_util::sync::CancellationToken) {
         if self.per_user.is_none() && self.per_ip.is_none() {
             return;
         }

@@ -15,7 +15,7 @@ use crate::http::fallback_headers;
 use crate::http::state::AppState;
 use crate::store::vouchers::{self, NewSeckill, NewVoucher, VoucherRow};
 
-pub const MAX_STOCK: i64 = 1_000_000;
+pub(crate) const MAX_STOCK: i64 = 1_000_000;
 const MAX_TITLE: usize = 255;
 const MAX_RULES: usize = 4_000;
 /// Sale times outside this range are typing errors, and some (chrono reaches year
@@ -32,7 +32,7 @@ const LATEST: DateTime<Utc> = match DateTime::from_timestamp(253_402_300_799, 0)
 #[schema(example = json!({"shop_id": 1, "title": "50 off 100", "sub_title": "weekdays",
     "rules": "one per person", "pay_value": 5000, "actual_value": 10000,
     "seckill": {"stock": 100, "begin_time": "2026-11-21T10:00:00Z", "end_time": "2026-11-21T12:00:00Z"}}))]
-pub struct CreateVoucher {
+pub(crate) struct CreateVoucher {
     #[schema(minimum = 1, maximum = 9223372036854775807_i64)]
     pub shop_id: i64,
     /// 1 to 255 characters, not blank, no NUL.
@@ -64,7 +64,7 @@ pub struct CreateVoucher {
 /// be in the past (the sale opens at once).
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-pub struct CreateSeckill {
+pub(crate) struct CreateSeckill {
     #[schema(minimum = 1, maximum = 1000000)]
     pub stock: i64,
     /// RFC 3339, from 1970 to 9999.
@@ -92,7 +92,7 @@ fn text(field: &str, value: &str, max: usize, required: bool) -> AppResult<Strin
 
 impl CreateVoucher {
     /// Checks every field; nothing unvalidated reaches Postgres.
-    pub fn validate(self, now: DateTime<Utc>) -> AppResult<NewVoucher> {
+    pub(crate) fn validate(self, now: DateTime<Utc>) -> AppResult<NewVoucher> {
         if self.shop_id <= 0 {
             return Err(AppError::invalid("shop_id must be a positive integer"));
         }
@@ -144,7 +144,7 @@ impl CreateVoucher {
 }
 
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
-pub struct VoucherResponse {
+pub(crate) struct VoucherResponse {
     pub id: i64,
     pub shop_id: i64,
     pub title: String,
@@ -161,7 +161,7 @@ pub struct VoucherResponse {
 }
 
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
-pub struct SeckillResponse {
+pub(crate) struct SeckillResponse {
     /// Remaining stock: Redis's live count while the sale is loaded, else Postgres's.
     pub stock: i64,
     pub initial_stock: i64,
@@ -230,7 +230,7 @@ const STOCK_NOTE: &str = "A flash sale's `stock` is Redis's live count; \
         (status = 422, description = "invalid fields (`validation`)", body = ErrorBody),
         (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
     ))]
-pub async fn create(
+pub(crate) async fn create(
     State(state): State<AppState>,
     _admin: Admin,
     AppJson(body): AppJson<CreateVoucher>,
@@ -270,7 +270,7 @@ pub async fn create(
         (status = 404, description = "no such voucher (`not_found`)", body = ErrorBody),
         (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
     ))]
-pub async fn get(
+pub(crate) async fn get(
     State(state): State<AppState>,
     PathId(id): PathId,
 ) -> AppResult<(HeaderMap, Json<VoucherResponse>)> {
@@ -292,7 +292,7 @@ pub async fn get(
         (status = 400, description = "not a valid id (`validation`)", body = ErrorBody),
         (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
     ))]
-pub async fn list_by_shop(
+pub(crate) async fn list_by_shop(
     State(state): State<AppState>,
     PathId(shop_id): PathId,
 ) -> AppResult<(HeaderMap, Json<Vec<VoucherResponse>>)> {
