@@ -1,6 +1,7 @@
 //! The consumer group: reading, claiming, acknowledging, keeping entries fresh.
 
 use redis::aio::ConnectionLike;
+use redis::streams::StreamPendingCountReply;
 use redis::{RedisResult, Value};
 
 use crate::keys::{Keys, Shard};
@@ -137,7 +138,7 @@ pub(crate) async fn delivery_counts<C: ConnectionLike + Send>(
         return Ok(Default::default());
     };
     // Entries arrive in id order, so one range covers them all.
-    let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+    let reply: StreamPendingCountReply = redis::cmd("XPENDING")
         .arg(keys.stream(shard))
         .arg(GROUP)
         .arg(first.entry_id())
@@ -146,9 +147,10 @@ pub(crate) async fn delivery_counts<C: ConnectionLike + Send>(
         .arg(entries.len().max(1) * 16 + 10_000)
         .query_async(conn)
         .await?;
-    Ok(rows
+    Ok(reply
+        .ids
         .into_iter()
-        .map(|(id, _consumer, _idle, deliveries)| (id, deliveries))
+        .map(|p| (p.id, p.times_delivered as u64))
         .collect())
 }
 
@@ -165,7 +167,7 @@ pub(crate) async fn still_pending<C: ConnectionLike + Send>(
     };
     // The range may hold other consumers' entries too; the pending list is what the
     // workers hold right now, so this stays small.
-    let rows: Result<Vec<(String, String, u64, u64)>, _> = redis::cmd("XPENDING")
+    let rows: RedisResult<StreamPendingCountReply> = redis::cmd("XPENDING")
         .arg(keys.stream(shard))
         .arg(GROUP)
         .arg(first)
@@ -174,7 +176,7 @@ pub(crate) async fn still_pending<C: ConnectionLike + Send>(
         .query_async(conn)
         .await;
     match rows {
-        Ok(rows) => Ok(rows.into_iter().map(|(id, ..)| id).collect()),
+        Ok(reply) => Ok(reply.ids.into_iter().map(|p| p.id).collect()),
         // The group is gone with Redis's data: nothing is pending.
         Err(e) if e.code() == Some("NOGROUP") => Ok(Default::default()),
         Err(e) => Err(e),
