@@ -147,7 +147,10 @@ pub(crate) type Buyers = Vec<(i64, i64)>;
 
 /// `(user_id, order_id)` of the sale's orders, without a lock (a hint, re-read under it).
 #[tracing::instrument(skip(db))]
-pub(crate) async fn buyers(db: &PgPool, voucher_id: i64) -> Result<Buyers, sqlx::Error> {
+pub(crate) async fn buyers<'e>(
+    db: impl sqlx::PgExecutor<'e>,
+    voucher_id: i64,
+) -> Result<Buyers, sqlx::Error> {
     sqlx::query_as("SELECT user_id, id FROM voucher_orders WHERE voucher_id = $1")
         .bind(voucher_id)
         .fetch_all(db)
@@ -182,9 +185,6 @@ pub(crate) async fn lock_sale(
         return Ok(None);
     };
     // A new statement: it sees every commit made before the lock was granted.
-    let buyers = sqlx::query_as("SELECT user_id, id FROM voucher_orders WHERE voucher_id = $1")
-        .bind(voucher_id)
-        .fetch_all(&mut **tx)
-        .await?;
+    let buyers = buyers(&mut **tx, voucher_id).await?;
     Ok(Some((sale, buyers)))
 }

@@ -126,8 +126,29 @@ pub(crate) async fn ack<C: ConnectionLike + Send>(
     }
 }
 
-/// How often each of `entries` has been delivered (XPENDING); entries not pending are
-/// left out.
+/// The pending entries (whoever holds them) with ids from `first` to `last`, for `n`
+/// entries of ours in that range: one XPENDING.
+async fn pending_range<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    shard: Shard,
+    (first, last): (&str, &str),
+    n: usize,
+) -> RedisResult<StreamPendingCountReply> {
+    redis::cmd("XPENDING")
+        .arg(keys.stream(shard))
+        .arg(GROUP)
+        .arg(first)
+        .arg(last)
+        // The range may hold other consumers' entries too; the pending list is what the
+        // workers hold right now, so this stays small.
+        .arg(n.max(1) * 16 + 10_000)
+        .query_async(conn)
+        .await
+}
+
+/// How often each of `entries` (in id order) has been delivered; entries not pending
+/// are left out.
 pub(crate) async fn delivery_counts<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
@@ -137,16 +158,8 @@ pub(crate) async fn delivery_counts<C: ConnectionLike + Send>(
     let (Some(first), Some(last)) = (entries.first(), entries.last()) else {
         return Ok(Default::default());
     };
-    // Entries arrive in id order, so one range covers them all.
-    let reply: StreamPendingCountReply = redis::cmd("XPENDING")
-        .arg(keys.stream(shard))
-        .arg(GROUP)
-        .arg(first.entry_id())
-        .arg(last.entry_id())
-        // The range may hold other consumers' entries too (the pending list is small).
-        .arg(entries.len().max(1) * 16 + 10_000)
-        .query_async(conn)
-        .await?;
+    let range = (first.entry_id(), last.entry_id());
+    let reply = pending_range(conn, keys, shard, range, entries.len()).await?;
     Ok(reply
         .ids
         .into_iter()
@@ -154,8 +167,7 @@ pub(crate) async fn delivery_counts<C: ConnectionLike + Send>(
         .collect())
 }
 
-/// Which of `entry_ids` (in id order) are pending in the group, whoever holds them:
-/// one XPENDING over their id range.
+/// Which of `entry_ids` (in id order) are pending in the group, whoever holds them.
 pub(crate) async fn still_pending<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
@@ -165,17 +177,7 @@ pub(crate) async fn still_pending<C: ConnectionLike + Send>(
     let (Some(first), Some(last)) = (entry_ids.first(), entry_ids.last()) else {
         return Ok(Default::default());
     };
-    // The range may hold other consumers' entries too; the pending list is what the
-    // workers hold right now, so this stays small.
-    let rows: RedisResult<StreamPendingCountReply> = redis::cmd("XPENDING")
-        .arg(keys.stream(shard))
-        .arg(GROUP)
-        .arg(first)
-        .arg(last)
-        .arg(entry_ids.len().max(1) * 16 + 10_000)
-        .query_async(conn)
-        .await;
-    match rows {
+    match pending_range(conn, keys, shard, (first, last), entry_ids.len()).await {
         Ok(reply) => Ok(reply.ids.into_iter().map(|p| p.id).collect()),
         // The group is gone with Redis's data: nothing is pending.
         Err(e) if e.code() == Some("NOGROUP") => Ok(Default::default()),
