@@ -6,44 +6,12 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use crate::common::faults::{self, PrivateRedis, Process, Proxy};
-use crate::common::TestApp;
-use futures::StreamExt;
+use crate::common::{press_all, TestApp};
 use reqwest::StatusCode;
 use serde_json::Value;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
-
-/// Presses "grab" for each user against `base`, `concurrency` at a time. Returns each
-/// user's status and body, or `None` where no answer came (the server was gone).
-async fn press_all(
-    app: &TestApp,
-    base: &str,
-    voucher: i64,
-    users: impl IntoIterator<Item = i64>,
-    concurrency: usize,
-) -> Vec<(i64, Option<(StatusCode, Value)>)> {
-    futures::stream::iter(users)
-        .map(|user| {
-            let req = app
-                .client
-                .post(format!("{base}/vouchers/{voucher}/seckill"))
-                .bearer_auth(app.token(user));
-            async move {
-                let answer = match req.send().await {
-                    Ok(resp) => {
-                        let status = resp.status();
-                        resp.json::<Value>().await.ok().map(|body| (status, body))
-                    }
-                    Err(_) => None,
-                };
-                (user, answer)
-            }
-        })
-        .buffer_unordered(concurrency)
-        .collect()
-        .await
-}
 
 /// The order ids of the 202 answers, by user; panics on any 5xx.
 fn admitted(results: &[(i64, Option<(StatusCode, Value)>)]) -> HashMap<i64, i64> {

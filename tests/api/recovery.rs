@@ -13,8 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::common::faults::{self, Process, BIN};
-use crate::common::TestApp;
-use futures::StreamExt;
+use crate::common::{press_all, TestApp};
 use reqwest::StatusCode;
 use seckill::keys::{Keys, Shard};
 use serde_json::{json, Value};
@@ -685,38 +684,6 @@ async fn press(app: &TestApp, base: &str, voucher: i64, user: i64) -> (StatusCod
             .bearer_auth(app.token(user)),
     )
     .await
-}
-
-/// Presses "grab" for each user against `base`, `concurrency` at a time. Returns each
-/// user's status and body, or `None` where no answer came.
-async fn press_all(
-    app: &TestApp,
-    base: &str,
-    voucher: i64,
-    users: impl IntoIterator<Item = i64>,
-    concurrency: usize,
-) -> Vec<(i64, Option<(StatusCode, Value)>)> {
-    futures::stream::iter(users)
-        .map(|user| {
-            let req = app
-                .client
-                .post(format!("{base}/vouchers/{voucher}/seckill"))
-                .bearer_auth(app.token(user))
-                .timeout(Duration::from_secs(30));
-            async move {
-                let answer = match req.send().await {
-                    Ok(resp) => {
-                        let status = resp.status();
-                        resp.json::<Value>().await.ok().map(|body| (status, body))
-                    }
-                    Err(_) => None,
-                };
-                (user, answer)
-            }
-        })
-        .buffer_unordered(concurrency)
-        .collect()
-        .await
 }
 
 /// Whether an error answer names `order_id` as the caller's order.

@@ -332,3 +332,36 @@ impl Drop for TestApp {
         }
     }
 }
+
+/// Presses "grab" for each user against `base`, `concurrency` at a time. Returns each
+/// user's status and body, or `None` where no answer came.
+pub async fn press_all(
+    app: &TestApp,
+    base: &str,
+    voucher: i64,
+    users: impl IntoIterator<Item = i64>,
+    concurrency: usize,
+) -> Vec<(i64, Option<(StatusCode, Value)>)> {
+    use futures::StreamExt;
+    futures::stream::iter(users)
+        .map(|user| {
+            let req = app
+                .client
+                .post(format!("{base}/vouchers/{voucher}/seckill"))
+                .bearer_auth(app.token(user))
+                .timeout(Duration::from_secs(30));
+            async move {
+                let answer = match req.send().await {
+                    Ok(resp) => {
+                        let status = resp.status();
+                        resp.json::<Value>().await.ok().map(|body| (status, body))
+                    }
+                    Err(_) => None,
+                };
+                (user, answer)
+            }
+        })
+        .buffer_unordered(concurrency)
+        .collect()
+        .await
+}
