@@ -22,13 +22,15 @@
 -- ('' when none)  ARGV[9] most tail entries read here  ARGV[10] '1': consider the
 -- stream ('0' for a new sale)  ARGV[11] deadline (ms, Redis clock): later, do nothing
 -- (the caller may have given up and released the lock)  ARGV[12] n, then n pairs
--- user_id, order_id (Postgres's buyers), then triples entry_id, user_id, order_id (the
--- paged candidates, in order)
+-- user_id, order_id (Postgres's buyers: its active orders), then m, then m pairs
+-- user_id, order_id (closed orders whose release to Redis is still owed; 'check' only),
+-- then triples entry_id, user_id, order_id (the paged candidates, in order)
 --
 -- Returns {-1} when live state was left alone, {-2} when the tail is too long, {-3}
 -- past the deadline, else
 -- {expected_stock, expected_buyers, in_flight, actual_stock (-1: none), actual_buyers,
--- mismatched_buyers}; 'actual' is the state before this step.
+-- mismatched_buyers, owed_held}; 'actual' is the state before this step; owed_held
+-- counts owed releases whose buyer record still holds their unit ('check' only).
 local t = redis.call('TIME')
 if tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) > tonumber(ARGV[11]) then
   return {-3}
@@ -45,6 +47,13 @@ local n_pg = tonumber(ARGV[12])
 local i = 13
 for _ = 1, n_pg do
   pg[ARGV[i]] = ARGV[i + 1]
+  i = i + 2
+end
+local owed = {}
+local n_owed = tonumber(ARGV[i])
+i = i + 1
+for _ = 1, n_owed do
+  owed[#owed + 1] = {ARGV[i], ARGV[i + 1]}
   i = i + 2
 end
 local cands = {}
@@ -142,6 +151,17 @@ if exists then
 end
 
 if mode == 'check' then
+  -- A closed order whose release is still owed: while its buyer record names it, its
+  -- unit is still out in Redis (the release script returns both at once).
+  local owed_held = 0
+  if exists then
+    for _, o in ipairs(owed) do
+      if redis.call('HGET', KEYS[1], 'u:' .. o[1]) == o[2] then
+        owed_held = owed_held + 1
+      end
+    end
+    stock = stock - owed_held
+  end
   if exists then
     local users, want = {}, {}
     for u, o in pairs(pg) do
@@ -170,7 +190,7 @@ if mode == 'check' then
       end
     end
   end
-  return {stock, n_pg + n_in, n_in, actual_stock, actual_buyers, mismatched}
+  return {stock, n_pg + n_in + owed_held, n_in, actual_stock, actual_buyers, mismatched, owed_held}
 end
 
 local fields = {}
@@ -188,4 +208,4 @@ for k = 1, #fields, 1000 do
   redis.call('HSET', KEYS[1], unpack(fields, k, math.min(k + 999, #fields)))
 end
 redis.call('PEXPIREAT', KEYS[1], ARGV[6])
-return {stock, n_pg + n_in, n_in, actual_stock, actual_buyers, 0}
+return {stock, n_pg + n_in, n_in, actual_stock, actual_buyers, 0, 0}

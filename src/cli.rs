@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use crate::auth::JwtKeys;
 use crate::config::{ApiArgs, Cli, Command, WorkerOptions};
 use crate::redis_conn;
-use crate::startup::{build_worker, keys, redis, Application};
+use crate::startup::{build_worker, keys, redis, sweeper, Application};
 use crate::{store, telemetry};
 
 pub async fn main() -> ExitCode {
@@ -45,10 +45,10 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
                 args.database.database_max_connections,
             )?;
             let cancel = shutdown_token();
-            build_worker(&db, &args.redis, keys, args.worker)
-                .await?
-                .run(cancel)
-                .await;
+            let sweeper = sweeper(&db, &args.redis, keys.clone(), &args.worker, cancel.clone());
+            let sweeper = sweeper.await?;
+            let worker = build_worker(&db, &args.redis, keys, args.worker).await?;
+            tokio::join!(sweeper, worker.run(cancel));
             Ok(ExitCode::SUCCESS)
         }
         Command::DeadLetters(args) => {

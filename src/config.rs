@@ -22,6 +22,9 @@ pub mod defaults {
     pub(crate) const HTTP_KEEPALIVE_IDLE_SECS: u64 = 75;
     pub(crate) const HTTP_MAX_CONNECTIONS: u32 = 10_000;
     pub(crate) const DATABASE_MAX_CONNECTIONS: u32 = 16;
+    pub(crate) const EXPIRY_SWEEP_MS: u64 = 1000;
+    pub(crate) const EXPIRY_BATCH: u32 = 500;
+    pub(crate) const PAY_WITHIN_SECS: i64 = 900;
 }
 
 #[derive(Debug, Parser)]
@@ -219,6 +222,16 @@ pub struct WorkerOptions {
     /// Consumer name in the group (default: host-pid-random, unique per process).
     #[arg(long, env = "WORKER_CONSUMER")]
     pub worker_consumer: Option<String>,
+    /// Pause between passes of the expiry sweeper (ms): an unpaid order expires at most
+    /// about this long after its deadline. Every worker process sweeps; they share the
+    /// work.
+    #[arg(long, env = "EXPIRY_SWEEP_MS", default_value_t = defaults::EXPIRY_SWEEP_MS,
+          value_parser = clap::value_parser!(u64).range(10..=4_000))]
+    pub expiry_sweep_ms: u64,
+    /// Orders expired (or owed releases made) per transaction of the sweeper.
+    #[arg(long, env = "EXPIRY_BATCH", default_value_t = defaults::EXPIRY_BATCH,
+          value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub expiry_batch: u32,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -12,6 +12,7 @@ pub mod cli;
 pub mod config;
 pub mod http;
 pub mod keys;
+pub mod lifecycle;
 pub mod metrics;
 pub mod reconcile;
 pub mod redis_conn;

@@ -9,6 +9,12 @@
 //! - Redis buyers = Postgres's buyers + the buyers of orders in flight, each naming
 //!   the right order.
 //!
+//! With the order lifecycle, "orders" means active orders (created or paid): a
+//! cancelled or expired order gave its unit back to Postgres's stock in the
+//! transaction that closed it, and gives it back to Redis through its release. Until
+//! that release is made its buyer record still names it with the unit out, so a
+//! release still owed explains one unit and one record of difference ("owed").
+//!
 //! Dead-lettered orders are buried with their unit returned and their buyer record
 //! settled (see `lua/settle_dead.lua`), so they leave no difference behind; they are
 //! shown for information.
@@ -40,6 +46,12 @@ pub(crate) struct VoucherBooks {
     /// Buyer records missing or naming another order.
     pub mismatched_buyers: i64,
     pub dead_letters: i64,
+    /// Orders paid, and closed (cancelled or expired), in Postgres.
+    pub paid: i64,
+    pub closed: i64,
+    /// Releases owed to Redis whose buyer record still holds the unit (counted in the
+    /// expected stock and buyers).
+    pub owed: i64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,7 +80,14 @@ impl Verdict {
 }
 
 impl VoucherBooks {
-    fn new(voucher_id: i64, f: &Fenced, dead_letters: i64) -> Self {
+    fn new(voucher_id: i64, f: &Fenced, dead_letters: i64, statuses: &[(String, i64)]) -> Self {
+        let count = |wanted: &[&str]| -> i64 {
+            statuses
+                .iter()
+                .filter(|(s, _)| wanted.contains(&s.as_str()))
+                .map(|(_, n)| n)
+                .sum()
+        };
         Self {
             voucher_id,
             initial_stock: f.initial_stock,
@@ -82,6 +101,9 @@ impl VoucherBooks {
             expected_buyers: f.expected.buyers,
             mismatched_buyers: f.mismatched_buyers,
             dead_letters,
+            paid: count(&["paid"]),
+            closed: count(&["cancelled", "expired"]),
+            owed: f.owed_held,
         }
     }
 
@@ -134,11 +156,15 @@ pub(crate) async fn books<C: ConnectionLike + Send>(
     let mut out = Vec::with_capacity(ids.len());
     for id in ids {
         match loader::fenced(db, conn, keys, id, retention, Mode::Check).await? {
-            Some(f) => out.push(VoucherBooks::new(
-                id,
-                &f,
-                dead.get(&id).copied().unwrap_or(0),
-            )),
+            Some(f) => {
+                let statuses = crate::store::lifecycle::status_counts(db, id).await?;
+                out.push(VoucherBooks::new(
+                    id,
+                    &f,
+                    dead.get(&id).copied().unwrap_or(0),
+                    &statuses,
+                ))
+            }
             None if voucher.is_some() => anyhow::bail!("voucher {id} has no flash sale"),
             None => {}
         }
@@ -271,15 +297,18 @@ pub(crate) fn render(rows: &[VoucherBooks]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:>10} {:>9} {:>9} {:>9} {:>11} {:>12} {:>9} {:>12} {:>11} {:>12}  verdict",
+        "{:>10} {:>9} {:>9} {:>9} {:>11} {:>12} {:>9} {:>12} {:>7} {:>7} {:>5} {:>11} {:>12}  verdict",
         "voucher",
         "initial",
         "pg_stock",
-        "pg_orders",
+        "pg_active",
         "redis_stock",
         "redis_buyers",
         "in_flight",
         "dead_letters",
+        "paid",
+        "closed",
+        "owed",
         "stock_drift",
         "buyers_drift"
     );
@@ -287,7 +316,7 @@ pub(crate) fn render(rows: &[VoucherBooks]) -> String {
         let opt = |v: Option<i64>| v.map_or("-".to_string(), |v| v.to_string());
         let _ = writeln!(
             out,
-            "{:>10} {:>9} {:>9} {:>9} {:>11} {:>12} {:>9} {:>12} {:>11} {:>12}  {}",
+            "{:>10} {:>9} {:>9} {:>9} {:>11} {:>12} {:>9} {:>12} {:>7} {:>7} {:>5} {:>11} {:>12}  {}",
             r.voucher_id,
             r.initial_stock,
             r.pg_stock,
@@ -296,6 +325,9 @@ pub(crate) fn render(rows: &[VoucherBooks]) -> String {
             r.redis_buyers,
             r.in_flight,
             r.dead_letters,
+            r.paid,
+            r.closed,
+            r.owed,
             opt(r.stock_drift()),
             match (r.redis_stock, r.mismatched_buyers) {
                 (None, _) => "-".to_string(),
@@ -326,6 +358,9 @@ mod tests {
             expected_buyers: 50,
             mismatched_buyers: 0,
             dead_letters: 0,
+            paid: 0,
+            closed: 0,
+            owed: 0,
         }
     }
 

@@ -16,6 +16,7 @@ use crate::config::{ApiArgs, RedisArgs, Settings, WorkerOptions};
 use crate::http::server::ServerLimits;
 use crate::http::state::AppState;
 use crate::keys::Keys;
+use crate::lifecycle::sweeper::{self, SweepConfig};
 use crate::redis_conn::{self, RedisConn};
 use crate::store;
 use crate::worker::{Worker, WorkerConfig};
@@ -83,6 +84,7 @@ impl Application {
         tasks.spawn(upkeep::run(duties, lease, cancel.clone()));
         tasks.spawn(state.clone().forget_idle_rate_limits(cancel.clone()));
         if let Some(opts) = worker {
+            tasks.spawn(sweeper(&db, &api.redis, keys.clone(), &opts, cancel.clone()).await?);
             let worker = build_worker(&db, &api.redis, keys, opts).await?;
             tasks.spawn(worker.run(cancel.clone()));
         }
@@ -126,6 +128,23 @@ pub(crate) async fn redis(
 ) -> anyhow::Result<RedisConn> {
     let target = redis_conn::RedisTarget::new(&args.redis_url, &args.redis_cluster_urls);
     redis_conn::connect_to(&target, response_timeout, Duration::from_secs(60)).await
+}
+
+/// The expiry sweeper that runs beside each worker, on a Redis connection of its own
+/// (the worker's blocks in its reads).
+pub(crate) async fn sweeper(
+    db: &sqlx::PgPool,
+    redis: &RedisArgs,
+    keys: Keys,
+    opts: &WorkerOptions,
+    cancel: CancellationToken,
+) -> anyhow::Result<impl std::future::Future<Output = ()>> {
+    let conn = self::redis(redis, redis_conn::COMMAND_TIMEOUT).await?;
+    let config = SweepConfig {
+        every: Duration::from_millis(opts.expiry_sweep_ms),
+        batch: opts.expiry_batch as i64,
+    };
+    Ok(sweeper::run(db.clone(), conn, keys, config, cancel))
 }
 
 /// A worker with a Redis connection of its own.

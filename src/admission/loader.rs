@@ -73,6 +73,9 @@ pub(crate) struct Fenced {
     pub actual_buyers: i64,
     /// Expected buyer records Redis lacks or names another order in (`Check` only).
     pub mismatched_buyers: i64,
+    /// Closed orders whose release to Redis is owed and whose buyer record still holds
+    /// their unit (`Check` only): counted in `expected`.
+    pub owed_held: i64,
 }
 
 /// Stream entries paged per XRANGE, and the most the final script reads itself.
@@ -154,7 +157,13 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
     };
     let known: HashMap<i64, i64> = buyers.iter().copied().collect();
     candidates.retain(|c| known.get(&c.user_id) != Some(&c.order_id));
-    let mut buried: HashSet<i64> = HashSet::new();
+    let mut settled: HashSet<i64> = HashSet::new();
+    // Releases owed to Redis explain a difference only to the comparison; a write
+    // rebuilds the records without them (and the release then finds nothing to do).
+    let owed = match mode {
+        Mode::Check => store::lifecycle::owed_for(&mut tx, voucher_id).await?,
+        _ => Vec::new(),
+    };
     let end_ms = sale.end_time.timestamp_millis();
     let mut rounds = 0;
     let reply: Vec<i64> = loop {
@@ -166,13 +175,17 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
         if scan {
             // Under the lock: only what was added since the last page.
             page_on(conn, keys, voucher_id, &known, &mut last, &mut candidates).await?;
+            // Written, whatever its status now, but not yet acknowledged: not in
+            // flight. An active one is among Postgres's buyers already; a closed one
+            // gave its unit back to Postgres's stock (and its release finds no record).
+            let ids: Vec<i64> = candidates.iter().map(|c| c.order_id).collect();
+            settled.extend(store::orders::written_among(&mut tx, &ids).await?);
             if mode != Mode::Check {
                 // Buried (tombstoned) but not yet settled in Redis: not in flight. Its
                 // settle script will find no record naming it and return nothing.
-                let ids: Vec<i64> = candidates.iter().map(|c| c.order_id).collect();
-                buried.extend(store::dead_orders::buried_among(&mut tx, &ids).await?);
-                candidates.retain(|c| !buried.contains(&c.order_id));
+                settled.extend(store::dead_orders::buried_among(&mut tx, &ids).await?);
             }
+            candidates.retain(|c| !settled.contains(&c.order_id));
         }
         // The script may write only while the lock is surely held: the session answers
         // now (so it holds the lock for at least the idle-in-transaction timeout), and
@@ -199,6 +212,10 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
         for (user_id, order_id) in &buyers {
             step.arg(user_id).arg(order_id);
         }
+        step.arg(owed.len());
+        for (user_id, order_id) in &owed {
+            step.arg(user_id).arg(order_id);
+        }
         for c in &candidates {
             step.arg(&c.entry_id).arg(c.user_id).arg(c.order_id);
         }
@@ -212,7 +229,9 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
         }
     };
     tx.commit().await?;
-    let [stock, buyer_count, in_flight, actual_stock, actual_buyers, mismatched] = reply[..] else {
+    let [stock, buyer_count, in_flight, actual_stock, actual_buyers, mismatched, owed_held] =
+        reply[..]
+    else {
         return Ok(None);
     };
     let expected = Loaded {
@@ -232,6 +251,7 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
         actual_stock: (actual_stock >= 0).then_some(actual_stock),
         actual_buyers,
         mismatched_buyers: mismatched,
+        owed_held,
     }))
 }
 

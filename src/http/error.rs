@@ -15,8 +15,9 @@ pub(crate) struct ErrorBody {
 #[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct ErrorDetail {
     /// Machine-readable: `unauthorized`, `forbidden`, `not_found`, `validation`,
-    /// `not_started`, `ended`, `sold_out`, `already_ordered`, `rate_limited`,
-    /// `unavailable`, `conflict`, `internal`.
+    /// `not_started`, `ended`, `sold_out`, `already_ordered`, `order_pending`,
+    /// `order_paid`, `order_closed`, `rate_limited`, `unavailable`, `conflict`,
+    /// `internal`.
     #[schema(example = "sold_out")]
     pub code: String,
     /// For humans.
@@ -51,6 +52,14 @@ pub enum AppError {
     SoldOut,
     #[error("already ordered: {order_id}")]
     AlreadyOrdered { order_id: i64 },
+    /// The order is admitted but not written to Postgres yet: retry shortly.
+    #[error("order {0} is still pending")]
+    OrderPending(i64),
+    #[error("order {0} is paid")]
+    OrderPaid(i64),
+    /// Cancelled or expired (the status says which).
+    #[error("order {0} is {1}")]
+    OrderClosed(i64, String),
     /// Too many requests; try again after this many seconds.
     #[error("rate limited")]
     RateLimited { retry_after_secs: u64 },
@@ -118,6 +127,24 @@ impl AppError {
                 StatusCode::CONFLICT,
                 "already_ordered",
                 "you already hold an order for this voucher".into(),
+            ),
+            OrderPending(id) => (
+                StatusCode::CONFLICT,
+                "order_pending",
+                format!(
+                    "order {id} is admitted but not written yet; retry after the \
+                     Retry-After delay"
+                ),
+            ),
+            OrderPaid(id) => (
+                StatusCode::CONFLICT,
+                "order_paid",
+                format!("order {id} is paid and cannot be cancelled"),
+            ),
+            OrderClosed(id, status) => (
+                StatusCode::CONFLICT,
+                "order_closed",
+                format!("order {id} is {status}"),
             ),
             RateLimited { .. } => (
                 StatusCode::TOO_MANY_REQUESTS,
@@ -190,6 +217,7 @@ impl IntoResponse for AppError {
         let mut response = (status, axum::Json(body)).into_response();
         let retry_after = match &self {
             AppError::RateLimited { retry_after_secs } => Some(*retry_after_secs),
+            AppError::OrderPending(_) => Some(1),
             _ if status == StatusCode::SERVICE_UNAVAILABLE => Some(1),
             _ => None,
         };

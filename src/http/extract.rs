@@ -45,6 +45,55 @@ fn json_rejection(rejection: JsonRejection) -> AppError {
     }
 }
 
+/// An optional JSON body: `None` when the request carries none (or only whitespace);
+/// otherwise as [`AppJson`] (`Content-Type: application/json` required, 400 unreadable,
+/// 422 wrong shape).
+pub(crate) struct MaybeJson<T>(pub Option<T>);
+
+impl<T, S> FromRequest<S> for MaybeJson<T>
+where
+    T: DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = AppError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, AppError> {
+        let json_type = req
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .map(|v| {
+                let mime = v
+                    .split(';')
+                    .next()
+                    .unwrap_or("")
+                    .trim()
+                    .to_ascii_lowercase();
+                mime == "application/json"
+                    || (mime.starts_with("application/") && mime.ends_with("+json"))
+            })
+            .unwrap_or(false);
+        let body = axum::body::Bytes::from_request(req, state)
+            .await
+            .map_err(|e| AppError::Validation {
+                status: e.status(),
+                message: e.body_text(),
+            })?;
+        if body.iter().all(u8::is_ascii_whitespace) {
+            return Ok(Self(None));
+        }
+        if !json_type {
+            return Err(AppError::bad_request(
+                "a request body must be JSON, sent with `Content-Type: application/json`",
+            ));
+        }
+        match axum::Json::<T>::from_bytes(&body) {
+            Ok(axum::Json(value)) => Ok(Self(Some(value))),
+            Err(rejection) => Err(json_rejection(rejection)),
+        }
+    }
+}
+
 /// The single id in a route's path (`/vouchers/{id}`, `/orders/{order_id}`, ...).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct PathId(pub i64);

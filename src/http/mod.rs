@@ -86,6 +86,8 @@ pub fn build_app(state: AppState) -> Router {
         .route("/shops/{shop_id}/vouchers", get(vouchers::list_by_shop))
         .route("/orders", get(orders::list_mine))
         .route("/orders/{order_id}", get(orders::get))
+        .route("/orders/{order_id}/pay", post(orders::pay))
+        .route("/orders/{order_id}/cancel", post(orders::cancel))
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
         .route("/metrics", get(health::metrics))

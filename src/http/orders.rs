@@ -1,5 +1,7 @@
-//! `GET /orders/{order_id}` and `GET /orders`: an order is `pending` while only Redis
-//! knows it and `created` once the worker has written it to Postgres.
+//! `GET /orders/{order_id}`, `GET /orders`, and the shopper's moves: `POST
+//! /orders/{order_id}/pay` and `/cancel`. An order is `pending` while only Redis knows
+//! it, `created` once the worker has written it to Postgres, then `paid`, `cancelled`
+//! or `expired` as Postgres decides (see [`crate::lifecycle`]).
 
 use axum::extract::State;
 use axum::http::HeaderMap;
@@ -11,10 +13,13 @@ use utoipa::ToSchema;
 use crate::admission::{self, PendingOrder};
 use crate::auth::AuthUser;
 use crate::http::error::{AppError, AppResult, ErrorBody};
-use crate::http::extract::PathId;
+use crate::http::extract::{MaybeJson, PathId};
 use crate::http::state::AppState;
 use crate::http::{fallback_headers, redis_read};
+use crate::lifecycle;
+use crate::store::lifecycle::Transition;
 use crate::store::orders::{self, OrderRow};
+use crate::store::vouchers;
 
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub(crate) struct OrderResponse {
@@ -23,11 +28,42 @@ pub(crate) struct OrderResponse {
     pub order_id: String,
     pub voucher_id: i64,
     pub user_id: i64,
-    /// `pending` until the worker has written it to Postgres, then `created`.
+    /// `pending` until the worker has written it to Postgres, then `created`; then
+    /// `paid`, `cancelled` or `expired` (final).
     #[schema(example = "created")]
-    pub status: String,
+    pub status: OrderStatus,
     /// Admission time.
     pub created_at: DateTime<Utc>,
+    /// Payment deadline: admission time + the sale's `pay_within_secs`. An unpaid order
+    /// expires within a few seconds after it.
+    pub pay_before: Option<DateTime<Utc>>,
+    pub paid_at: Option<DateTime<Utc>>,
+    /// When it was cancelled or expired.
+    pub closed_at: Option<DateTime<Utc>>,
+    /// The reference given with the payment, if any.
+    pub payment_ref: Option<String>,
+}
+
+/// Where an order is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum OrderStatus {
+    Pending,
+    Created,
+    Paid,
+    Cancelled,
+    Expired,
+}
+
+impl OrderStatus {
+    fn of(status: &str) -> Self {
+        match status {
+            "paid" => Self::Paid,
+            "cancelled" => Self::Cancelled,
+            "expired" => Self::Expired,
+            _ => Self::Created,
+        }
+    }
 }
 
 impl From<OrderRow> for OrderResponse {
@@ -36,21 +72,60 @@ impl From<OrderRow> for OrderResponse {
             order_id: row.id.to_string(),
             voucher_id: row.voucher_id,
             user_id: row.user_id,
-            status: row.status,
+            status: OrderStatus::of(&row.status),
             created_at: row.created_at,
+            pay_before: Some(row.pay_before),
+            paid_at: row.paid_at,
+            closed_at: row.closed_at,
+            payment_ref: row.payment_ref,
         }
     }
 }
 
-impl From<PendingOrder> for OrderResponse {
-    fn from(p: PendingOrder) -> Self {
+impl OrderResponse {
+    /// A pending order; `pay_within_secs` is its sale's payment window, if known.
+    fn pending(p: PendingOrder, pay_within_secs: Option<i32>) -> Self {
+        let created_at = DateTime::from_timestamp_millis(p.admitted_ms).unwrap_or_default();
         Self {
             order_id: p.order_id.to_string(),
             voucher_id: p.voucher_id,
             user_id: p.user_id,
-            status: "pending".into(),
-            created_at: DateTime::from_timestamp_millis(p.admitted_ms).unwrap_or_default(),
+            status: OrderStatus::Pending,
+            created_at,
+            pay_before: pay_within_secs.map(|s| created_at + chrono::Duration::seconds(s.into())),
+            paid_at: None,
+            closed_at: None,
+            payment_ref: None,
         }
+    }
+}
+
+/// Optional body of `POST /orders/{order_id}/pay`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PayOrder {
+    /// The payment provider's reference: 1 to 128 characters, not blank, no NUL.
+    #[schema(
+        min_length = 1,
+        max_length = 128,
+        pattern = "^[^\\u0000]*\\S[^\\u0000]*$"
+    )]
+    pub payment_ref: Option<String>,
+}
+
+const MAX_PAYMENT_REF: usize = 128;
+
+impl PayOrder {
+    fn payment_ref(self) -> AppResult<Option<String>> {
+        let Some(r) = self.payment_ref else {
+            return Ok(None);
+        };
+        if r.contains('\0') || r.trim().is_empty() || r.chars().count() > MAX_PAYMENT_REF {
+            return Err(AppError::invalid(format!(
+                "payment_ref must be 1 to {MAX_PAYMENT_REF} characters, not blank, without NUL"
+            )));
+        }
+        Ok(Some(r))
     }
 }
 
@@ -89,9 +164,24 @@ pub(crate) async fn get(
             Err(not_found())
         };
     }
-    // Not in Postgres (yet): admitted orders are found through the caller's buyer
-    // records; an administrator's lookup scans the stream instead. Without Redis it
-    // cannot be told whether the order is pending: 503 at once, not 404.
+    match pending(&state, &user, order_id).await? {
+        Some(p) if visible(p.user_id) => {
+            let windows = vouchers::pay_windows(&state.db, &[p.voucher_id]).await?;
+            let window = windows.get(&p.voucher_id).copied();
+            Ok(Json(OrderResponse::pending(p, window)))
+        }
+        _ => Err(not_found()),
+    }
+}
+
+/// An order not (yet) in Postgres, as Redis knows it: admitted orders are found through
+/// the caller's buyer records; an administrator's lookup scans the stream instead.
+/// Without Redis it cannot be told whether the order is pending: 503 at once, not 404.
+async fn pending(
+    state: &AppState,
+    user: &AuthUser,
+    order_id: i64,
+) -> AppResult<Option<PendingOrder>> {
     let redis_down = || {
         AppError::Unavailable(format!(
             "order {order_id} is not in Postgres, and Redis, which holds pending orders, \
@@ -99,26 +189,120 @@ pub(crate) async fn get(
         ))
     };
     let mut conn = state.redis.clone();
-    let pending = if user.admin {
+    if user.admin {
         // The scan may take longer than the read deadline: only the first answer must
         // come within it.
         let ping = redis::cmd("PING");
         redis_read("ping", ping.query_async::<String>(&mut conn))
             .await
             .ok_or_else(redis_down)?;
-        admission::find_in_stream(&mut conn, &state.keys, order_id, ADMIN_STREAM_SCAN).await?
+        Ok(admission::find_in_stream(&mut conn, &state.keys, order_id, ADMIN_STREAM_SCAN).await?)
     } else {
-        let sales = recent_sales(&state).await?;
+        let sales = recent_sales(state).await?;
         let lookup = admission::orders_of(&mut conn, &state.keys, user.user_id, &sales);
-        redis_read("pending orders", lookup)
+        Ok(redis_read("pending orders", lookup)
             .await
             .ok_or_else(redis_down)?
             .into_iter()
-            .find(|p| p.order_id == order_id)
-    };
-    match pending {
-        Some(p) if visible(p.user_id) => Ok(Json(p.into())),
+            .find(|p| p.order_id == order_id))
+    }
+}
+
+/// The caller's order as Postgres holds it, before a transition: `order_pending` while
+/// only Redis knows it, `not_found` when it is unknown or somebody else's.
+async fn own_order(state: &AppState, user: &AuthUser, order_id: i64) -> AppResult<OrderRow> {
+    let not_found = || AppError::NotFound(format!("order {order_id} not found"));
+    let visible = |owner: i64| user.admin || owner == user.user_id;
+    if let Some(row) = orders::get(&state.db, order_id).await? {
+        return if visible(row.user_id) {
+            Ok(row)
+        } else {
+            Err(not_found())
+        };
+    }
+    match pending(state, user, order_id).await? {
+        Some(p) if visible(p.user_id) => Err(AppError::OrderPending(order_id)),
         _ => Err(not_found()),
+    }
+}
+
+#[utoipa::path(post, path = "/orders/{order_id}/pay", tag = "orders", security(("bearer" = [])),
+    params(("order_id" = i64, Path, description = "order id", minimum = 1)),
+    request_body(content = Option<PayOrder>, description = "optional: the payment's reference", content_type = "application/json"),
+    responses(
+        (status = 200, description = "the order, `paid` (now, or before: paying again is 200 and changes nothing)", body = OrderResponse),
+        (status = 400, description = "not a valid id or unreadable body (`validation`)", body = ErrorBody),
+        (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
+        (status = 404, description = "no such order, or somebody else's (`not_found`)", body = ErrorBody),
+        (status = 409, description = "`order_pending` (not written yet; retry after `Retry-After`), or `order_closed` \
+            (cancelled, or expired: an unpaid order past `pay_before` is never paid)", body = ErrorBody,
+            headers(("Retry-After" = u32, description = "seconds, with `order_pending`"))),
+        (status = 422, description = "a body of the wrong shape, or `payment_ref` out of range (`validation`)", body = ErrorBody),
+        (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
+    ))]
+pub(crate) async fn pay(
+    State(state): State<AppState>,
+    user: AuthUser,
+    PathId(order_id): PathId,
+    MaybeJson(body): MaybeJson<PayOrder>,
+) -> AppResult<Json<OrderResponse>> {
+    let payment_ref = match body {
+        Some(body) => body.payment_ref()?,
+        None => None,
+    };
+    let row = own_order(&state, &user, order_id).await?;
+    let mut conn = state.redis.clone();
+    let done = lifecycle::pay(
+        &state.db,
+        &mut conn,
+        &state.keys,
+        row.id,
+        payment_ref.as_deref(),
+    )
+    .await?;
+    match done {
+        Transition::Moved(row) => Ok(Json(row.into())),
+        Transition::Unchanged(row) if row.status == "paid" => Ok(Json(row.into())),
+        Transition::Unchanged(row) if row.status == "created" => Err(AppError::Internal(
+            anyhow::anyhow!("order {order_id} neither payable nor due"),
+        )),
+        Transition::Unchanged(row) => Err(AppError::OrderClosed(row.id, row.status)),
+        Transition::Missing => Err(AppError::NotFound(format!("order {order_id} not found"))),
+    }
+}
+
+#[utoipa::path(post, path = "/orders/{order_id}/cancel", tag = "orders", security(("bearer" = [])),
+    params(("order_id" = i64, Path, description = "order id", minimum = 1)),
+    responses(
+        (status = 200, description = "the order, `cancelled` (now, or before: cancelling again is 200 and changes \
+            nothing). Its unit is back on sale, and its owner may grab the voucher again while the sale is open", body = OrderResponse),
+        (status = 400, description = "not a valid id (`validation`)", body = ErrorBody),
+        (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
+        (status = 404, description = "no such order, or somebody else's (`not_found`)", body = ErrorBody),
+        (status = 409, description = "`order_pending` (not written yet; retry after `Retry-After`), `order_paid`, or \
+            `order_closed` (expired, also when its deadline passed before the cancel)", body = ErrorBody,
+            headers(("Retry-After" = u32, description = "seconds, with `order_pending`"))),
+        (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
+    ))]
+pub(crate) async fn cancel(
+    State(state): State<AppState>,
+    user: AuthUser,
+    PathId(order_id): PathId,
+) -> AppResult<Json<OrderResponse>> {
+    let row = own_order(&state, &user, order_id).await?;
+    let mut conn = state.redis.clone();
+    match lifecycle::cancel(&state.db, &mut conn, &state.keys, row.id).await? {
+        Transition::Moved(row) | Transition::Unchanged(row) if row.status == "cancelled" => {
+            Ok(Json(row.into()))
+        }
+        Transition::Unchanged(row) if row.status == "paid" => Err(AppError::OrderPaid(row.id)),
+        Transition::Unchanged(row) if row.status == "created" => Err(AppError::Internal(
+            anyhow::anyhow!("order {order_id} was not closed"),
+        )),
+        Transition::Moved(row) | Transition::Unchanged(row) => {
+            Err(AppError::OrderClosed(row.id, row.status))
+        }
+        Transition::Missing => Err(AppError::NotFound(format!("order {order_id} not found"))),
     }
 }
 
@@ -143,11 +327,16 @@ pub(crate) async fn list_mine(
     let admitted = admitted.unwrap_or_default();
     let stored = orders::list_by_user(&state.db, user.user_id).await?;
     let mut all: Vec<OrderResponse> = stored.into_iter().map(Into::into).collect();
+    // Written already: Postgres's row is the one to show.
+    let admitted: Vec<PendingOrder> = admitted
+        .into_iter()
+        .filter(|p| !all.iter().any(|o| o.order_id == p.order_id.to_string()))
+        .collect();
+    let sales: Vec<i64> = admitted.iter().map(|p| p.voucher_id).collect();
+    let windows = vouchers::pay_windows(&state.db, &sales).await?;
     for p in admitted {
-        // Written already: Postgres's row is the one to show.
-        if !all.iter().any(|o| o.order_id == p.order_id.to_string()) {
-            all.push(p.into());
-        }
+        let window = windows.get(&p.voucher_id).copied();
+        all.push(OrderResponse::pending(p, window));
     }
     all.sort_by(|a, b| {
         b.created_at

@@ -71,7 +71,18 @@ pub(crate) struct CreateSeckill {
     pub begin_time: DateTime<Utc>,
     /// RFC 3339, after `begin_time`, at most 9999-12-31T23:59:59Z.
     pub end_time: DateTime<Utc>,
+    /// Seconds a shopper has to pay after admission (1 to 86400, default 900); an
+    /// unpaid order then expires and its unit goes back on sale.
+    #[serde(default = "default_pay_within")]
+    #[schema(minimum = 1, maximum = 86400, default = 900)]
+    pub pay_within_secs: i64,
 }
+
+fn default_pay_within() -> i64 {
+    crate::config::defaults::PAY_WITHIN_SECS
+}
+
+pub(crate) const MAX_PAY_WITHIN_SECS: i64 = 86_400;
 
 fn text(field: &str, value: &str, max: usize, required: bool) -> AppResult<String> {
     if value.contains('\0') {
@@ -124,10 +135,16 @@ impl CreateVoucher {
                 if s.end_time <= now {
                     return Err(AppError::invalid("seckill.end_time must be in the future"));
                 }
+                if !(1..=MAX_PAY_WITHIN_SECS).contains(&s.pay_within_secs) {
+                    return Err(AppError::invalid(format!(
+                        "seckill.pay_within_secs must be between 1 and {MAX_PAY_WITHIN_SECS}"
+                    )));
+                }
                 Some(NewSeckill {
                     stock: s.stock as i32,
                     begin_time: s.begin_time,
                     end_time: s.end_time,
+                    pay_within_secs: s.pay_within_secs as i32,
                 })
             }
         };
@@ -167,17 +184,26 @@ pub(crate) struct SeckillResponse {
     pub initial_stock: i64,
     pub begin_time: DateTime<Utc>,
     pub end_time: DateTime<Utc>,
+    /// Seconds an order has to be paid after admission.
+    pub pay_within_secs: i64,
 }
 
 impl VoucherResponse {
     fn new(row: VoucherRow, live_stock: Option<i64>) -> Self {
-        let seckill = match (row.initial_stock, row.stock, row.begin_time, row.end_time) {
-            (Some(initial), Some(stock), Some(begin_time), Some(end_time)) => {
+        let seckill = match (
+            row.initial_stock,
+            row.stock,
+            row.begin_time,
+            row.end_time,
+            row.pay_within_secs,
+        ) {
+            (Some(initial), Some(stock), Some(begin_time), Some(end_time), Some(pay_within)) => {
                 Some(SeckillResponse {
                     stock: live_stock.unwrap_or(stock as i64),
                     initial_stock: initial as i64,
                     begin_time,
                     end_time,
+                    pay_within_secs: pay_within as i64,
                 })
             }
             _ => None,

@@ -43,12 +43,14 @@ pub async fn bury(db: &PgPool, order: &NewOrder, reason: &str) -> Result<Burial,
     .bind(reason)
     .fetch_optional(&mut *tx)
     .await?;
-    let holder: Option<i64> =
-        sqlx::query_scalar("SELECT id FROM voucher_orders WHERE user_id = $1 AND voucher_id = $2")
-            .bind(order.user_id)
-            .bind(order.voucher_id)
-            .fetch_optional(&mut *tx)
-            .await?;
+    let holder: Option<i64> = sqlx::query_scalar(&format!(
+        "SELECT id FROM voucher_orders WHERE user_id = $1 AND voucher_id = $2 AND {}",
+        super::orders::ACTIVE
+    ))
+    .bind(order.user_id)
+    .bind(order.voucher_id)
+    .fetch_optional(&mut *tx)
+    .await?;
     tx.commit().await?;
     Ok(Burial::Dead {
         newly: newly.is_some(),

@@ -1,6 +1,7 @@
 //! Postgres, the source of truth: small query functions per table.
 
 pub mod dead_orders;
+pub mod lifecycle;
 pub mod orders;
 pub mod vouchers;
 

@@ -85,13 +85,25 @@ impl Rejection {
 }
 
 #[derive(Debug, Clone, FromRow)]
-pub(crate) struct OrderRow {
+pub struct OrderRow {
     pub id: i64,
     pub user_id: i64,
     pub voucher_id: i64,
+    /// `created`, `paid`, `cancelled` or `expired`.
     pub status: String,
     pub created_at: DateTime<Utc>,
+    pub pay_before: DateTime<Utc>,
+    pub paid_at: Option<DateTime<Utc>>,
+    pub closed_at: Option<DateTime<Utc>>,
+    pub payment_ref: Option<String>,
 }
+
+/// The columns of an [`OrderRow`], for `SELECT` and `RETURNING`.
+pub(crate) const ORDER_COLUMNS: &str =
+    "id, user_id, voucher_id, status, created_at, pay_before, paid_at, closed_at, payment_ref";
+
+/// Statuses of an order that holds its unit (at most one per user and voucher).
+pub(crate) const ACTIVE: &str = "status IN ('created', 'paid')";
 
 /// Writes a batch in ONE transaction: idempotent inserts, and each voucher's stock
 /// lowered by exactly the rows inserted now, under a `stock >= n` guard.
@@ -234,7 +246,9 @@ fn rejection(e: &sqlx::Error) -> Rejection {
     }
 }
 
-/// Inserts what is new and not tombstoned; returns the ids inserted now.
+/// Inserts what is new and not tombstoned; returns the ids inserted now. The payment
+/// deadline runs from admission, so an order written late (after an outage) may be
+/// due at once: the sweeper expires it, and it can never be paid.
 async fn insert_orders(
     tx: &mut Transaction<'_, Postgres>,
     orders: &[NewOrder],
@@ -244,8 +258,11 @@ async fn insert_orders(
     let vouchers: Vec<i64> = orders.iter().map(|o| o.voucher_id).collect();
     let times: Vec<DateTime<Utc>> = orders.iter().map(|o| o.admitted_at).collect();
     let inserted: Vec<i64> = sqlx::query_scalar(
-        "INSERT INTO voucher_orders (id, user_id, voucher_id, created_at) \
-         SELECT * FROM unnest($1::int8[], $2::int8[], $3::int8[], $4::timestamptz[]) \
+        "INSERT INTO voucher_orders (id, user_id, voucher_id, created_at, pay_before) \
+         SELECT t.id, t.user_id, t.voucher_id, t.created_at, t.created_at + make_interval( \
+                 secs => coalesce((SELECT s.pay_within_secs FROM seckill_vouchers s \
+                                   WHERE s.voucher_id = t.voucher_id), 900)) \
+         FROM unnest($1::int8[], $2::int8[], $3::int8[], $4::timestamptz[]) \
              AS t (id, user_id, voucher_id, created_at) \
          WHERE NOT EXISTS (SELECT 1 FROM dead_orders d WHERE d.id = t.id) \
          ON CONFLICT DO NOTHING RETURNING id",
@@ -329,10 +346,13 @@ async fn classify(
 }
 
 #[tracing::instrument(skip(db))]
-pub(crate) async fn get(db: &PgPool, order_id: i64) -> Result<Option<OrderRow>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT id, user_id, voucher_id, status, created_at FROM voucher_orders WHERE id = $1",
-    )
+pub(crate) async fn get<'e>(
+    db: impl sqlx::PgExecutor<'e>,
+    order_id: i64,
+) -> Result<Option<OrderRow>, sqlx::Error> {
+    sqlx::query_as(&format!(
+        "SELECT {ORDER_COLUMNS} FROM voucher_orders WHERE id = $1"
+    ))
     .bind(order_id)
     .fetch_optional(db)
     .await
@@ -340,11 +360,26 @@ pub(crate) async fn get(db: &PgPool, order_id: i64) -> Result<Option<OrderRow>, 
 
 #[tracing::instrument(skip(db))]
 pub(crate) async fn list_by_user(db: &PgPool, user_id: i64) -> Result<Vec<OrderRow>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT id, user_id, voucher_id, status, created_at FROM voucher_orders \
-         WHERE user_id = $1 ORDER BY id DESC LIMIT 1000",
-    )
+    sqlx::query_as(&format!(
+        "SELECT {ORDER_COLUMNS} FROM voucher_orders WHERE user_id = $1 ORDER BY id DESC LIMIT 1000"
+    ))
     .bind(user_id)
     .fetch_all(db)
     .await
+}
+
+/// Which of these order ids Postgres holds, whatever their status. A loader must not
+/// count such an order in flight even while its stream entry is unacknowledged: it is
+/// written, and if it is closed its unit is back in Postgres's stock already.
+pub(crate) async fn written_among(
+    tx: &mut Transaction<'_, Postgres>,
+    ids: &[i64],
+) -> Result<Vec<i64>, sqlx::Error> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    sqlx::query_scalar("SELECT id FROM voucher_orders WHERE id = ANY($1)")
+        .bind(ids)
+        .fetch_all(&mut **tx)
+        .await
 }

@@ -20,6 +20,8 @@ pub struct NewSeckill {
     pub stock: i32,
     pub begin_time: DateTime<Utc>,
     pub end_time: DateTime<Utc>,
+    /// An order's payment deadline is its admission time plus this.
+    pub pay_within_secs: i32,
 }
 
 #[derive(Debug, Clone, FromRow)]
@@ -36,6 +38,7 @@ pub(crate) struct VoucherRow {
     pub stock: Option<i32>,
     pub begin_time: Option<DateTime<Utc>>,
     pub end_time: Option<DateTime<Utc>>,
+    pub pay_within_secs: Option<i32>,
 }
 
 /// A flash sale, as far as finding the ones to load needs.
@@ -47,7 +50,7 @@ pub(crate) struct SeckillState {
 
 const SELECT_VOUCHER: &str = "SELECT v.id, v.shop_id, v.title, v.sub_title, v.rules, \
      v.pay_value, v.actual_value, v.created_at, \
-     s.initial_stock, s.stock, s.begin_time, s.end_time \
+     s.initial_stock, s.stock, s.begin_time, s.end_time, s.pay_within_secs \
      FROM vouchers v LEFT JOIN seckill_vouchers s ON s.voucher_id = v.id";
 
 /// Creates the voucher and its flash-sale part in one transaction.
@@ -68,13 +71,15 @@ pub(crate) async fn insert(db: &PgPool, new: &NewVoucher) -> Result<VoucherRow, 
     .await?;
     if let Some(s) = &new.seckill {
         sqlx::query(
-            "INSERT INTO seckill_vouchers (voucher_id, initial_stock, stock, begin_time, end_time) \
-             VALUES ($1, $2, $2, $3, $4)",
+            "INSERT INTO seckill_vouchers \
+                 (voucher_id, initial_stock, stock, begin_time, end_time, pay_within_secs) \
+             VALUES ($1, $2, $2, $3, $4, $5)",
         )
         .bind(id)
         .bind(s.stock)
         .bind(s.begin_time)
         .bind(s.end_time)
+        .bind(s.pay_within_secs)
         .execute(&mut *tx)
         .await?;
     }
@@ -142,19 +147,42 @@ pub(crate) async fn sale(
         .await
 }
 
+/// Payment windows (seconds) of the given sales, for showing a pending order's deadline.
+#[tracing::instrument(skip(db))]
+pub(crate) async fn pay_windows(
+    db: &PgPool,
+    voucher_ids: &[i64],
+) -> Result<std::collections::HashMap<i64, i32>, sqlx::Error> {
+    if voucher_ids.is_empty() {
+        return Ok(Default::default());
+    }
+    Ok(sqlx::query_as::<_, (i64, i32)>(
+        "SELECT voucher_id, pay_within_secs FROM seckill_vouchers WHERE voucher_id = ANY($1)",
+    )
+    .bind(voucher_ids)
+    .fetch_all(db)
+    .await?
+    .into_iter()
+    .collect())
+}
+
 /// `(user_id, order_id)` of every order of a sale: the buyers Redis must know.
 pub(crate) type Buyers = Vec<(i64, i64)>;
 
-/// `(user_id, order_id)` of the sale's orders, without a lock (a hint, re-read under it).
+/// `(user_id, order_id)` of the sale's active orders (created or paid: the ones holding
+/// a unit), without a lock (a hint, re-read under it).
 #[tracing::instrument(skip(db))]
 pub(crate) async fn buyers<'e>(
     db: impl sqlx::PgExecutor<'e>,
     voucher_id: i64,
 ) -> Result<Buyers, sqlx::Error> {
-    sqlx::query_as("SELECT user_id, id FROM voucher_orders WHERE voucher_id = $1")
-        .bind(voucher_id)
-        .fetch_all(db)
-        .await
+    sqlx::query_as(&format!(
+        "SELECT user_id, id FROM voucher_orders WHERE voucher_id = $1 AND {}",
+        super::orders::ACTIVE
+    ))
+    .bind(voucher_id)
+    .fetch_all(db)
+    .await
 }
 
 /// A sale as the loader sees it under its row lock.

@@ -1,0 +1,158 @@
+//! The order's life after admission: payment, cancellation, and expiry of unpaid orders.
+//!
+//! Postgres judges every transition ([`store::lifecycle`]): a conditional update, and for
+//! a closed order its unit back in Postgres's stock plus a release owed to Redis, in one
+//! transaction. Redis follows, idempotently: `lua/release.lua` returns the unit to the
+//! live stock and frees the buyer record only while that record still names the order,
+//! so a retry, the outbox drain ([`sweeper`]) or a second path changes nothing. A crash
+//! between the commit and the release leaves the release owed in `stock_releases`, and
+//! the sweeper makes it.
+
+pub mod sweeper;
+
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use redis::aio::ConnectionLike;
+use redis::Script;
+use sqlx::PgPool;
+
+use crate::keys::{self, Keys};
+use crate::store::lifecycle::{self as transitions, Close, Release, Transition};
+use crate::store::orders::OrderRow;
+
+static RELEASE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../lua/release.lua")));
+
+/// How long a request waits for Redis to take a release back before leaving it owed
+/// (the sweeper makes it later).
+const RELEASE_DEADLINE: Duration = Duration::from_millis(1000);
+
+pub(crate) const TRANSITIONS: &str = "seckill_order_transitions_total";
+pub(crate) const UNITS_RETURNED: &str = "seckill_units_returned_total";
+pub(crate) const RELEASES_OWED: &str = "seckill_releases_owed";
+
+/// Makes one release in Redis: `true` when the unit went back now, `false` when there
+/// was nothing to release (made before, or the sale's state was rebuilt since).
+pub async fn release<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    r: &Release,
+) -> redis::RedisResult<bool> {
+    let done: i64 = RELEASE
+        .key(keys.voucher(r.voucher_id))
+        .arg(keys::buyer_field(r.user_id))
+        .arg(r.order_id)
+        .invoke_async(conn)
+        .await?;
+    if done == 1 {
+        metrics::counter!(UNITS_RETURNED, "store" => "redis").increment(1);
+    }
+    Ok(done == 1)
+}
+
+/// Makes the releases in Redis, then forgets them in Postgres; returns how many units
+/// went back to Redis now. On `Err` the rest stay owed.
+pub async fn settle<C: ConnectionLike + Send>(
+    db: &PgPool,
+    conn: &mut C,
+    keys: &Keys,
+    releases: &[Release],
+) -> anyhow::Result<u64> {
+    let mut returned = 0;
+    let mut made = Vec::with_capacity(releases.len());
+    let result = async {
+        for r in releases {
+            returned += u64::from(release(conn, keys, r).await?);
+            made.push(r.order_id);
+        }
+        anyhow::Ok(())
+    }
+    .await;
+    if !made.is_empty() {
+        transitions::released(db, &made).await?;
+    }
+    result.map(|()| returned)
+}
+
+/// Counts a transition made now (and, for a closed order, the unit Postgres got back).
+fn count(row: &OrderRow) {
+    metrics::counter!(TRANSITIONS, "to" => row.status.clone()).increment(1);
+    if matches!(row.status.as_str(), "cancelled" | "expired") {
+        metrics::counter!(UNITS_RETURNED, "store" => "postgres").increment(1);
+    }
+}
+
+/// Settles the release of an order this request just closed, under a deadline: if Redis
+/// is slow or down the release stays owed (the order is closed either way).
+async fn release_now<C: ConnectionLike + Send>(
+    db: &PgPool,
+    conn: &mut C,
+    keys: &Keys,
+    row: &OrderRow,
+) {
+    let r = Release {
+        order_id: row.id,
+        voucher_id: row.voucher_id,
+        user_id: row.user_id,
+    };
+    match tokio::time::timeout(RELEASE_DEADLINE, settle(db, conn, keys, &[r])).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => tracing::warn!(
+            order_id = row.id,
+            error = format!("{e:#}"),
+            "release left owed; the sweeper will make it"
+        ),
+        Err(_) => tracing::warn!(
+            order_id = row.id,
+            "redis did not take the release in time; the sweeper will make it"
+        ),
+    }
+}
+
+/// Pays an order: `Moved` when paid now, `Unchanged` with the order as it is otherwise
+/// (already paid, or closed: an unpaid order past its deadline is expired here and then,
+/// never paid).
+pub async fn pay<C: ConnectionLike + Send>(
+    db: &PgPool,
+    conn: &mut C,
+    keys: &Keys,
+    order_id: i64,
+    payment_ref: Option<&str>,
+) -> anyhow::Result<Transition> {
+    match transitions::pay(db, order_id, payment_ref).await? {
+        Transition::Moved(row) => {
+            count(&row);
+            Ok(Transition::Moved(row))
+        }
+        Transition::Unchanged(row) if row.status == "created" => {
+            // Past its deadline, not yet swept: expire it now rather than leave the
+            // shopper a window the sweeper is about to close.
+            match transitions::close(db, order_id, Close::ExpireIfDue).await? {
+                Transition::Moved(row) => {
+                    count(&row);
+                    release_now(db, conn, keys, &row).await;
+                    Ok(Transition::Unchanged(row))
+                }
+                other => Ok(other),
+            }
+        }
+        other => Ok(other),
+    }
+}
+
+/// Cancels an order: `Moved` when closed now (`cancelled`, or `expired` when its
+/// deadline had passed), `Unchanged` with the order as it is otherwise.
+pub async fn cancel<C: ConnectionLike + Send>(
+    db: &PgPool,
+    conn: &mut C,
+    keys: &Keys,
+    order_id: i64,
+) -> anyhow::Result<Transition> {
+    let done = transitions::close(db, order_id, Close::Cancel).await?;
+    if let Transition::Moved(row) = &done {
+        count(row);
+        release_now(db, conn, keys, row).await;
+    }
+    Ok(done)
+}
