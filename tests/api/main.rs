@@ -11,6 +11,7 @@ mod cluster;
 mod faults;
 mod flash_sale;
 mod http_limits;
+mod lifecycle;
 mod operations;
 mod reconcile;
 mod recovery;

@@ -9,17 +9,7 @@ use sqlx::PgPool;
 
 /// Runs `seckill <args>` against the test's database and key space.
 fn seckill(app: &TestApp, args: &[&str]) -> (i32, String) {
-    let out = Command::new(BIN)
-        .args(args)
-        .env("DATABASE_URL", database_url(&app.db, None))
-        .env("REDIS_URL", &app.redis_url)
-        .env("REDIS_KEY_PREFIX", app.keys.prefix())
-        .env("RUST_LOG", "warn")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8(out.stdout).unwrap();
-    println!("$ seckill {}\n{stdout}", args.join(" "));
-    (out.status.code().unwrap(), stdout)
+    app.cli(args)
 }
 
 fn row(table: &str, voucher: i64) -> &str {

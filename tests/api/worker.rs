@@ -2,19 +2,13 @@
 
 use std::collections::HashSet;
 
-use crate::common::TestApp;
+use crate::common::{all_live, TestApp};
 use reqwest::StatusCode;
 use seckill::store::orders::{self, NewOrder};
 use seckill::stream::{Entry, ReadFrom};
 use sqlx::PgPool;
 
 /// A live check that finds every entry still pending (the worker asks Redis).
-fn all_live(
-    ids: Vec<i64>,
-) -> futures::future::BoxFuture<'static, anyhow::Result<std::collections::HashSet<i64>>> {
-    Box::pin(async move { Ok(ids.into_iter().collect()) })
-}
-
 /// Admits `n` users and returns their order ids.
 async fn admit(app: &TestApp, voucher: i64, users: std::ops::RangeInclusive<i64>) -> HashSet<i64> {
     let mut ids = HashSet::new();

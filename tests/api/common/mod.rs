@@ -23,6 +23,13 @@ use seckill::AppState;
 
 pub const SECRET: &str = "integration-test-secret";
 
+/// A live check for `persist_batch` that calls every entry still pending.
+pub fn all_live(
+    ids: Vec<i64>,
+) -> futures::future::BoxFuture<'static, anyhow::Result<std::collections::HashSet<i64>>> {
+    Box::pin(async move { Ok(ids.into_iter().collect()) })
+}
+
 pub fn redis_url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
 }
@@ -161,6 +168,121 @@ impl TestApp {
         voucher["id"].as_i64().unwrap()
     }
 
+    /// A sale open now and for the next hour, whose orders must be paid within
+    /// `pay_within_secs` of admission.
+    pub async fn open_sale_paying(&self, stock: i64, pay_within_secs: i64) -> i64 {
+        let now = Utc::now();
+        let body = json!({
+            "shop_id": 1, "title": "50 off 100", "pay_value": 5000, "actual_value": 10000,
+            "seckill": {"stock": stock, "begin_time": now - chrono::Duration::minutes(1),
+                        "end_time": now + chrono::Duration::hours(1),
+                        "pay_within_secs": pay_within_secs},
+        });
+        let (status, voucher) = self
+            .post_json("/vouchers", Some(&self.admin_token()), &body)
+            .await;
+        assert_eq!(status, StatusCode::CREATED, "{voucher}");
+        assert_eq!(voucher["seckill"]["pay_within_secs"], pay_within_secs);
+        voucher["id"].as_i64().unwrap()
+    }
+
+    /// `POST /orders/{id}/{action}` (`pay` or `cancel`) as `token`, with an optional
+    /// JSON body; returns the status, the `Retry-After` header and the JSON body.
+    pub async fn order_action(
+        &self,
+        order_id: &str,
+        action: &str,
+        token: &str,
+        body: Option<&Value>,
+    ) -> (StatusCode, Option<String>, Value) {
+        let mut req = self
+            .client
+            .post(self.url(&format!("/orders/{order_id}/{action}")))
+            .bearer_auth(token);
+        if let Some(body) = body {
+            req = req.json(body);
+        }
+        let resp = req.send().await.expect("request failed");
+        let status = resp.status();
+        let retry_after = resp
+            .headers()
+            .get("retry-after")
+            .map(|v| v.to_str().unwrap().to_string());
+        let text = resp.text().await.unwrap();
+        let body = serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}"));
+        (status, retry_after, body)
+    }
+
+    /// Pays the order as user `user_id`.
+    pub async fn pay(&self, order_id: &str, user_id: i64) -> (StatusCode, Value) {
+        let (status, _, body) = self
+            .order_action(order_id, "pay", &self.token(user_id), None)
+            .await;
+        (status, body)
+    }
+
+    /// Cancels the order as user `user_id`.
+    pub async fn cancel(&self, order_id: &str, user_id: i64) -> (StatusCode, Value) {
+        let (status, _, body) = self
+            .order_action(order_id, "cancel", &self.token(user_id), None)
+            .await;
+        (status, body)
+    }
+
+    /// An order's status in Postgres (`None`: not written).
+    pub async fn pg_status(&self, order_id: &str) -> Option<String> {
+        sqlx::query_scalar("SELECT status FROM voucher_orders WHERE id = $1")
+            .bind(order_id.parse::<i64>().unwrap())
+            .fetch_optional(&self.db)
+            .await
+            .unwrap()
+    }
+
+    /// Orders of the voucher per status in Postgres.
+    pub async fn pg_statuses(&self, voucher_id: i64) -> std::collections::BTreeMap<String, i64> {
+        sqlx::query_as::<_, (String, i64)>(
+            "SELECT status, count(*) FROM voucher_orders WHERE voucher_id = $1 GROUP BY status",
+        )
+        .bind(voucher_id)
+        .fetch_all(&self.db)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect()
+    }
+
+    /// Releases still owed to Redis.
+    pub async fn owed_releases(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM stock_releases")
+            .fetch_one(&self.db)
+            .await
+            .unwrap()
+    }
+
+    /// One pass of the expiry sweeper, in this process.
+    pub async fn sweep(&self) -> seckill::lifecycle::sweeper::SweepReport {
+        let mut conn = self.redis.clone();
+        seckill::lifecycle::sweeper::sweep_once(&self.db, &mut conn, &self.keys, 100)
+            .await
+            .unwrap()
+    }
+
+    /// Runs `seckill <args>` against the test's database and key space; returns the
+    /// exit code and standard output.
+    pub fn cli(&self, args: &[&str]) -> (i32, String) {
+        let out = std::process::Command::new(faults::BIN)
+            .args(args)
+            .env("DATABASE_URL", faults::database_url(&self.db, None))
+            .env("REDIS_URL", &self.redis_url)
+            .env("REDIS_KEY_PREFIX", self.keys.prefix())
+            .env("RUST_LOG", "warn")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        println!("$ seckill {}\n{stdout}", args.join(" "));
+        (out.status.code().unwrap(), stdout)
+    }
+
     /// A sale that is open now and for the next hour.
     pub async fn open_sale(&self, stock: i64) -> i64 {
         let now = Utc::now();
@@ -219,12 +341,16 @@ impl TestApp {
             .unwrap()
     }
 
+    /// `(order id, user id)` of the voucher's active (created or paid) orders.
     pub async fn pg_orders(&self, voucher_id: i64) -> Vec<(i64, i64)> {
-        sqlx::query_as("SELECT id, user_id FROM voucher_orders WHERE voucher_id = $1 ORDER BY id")
-            .bind(voucher_id)
-            .fetch_all(&self.db)
-            .await
-            .unwrap()
+        sqlx::query_as(
+            "SELECT id, user_id FROM voucher_orders \
+             WHERE voucher_id = $1 AND status IN ('created', 'paid') ORDER BY id",
+        )
+        .bind(voucher_id)
+        .fetch_all(&self.db)
+        .await
+        .unwrap()
     }
 
     /// Redis's live stock of a sale (`None`: not loaded), read as the API reads it.
