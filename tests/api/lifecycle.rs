@@ -1,0 +1,717 @@
+//! The order lifecycle: pay, cancel and expiry, each unit returned exactly once to both
+//! stores, against the real app, Redis, Postgres and `seckill worker` processes.
+
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use sqlx::PgPool;
+
+use crate::common::faults::{database_url, Process, Proxy};
+use crate::common::TestApp;
+
+/// Grabs as `user` and returns the order id (the grab must succeed).
+async fn grab_id(app: &TestApp, voucher: i64, user: i64) -> String {
+    let (status, body) = app.grab(voucher, user).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    body["order_id"].as_str().unwrap().to_string()
+}
+
+/// Postgres's and Redis's stock of the sale.
+async fn stocks(app: &TestApp, voucher: i64) -> (i64, Option<i64>) {
+    (
+        app.pg_stock(voucher).await as i64,
+        app.live_stock(voucher).await,
+    )
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn paying_a_created_order_makes_it_paid_and_paying_again_changes_nothing(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(5).await;
+    let id = grab_id(&app, voucher, 1).await;
+    app.drain().await;
+
+    let (status, order) = app.get(&format!("/orders/{id}"), Some(&app.token(1))).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(order["status"], "created");
+    assert!(order["pay_before"].is_string(), "{order}");
+    assert!(order["paid_at"].is_null() && order["closed_at"].is_null());
+
+    let body = json!({"payment_ref": "psp-42"});
+    let (status, _, paid) = app
+        .order_action(&id, "pay", &app.token(1), Some(&body))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{paid}");
+    assert_eq!(paid["status"], "paid");
+    assert_eq!(paid["payment_ref"], "psp-42");
+    assert!(paid["paid_at"].is_string());
+
+    let other = json!({"payment_ref": "psp-43"});
+    let (status, _, again) = app
+        .order_action(&id, "pay", &app.token(1), Some(&other))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{again}");
+    assert_eq!(
+        (&again["paid_at"], &again["payment_ref"]),
+        (&paid["paid_at"], &paid["payment_ref"]),
+        "paying again changes nothing"
+    );
+
+    let (status, refused) = app.cancel(&id, 1).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(refused["error"]["code"], "order_paid");
+    assert_eq!(app.pg_status(&id).await.as_deref(), Some("paid"));
+    assert_eq!(
+        stocks(&app, voucher).await,
+        (4, Some(4)),
+        "a paid unit stays sold"
+    );
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn cancelling_returns_the_unit_to_both_stores_once_and_the_buyer_may_grab_again(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(3).await;
+    let first = grab_id(&app, voucher, 7).await;
+    grab_id(&app, voucher, 8).await;
+    app.drain().await;
+    assert_eq!(stocks(&app, voucher).await, (1, Some(1)));
+
+    let (status, cancelled) = app.cancel(&first, 7).await;
+    assert_eq!(status, StatusCode::OK, "{cancelled}");
+    assert_eq!(cancelled["status"], "cancelled");
+    assert!(cancelled["closed_at"].is_string());
+    assert_eq!(
+        stocks(&app, voucher).await,
+        (2, Some(2)),
+        "one unit back in each"
+    );
+    assert_eq!(app.owed_releases().await, 0, "the release was made at once");
+
+    for _ in 0..3 {
+        let (status, again) = app.cancel(&first, 7).await;
+        assert_eq!(status, StatusCode::OK, "{again}");
+        assert_eq!(again["closed_at"], cancelled["closed_at"]);
+    }
+    let (status, refused) = app.pay(&first, 7).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(refused["error"]["code"], "order_closed");
+    assert_eq!(app.sweep().await.returned, 0, "nothing left to release");
+    assert_eq!(
+        stocks(&app, voucher).await,
+        (2, Some(2)),
+        "still exactly once"
+    );
+
+    // The same shopper buys again; the new order is written beside the cancelled one.
+    let second = grab_id(&app, voucher, 7).await;
+    assert_ne!(second, first);
+    let (status, dup) = app.grab(voucher, 7).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(dup["error"]["order_id"], second.as_str());
+    let report = app.drain().await;
+    assert_eq!(report.inserted, 1);
+    assert_eq!(app.pg_status(&second).await.as_deref(), Some("created"));
+    assert_eq!(stocks(&app, voucher).await, (1, Some(1)));
+
+    let (status, mine) = app.get("/orders", Some(&app.token(7))).await;
+    assert_eq!(status, StatusCode::OK);
+    let listed: Vec<(&str, &str)> = mine
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| {
+            (
+                o["order_id"].as_str().unwrap(),
+                o["status"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        listed,
+        [(second.as_str(), "created"), (first.as_str(), "cancelled")]
+    );
+    let (code, books) = app.cli(&["reconcile", "--voucher", &voucher.to_string()]);
+    assert_eq!(code, 0, "{books}");
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_pending_order_answers_order_pending_with_retry_after_and_changes_nothing(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(2).await;
+    let id = grab_id(&app, voucher, 3).await;
+    for action in ["pay", "cancel"] {
+        let (status, retry, body) = app.order_action(&id, action, &app.token(3), None).await;
+        assert_eq!(status, StatusCode::CONFLICT, "{action}: {body}");
+        assert_eq!(body["error"]["code"], "order_pending");
+        assert_eq!(retry.as_deref(), Some("1"));
+        // An administrator sees the same, through the stream.
+        let (status, _, body) = app
+            .order_action(&id, action, &app.admin_token(), None)
+            .await;
+        assert_eq!(status, StatusCode::CONFLICT);
+        assert_eq!(body["error"]["code"], "order_pending");
+    }
+    let (status, pending) = app.get(&format!("/orders/{id}"), Some(&app.token(3))).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(pending["status"], "pending");
+    assert!(pending["pay_before"].is_string(), "{pending}");
+    app.drain().await;
+    assert_eq!(app.pg_status(&id).await.as_deref(), Some("created"));
+    assert_eq!(stocks(&app, voucher).await, (1, Some(1)));
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn unknown_or_foreign_orders_are_404_and_bad_bodies_are_refused_with_nothing_changed(
+    db: PgPool,
+) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(2).await;
+    let id = grab_id(&app, voucher, 5).await;
+    app.drain().await;
+
+    for action in ["pay", "cancel"] {
+        let (status, _, body) = app.order_action(&id, action, &app.token(6), None).await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "somebody else's: {body}");
+        let (status, _, _) = app
+            .order_action("4242424242", action, &app.token(5), None)
+            .await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "unknown");
+        let (status, _, _) = app.order_action("0", action, &app.token(5), None).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "not an id");
+    }
+    let long = "x".repeat(129);
+    for (body, want) in [
+        (
+            json!({"payment_ref": long}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+        ),
+        (json!({"payment_ref": ""}), StatusCode::UNPROCESSABLE_ENTITY),
+        (
+            json!({"payment_ref": "   "}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+        ),
+        (
+            json!({"payment_ref": "a\u{0}b"}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+        ),
+        (json!({"payment_ref": 12}), StatusCode::UNPROCESSABLE_ENTITY),
+        (
+            json!({"payment_ref": "ok", "amount": 1}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+        ),
+        (json!([1]), StatusCode::UNPROCESSABLE_ENTITY),
+    ] {
+        let (status, _, err) = app
+            .order_action(&id, "pay", &app.token(5), Some(&body))
+            .await;
+        assert_eq!(status, want, "{body}: {err}");
+        assert_eq!(err["error"]["code"], "validation");
+    }
+    let raw = app
+        .client
+        .post(app.url(&format!("/orders/{id}/pay")))
+        .bearer_auth(app.token(5))
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(raw.status(), StatusCode::BAD_REQUEST);
+    let no_auth = app
+        .client
+        .post(app.url(&format!("/orders/{id}/cancel")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(no_auth.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(app.pg_status(&id).await.as_deref(), Some("created"));
+    assert_eq!(stocks(&app, voucher).await, (1, Some(1)), "nothing changed");
+
+    // A 128-character reference is fine, and an administrator may pay anyone's order.
+    let body = json!({"payment_ref": "é".repeat(128)});
+    let (status, _, paid) = app
+        .order_action(&id, "pay", &app.admin_token(), Some(&body))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{paid}");
+    assert_eq!(paid["status"], "paid");
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn an_unpaid_order_expires_within_the_window_and_its_unit_sells_again(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale_paying(3, 1).await;
+    let mut ids = Vec::new();
+    for user in 1..=3 {
+        ids.push(grab_id(&app, voucher, user).await);
+    }
+    let (status, sold_out) = app.grab(voucher, 4).await;
+    assert_eq!(
+        (status, &sold_out["error"]["code"]),
+        (StatusCode::CONFLICT, &json!("sold_out"))
+    );
+
+    // A real worker process: it writes the orders, and its sweeper expires them.
+    let _worker = Process::spawn(
+        "worker",
+        &app.redis_url,
+        app.keys.prefix(),
+        &database_url(&app.db, None),
+        &[("EXPIRY_SWEEP_MS", "200".into())],
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let mut last: Value = Value::Null;
+    for id in &ids {
+        loop {
+            let (_, order) = app
+                .get(&format!("/orders/{id}"), Some(&app.admin_token()))
+                .await;
+            if order["status"] == "expired" {
+                last = order;
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "never expired: {order}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let pay_before: chrono::DateTime<chrono::Utc> =
+        serde_json::from_value(last["pay_before"].clone()).unwrap();
+    let closed_at: chrono::DateTime<chrono::Utc> =
+        serde_json::from_value(last["closed_at"].clone()).unwrap();
+    let late = closed_at - pay_before;
+    println!("expired {} ms after its deadline", late.num_milliseconds());
+    assert!(
+        late >= chrono::Duration::zero(),
+        "never before the deadline"
+    );
+    assert!(late < chrono::Duration::seconds(5), "within 5 s: {late}");
+
+    // Released in Redis too (the worker's sweeper makes the release).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while stocks(&app, voucher).await != (3, Some(3)) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{:?}",
+            stocks(&app, voucher).await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for action in ["pay", "cancel"] {
+        let (status, _, body) = app.order_action(&ids[0], action, &app.token(1), None).await;
+        assert_eq!(status, StatusCode::CONFLICT);
+        assert_eq!(body["error"]["code"], "order_closed", "{action}");
+    }
+    // The freed units sell again: to the same shoppers and to a new one, exactly three.
+    let mut sold = 0;
+    for user in [1, 2, 4, 5] {
+        if app.grab(voucher, user).await.0 == StatusCode::ACCEPTED {
+            sold += 1;
+        }
+    }
+    assert_eq!(sold, 3);
+    assert_eq!(app.live_stock(voucher).await, Some(0));
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn an_order_written_after_its_deadline_is_expired_promptly_and_never_paid(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale_paying(5, 1).await;
+    let late = grab_id(&app, voucher, 1).await;
+    let swept = grab_id(&app, voucher, 2).await;
+    // The worker is down past the deadline (an outage), then writes both.
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    let (status, body) = app.pay(&late, 1).await;
+    assert_eq!(
+        (status, &body["error"]["code"]),
+        (StatusCode::CONFLICT, &json!("order_pending"))
+    );
+    assert_eq!(app.drain().await.inserted, 2);
+    assert_eq!(stocks(&app, voucher).await, (3, Some(3)));
+
+    // Paying it now is refused, and the refusal expires it on the spot.
+    let (status, body) = app.pay(&late, 1).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    assert_eq!(body["error"]["code"], "order_closed");
+    assert_eq!(app.pg_status(&late).await.as_deref(), Some("expired"));
+    assert_eq!(stocks(&app, voucher).await, (4, Some(4)));
+
+    // The other is the sweeper's on its next pass; cancelling it meanwhile also finds
+    // it past its deadline: expired, not cancelled.
+    let report = app.sweep().await;
+    assert_eq!((report.expired, report.returned), (1, 1));
+    assert_eq!(app.pg_status(&swept).await.as_deref(), Some("expired"));
+    let (status, body) = app.cancel(&swept, 2).await;
+    assert_eq!(body["error"]["code"], "order_closed", "{status}");
+    assert_eq!(stocks(&app, voucher).await, (5, Some(5)));
+    assert_eq!(app.sweep().await, Default::default(), "nothing twice");
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_replayed_entry_never_resurrects_a_cancelled_order_nor_does_a_reload_count_it(
+    db: PgPool,
+) {
+    use seckill::stream::{Entry, ReadFrom};
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(10).await;
+    let id = grab_id(&app, voucher, 1).await;
+    grab_id(&app, voucher, 2).await;
+
+    // A worker commits the batch and dies before XACK: the entries stay pending.
+    let dying = app.worker_named("dies-before-ack");
+    dying.ensure_groups().await.unwrap();
+    let batch = dying
+        .read_batch(app.keys.shard_of(voucher), ReadFrom::New { block_ms: 1 })
+        .await
+        .unwrap();
+    let orders: Vec<_> = batch
+        .iter()
+        .map(|e| match e {
+            Entry::Order { order, .. } => *order,
+            other => panic!("unexpected {other:?}"),
+        })
+        .collect();
+    seckill::store::orders::persist_batch(&app.db, &orders, &crate::common::all_live)
+        .await
+        .unwrap();
+    assert_eq!(app.pending_count().await, 2);
+
+    let (status, body) = app.cancel(&id, 1).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(stocks(&app, voucher).await, (9, Some(9)));
+
+    // A reload while the cancelled order's entry is still unacknowledged must not count
+    // it in flight (it is written, and its unit is back).
+    let (code, out) = app.cli(&["reconcile", "--voucher", &voucher.to_string(), "--repair"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(stocks(&app, voucher).await, (9, Some(9)));
+
+    let report = app.worker_named("dies-before-ack").drain().await.unwrap();
+    assert_eq!((report.inserted, report.already_there), (0, 2));
+    assert_eq!(app.pg_status(&id).await.as_deref(), Some("cancelled"));
+    assert_eq!(
+        stocks(&app, voucher).await,
+        (9, Some(9)),
+        "no unit taken again"
+    );
+    // The shopper is free to buy again.
+    grab_id(&app, voucher, 1).await;
+    let (code, out) = app.cli(&["reconcile", "--voucher", &voucher.to_string()]);
+    assert_eq!(code, 0, "{out}");
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_crash_between_the_postgres_commit_and_the_redis_release_releases_once_after_restart(
+    db: PgPool,
+) {
+    let app = TestApp::spawn(db).await;
+    // A worker and an API whose Redis is reached through a proxy that will be cut.
+    let redis_addr: std::net::SocketAddr = "127.0.0.1:6379".parse().unwrap();
+    let proxy = Proxy::start(redis_addr).await;
+    let via_proxy = format!("redis://{}", proxy.addr);
+    let mut worker = Process::spawn(
+        "worker",
+        &via_proxy,
+        app.keys.prefix(),
+        &database_url(&app.db, None),
+        &[("EXPIRY_SWEEP_MS", "100".into())],
+    );
+    let (mut api, api_base) = app
+        .spawn_server("api", &[("REDIS_URL", via_proxy.clone())])
+        .await;
+
+    // Sale `expiring`: ten unpaid orders due in 2 s. Sale `kept`: one order to cancel.
+    let expiring = app.open_sale_paying(20, 2).await;
+    let kept = app.open_sale(5).await;
+    for user in 1..=10 {
+        grab_id(&app, expiring, user).await;
+    }
+    let cancelled = grab_id(&app, kept, 1).await;
+    app.drain().await;
+    assert_eq!(stocks(&app, expiring).await, (10, Some(10)));
+    assert_eq!(stocks(&app, kept).await, (4, Some(4)));
+
+    proxy.cut();
+    // The cut API commits the cancel in Postgres and cannot make the release: still a
+    // 200 (Postgres decided), the release owed.
+    let resp = app
+        .client
+        .post(format!("{api_base}/orders/{cancelled}/cancel"))
+        .bearer_auth(app.token(1))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    // The cut worker's sweeper commits the expiries and cannot make their releases.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while app
+        .pg_statuses(expiring)
+        .await
+        .get("expired")
+        .copied()
+        .unwrap_or(0)
+        < 10
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{:?}",
+            app.pg_statuses(expiring).await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    worker.kill9();
+    api.kill9();
+    println!(
+        "after the crash: {:?}, owed {}",
+        app.pg_statuses(expiring).await,
+        app.owed_releases().await
+    );
+    assert_eq!(app.owed_releases().await, 11, "every release still owed");
+    assert_eq!(
+        stocks(&app, expiring).await,
+        (20, Some(10)),
+        "Redis not yet told"
+    );
+    assert_eq!(stocks(&app, kept).await, (5, Some(4)));
+
+    // The books explain the difference while the releases are owed.
+    let (code, books) = app.cli(&["reconcile"]);
+    assert_eq!(code, 0, "owed releases are not drift:\n{books}");
+
+    // A new worker makes the owed releases, once.
+    proxy.heal();
+    let _worker = Process::spawn(
+        "worker",
+        &app.redis_url,
+        app.keys.prefix(),
+        &database_url(&app.db, None),
+        &[("EXPIRY_SWEEP_MS", "100".into())],
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while app.owed_releases().await > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "releases never made"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(stocks(&app, expiring).await, (20, Some(20)));
+    assert_eq!(stocks(&app, kept).await, (5, Some(5)));
+    assert_eq!(app.sweep().await.returned, 0);
+    let (code, books) = app.cli(&["reconcile"]);
+    assert_eq!(code, 0, "{books}");
+    // Every shopper is free again: 20 units, 25 shoppers, exactly 20 sold.
+    let mut sold = 0;
+    for user in 1..=25 {
+        if app.grab(expiring, user).await.0 == StatusCode::ACCEPTED {
+            sold += 1;
+        }
+    }
+    assert_eq!(sold, 20);
+}
+
+/// What a shopper asked for, and what came back.
+#[derive(Debug)]
+struct Answer {
+    order: String,
+    action: &'static str,
+    status: StatusCode,
+    code: Option<String>,
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn cancel_pay_and_expiry_racing_at_the_deadline_with_workers_killed_return_each_unit_once(
+    db: PgPool,
+) {
+    use futures::StreamExt;
+    const UNITS: i64 = 300;
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale_paying(UNITS, 4).await;
+    let spawn_worker = || {
+        Process::spawn(
+            "worker",
+            &app.redis_url,
+            app.keys.prefix(),
+            &database_url(&app.db, None),
+            &[
+                ("EXPIRY_SWEEP_MS", "50".into()),
+                ("EXPIRY_BATCH", "16".into()),
+                ("WORKER_CLAIM_IDLE_MS", "500".into()),
+            ],
+        )
+    };
+    let mut workers: Vec<Process> = (0..3).map(|_| spawn_worker()).collect();
+    let grabs = crate::common::press_all(&app, &app.base, voucher, 1..=UNITS, 64).await;
+    let orders: Vec<(i64, String)> = grabs
+        .into_iter()
+        .map(|(user, answer)| {
+            let (status, body) = answer.expect("an answer");
+            assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+            (user, body["order_id"].as_str().unwrap().to_string())
+        })
+        .collect();
+    assert_eq!(
+        app.wait_for_orders(voucher, UNITS as usize, Duration::from_secs(30))
+            .await,
+        UNITS as usize
+    );
+    let deadline: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT min(pay_before) FROM voucher_orders WHERE voucher_id = $1")
+            .bind(voucher)
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    let until = |offset_ms: i64| {
+        let at = deadline + chrono::Duration::milliseconds(offset_ms);
+        (at - chrono::Utc::now()).to_std().unwrap_or_default()
+    };
+
+    // Around the deadline, per order: pay; cancel; pay and cancel at once; or nothing
+    // (it expires). Some shoppers press twice. Meanwhile two workers die by SIGKILL
+    // and a new one starts.
+    let mut plans = Vec::new();
+    for (i, (user, order)) in orders.iter().enumerate() {
+        let offset = (i as i64 * 37) % 900 - 450; // spread over ±450 ms
+        let actions: &[&'static str] = match i % 5 {
+            0 => &["pay"],
+            1 => &["cancel"],
+            2 => &["pay", "cancel"],
+            3 => &["pay", "pay"],
+            _ => &[],
+        };
+        for &action in actions {
+            plans.push((*user, order.clone(), action, offset));
+        }
+    }
+    let app_ref = &app;
+    let requests = futures::stream::iter(plans)
+        .map(|(user, order, action, offset)| async move {
+            tokio::time::sleep(until(offset)).await;
+            let (status, _, body) = app_ref
+                .order_action(&order, action, &app_ref.token(user), None)
+                .await;
+            Answer {
+                order,
+                action,
+                status,
+                code: body["error"]["code"].as_str().map(String::from),
+            }
+        })
+        .buffer_unordered(512)
+        .collect::<Vec<Answer>>();
+    let killer = async {
+        tokio::time::sleep(until(150)).await;
+        workers[0].kill9();
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        workers[1].kill9();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        workers.push(spawn_worker());
+    };
+    let (answers, ()) = tokio::join!(requests, killer);
+
+    // Everything settles: every order final, every release made.
+    let limit = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let statuses = app.pg_statuses(voucher).await;
+        if !statuses.contains_key("created") && app.owed_releases().await == 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < limit,
+            "never settled: {statuses:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let final_status: std::collections::HashMap<String, String> =
+        sqlx::query_as::<_, (i64, String)>(
+            "SELECT id, status FROM voucher_orders WHERE voucher_id = $1",
+        )
+        .bind(voucher)
+        .fetch_all(&app.db)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(id, s)| (id.to_string(), s))
+        .collect();
+    let mut paid_ok = std::collections::HashSet::new();
+    let mut cancelled_ok = std::collections::HashSet::new();
+    for a in &answers {
+        let now = &final_status[&a.order];
+        match (a.action, a.status, a.code.as_deref()) {
+            ("pay", StatusCode::OK, _) => {
+                assert_eq!(now, "paid", "a 200 paid is paid: {a:?}");
+                paid_ok.insert(a.order.clone());
+            }
+            ("cancel", StatusCode::OK, _) => {
+                assert_eq!(now, "cancelled", "a 200 cancel is cancelled: {a:?}");
+                cancelled_ok.insert(a.order.clone());
+            }
+            ("pay", StatusCode::CONFLICT, Some("order_closed")) => {
+                assert!(now == "cancelled" || now == "expired", "{a:?} but {now}")
+            }
+            ("cancel", StatusCode::CONFLICT, Some("order_paid")) => assert_eq!(now, "paid"),
+            ("cancel", StatusCode::CONFLICT, Some("order_closed")) => assert_eq!(now, "expired"),
+            _ => panic!("unexpected answer {a:?} (order now {now})"),
+        }
+    }
+    assert!(
+        paid_ok.is_disjoint(&cancelled_ok),
+        "paid and cancelled both"
+    );
+    let statuses = app.pg_statuses(voucher).await;
+    let count = |s: &str| statuses.get(s).copied().unwrap_or(0);
+    let (paid, cancelled, expired) = (count("paid"), count("cancelled"), count("expired"));
+    assert_eq!(
+        paid + cancelled + expired,
+        UNITS,
+        "every order final: {statuses:?}"
+    );
+    assert_eq!(
+        paid as usize,
+        paid_ok.len(),
+        "every paid order was answered 200"
+    );
+    assert_eq!(cancelled as usize, cancelled_ok.len());
+    let (pg_stock, live_stock) = stocks(&app, voucher).await;
+    println!(
+        "race at the deadline ({} requests, 2 of 3 workers killed mid-way):\n\
+         {:>6} {:>10} {:>8} {:>9} {:>11}\n{paid:>6} {cancelled:>10} {expired:>8} {pg_stock:>9} {:>11}",
+        answers.len(),
+        "paid",
+        "cancelled",
+        "expired",
+        "pg_stock",
+        "live_stock",
+        live_stock.unwrap_or(-1),
+    );
+    assert!(paid > 0 && cancelled > 0 && expired > 0, "{statuses:?}");
+    assert_eq!(pg_stock, UNITS - paid, "postgres stock = initial - paid");
+    assert_eq!(
+        live_stock,
+        Some(UNITS - paid),
+        "live stock = initial - paid"
+    );
+    let (code, books) = app.cli(&["reconcile", "--voucher", &voucher.to_string()]);
+    assert_eq!(code, 0, "{books}");
+
+    // The freed units sell again, exactly: to the first shoppers and to new ones.
+    let again = crate::common::press_all(&app, &app.base, voucher, 1..=2 * UNITS, 64).await;
+    let sold = again
+        .iter()
+        .filter(|(_, a)| a.as_ref().is_some_and(|(s, _)| *s == StatusCode::ACCEPTED))
+        .count() as i64;
+    assert_eq!(sold, UNITS - paid);
+    let expected = UNITS as usize;
+    let limit = tokio::time::Instant::now() + Duration::from_secs(30);
+    while app.pg_orders(voucher).await.len() < expected {
+        assert!(
+            tokio::time::Instant::now() < limit,
+            "resold orders never written"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(stocks(&app, voucher).await, (0, Some(0)));
+}
