@@ -122,6 +122,8 @@ mod tests {
             "/shops/{shop_id}/vouchers",
             "/orders",
             "/orders/{order_id}",
+            "/orders/{order_id}/pay",
+            "/orders/{order_id}/cancel",
             "/healthz",
             "/readyz",
             "/metrics",
@@ -133,6 +135,14 @@ mod tests {
         assert_eq!(
             doc["components"]["securitySchemes"]["bearer"]["scheme"],
             "bearer"
+        );
+        // The payment reference is optional, and so is the body carrying it.
+        let pay = &doc["paths"]["/orders/{order_id}/pay"]["post"];
+        assert_ne!(pay["requestBody"]["required"], true, "{pay}");
+        let statuses = &doc["components"]["schemas"]["OrderStatus"]["enum"];
+        assert_eq!(
+            statuses,
+            &serde_json::json!(["pending", "created", "paid", "cancelled", "expired"])
         );
     }
 }
