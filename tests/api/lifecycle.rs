@@ -602,6 +602,21 @@ async fn cancel_pay_and_expiry_racing_at_the_deadline_with_workers_killed_return
         })
         .buffer_unordered(512)
         .collect::<Vec<Answer>>();
+    // And a live sale meanwhile: new shoppers keep pressing while units come back.
+    let storm = futures::stream::iter(1001..=1000 + 2 * UNITS)
+        .map(|user| async move {
+            let offset = (user * 53) % 1400 - 450; // from -450 ms to +950 ms
+            tokio::time::sleep(until(offset)).await;
+            let (status, body) = app_ref.grab(voucher, user).await;
+            match status {
+                StatusCode::ACCEPTED => Some(body["order_id"].as_str().unwrap().to_string()),
+                StatusCode::CONFLICT => None,
+                other => panic!("grab during the race: {other} {body}"),
+            }
+        })
+        .buffer_unordered(512)
+        .filter_map(|id| async move { id })
+        .collect::<Vec<String>>();
     let killer = async {
         tokio::time::sleep(until(150)).await;
         workers[0].kill9();
@@ -610,13 +625,18 @@ async fn cancel_pay_and_expiry_racing_at_the_deadline_with_workers_killed_return
         tokio::time::sleep(Duration::from_millis(200)).await;
         workers.push(spawn_worker());
     };
-    let (answers, ()) = tokio::join!(requests, killer);
+    let (answers, resold, ()) = tokio::join!(requests, storm, killer);
 
-    // Everything settles: every order final, every release made.
+    // Everything settles: every order final (the resold ones expire unpaid in turn),
+    // every release made.
     let limit = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
         let statuses = app.pg_statuses(voucher).await;
-        if !statuses.contains_key("created") && app.owed_releases().await == 0 {
+        let total: i64 = statuses.values().sum();
+        if total == UNITS + resold.len() as i64
+            && !statuses.contains_key("created")
+            && app.owed_releases().await == 0
+        {
             break;
         }
         assert!(
@@ -666,9 +686,19 @@ async fn cancel_pay_and_expiry_racing_at_the_deadline_with_workers_killed_return
     let (paid, cancelled, expired) = (count("paid"), count("cancelled"), count("expired"));
     assert_eq!(
         paid + cancelled + expired,
-        UNITS,
+        UNITS + resold.len() as i64,
         "every order final: {statuses:?}"
     );
+    for id in &resold {
+        assert_eq!(
+            final_status[id], "expired",
+            "every 202 of the live sale landed"
+        );
+    }
+    let dead: i64 = app
+        .redis_cmd(redis::cmd("XLEN").arg(app.keys.dead_letters(app.keys.shard_of(voucher))))
+        .await;
+    assert_eq!(dead, 0, "nothing dead-lettered: no 202 beyond stock");
     assert_eq!(
         paid as usize,
         paid_ok.len(),
@@ -677,9 +707,11 @@ async fn cancel_pay_and_expiry_racing_at_the_deadline_with_workers_killed_return
     assert_eq!(cancelled as usize, cancelled_ok.len());
     let (pg_stock, live_stock) = stocks(&app, voucher).await;
     println!(
-        "race at the deadline ({} requests, 2 of 3 workers killed mid-way):\n\
+        "race at the deadline ({} pay/cancel requests, {} units resold meanwhile, 2 of 3 \
+         workers killed mid-way):\n\
          {:>6} {:>10} {:>8} {:>9} {:>11}\n{paid:>6} {cancelled:>10} {expired:>8} {pg_stock:>9} {:>11}",
         answers.len(),
+        resold.len(),
         "paid",
         "cancelled",
         "expired",
