@@ -21,6 +21,9 @@ pub(crate) const SHED: &str = "seckill_http_shed_total";
 pub(crate) const WORKER_BATCH_SIZE: &str = "seckill_worker_batch_size";
 pub(crate) const WORKER_COMMIT_SECONDS: &str = "seckill_worker_commit_seconds";
 pub(crate) const DEPENDENCY_ERRORS: &str = "seckill_dependency_errors_total";
+pub(crate) const TRANSITIONS: &str = "seckill_order_transitions_total";
+pub(crate) const UNITS_RETURNED: &str = "seckill_units_returned_total";
+pub(crate) const RELEASES_OWED: &str = "seckill_releases_owed";
 
 /// The process-wide recorder (installed on first use, with a thread doing its upkeep:
 /// without it histogram samples would pile up in memory between scrapes).

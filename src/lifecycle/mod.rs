@@ -18,6 +18,7 @@ use redis::Script;
 use sqlx::PgPool;
 
 use crate::keys::{self, Keys};
+use crate::metrics::{TRANSITIONS, UNITS_RETURNED};
 use crate::store::lifecycle::{self as transitions, Close, Release, Transition};
 use crate::store::orders::OrderRow;
 
@@ -27,10 +28,6 @@ static RELEASE: LazyLock<Script> =
 /// How long a request waits for Redis to take a release back before leaving it owed
 /// (the sweeper makes it later).
 const RELEASE_DEADLINE: Duration = Duration::from_millis(1000);
-
-pub(crate) const TRANSITIONS: &str = "seckill_order_transitions_total";
-pub(crate) const UNITS_RETURNED: &str = "seckill_units_returned_total";
-pub(crate) const RELEASES_OWED: &str = "seckill_releases_owed";
 
 /// Makes one release in Redis: `true` when the unit went back now, `false` when there
 /// was nothing to release (made before, or the sale's state was rebuilt since).

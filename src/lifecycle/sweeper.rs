@@ -47,8 +47,9 @@ pub async fn sweep_once(
             break;
         }
         report.expired += expired.len() as u64;
-        metrics::counter!(super::TRANSITIONS, "to" => "expired").increment(expired.len() as u64);
-        metrics::counter!(super::UNITS_RETURNED, "store" => "postgres")
+        metrics::counter!(crate::metrics::TRANSITIONS, "to" => "expired")
+            .increment(expired.len() as u64);
+        metrics::counter!(crate::metrics::UNITS_RETURNED, "store" => "postgres")
             .increment(expired.len() as u64);
         report.returned += super::settle(db, conn, keys, &expired).await?;
         if (expired.len() as i64) < batch {
@@ -75,7 +76,7 @@ pub async fn sweep_once(
         }
     }
     let (owed, _) = transitions::owed_summary(db).await?;
-    metrics::gauge!(super::RELEASES_OWED).set(owed as f64);
+    metrics::gauge!(crate::metrics::RELEASES_OWED).set(owed as f64);
     Ok(report)
 }
 

@@ -134,6 +134,24 @@ async fn cancelling_returns_the_unit_to_both_stores_once_and_the_buyer_may_grab_
     );
     let (code, books) = app.cli(&["reconcile", "--voucher", &voucher.to_string()]);
     assert_eq!(code, 0, "{books}");
+
+    // Counted (the recorder is shared by the tests of this binary: present, not exact).
+    let metrics = app
+        .client
+        .get(app.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        "seckill_order_transitions_total{to=\"cancelled\"}",
+        "seckill_units_returned_total{store=\"postgres\"}",
+        "seckill_units_returned_total{store=\"redis\"}",
+    ] {
+        assert!(metrics.contains(line), "{line} missing from /metrics");
+    }
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
