@@ -12,14 +12,23 @@ ALTER TABLE voucher_orders
     ADD COLUMN closed_at   timestamptz,
     ADD COLUMN payment_ref text CHECK (char_length(payment_ref) BETWEEN 1 AND 128);
 
--- Orders written before payments existed get the whole default window from the
--- upgrade on, rather than expiring in a mass the moment the sweeper starts.
-UPDATE voucher_orders SET pay_before = greatest(created_at, now()) + interval '900 seconds';
-ALTER TABLE voucher_orders ALTER COLUMN pay_before SET NOT NULL;
-
 ALTER TABLE voucher_orders DROP CONSTRAINT voucher_orders_status_check;
 ALTER TABLE voucher_orders ADD CONSTRAINT voucher_orders_status_check
     CHECK (status IN ('created', 'paid', 'cancelled', 'expired'));
+
+-- Orders written before payments existed were complete purchases: they become `paid`
+-- (when written), not orders that would now expire and give their unit away.
+UPDATE voucher_orders o
+SET status = 'paid',
+    paid_at = o.persisted_at,
+    pay_before = o.created_at + make_interval(secs => coalesce(
+        (SELECT s.pay_within_secs FROM seckill_vouchers s WHERE s.voucher_id = o.voucher_id),
+        900));
+-- No default: every writer must set the deadline (a worker of the previous version,
+-- still running after the upgrade, fails to insert and leaves its entries pending for
+-- the new workers instead of writing orders without one).
+ALTER TABLE voucher_orders ALTER COLUMN pay_before SET NOT NULL;
+
 -- Each status carries exactly its own timestamps.
 ALTER TABLE voucher_orders ADD CONSTRAINT voucher_orders_lifecycle_check CHECK (
     (status = 'created' AND paid_at IS NULL AND closed_at IS NULL)
@@ -31,8 +40,10 @@ ALTER TABLE voucher_orders ADD CONSTRAINT voucher_orders_lifecycle_check CHECK (
 ALTER TABLE voucher_orders DROP CONSTRAINT voucher_orders_user_id_voucher_id_key;
 CREATE UNIQUE INDEX voucher_orders_one_active_idx ON voucher_orders (user_id, voucher_id)
     WHERE status IN ('created', 'paid');
--- The caller's orders (the unique index above served this before).
-CREATE INDEX voucher_orders_user_id_idx ON voucher_orders (user_id, id);
+-- The caller's closed orders (the active ones are in the index above). Partial, so the
+-- worker's inserts (all `created`) do not pay for a second index of random keys.
+CREATE INDEX voucher_orders_closed_user_idx ON voucher_orders (user_id, id)
+    WHERE status IN ('cancelled', 'expired');
 -- The expiry sweeper's queue: unpaid orders by deadline.
 CREATE INDEX voucher_orders_due_idx ON voucher_orders (pay_before) WHERE status = 'created';
 

@@ -12,7 +12,7 @@ use crate::auth::{Admin, AuthUser, JwtKeys};
 use crate::http::error::AppError;
 
 /// `axum::Json`, but a malformed body is a `validation` error: 400 when it cannot be
-/// read as JSON, 422 when it is JSON of the wrong shape.
+/// read as JSON, 422 when it is JSON of the wrong shape (anything but an object, too).
 pub(crate) struct AppJson<T>(pub T);
 
 impl<T, S> FromRequest<S> for AppJson<T>
@@ -23,10 +23,95 @@ where
     type Rejection = AppError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, AppError> {
-        match axum::Json::<T>::from_request(req, state).await {
-            Ok(axum::Json(value)) => Ok(Self(value)),
-            Err(rejection) => Err(json_rejection(rejection)),
+        match object_body(req, state).await? {
+            Some(value) => Ok(Self(value)),
+            None => Err(AppError::bad_request(
+                "a JSON body is required (`Content-Type: application/json`)",
+            )),
         }
+    }
+}
+
+/// An optional JSON body: `None` when the request carries none (or only whitespace);
+/// otherwise as [`AppJson`].
+pub(crate) struct MaybeJson<T>(pub Option<T>);
+
+impl<T, S> FromRequest<S> for MaybeJson<T>
+where
+    T: DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = AppError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, AppError> {
+        Ok(Self(object_body(req, state).await?))
+    }
+}
+
+/// Reads a body that must be a JSON object sent as `application/json`; `None` when
+/// there is no body. serde would also read a struct from a JSON array (its fields in
+/// order), so anything but an object is refused first.
+async fn object_body<T: DeserializeOwned, S: Send + Sync>(
+    req: Request,
+    state: &S,
+) -> Result<Option<T>, AppError> {
+    let json_type = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| {
+            let mime = v
+                .split(';')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_ascii_lowercase();
+            mime == "application/json"
+                || (mime.starts_with("application/") && mime.ends_with("+json"))
+        })
+        .unwrap_or(false);
+    let body = axum::body::Bytes::from_request(req, state)
+        .await
+        .map_err(|e| AppError::Validation {
+            status: e.status(),
+            message: e.body_text(),
+        })?;
+    let Some(&first) = body.iter().find(|b| !b.is_ascii_whitespace()) else {
+        return Ok(None);
+    };
+    if !json_type {
+        return Err(AppError::bad_request(
+            "a request body must be JSON, sent with `Content-Type: application/json`",
+        ));
+    }
+    if first != b'{' {
+        return Err(
+            match serde_json::from_slice::<serde::de::IgnoredAny>(&body) {
+                Ok(_) => AppError::invalid("the body must be a JSON object"),
+                Err(e) => AppError::bad_request(format!("the body is not valid JSON: {e}")),
+            },
+        );
+    }
+    match axum::Json::<T>::from_bytes(&body) {
+        Ok(axum::Json(value)) => Ok(Some(value)),
+        Err(rejection) => Err(json_rejection(rejection)),
+    }
+}
+
+/// For a field holding an object: refuses the JSON array serde would read the struct
+/// from (`#[serde(deserialize_with = "...")]`, `null` allowed for an `Option`).
+pub(crate) fn object_or_null<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: DeserializeOwned,
+{
+    use serde::de::Error;
+    use serde::Deserialize;
+    match Option::<serde_json::Map<String, serde_json::Value>>::deserialize(d)? {
+        None => Ok(None),
+        Some(map) => T::deserialize(serde_json::Value::Object(map))
+            .map(Some)
+            .map_err(D::Error::custom),
     }
 }
 
@@ -42,55 +127,6 @@ fn json_rejection(rejection: JsonRejection) -> AppError {
     AppError::Validation {
         status,
         message: rejection.body_text(),
-    }
-}
-
-/// An optional JSON body: `None` when the request carries none (or only whitespace);
-/// otherwise as [`AppJson`] (`Content-Type: application/json` required, 400 unreadable,
-/// 422 wrong shape).
-pub(crate) struct MaybeJson<T>(pub Option<T>);
-
-impl<T, S> FromRequest<S> for MaybeJson<T>
-where
-    T: DeserializeOwned,
-    S: Send + Sync,
-{
-    type Rejection = AppError;
-
-    async fn from_request(req: Request, state: &S) -> Result<Self, AppError> {
-        let json_type = req
-            .headers()
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .map(|v| {
-                let mime = v
-                    .split(';')
-                    .next()
-                    .unwrap_or("")
-                    .trim()
-                    .to_ascii_lowercase();
-                mime == "application/json"
-                    || (mime.starts_with("application/") && mime.ends_with("+json"))
-            })
-            .unwrap_or(false);
-        let body = axum::body::Bytes::from_request(req, state)
-            .await
-            .map_err(|e| AppError::Validation {
-                status: e.status(),
-                message: e.body_text(),
-            })?;
-        if body.iter().all(u8::is_ascii_whitespace) {
-            return Ok(Self(None));
-        }
-        if !json_type {
-            return Err(AppError::bad_request(
-                "a request body must be JSON, sent with `Content-Type: application/json`",
-            ));
-        }
-        match axum::Json::<T>::from_bytes(&body) {
-            Ok(axum::Json(value)) => Ok(Self(Some(value))),
-            Err(rejection) => Err(json_rejection(rejection)),
-        }
     }
 }
 

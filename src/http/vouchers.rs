@@ -56,7 +56,7 @@ pub(crate) struct CreateVoucher {
     /// What the voucher is worth, in cents.
     #[schema(minimum = 0, maximum = 9223372036854775807_i64)]
     pub actual_value: i64,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::http::extract::object_or_null")]
     pub seckill: Option<CreateSeckill>,
 }
 

@@ -1,8 +1,12 @@
 //! The expiry sweeper, run by every worker process: expires unpaid orders past their
 //! deadline (several sweepers share the work through `FOR UPDATE SKIP LOCKED`), and
-//! makes the releases still owed to Redis (left by a crash, or by Redis being down,
-//! between a close's commit and its release).
+//! makes the releases owed to Redis (the expiries' own, and any left by a crash or an
+//! outage between a close's commit and its release).
+//!
+//! The two halves run apart: expiry needs only Postgres, so a Redis outage does not
+//! hold it back (its releases wait, owed, until Redis answers again).
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use sqlx::PgPool;
@@ -10,6 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
 use crate::keys::Keys;
+use crate::metrics::{RELEASES_OWED, TRANSITIONS, UNITS_RETURNED};
 use crate::redis_conn::RedisConn;
 use crate::store::lifecycle as transitions;
 
@@ -22,93 +27,149 @@ pub struct SweepConfig {
     pub batch: i64,
 }
 
-/// What one pass did.
+/// What a pass did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct SweepReport {
-    /// Orders expired by this pass.
+    /// Orders expired.
     pub expired: u64,
-    /// Units returned to Redis's live stock by this pass (expiries and owed releases).
+    /// Owed releases made (the expiries' own, and any left by earlier crashes or
+    /// outages).
+    pub released: u64,
+    /// Of those, the ones that returned a unit to Redis's live stock (the others found
+    /// nothing to do: made before, or the sale's state was rebuilt since).
     pub returned: u64,
-    /// Owed releases made by this pass (left by earlier crashes or outages).
-    pub owed_settled: u64,
 }
 
-/// One pass: expire what is due, then make what is owed.
-pub async fn sweep_once(
+/// Expires every order now due, `batch` per transaction; returns how many.
+pub async fn expire_all_due(db: &PgPool, batch: i64) -> anyhow::Result<u64> {
+    let mut expired = 0;
+    loop {
+        let closed = transitions::expire_due(db, batch).await?.len() as u64;
+        expired += closed;
+        metrics::counter!(TRANSITIONS, "to" => "expired").increment(closed);
+        metrics::counter!(UNITS_RETURNED, "store" => "postgres").increment(closed);
+        if closed < batch as u64 {
+            return Ok(expired);
+        }
+    }
+}
+
+/// Makes the releases owed to Redis, `batch` per transaction (the rows stay locked
+/// while their releases are made, so two sweepers never work on the same ones). A
+/// release that fails leaves the rest of its shard for the next pass (the shard's node
+/// is likely down) and the other shards go on; the first error is returned at the end.
+pub async fn release_owed(
     db: &PgPool,
     conn: &mut RedisConn,
     keys: &Keys,
     batch: i64,
 ) -> anyhow::Result<SweepReport> {
     let mut report = SweepReport::default();
+    let mut failed = HashSet::new();
+    let mut first_error: Option<redis::RedisError> = None;
     loop {
-        let expired = transitions::expire_due(db, batch).await?;
-        if expired.is_empty() {
-            break;
-        }
-        report.expired += expired.len() as u64;
-        metrics::counter!(crate::metrics::TRANSITIONS, "to" => "expired")
-            .increment(expired.len() as u64);
-        metrics::counter!(crate::metrics::UNITS_RETURNED, "store" => "postgres")
-            .increment(expired.len() as u64);
-        report.returned += super::settle(db, conn, keys, &expired).await?;
-        if (expired.len() as i64) < batch {
-            break;
-        }
-    }
-    loop {
-        // The rows stay locked while their releases are made, so two sweepers never
-        // work on the same ones (a double run would change nothing, but costs).
         let mut tx = db.begin().await?;
         let owed = transitions::take_owed(&mut tx, batch).await?;
-        if owed.is_empty() {
-            break;
-        }
+        let mut made = Vec::with_capacity(owed.len());
         for r in &owed {
-            report.returned += u64::from(super::release(conn, keys, r).await?);
+            let shard = keys.shard_of(r.voucher_id);
+            if failed.contains(&shard) {
+                continue;
+            }
+            match super::release(conn, keys, r).await {
+                Ok(returned) => {
+                    report.returned += u64::from(returned);
+                    made.push(r.order_id);
+                }
+                Err(e) => {
+                    failed.insert(shard);
+                    first_error.get_or_insert(e);
+                }
+            }
         }
-        let ids: Vec<i64> = owed.iter().map(|r| r.order_id).collect();
-        transitions::released(&mut *tx, &ids).await?;
+        transitions::released(&mut *tx, &made).await?;
         tx.commit().await?;
-        report.owed_settled += owed.len() as u64;
-        if (owed.len() as i64) < batch {
+        report.released += made.len() as u64;
+        // Short of a full batch, or some left owed: the next pass takes the rest.
+        if (owed.len() as i64) < batch || made.len() < owed.len() {
             break;
         }
     }
     let (owed, _) = transitions::owed_summary(db).await?;
-    metrics::gauge!(crate::metrics::RELEASES_OWED).set(owed as f64);
-    Ok(report)
+    metrics::gauge!(RELEASES_OWED).set(owed as f64);
+    match first_error {
+        Some(e) => Err(e.into()),
+        None => Ok(report),
+    }
 }
 
-/// Sweeps every `config.every` until `cancel` fires; failures back off and retry.
+/// One pass of both halves: expire what is due, then make what is owed.
+pub async fn sweep_once(
+    db: &PgPool,
+    conn: &mut RedisConn,
+    keys: &Keys,
+    batch: i64,
+) -> anyhow::Result<SweepReport> {
+    let expired = expire_all_due(db, batch).await?;
+    let report = release_owed(db, conn, keys, batch).await?;
+    Ok(SweepReport { expired, ..report })
+}
+
+/// Runs both halves every `config.every` until `cancel` fires, each with its own
+/// backoff after failures.
 pub async fn run(
     db: PgPool,
-    mut conn: RedisConn,
+    conn: RedisConn,
     keys: Keys,
     config: SweepConfig,
     cancel: CancellationToken,
 ) {
-    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+    let expiry = every(&cancel, config.every, "expiry", || {
+        let db = db.clone();
+        async move {
+            let expired = expire_all_due(&db, config.batch).await?;
+            if expired > 0 {
+                tracing::info!(expired, "unpaid orders expired");
+            }
+            Ok(())
+        }
+    });
+    let releases = every(&cancel, config.every, "release", || {
+        let (db, mut conn, keys) = (db.clone(), conn.clone(), keys.clone());
+        async move {
+            let report = release_owed(&db, &mut conn, &keys, config.batch).await?;
+            tracing::debug!(?report, "owed releases made");
+            Ok(())
+        }
+    });
+    tokio::join!(expiry, releases);
+}
+
+/// Calls `pass` every `period` (longer, with backoff, while it fails) until `cancel`.
+/// The pause after a failure never exceeds the 5 s of the contract's expiry window.
+async fn every<F, Fut>(cancel: &CancellationToken, period: Duration, what: &str, pass: F)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>>,
+{
+    let mut backoff = Backoff::new(period, Duration::from_secs(4).max(period));
     let mut failing = false;
     while !cancel.is_cancelled() {
-        let pause = match sweep_once(&db, &mut conn, &keys, config.batch).await {
-            Ok(report) => {
+        let pause = match pass().await {
+            Ok(()) => {
                 if failing {
-                    tracing::info!("expiry sweeper recovered");
+                    tracing::info!(what, "sweeper recovered");
                     failing = false;
                 }
-                if report != SweepReport::default() {
-                    tracing::info!(?report, "expiry sweep");
-                }
                 backoff.reset();
-                config.every
+                period
             }
             Err(e) => {
                 if !failing {
-                    tracing::warn!(error = format!("{e:#}"), "expiry sweeper failing, retrying");
+                    tracing::warn!(what, error = format!("{e:#}"), "sweeper failing, retrying");
                     failing = true;
                 }
-                backoff.next_delay().max(config.every)
+                backoff.next_delay()
             }
         };
         tokio::select! {

@@ -139,23 +139,28 @@ pub async fn persist_batch(
     }
 }
 
+/// Payment windows (seconds) of the sales a transaction has locked, by voucher.
+pub(crate) type PayWindows = HashMap<i64, i32>;
+
 /// Locks the flash-sale rows of the given vouchers, in voucher order so concurrent
-/// workers cannot deadlock each other. Waits at most the session's `lock_timeout`.
+/// workers cannot deadlock each other, and returns their payment windows. Waits at
+/// most the session's `lock_timeout`.
 pub(crate) async fn lock_sales(
     tx: &mut Transaction<'_, Postgres>,
     voucher_ids: &[i64],
-) -> Result<(), sqlx::Error> {
+) -> Result<PayWindows, sqlx::Error> {
     let mut ids = voucher_ids.to_vec();
     ids.sort_unstable();
     ids.dedup();
-    sqlx::query(
-        "SELECT voucher_id FROM seckill_vouchers WHERE voucher_id = ANY($1) \
+    Ok(sqlx::query_as::<_, (i64, i32)>(
+        "SELECT voucher_id, pay_within_secs FROM seckill_vouchers WHERE voucher_id = ANY($1) \
          ORDER BY voucher_id FOR NO KEY UPDATE",
     )
     .bind(&ids)
     .fetch_all(&mut **tx)
-    .await?;
-    Ok(())
+    .await?
+    .into_iter()
+    .collect())
 }
 
 /// `Ok(None)` when a stock guard failed (the batch was rolled back).
@@ -166,7 +171,7 @@ async fn try_batch(
 ) -> anyhow::Result<Option<Vec<Persisted>>> {
     let mut tx = db.begin().await?;
     let vouchers: Vec<i64> = all.iter().map(|o| o.voucher_id).collect();
-    lock_sales(&mut tx, &vouchers).await?;
+    let windows = lock_sales(&mut tx, &vouchers).await?;
     let alive = live(all.iter().map(|o| o.id).collect()).await?;
     let orders: Vec<NewOrder> = all
         .iter()
@@ -174,7 +179,7 @@ async fn try_batch(
         .copied()
         .collect();
     let orders = &orders[..];
-    let inserted = insert_orders(&mut tx, orders).await?;
+    let inserted = insert_orders(&mut tx, orders, &windows).await?;
 
     let mut per_voucher: BTreeMap<i64, i32> = BTreeMap::new();
     for o in orders.iter().filter(|o| inserted.contains(&o.id)) {
@@ -207,13 +212,13 @@ async fn one_by_one(
     let mut outcomes = Vec::with_capacity(orders.len());
     for order in orders {
         let mut tx = db.begin().await?;
-        lock_sales(&mut tx, &[order.voucher_id]).await?;
+        let windows = lock_sales(&mut tx, &[order.voucher_id]).await?;
         if !live(vec![order.id]).await?.contains(&order.id) {
             tx.rollback().await?;
             outcomes.push(Persisted::Vanished);
             continue;
         }
-        let outcome = match insert_orders(&mut tx, std::slice::from_ref(order)).await {
+        let outcome = match insert_orders(&mut tx, std::slice::from_ref(order), &windows).await {
             Ok(inserted) if inserted.is_empty() => {
                 classify(&mut tx, std::slice::from_ref(order), &inserted)
                     .await?
@@ -252,18 +257,25 @@ fn rejection(e: &sqlx::Error) -> Rejection {
 async fn insert_orders(
     tx: &mut Transaction<'_, Postgres>,
     orders: &[NewOrder],
+    windows: &PayWindows,
 ) -> Result<HashSet<i64>, sqlx::Error> {
     let ids: Vec<i64> = orders.iter().map(|o| o.id).collect();
     let users: Vec<i64> = orders.iter().map(|o| o.user_id).collect();
     let vouchers: Vec<i64> = orders.iter().map(|o| o.voucher_id).collect();
     let times: Vec<DateTime<Utc>> = orders.iter().map(|o| o.admitted_at).collect();
+    // An order of a voucher without a sale has no window; its insert fails anyway.
+    let deadlines: Vec<DateTime<Utc>> = orders
+        .iter()
+        .map(|o| {
+            let secs = windows.get(&o.voucher_id).copied().unwrap_or(0);
+            o.admitted_at + chrono::Duration::seconds(secs.into())
+        })
+        .collect();
     let inserted: Vec<i64> = sqlx::query_scalar(
         "INSERT INTO voucher_orders (id, user_id, voucher_id, created_at, pay_before) \
-         SELECT t.id, t.user_id, t.voucher_id, t.created_at, t.created_at + make_interval( \
-                 secs => coalesce((SELECT s.pay_within_secs FROM seckill_vouchers s \
-                                   WHERE s.voucher_id = t.voucher_id), 900)) \
-         FROM unnest($1::int8[], $2::int8[], $3::int8[], $4::timestamptz[]) \
-             AS t (id, user_id, voucher_id, created_at) \
+         SELECT * FROM unnest($1::int8[], $2::int8[], $3::int8[], $4::timestamptz[], \
+                              $5::timestamptz[]) \
+             AS t (id, user_id, voucher_id, created_at, pay_before) \
          WHERE NOT EXISTS (SELECT 1 FROM dead_orders d WHERE d.id = t.id) \
          ON CONFLICT DO NOTHING RETURNING id",
     )
@@ -271,6 +283,7 @@ async fn insert_orders(
     .bind(&users)
     .bind(&vouchers)
     .bind(&times)
+    .bind(&deadlines)
     .fetch_all(&mut **tx)
     .await?;
     Ok(inserted.into_iter().collect())
@@ -358,10 +371,17 @@ pub(crate) async fn get<'e>(
     .await
 }
 
+/// The user's newest 1000 orders. Active and closed orders are found through two
+/// partial indexes (the worker's inserts touch only the first).
 #[tracing::instrument(skip(db))]
 pub(crate) async fn list_by_user(db: &PgPool, user_id: i64) -> Result<Vec<OrderRow>, sqlx::Error> {
     sqlx::query_as(&format!(
-        "SELECT {ORDER_COLUMNS} FROM voucher_orders WHERE user_id = $1 ORDER BY id DESC LIMIT 1000"
+        "(SELECT {ORDER_COLUMNS} FROM voucher_orders WHERE user_id = $1 AND {ACTIVE}) \
+         UNION ALL \
+         (SELECT {ORDER_COLUMNS} FROM voucher_orders \
+          WHERE user_id = $1 AND status IN ('cancelled', 'expired') \
+          ORDER BY id DESC LIMIT 1000) \
+         ORDER BY id DESC LIMIT 1000"
     ))
     .bind(user_id)
     .fetch_all(db)

@@ -131,10 +131,41 @@ async fn every_kind_of_bad_voucher_is_a_4xx_json_error_and_stores_nothing(db: Pg
         "/seckill",
         json!({"stock": 1, "begin_time": "2026-01-01T00:00:00Z", "end_time": "2099-01-01T00:00:00Z", "limit": 2}),
     );
+    // serde would read a struct from an array of its fields.
+    with(
+        "the sale as an array",
+        "/seckill",
+        json!([5, "2026-01-01T00:00:00Z", "2099-01-01T00:00:00Z", 900]),
+    );
     let mut missing = voucher_body();
     missing.as_object_mut().unwrap().remove("title");
     cases.push(("missing title", missing));
     cases.push(("an array", json!([1, 2])));
+    for (what, window) in [
+        ("pay window zero", json!(0)),
+        ("pay window over a day", json!(86_401)),
+        ("pay window as a string", json!("900")),
+    ] {
+        let mut body = voucher_body();
+        body["seckill"]["pay_within_secs"] = window;
+        cases.push((what, body));
+    }
+    let mut whole = voucher_body();
+    let fields: Vec<Value> = [
+        "shop_id",
+        "title",
+        "sub_title",
+        "rules",
+        "pay_value",
+        "actual_value",
+    ]
+    .iter()
+    .map(|k| whole[*k].take())
+    .collect();
+    cases.push((
+        "the voucher as an array of its fields",
+        Value::Array(fields),
+    ));
 
     for (what, body) in cases {
         let (status, reply) = app.post_json("/vouchers", Some(&admin), &body).await;
