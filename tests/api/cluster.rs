@@ -143,6 +143,39 @@ async fn a_dozen_sales_on_a_three_master_cluster_sell_exactly_their_stock(db: Pg
                 .unwrap();
         assert_eq!(pg_stock, 0);
     }
+    // The lifecycle on the cluster: each sale's first buyer cancels; the unit goes back
+    // to the sale's live stock on its node, and a new shopper gets it.
+    for &voucher in &vouchers {
+        let (user, order) = results
+            .iter()
+            .find(|(v, _, s, _)| *v == voucher && *s == StatusCode::ACCEPTED)
+            .map(|(_, u, _, b)| (*u, b["order_id"].as_str().unwrap().to_string()))
+            .unwrap();
+        let resp = http
+            .post(format!("{}/orders/{order}/cancel", bases[0]))
+            .bearer_auth(jwt.mint(user, false, 600).unwrap())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::OK, "voucher {voucher}");
+        let sale: Value = http
+            .get(format!("{}/vouchers/{voucher}", bases[1]))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(sale["stock"], 1, "voucher {voucher}: the unit is back");
+        let resp = http
+            .post(format!("{}/vouchers/{voucher}/seckill", bases[1]))
+            .bearer_auth(jwt.mint(voucher * 1000 + 999, false, 600).unwrap())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::ACCEPTED, "voucher {voucher}");
+    }
+
     let per_node = cluster.keys_per_node("seckill:*:voucher:*");
     println!("sale keys per node: {per_node:?}");
     assert_eq!(per_node.iter().sum::<usize>(), 12);

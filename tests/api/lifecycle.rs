@@ -850,3 +850,45 @@ async fn the_lifecycle_migration_keeps_orders_written_before_it_as_paid_purchase
     .await;
     assert!(second.is_err(), "one active order per user and voucher");
 }
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_unit_returned_while_the_sale_is_missing_from_redis_comes_back_through_the_reload(
+    db: PgPool,
+) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(3).await;
+    let first = grab_id(&app, voucher, 1).await;
+    grab_id(&app, voucher, 2).await;
+    app.drain().await;
+    // Redis loses the sale's state; the cancel is decided by Postgres alone, and its
+    // release finds nothing to release.
+    let _: i64 = app
+        .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(voucher)))
+        .await;
+    let (status, body) = app.cancel(&first, 1).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(app.owed_releases().await, 0);
+    assert_eq!(stocks(&app, voucher).await, (2, None));
+
+    // The next grab finds the sale missing (503, nothing reserved) and the reload
+    // counts the returned unit: Postgres's stock, Postgres's active buyers.
+    let (status, _) = app.grab(voucher, 3).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while app.live_stock(voucher).await.is_none() {
+        assert!(tokio::time::Instant::now() < deadline, "never reloaded");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(stocks(&app, voucher).await, (2, Some(2)));
+    let (status, dup) = app.grab(voucher, 2).await;
+    assert_eq!(dup["error"]["code"], "already_ordered", "{status}");
+    grab_id(&app, voucher, 1).await;
+    grab_id(&app, voucher, 3).await;
+    let (status, body) = app.grab(voucher, 4).await;
+    assert_eq!(
+        (status, &body["error"]["code"]),
+        (StatusCode::CONFLICT, &json!("sold_out"))
+    );
+    app.drain().await;
+    assert_eq!(stocks(&app, voucher).await, (0, Some(0)));
+}
