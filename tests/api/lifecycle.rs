@@ -136,15 +136,7 @@ async fn cancelling_returns_the_unit_to_both_stores_once_and_the_buyer_may_grab_
     assert_eq!(code, 0, "{books}");
 
     // Counted (the recorder is shared by the tests of this binary: present, not exact).
-    let metrics = app
-        .client
-        .get(app.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = app.metrics_text().await;
     for line in [
         "seckill_order_transitions_total{to=\"cancelled\"}",
         "seckill_units_returned_total{store=\"postgres\"}",
@@ -376,29 +368,14 @@ async fn an_order_written_after_its_deadline_is_expired_promptly_and_never_paid(
 async fn a_replayed_entry_never_resurrects_a_cancelled_order_nor_does_a_reload_count_it(
     db: PgPool,
 ) {
-    use seckill::stream::{Entry, ReadFrom};
     let app = TestApp::spawn(db).await;
     let voucher = app.open_sale(10).await;
     let id = grab_id(&app, voucher, 1).await;
     grab_id(&app, voucher, 2).await;
 
     // A worker commits the batch and dies before XACK: the entries stay pending.
-    let dying = app.worker_named("dies-before-ack");
-    dying.ensure_groups().await.unwrap();
-    let batch = dying
-        .read_batch(app.keys.shard_of(voucher), ReadFrom::New { block_ms: 1 })
-        .await
-        .unwrap();
-    let orders: Vec<_> = batch
-        .iter()
-        .map(|e| match e {
-            Entry::Order { order, .. } => *order,
-            other => panic!("unexpected {other:?}"),
-        })
-        .collect();
-    seckill::store::orders::persist_batch(&app.db, &orders, &crate::common::all_live)
-        .await
-        .unwrap();
+    app.commit_without_ack("dies-before-ack", app.keys.shard_of(voucher))
+        .await;
     assert_eq!(app.pending_count().await, 2);
 
     let (status, body) = app.cancel(&id, 1).await;

@@ -136,15 +136,7 @@ async fn metrics_show_the_sale_the_worker_and_the_http_traffic(db: PgPool) {
         app.grab(voucher, user).await;
     }
     app.drain().await;
-    let text = app
-        .client
-        .get(app.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = app.metrics_text().await;
     for series in [
         "seckill_admissions_total{outcome=\"admitted\"}",
         "seckill_admissions_total{outcome=\"sold_out\"}",

@@ -89,22 +89,8 @@ async fn a_batch_committed_but_never_acked_is_not_written_twice(db: PgPool) {
     let admitted = admit(&app, voucher, 1..=20).await;
 
     // A worker reads, commits, and dies before XACK.
-    let dying = app.worker_named("worker-b");
-    dying.ensure_groups().await.unwrap();
-    let batch = dying
-        .read_batch(app.keys.shard_of(0), ReadFrom::New { block_ms: 1 })
-        .await
-        .unwrap();
-    let new: Vec<NewOrder> = batch
-        .iter()
-        .map(|e| match e {
-            Entry::Order { order, .. } => *order,
-            other => panic!("unexpected {other:?}"),
-        })
-        .collect();
-    orders::persist_batch(&app.db, &new, &all_live)
-        .await
-        .unwrap();
+    app.commit_without_ack("worker-b", app.keys.shard_of(0))
+        .await;
     assert_eq!(app.pg_stock(voucher).await, 10);
 
     let report = app.worker_named("worker-b").drain().await.unwrap();

@@ -259,6 +259,45 @@ impl TestApp {
             .unwrap()
     }
 
+    /// The `/metrics` page.
+    pub async fn metrics_text(&self) -> String {
+        self.client
+            .get(self.url("/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
+    /// A worker named `consumer` reads a batch of `shard`, commits it, and dies before
+    /// XACK: its entries stay pending. Returns the orders committed.
+    pub async fn commit_without_ack(
+        &self,
+        consumer: &str,
+        shard: seckill::keys::Shard,
+    ) -> Vec<seckill::store::orders::NewOrder> {
+        use seckill::stream::{Entry, ReadFrom};
+        let dying = self.worker_named(consumer);
+        dying.ensure_groups().await.unwrap();
+        let batch = dying
+            .read_batch(shard, ReadFrom::New { block_ms: 1 })
+            .await
+            .unwrap();
+        let orders: Vec<_> = batch
+            .iter()
+            .map(|e| match e {
+                Entry::Order { order, .. } => *order,
+                other => panic!("unexpected {other:?}"),
+            })
+            .collect();
+        seckill::store::orders::persist_batch(&self.db, &orders, &all_live)
+            .await
+            .unwrap();
+        orders
+    }
+
     /// One pass of the expiry sweeper, in this process.
     pub async fn sweep(&self) -> seckill::lifecycle::sweeper::SweepReport {
         let mut conn = self.redis.clone();
