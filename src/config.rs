@@ -13,7 +13,7 @@ pub mod defaults {
     pub(crate) const RATE_LIMIT_PER_IP_BURST: u32 = 200;
     pub(crate) const MAX_CONCURRENT_REQUESTS: u32 = 10_000;
     pub(crate) const REQUEST_TIMEOUT_SECS: u64 = 10;
-    pub(crate) const WORKER_BATCH_SIZE: u32 = 256;
+    pub(crate) const WORKER_BATCH_SIZE: u32 = 2048;
     pub(crate) const WORKER_BLOCK_MS: u64 = 1000;
     pub(crate) const WORKER_CLAIM_IDLE_MS: u64 = 15_000;
     pub(crate) const WORKER_MAX_DELIVERIES: u64 = 5;
@@ -199,7 +199,9 @@ impl Default for LimitArgs {
 
 #[derive(Debug, Clone, Args)]
 pub struct WorkerOptions {
-    /// Stream entries read and written to Postgres per batch.
+    /// Most stream entries read and written to Postgres per batch: a read takes what is
+    /// there up to this, so batches stay small (and quick) under light traffic and grow
+    /// to amortise each transaction under a backlog.
     #[arg(long, env = "WORKER_BATCH_SIZE", default_value_t = defaults::WORKER_BATCH_SIZE,
           value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub worker_batch_size: u32,
