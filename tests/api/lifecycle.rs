@@ -432,7 +432,14 @@ async fn a_crash_between_the_postgres_commit_and_the_redis_release_releases_once
         grab_id(&app, expiring, user).await;
     }
     let cancelled = grab_id(&app, kept, 1).await;
+    // Written by this drain or by the worker process, whichever reads them first.
     app.drain().await;
+    for (sale, n) in [(expiring, 10), (kept, 1)] {
+        assert_eq!(
+            app.wait_for_orders(sale, n, Duration::from_secs(10)).await,
+            n
+        );
+    }
     assert_eq!(stocks(&app, expiring).await, (10, Some(10)));
     assert_eq!(stocks(&app, kept).await, (4, Some(4)));
 
