@@ -1,5 +1,6 @@
 //! Admission: the one atomic Redis step that decides who gets an order.
 
+pub mod batcher;
 pub mod loader;
 pub mod order_id;
 pub mod upkeep;
@@ -44,7 +45,16 @@ impl Outcome {
     }
 }
 
-/// Runs the admission script: one EVALSHA (the script is loaded again on NOSCRIPT).
+/// One grab to decide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grab {
+    pub voucher_id: i64,
+    pub user_id: i64,
+    /// Minted by the API before the call.
+    pub order_id: i64,
+}
+
+/// Runs the admission script for one grab.
 #[tracing::instrument(level = "debug", skip(conn, keys))]
 pub async fn admit<C: ConnectionLike + Send>(
     conn: &mut C,
@@ -53,35 +63,69 @@ pub async fn admit<C: ConnectionLike + Send>(
     user_id: i64,
     order_id: i64,
 ) -> RedisResult<Outcome> {
-    let shard = keys.shard_of(voucher_id);
-    let reply: Vec<redis::Value> = SECKILL
-        .key(keys.voucher(voucher_id))
-        .key(keys.stream(shard))
-        .arg(voucher_id)
-        .arg(user_id)
-        .arg(order_id)
-        .invoke_async(conn)
-        .await?;
-    let code = reply
-        .first()
-        .and_then(|v| redis::from_redis_value_ref::<i64>(v).ok());
-    let id = reply
-        .get(1)
-        .and_then(|v| redis::from_redis_value_ref::<i64>(v).ok());
-    Ok(match (code.unwrap_or(-1), id) {
-        (0, Some(order_id)) => Outcome::Admitted { order_id },
-        (1, _) => Outcome::NotLoaded,
-        (2, _) => Outcome::NotStarted,
-        (3, _) => Outcome::Ended,
-        (4, Some(order_id)) => Outcome::AlreadyOrdered { order_id },
-        (5, _) => Outcome::SoldOut,
-        _ => {
-            return Err(redis::RedisError::from((
-                redis::ErrorKind::UnexpectedReturnType,
-                "unexpected reply from the admission script",
-            )))
-        }
-    })
+    let grab = Grab {
+        voucher_id,
+        user_id,
+        order_id,
+    };
+    let mut outcomes = admit_many(conn, keys, keys.shard_of(voucher_id), &[grab]).await?;
+    Ok(outcomes.remove(0))
+}
+
+/// Runs the admission script once for grabs of one shard, deciding them in order:
+/// one EVALSHA (the script is re-sent on `NOSCRIPT`). One outcome per grab.
+pub async fn admit_many<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    shard: keys::Shard,
+    grabs: &[Grab],
+) -> RedisResult<Vec<Outcome>> {
+    let mut invocation = SECKILL.prepare_invoke();
+    invocation.key(keys.stream(shard));
+    let mut sales: Vec<i64> = Vec::new();
+    for g in grabs {
+        debug_assert_eq!(keys.shard_of(g.voucher_id), shard);
+        let index = match sales.iter().position(|&v| v == g.voucher_id) {
+            Some(i) => i,
+            None => {
+                sales.push(g.voucher_id);
+                invocation.key(keys.voucher(g.voucher_id));
+                sales.len() - 1
+            }
+        };
+        // KEYS[1] is the stream; sale hashes from KEYS[2] (Lua counts from 1).
+        invocation
+            .arg(index + 2)
+            .arg(g.voucher_id)
+            .arg(g.user_id)
+            .arg(g.order_id);
+    }
+    let reply: Vec<redis::Value> = invocation.invoke_async(conn).await?;
+    let unexpected = || {
+        redis::RedisError::from((
+            redis::ErrorKind::UnexpectedReturnType,
+            "unexpected reply from the admission script",
+        ))
+    };
+    if reply.len() != 2 * grabs.len() {
+        return Err(unexpected());
+    }
+    reply
+        .chunks(2)
+        .map(|pair| {
+            let code = redis::from_redis_value_ref::<i64>(&pair[0]).map_err(|_| unexpected())?;
+            let id = redis::from_redis_value_ref::<i64>(&pair[1]).unwrap_or(0);
+            Ok(match (code, id) {
+                (0, order_id) if order_id > 0 => Outcome::Admitted { order_id },
+                (1, _) => Outcome::NotLoaded,
+                (2, _) => Outcome::NotStarted,
+                (3, _) => Outcome::Ended,
+                (4, order_id) if order_id > 0 => Outcome::AlreadyOrdered { order_id },
+                (5, _) => Outcome::SoldOut,
+                _ => return Err(unexpected()),
+            })
+        })
+        .collect()
 }
 
 /// Remaining stock as Redis sees it (`None`: the sale is not loaded).

@@ -83,10 +83,13 @@ pub(crate) async fn grab(
     let order_id = state.ids.next().ok_or_else(|| {
         AppError::Unavailable("order ids are not ready yet (waiting for redis)".into())
     })?;
-    let mut conn = state.redis.clone();
     let started = std::time::Instant::now();
-    let outcome =
-        admission::admit(&mut conn, &state.keys, voucher_id, user.user_id, order_id).await;
+    let grab = admission::Grab {
+        voucher_id,
+        user_id: user.user_id,
+        order_id,
+    };
+    let outcome = state.admissions.admit(grab).await;
     let hot = crate::metrics::HotPath::get();
     hot.admission_seconds
         .record(started.elapsed().as_secs_f64());

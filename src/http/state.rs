@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use sqlx::PgPool;
 
+use crate::admission::batcher::{self, Batcher};
 use crate::admission::order_id::OrderIds;
 use crate::auth::JwtKeys;
 use crate::config::Settings;
@@ -28,6 +29,8 @@ pub struct Shared {
     pub reloading: Arc<Mutex<HashSet<i64>>>,
     pub(crate) per_user: Option<RateLimiter<i64>>,
     pub(crate) per_ip: Option<RateLimiter<IpAddr>>,
+    /// Coalesces concurrent grabs of a shard into one admission script call.
+    pub(crate) admissions: Batcher,
 }
 
 impl AppState {
@@ -43,6 +46,7 @@ impl AppState {
         let per_user =
             RateLimiter::new(limits.rate_limit_per_user, limits.rate_limit_per_user_burst);
         let per_ip = RateLimiter::new(limits.rate_limit_per_ip, limits.rate_limit_per_ip_burst);
+        let admissions = Batcher::start(redis.clone(), keys.clone(), batcher::MAX_BATCH);
         Self(Arc::new(Shared {
             db,
             redis,
@@ -53,6 +57,7 @@ impl AppState {
             reloading: Arc::default(),
             per_user,
             per_ip,
+            admissions,
         }))
     }
 }

@@ -315,3 +315,43 @@ async fn start_up_loading_fills_missing_sales_and_leaves_live_ones_alone(db: PgP
         "already_ordered"
     );
 }
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn grabs_coalesced_into_one_script_call_are_decided_in_order_each_as_if_alone(db: PgPool) {
+    use seckill::admission::{admit_many, Grab, Outcome};
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(1).await;
+    let other = app.open_sale(5).await;
+    let shard = app.keys.shard_of(voucher);
+    let grab = |voucher_id, user_id, order_id| Grab {
+        voucher_id,
+        user_id,
+        order_id,
+    };
+    let outcomes = admit_many(
+        &mut app.redis.clone(),
+        &app.keys,
+        shard,
+        &[
+            grab(voucher, 1, 1001),
+            grab(voucher, 1, 1002), // the same user again, in the same call
+            grab(voucher, 2, 1003), // the unit is gone
+            grab(other, 2, 1004),   // another sale of the shard
+        ],
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        outcomes,
+        [
+            Outcome::Admitted { order_id: 1001 },
+            Outcome::AlreadyOrdered { order_id: 1001 },
+            Outcome::SoldOut,
+            Outcome::Admitted { order_id: 1004 },
+        ]
+    );
+    let report = app.drain().await;
+    assert_eq!(report.inserted, 2);
+    assert_eq!(app.live_stock(voucher).await, Some(0));
+    assert_eq!(app.live_stock(other).await, Some(4));
+}

@@ -1,0 +1,119 @@
+//! Micro-batched admission: the grabs that arrive together for one shard go to Redis in
+//! one script call, decided in order (see `lua/seckill.lua`), and each request gets its
+//! own outcome back.
+//!
+//! One task per shard, one call in flight per shard: a grab arriving while the shard is
+//! idle leaves at once (no timer, no added latency); grabs arriving while a call is in
+//! flight wait for it and leave together in the next (at most `max` per call). A slow
+//! shard holds up only its own grabs.
+
+use redis::RedisResult;
+use tokio::sync::{mpsc, oneshot};
+
+use super::{admit_many, Grab, Outcome};
+use crate::keys::Keys;
+use crate::redis_conn::RedisConn;
+
+/// Grabs per script call, at most.
+pub const MAX_BATCH: usize = 128;
+/// Grabs queued per shard before senders wait (back-pressure, not loss).
+const QUEUE: usize = 16_384;
+
+type Reply = oneshot::Sender<RedisResult<Outcome>>;
+
+/// The senders to each shard's task; the tasks end when this is dropped.
+pub struct Batcher {
+    keys: Keys,
+    shards: Vec<mpsc::Sender<(Grab, Reply)>>,
+}
+
+impl Batcher {
+    /// Starts one task per shard (needs a Tokio runtime).
+    pub fn start(conn: RedisConn, keys: Keys, max: usize) -> Self {
+        let shards = keys
+            .shards()
+            .map(|shard| {
+                let (tx, rx) = mpsc::channel(QUEUE);
+                tokio::spawn(run_shard(rx, conn.clone(), keys.clone(), shard, max.max(1)));
+                tx
+            })
+            .collect();
+        Self { keys, shards }
+    }
+
+    /// Decides one grab, in the next call of its shard.
+    pub async fn admit(&self, grab: Grab) -> RedisResult<Outcome> {
+        let shard = self.keys.shard_of(grab.voucher_id);
+        let (reply, answer) = oneshot::channel();
+        if self.shards[shard.0 as usize]
+            .send((grab, reply))
+            .await
+            .is_err()
+        {
+            return Err(gone());
+        }
+        answer.await.unwrap_or_else(|_| Err(gone()))
+    }
+}
+
+/// The shard's task stopped (shutdown): the grab was never sent.
+fn gone() -> redis::RedisError {
+    std::io::Error::new(
+        std::io::ErrorKind::ConnectionRefused,
+        "admission is shutting down",
+    )
+    .into()
+}
+
+async fn run_shard(
+    mut rx: mpsc::Receiver<(Grab, Reply)>,
+    mut conn: RedisConn,
+    keys: Keys,
+    shard: crate::keys::Shard,
+    max: usize,
+) {
+    let mut grabs = Vec::with_capacity(max);
+    let mut replies = Vec::with_capacity(max);
+    while let Some((grab, reply)) = rx.recv().await {
+        grabs.push(grab);
+        replies.push(reply);
+        while grabs.len() < max {
+            match rx.try_recv() {
+                Ok((grab, reply)) => {
+                    grabs.push(grab);
+                    replies.push(reply);
+                }
+                Err(_) => break,
+            }
+        }
+        match admit_many(&mut conn, &keys, shard, &grabs).await {
+            Ok(outcomes) => {
+                for (reply, outcome) in replies.drain(..).zip(outcomes) {
+                    let _ = reply.send(Ok(outcome));
+                }
+            }
+            Err(e) => {
+                for reply in replies.drain(..) {
+                    let _ = reply.send(Err(copy(&e)));
+                }
+            }
+        }
+        grabs.clear();
+    }
+}
+
+/// The call's error for each of its grabs (`RedisError` is not `Clone`): whether the
+/// script may have run is what the answer depends on, and that is kept.
+fn copy(e: &redis::RedisError) -> redis::RedisError {
+    if e.is_connection_refusal() {
+        return std::io::Error::new(std::io::ErrorKind::ConnectionRefused, e.to_string()).into();
+    }
+    match e.kind() {
+        redis::ErrorKind::Server(_) => redis::RedisError::from((
+            redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError),
+            "admission script failed",
+            e.to_string(),
+        )),
+        _ => std::io::Error::new(std::io::ErrorKind::TimedOut, e.to_string()).into(),
+    }
+}
