@@ -21,32 +21,55 @@
 local t = redis.call('TIME')
 -- One clock for every API instance: the Redis server's.
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- Each sale is read once per call; its stock is written back once, at the end.
+local sales = {}
 local out = {}
 for i = 1, #ARGV, 4 do
-  local key = KEYS[tonumber(ARGV[i])]
+  local k = tonumber(ARGV[i])
+  local key = KEYS[k]
   local user, order = ARGV[i + 2], ARGV[i + 3]
-  local buyer = 'u:' .. user
-  local v = redis.call('HMGET', key, 'stock', 'begin_ms', 'end_ms', buyer)
+  local s = sales[k]
+  if not s then
+    local v = redis.call('HMGET', key, 'stock', 'begin_ms', 'end_ms')
+    -- A missing field means the state is gone (restart, flush, expiry): fail closed,
+    -- never treat a missing stock as "unlimited".
+    if not v[1] or not v[2] or not v[3] then
+      s = {closed = 1}
+    elseif now < tonumber(v[2]) then
+      s = {closed = 2}
+    elseif now >= tonumber(v[3]) then
+      s = {closed = 3}
+    else
+      s = {stock = tonumber(v[1]), taken = 0}
+    end
+    sales[k] = s
+  end
   local code, id = 0, 0
-  -- A missing field means the state is gone (restart, flush, expiry): fail closed,
-  -- never treat a missing stock as "unlimited".
-  if not v[1] or not v[2] or not v[3] then
-    code = 1
-  elseif now < tonumber(v[2]) then
-    code = 2
-  elseif now >= tonumber(v[3]) then
-    code = 3
-  elseif v[4] then
-    code, id = 4, v[4]
-  elseif tonumber(v[1]) <= 0 then
-    code = 5
+  local buyer = 'u:' .. user
+  if s.closed then
+    code = s.closed
+  elseif s.stock - s.taken <= 0 then
+    -- Sold out, unless this user already holds an order (that answer comes first).
+    local held = redis.call('HGET', key, buyer)
+    if held then
+      code, id = 4, held
+    else
+      code = 5
+    end
+  elseif redis.call('HSETNX', key, buyer, order) == 0 then
+    code, id = 4, redis.call('HGET', key, buyer)
   else
-    redis.call('HSET', key, 'stock', tonumber(v[1]) - 1, buyer, order)
+    s.taken = s.taken + 1
     redis.call('XADD', KEYS[1], '*',
       'order_id', order, 'voucher_id', ARGV[i + 1], 'user_id', user, 'admitted_ms', now)
     id = order
   end
   out[#out + 1] = code
   out[#out + 1] = id
+end
+for k, s in pairs(sales) do
+  if s.taken and s.taken > 0 then
+    redis.call('HSET', KEYS[k], 'stock', s.stock - s.taken)
+  end
 end
 return out
