@@ -74,17 +74,21 @@ async fn run_shard(
 ) {
     let mut grabs = Vec::with_capacity(max);
     let mut replies = Vec::with_capacity(max);
-    while let Some((grab, reply)) = rx.recv().await {
-        grabs.push(grab);
-        replies.push(reply);
-        while grabs.len() < max {
-            match rx.try_recv() {
-                Ok((grab, reply)) => {
-                    grabs.push(grab);
-                    replies.push(reply);
-                }
-                Err(_) => break,
+    while let Some(first) = rx.recv().await {
+        let mut next = Some(first);
+        while let Some((grab, reply)) = next.take() {
+            // A request that gave up while queued (client gone, request timed out) is
+            // not sent: as before batching, a grab never sent admits nothing.
+            if !reply.is_closed() {
+                grabs.push(grab);
+                replies.push(reply);
             }
+            if grabs.len() < max {
+                next = rx.try_recv().ok();
+            }
+        }
+        if grabs.is_empty() {
+            continue;
         }
         match admit_many(&mut conn, &keys, shard, &grabs).await {
             Ok(outcomes) => {

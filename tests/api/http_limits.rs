@@ -395,3 +395,53 @@ async fn oversized_headers_get_a_431_in_the_json_error_format(db: PgPool) {
     let ok = client.get(format!("{base}/healthz")).send().await.unwrap();
     assert_eq!(ok.status(), StatusCode::OK);
 }
+
+/// A grab whose request gave up while it waited for its shard's call (the client went
+/// away, the request timed out) is not sent afterwards: a grab never sent admits
+/// nothing, batched or not.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_grab_abandoned_while_queued_behind_a_slow_call_is_never_sent(db: PgPool) {
+    use seckill::admission::{batcher::Batcher, Grab, Outcome};
+    let redis = crate::common::faults::PrivateRedis::start();
+    let app = TestApp::spawn_with(db, redis.url.clone(), false).await;
+    let voucher = app.open_sale(5).await;
+    // Loads the script into this new Redis.
+    assert_eq!(app.grab(voucher, 6).await.0, StatusCode::ACCEPTED);
+    let conn = seckill::redis_conn::connect(&redis.url, Duration::from_secs(5)).unwrap();
+    let batcher = std::sync::Arc::new(Batcher::start(conn, app.keys.clone(), 128));
+
+    let blocked = block_redis(&redis.url, 1_000).await;
+    let in_flight = {
+        let batcher = batcher.clone();
+        tokio::spawn(async move {
+            batcher
+                .admit(Grab {
+                    voucher_id: voucher,
+                    user_id: 7,
+                    order_id: 7007,
+                })
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let abandoned = tokio::time::timeout(
+        Duration::from_millis(100),
+        batcher.admit(Grab {
+            voucher_id: voucher,
+            user_id: 8,
+            order_id: 8008,
+        }),
+    )
+    .await;
+    assert!(abandoned.is_err(), "still queued behind the slow call");
+    assert_eq!(
+        in_flight.await.unwrap().unwrap(),
+        Outcome::Admitted { order_id: 7007 }
+    );
+    blocked.await.unwrap();
+    let record: Option<i64> = app
+        .redis_cmd(redis::cmd("HGET").arg(app.keys.voucher(voucher)).arg("u:8"))
+        .await;
+    assert_eq!(record, None, "the abandoned grab was not sent");
+    assert_eq!(app.live_stock(voucher).await, Some(3));
+}
