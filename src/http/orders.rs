@@ -155,21 +155,38 @@ pub(crate) async fn get(
     user: AuthUser,
     PathId(order_id): PathId,
 ) -> AppResult<Json<OrderResponse>> {
-    let not_found = || AppError::NotFound(format!("order {order_id} not found"));
-    let visible = |owner: i64| user.admin || owner == user.user_id;
-    if let Some(row) = orders::get(&state.db, order_id).await? {
-        return if visible(row.user_id) {
-            Ok(Json(row.into()))
-        } else {
-            Err(not_found())
-        };
-    }
-    match pending(&state, &user, order_id).await? {
-        Some(p) if visible(p.user_id) => {
+    match find_order(&state, &user, order_id).await? {
+        Found::Stored(row) => Ok(Json(row.into())),
+        Found::Pending(p) => {
             let windows = vouchers::pay_windows(&state.db, &[p.voucher_id]).await?;
             let window = windows.get(&p.voucher_id).copied();
             Ok(Json(OrderResponse::pending(p, window)))
         }
+    }
+}
+
+/// An order the caller may see.
+enum Found {
+    /// Written to Postgres.
+    Stored(OrderRow),
+    /// Admitted, only Redis knows it yet.
+    Pending(PendingOrder),
+}
+
+/// The order if the caller may see it (its owner, or an admin): from Postgres, else
+/// pending in Redis; `not_found` when it is unknown or somebody else's.
+async fn find_order(state: &AppState, user: &AuthUser, order_id: i64) -> AppResult<Found> {
+    let not_found = || AppError::NotFound(format!("order {order_id} not found"));
+    let visible = |owner: i64| user.admin || owner == user.user_id;
+    if let Some(row) = orders::get(&state.db, order_id).await? {
+        return if visible(row.user_id) {
+            Ok(Found::Stored(row))
+        } else {
+            Err(not_found())
+        };
+    }
+    match pending(state, user, order_id).await? {
+        Some(p) if visible(p.user_id) => Ok(Found::Pending(p)),
         _ => Err(not_found()),
     }
 }
@@ -211,18 +228,9 @@ async fn pending(
 /// The caller's order as Postgres holds it, before a transition: `order_pending` while
 /// only Redis knows it, `not_found` when it is unknown or somebody else's.
 async fn own_order(state: &AppState, user: &AuthUser, order_id: i64) -> AppResult<OrderRow> {
-    let not_found = || AppError::NotFound(format!("order {order_id} not found"));
-    let visible = |owner: i64| user.admin || owner == user.user_id;
-    if let Some(row) = orders::get(&state.db, order_id).await? {
-        return if visible(row.user_id) {
-            Ok(row)
-        } else {
-            Err(not_found())
-        };
-    }
-    match pending(state, user, order_id).await? {
-        Some(p) if visible(p.user_id) => Err(AppError::OrderPending(order_id)),
-        _ => Err(not_found()),
+    match find_order(state, user, order_id).await? {
+        Found::Stored(row) => Ok(row),
+        Found::Pending(_) => Err(AppError::OrderPending(order_id)),
     }
 }
 

@@ -48,30 +48,6 @@ pub async fn release<C: ConnectionLike + Send>(
     Ok(done == 1)
 }
 
-/// Makes the releases in Redis, then forgets them in Postgres; returns how many units
-/// went back to Redis now. On `Err` the rest stay owed.
-pub async fn settle<C: ConnectionLike + Send>(
-    db: &PgPool,
-    conn: &mut C,
-    keys: &Keys,
-    releases: &[Release],
-) -> anyhow::Result<u64> {
-    let mut returned = 0;
-    let mut made = Vec::with_capacity(releases.len());
-    let result = async {
-        for r in releases {
-            returned += u64::from(release(conn, keys, r).await?);
-            made.push(r.order_id);
-        }
-        anyhow::Ok(())
-    }
-    .await;
-    if !made.is_empty() {
-        transitions::released(db, &made).await?;
-    }
-    result.map(|()| returned)
-}
-
 /// Counts a transition made now (and, for a closed order, the unit Postgres got back).
 fn count(row: &OrderRow) {
     metrics::counter!(TRANSITIONS, "to" => row.status.clone()).increment(1);
@@ -93,7 +69,12 @@ async fn release_now<C: ConnectionLike + Send>(
         voucher_id: row.voucher_id,
         user_id: row.user_id,
     };
-    match tokio::time::timeout(RELEASE_DEADLINE, settle(db, conn, keys, &[r])).await {
+    let settle = async {
+        release(conn, keys, &r).await?;
+        transitions::released(db, &[r.order_id]).await?;
+        anyhow::Ok(())
+    };
+    match tokio::time::timeout(RELEASE_DEADLINE, settle).await {
         Ok(Ok(_)) => {}
         Ok(Err(e)) => tracing::warn!(
             order_id = row.id,

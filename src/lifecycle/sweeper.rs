@@ -95,7 +95,7 @@ pub async fn release_owed(
             break;
         }
     }
-    let (owed, _) = transitions::owed_summary(db).await?;
+    let owed = transitions::owed_count(db).await?;
     metrics::gauge!(RELEASES_OWED).set(owed as f64);
     match first_error {
         Some(e) => Err(e.into()),

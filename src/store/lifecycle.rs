@@ -9,7 +9,6 @@
 //! `SKIP LOCKED`), then sale rows in voucher order. The worker locks sale rows and then
 //! inserts, and an insert never waits for a row that is only locked, so no cycle forms.
 
-use chrono::{DateTime, Utc};
 use sqlx::{FromRow, PgPool, Postgres, Transaction};
 
 use super::orders::{lock_sales, OrderRow, ORDER_COLUMNS};
@@ -216,10 +215,10 @@ pub(crate) async fn owed_for(
         .await
 }
 
-/// How many releases are owed, and since when the oldest.
+/// How many releases are owed.
 #[tracing::instrument(skip(db))]
-pub(crate) async fn owed_summary(db: &PgPool) -> Result<(i64, Option<DateTime<Utc>>), sqlx::Error> {
-    sqlx::query_as("SELECT count(*), min(owed_since) FROM stock_releases")
+pub(crate) async fn owed_count(db: &PgPool) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar("SELECT count(*) FROM stock_releases")
         .fetch_one(db)
         .await
 }
