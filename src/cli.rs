@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use crate::auth::JwtKeys;
 use crate::config::{ApiArgs, Cli, Command, WorkerOptions};
 use crate::redis_conn;
-use crate::startup::{build_worker, keys, redis, sweeper, Application};
+use crate::startup::{build_workers, keys, redis, sweeper, Application};
 use crate::{store, telemetry};
 
 pub async fn main() -> ExitCode {
@@ -47,8 +47,10 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
             let cancel = shutdown_token();
             let sweeper = sweeper(&db, &args.redis, keys.clone(), &args.worker, cancel.clone());
             let sweeper = sweeper.await?;
-            let worker = build_worker(&db, &args.redis, keys, args.worker).await?;
-            tokio::join!(sweeper, worker.run(cancel));
+            let workers = build_workers(&db, &args.redis, keys, args.worker).await?;
+            let lanes =
+                futures_util::future::join_all(workers.into_iter().map(|w| w.run(cancel.clone())));
+            tokio::join!(sweeper, lanes);
             Ok(ExitCode::SUCCESS)
         }
         Command::DeadLetters(args) => {

@@ -14,6 +14,7 @@ pub mod defaults {
     pub(crate) const MAX_CONCURRENT_REQUESTS: u32 = 10_000;
     pub(crate) const REQUEST_TIMEOUT_SECS: u64 = 10;
     pub(crate) const WORKER_BATCH_SIZE: u32 = 2048;
+    pub(crate) const WORKER_CONCURRENCY: u32 = 2;
     pub(crate) const WORKER_BLOCK_MS: u64 = 1000;
     pub(crate) const WORKER_CLAIM_IDLE_MS: u64 = 15_000;
     pub(crate) const WORKER_MAX_DELIVERIES: u64 = 5;
@@ -205,6 +206,13 @@ pub struct WorkerOptions {
     #[arg(long, env = "WORKER_BATCH_SIZE", default_value_t = defaults::WORKER_BATCH_SIZE,
           value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub worker_batch_size: u32,
+    /// Batches one worker process writes at once, each by a consumer of its own in the
+    /// group (named `<consumer>`, `<consumer>.1`, ...): while one batch waits for its
+    /// commit, the next is read and inserted, so Postgres's group commit and both of its
+    /// cores are used.
+    #[arg(long, env = "WORKER_CONCURRENCY", default_value_t = defaults::WORKER_CONCURRENCY,
+          value_parser = clap::value_parser!(u32).range(1..=16))]
+    pub worker_concurrency: u32,
     /// How long one read waits for new entries when idle, in milliseconds.
     #[arg(long, env = "WORKER_BLOCK_MS", default_value_t = defaults::WORKER_BLOCK_MS,
           value_parser = clap::value_parser!(u64).range(1..=30_000))]

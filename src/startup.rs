@@ -85,8 +85,9 @@ impl Application {
         tasks.spawn(state.clone().forget_idle_rate_limits(cancel.clone()));
         if let Some(opts) = worker {
             tasks.spawn(sweeper(&db, &api.redis, keys.clone(), &opts, cancel.clone()).await?);
-            let worker = build_worker(&db, &api.redis, keys, opts).await?;
-            tasks.spawn(worker.run(cancel.clone()));
+            for worker in build_workers(&db, &api.redis, keys, opts).await? {
+                tasks.spawn(worker.run(cancel.clone()));
+            }
         }
         let listener = TcpListener::bind(api.bind).await?;
         Ok(Self {
@@ -147,25 +148,35 @@ pub(crate) async fn sweeper(
     Ok(sweeper::run(db.clone(), conn, keys, config, cancel))
 }
 
-/// A worker with a Redis connection of its own.
-pub(crate) async fn build_worker(
+/// The worker lanes of one process (`WORKER_CONCURRENCY`), each a consumer of its own
+/// with a Redis connection of its own (a blocking read holds its connection).
+pub(crate) async fn build_workers(
     db: &sqlx::PgPool,
     redis: &RedisArgs,
     keys: Keys,
     opts: WorkerOptions,
-) -> anyhow::Result<Worker> {
+) -> anyhow::Result<Vec<Worker>> {
     let block = Duration::from_millis(opts.worker_block_ms);
-    // Room for the blocking read in the response timeout.
-    let conn = self::redis(redis, block + redis_conn::COMMAND_TIMEOUT).await?;
-    let config = WorkerConfig {
-        consumer: opts
-            .worker_consumer
-            .unwrap_or_else(WorkerConfig::unique_consumer_name),
-        batch_size: opts.worker_batch_size as usize,
-        block,
-        claim_idle: Duration::from_millis(opts.worker_claim_idle_ms),
-        max_deliveries: opts.worker_max_deliveries,
-        ..WorkerConfig::default()
-    };
-    Ok(Worker::new(db.clone(), conn, keys, config))
+    let base = opts
+        .worker_consumer
+        .clone()
+        .unwrap_or_else(WorkerConfig::unique_consumer_name);
+    let mut workers = Vec::new();
+    for lane in 0..opts.worker_concurrency {
+        // Room for the blocking read in the response timeout.
+        let conn = self::redis(redis, block + redis_conn::COMMAND_TIMEOUT).await?;
+        let config = WorkerConfig {
+            consumer: match lane {
+                0 => base.clone(),
+                n => format!("{base}.{n}"),
+            },
+            batch_size: opts.worker_batch_size as usize,
+            block,
+            claim_idle: Duration::from_millis(opts.worker_claim_idle_ms),
+            max_deliveries: opts.worker_max_deliveries,
+            ..WorkerConfig::default()
+        };
+        workers.push(Worker::new(db.clone(), conn, keys.clone(), config));
+    }
+    Ok(workers)
 }

@@ -108,14 +108,20 @@ pub(crate) const ACTIVE: &str = "status IN ('created', 'paid')";
 /// Writes a batch in ONE transaction: idempotent inserts, and each voucher's stock
 /// lowered by exactly the rows inserted now, under a `stock >= n` guard.
 ///
-/// The transaction first locks the sales' `seckill_vouchers` rows: that is the fence
-/// every move of state between the stores takes (loading a sale into Redis, burying a
-/// dead order), so none of them can interleave with a commit for the same sale.
+/// The rows are inserted first, then the sales' `seckill_vouchers` rows are locked:
+/// that lock is the fence every move of state between the stores takes (loading a sale
+/// into Redis, burying a dead order), so none of them can interleave with a commit for
+/// the same sale. Inserting before the lock lets several batches of one sale build
+/// their rows at once (the lock then covers only the checks, the stock update and the
+/// commit); the rows stay invisible to everyone until the commit, and whatever the
+/// fence protects is decided again under the lock: rows of entries no longer pending
+/// and of orders buried meanwhile are deleted before the stock is taken.
 ///
 /// If a guard or constraint refuses the batch, it is rolled back and the orders are
 /// written one by one, so one bad order cannot hold up the rest. `Err` means a fault
-/// worth retrying (Postgres unreachable, lock timeout): nothing was committed for the
-/// orders concerned, and the caller keeps them pending.
+/// worth retrying (Postgres unreachable, lock timeout, a deadlock with a batch holding
+/// the same users): nothing was committed for the orders concerned, and the caller keeps
+/// them pending.
 #[tracing::instrument(skip_all, fields(orders = orders.len()))]
 pub async fn persist_batch(
     db: &PgPool,
@@ -125,74 +131,88 @@ pub async fn persist_batch(
     if orders.is_empty() {
         return Ok(Vec::new());
     }
-    match try_batch(db, orders, live).await {
-        Ok(Some(outcomes)) => Ok(outcomes),
-        Ok(None) => one_by_one(db, orders, live).await,
+    let mut tx = db.begin().await?;
+    match write(&mut tx, orders, live).await {
+        Ok(Some(outcomes)) => {
+            tx.commit().await?;
+            Ok(outcomes)
+        }
+        Ok(None) => {
+            tx.rollback().await?;
+            one_by_one(db, orders, live).await
+        }
         Err(e)
             if e.downcast_ref::<sqlx::Error>()
                 .is_some_and(super::is_data_error) =>
         {
             tracing::warn!(error = %e, "batch refused by a constraint, writing orders one by one");
+            drop(tx);
             one_by_one(db, orders, live).await
         }
         Err(e) => Err(e),
     }
 }
 
-/// Payment windows (seconds) of the sales a transaction has locked, by voucher.
-pub(crate) type PayWindows = HashMap<i64, i32>;
-
 /// Locks the flash-sale rows of the given vouchers, in voucher order so concurrent
-/// workers cannot deadlock each other, and returns their payment windows. Waits at
-/// most the session's `lock_timeout`.
+/// transactions cannot deadlock each other on them. Waits at most the session's
+/// `lock_timeout`.
 pub(crate) async fn lock_sales(
     tx: &mut Transaction<'_, Postgres>,
     voucher_ids: &[i64],
-) -> Result<PayWindows, sqlx::Error> {
+) -> Result<(), sqlx::Error> {
     let mut ids = voucher_ids.to_vec();
     ids.sort_unstable();
     ids.dedup();
-    Ok(sqlx::query_as::<_, (i64, i32)>(
-        "SELECT voucher_id, pay_within_secs FROM seckill_vouchers WHERE voucher_id = ANY($1) \
+    sqlx::query(
+        "SELECT 1 FROM seckill_vouchers WHERE voucher_id = ANY($1) \
          ORDER BY voucher_id FOR NO KEY UPDATE",
     )
     .bind(&ids)
-    .fetch_all(&mut **tx)
-    .await?
-    .into_iter()
-    .collect())
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
 }
 
-/// `Ok(None)` when a stock guard failed (the batch was rolled back).
-async fn try_batch(
-    db: &PgPool,
+/// Writes `all` in `tx` (not committed); `Ok(None)` when a stock guard failed.
+async fn write(
+    tx: &mut Transaction<'_, Postgres>,
     all: &[NewOrder],
     live: LiveCheck<'_>,
 ) -> anyhow::Result<Option<Vec<Persisted>>> {
-    let mut tx = db.begin().await?;
+    let mut inserted = insert_orders(tx, all).await?;
     let vouchers: Vec<i64> = all.iter().map(|o| o.voucher_id).collect();
-    let windows = lock_sales(&mut tx, &vouchers).await?;
+    lock_sales(tx, &vouchers).await?;
+    // Under the lock, as the loader and burials see it: a reload may have run without
+    // seeing an entry Redis lost (nor our row), a burial may have tombstoned an order
+    // whose row we had not committed yet. Neither may be written.
     let alive = live(all.iter().map(|o| o.id).collect()).await?;
+    let mut unwanted: Vec<i64> = inserted
+        .iter()
+        .filter(|id| !alive.contains(id))
+        .copied()
+        .collect();
+    unwanted.extend(buried_rows(tx, &inserted).await?);
+    if !unwanted.is_empty() {
+        for id in delete_rows(tx, &unwanted).await? {
+            inserted.remove(&id);
+        }
+    }
     let orders: Vec<NewOrder> = all
         .iter()
         .filter(|o| alive.contains(&o.id))
         .copied()
         .collect();
-    let orders = &orders[..];
-    let inserted = insert_orders(&mut tx, orders, &windows).await?;
 
     let mut per_voucher: BTreeMap<i64, i32> = BTreeMap::new();
     for o in orders.iter().filter(|o| inserted.contains(&o.id)) {
         *per_voucher.entry(o.voucher_id).or_default() += 1;
     }
     for (&voucher_id, &n) in &per_voucher {
-        if !take_stock(&mut tx, voucher_id, n).await? {
-            tx.rollback().await?;
+        if !take_stock(tx, voucher_id, n).await? {
             return Ok(None);
         }
     }
-    let mut outcomes = classify(&mut tx, orders, &inserted).await?.into_iter();
-    tx.commit().await?;
+    let mut outcomes = classify(tx, &orders, &inserted).await?.into_iter();
     Ok(Some(
         all.iter()
             .map(|o| match alive.contains(&o.id) {
@@ -211,28 +231,17 @@ async fn one_by_one(
 ) -> anyhow::Result<Vec<Persisted>> {
     let mut outcomes = Vec::with_capacity(orders.len());
     for order in orders {
+        let one = std::slice::from_ref(order);
         let mut tx = db.begin().await?;
-        let windows = lock_sales(&mut tx, &[order.voucher_id]).await?;
-        if !live(vec![order.id]).await?.contains(&order.id) {
-            tx.rollback().await?;
-            outcomes.push(Persisted::Vanished);
-            continue;
-        }
-        let outcome = match insert_orders(&mut tx, std::slice::from_ref(order), &windows).await {
-            Ok(inserted) if inserted.is_empty() => {
-                classify(&mut tx, std::slice::from_ref(order), &inserted)
-                    .await?
-                    .remove(0)
-            }
-            Ok(_) => {
-                if take_stock(&mut tx, order.voucher_id, 1).await? {
-                    Persisted::Inserted
-                } else {
-                    Persisted::Rejected(Rejection::NoStock)
+        let outcome = match write(&mut tx, one, live).await {
+            Ok(Some(mut outcome)) => outcome.remove(0),
+            Ok(None) => Persisted::Rejected(Rejection::NoStock),
+            Err(e) => match e.downcast_ref::<sqlx::Error>() {
+                Some(db_error) if super::is_data_error(db_error) => {
+                    Persisted::Rejected(rejection(db_error))
                 }
-            }
-            Err(e) if super::is_data_error(&e) => Persisted::Rejected(rejection(&e)),
-            Err(e) => return Err(e.into()),
+                _ => return Err(e),
+            },
         };
         match outcome {
             Persisted::Inserted => tx.commit().await?,
@@ -252,41 +261,66 @@ fn rejection(e: &sqlx::Error) -> Rejection {
 }
 
 /// Inserts what is new and not tombstoned; returns the ids inserted now. The payment
-/// deadline runs from admission, so an order written late (after an outage) may be
-/// due at once: the sweeper expires it, and it can never be paid.
+/// deadline runs from admission (the sale's window read with the row), so an order
+/// written late (after an outage) may be due at once: the sweeper expires it, and it
+/// can never be paid. Rows go in id order, so two batches holding the same orders
+/// (a take-over) wait for each other instead of deadlocking.
 async fn insert_orders(
     tx: &mut Transaction<'_, Postgres>,
     orders: &[NewOrder],
-    windows: &PayWindows,
 ) -> Result<HashSet<i64>, sqlx::Error> {
-    let ids: Vec<i64> = orders.iter().map(|o| o.id).collect();
-    let users: Vec<i64> = orders.iter().map(|o| o.user_id).collect();
-    let vouchers: Vec<i64> = orders.iter().map(|o| o.voucher_id).collect();
-    let times: Vec<DateTime<Utc>> = orders.iter().map(|o| o.admitted_at).collect();
-    // An order of a voucher without a sale has no window; its insert fails anyway.
-    let deadlines: Vec<DateTime<Utc>> = orders
-        .iter()
-        .map(|o| {
-            let secs = windows.get(&o.voucher_id).copied().unwrap_or(0);
-            o.admitted_at + chrono::Duration::seconds(secs.into())
-        })
-        .collect();
+    let mut sorted = orders.to_vec();
+    sorted.sort_unstable_by_key(|o| o.id);
+    let ids: Vec<i64> = sorted.iter().map(|o| o.id).collect();
+    let users: Vec<i64> = sorted.iter().map(|o| o.user_id).collect();
+    let vouchers: Vec<i64> = sorted.iter().map(|o| o.voucher_id).collect();
+    let times: Vec<DateTime<Utc>> = sorted.iter().map(|o| o.admitted_at).collect();
+    // An order of a voucher without a sale gets a window of 0 and then fails its
+    // foreign key, as it should.
     let inserted: Vec<i64> = sqlx::query_scalar(
         "INSERT INTO voucher_orders (id, user_id, voucher_id, created_at, pay_before) \
-         SELECT * FROM unnest($1::int8[], $2::int8[], $3::int8[], $4::timestamptz[], \
-                              $5::timestamptz[]) \
-             AS t (id, user_id, voucher_id, created_at, pay_before) \
+         SELECT t.id, t.user_id, t.voucher_id, t.created_at, \
+                t.created_at + make_interval(secs => coalesce(s.pay_within_secs, 0)) \
+         FROM unnest($1::int8[], $2::int8[], $3::int8[], $4::timestamptz[]) \
+             WITH ORDINALITY AS t (id, user_id, voucher_id, created_at, n) \
+         LEFT JOIN seckill_vouchers s ON s.voucher_id = t.voucher_id \
          WHERE NOT EXISTS (SELECT 1 FROM dead_orders d WHERE d.id = t.id) \
+         ORDER BY t.n \
          ON CONFLICT DO NOTHING RETURNING id",
     )
     .bind(&ids)
     .bind(&users)
     .bind(&vouchers)
     .bind(&times)
-    .bind(&deadlines)
     .fetch_all(&mut **tx)
     .await?;
     Ok(inserted.into_iter().collect())
+}
+
+/// Which of these rows (inserted by this transaction) belong to orders buried since.
+async fn buried_rows(
+    tx: &mut Transaction<'_, Postgres>,
+    inserted: &HashSet<i64>,
+) -> Result<Vec<i64>, sqlx::Error> {
+    if inserted.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<i64> = inserted.iter().copied().collect();
+    sqlx::query_scalar("SELECT id FROM dead_orders WHERE id = ANY($1)")
+        .bind(&ids)
+        .fetch_all(&mut **tx)
+        .await
+}
+
+/// Takes back rows this transaction inserted; returns the ids deleted.
+async fn delete_rows(
+    tx: &mut Transaction<'_, Postgres>,
+    ids: &[i64],
+) -> Result<Vec<i64>, sqlx::Error> {
+    sqlx::query_scalar("DELETE FROM voucher_orders WHERE id = ANY($1) RETURNING id")
+        .bind(ids)
+        .fetch_all(&mut **tx)
+        .await
 }
 
 /// `false` when the voucher has fewer than `n` units left (or no flash sale).

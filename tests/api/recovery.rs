@@ -969,3 +969,76 @@ impl PingProbe {
         self.thread.join().unwrap()
     }
 }
+
+/// One worker process writes with `WORKER_CONCURRENCY` consumers of its own, several
+/// batches in flight. Killed with -9 in the middle of a backlog, whatever its lanes held
+/// is taken over by another worker and written exactly once.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_worker_writes_through_one_consumer_per_lane_and_a_kill_loses_nothing_any_lane_held(
+    db: PgPool,
+) {
+    let _run_time = RunTime::start();
+    let app = TestApp::spawn(db.clone()).await;
+    let n = 20_000;
+    let voucher = app.open_sale(n).await;
+    let stream = app.keys.stream(app.keys.shard_of(voucher)).to_string();
+    xadd_orders(&app, &stream, voucher, 1, n, 60_000_000).await;
+    let url = faults::database_url(&db, None);
+    let count = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM voucher_orders")
+            .fetch_one(&app.db)
+            .await
+            .unwrap()
+    };
+    let lanes = [
+        ("WORKER_CONSUMER", "lanes".to_string()),
+        ("WORKER_CONCURRENCY", "3".to_string()),
+        ("WORKER_BATCH_SIZE", "200".to_string()),
+    ];
+    let mut first = Process::spawn("worker", &app.redis_url, app.keys.prefix(), &url, &lanes);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while count().await < n / 4 {
+        assert!(Instant::now() < deadline, "the worker wrote nothing");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    first.kill9();
+    let written_by_first = count().await;
+    let consumers: Vec<HashMap<String, redis::Value>> = app
+        .redis_cmd(
+            redis::cmd("XINFO")
+                .arg("CONSUMERS")
+                .arg(&stream)
+                .arg(seckill::stream::GROUP),
+        )
+        .await;
+    let mut held = Vec::new();
+    for c in &consumers {
+        let name: String = redis::from_redis_value(c["name"].clone()).unwrap();
+        let pending: i64 = redis::from_redis_value(c["pending"].clone()).unwrap();
+        held.push((name, pending));
+    }
+    held.sort();
+    println!("killed after {written_by_first} of {n} orders; held by its lanes: {held:?}");
+    let names: Vec<&str> = held.iter().map(|(name, _)| name.as_str()).collect();
+    assert_eq!(names, ["lanes", "lanes.1", "lanes.2"]);
+    assert!(
+        written_by_first < n,
+        "the whole backlog was written before the kill"
+    );
+
+    let _second = Process::spawn(
+        "worker",
+        &app.redis_url,
+        app.keys.prefix(),
+        &url,
+        &[("WORKER_CLAIM_IDLE_MS", "300".to_string())],
+    );
+    assert!(wait_drained(&app, &app.keys, Duration::from_secs(90)).await);
+    let distinct: i64 = sqlx::query_scalar("SELECT count(DISTINCT user_id) FROM voucher_orders")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!((count().await, distinct), (n, n));
+    assert_eq!(app.pg_stock(voucher).await, 0);
+    assert_eq!(dead_letters(&app, &app.keys).await, 0);
+}

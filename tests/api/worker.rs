@@ -543,3 +543,100 @@ async fn orders_redelivered_past_the_bound_are_written_one_by_one_not_buried(db:
     assert_eq!(stored_ids(&app, voucher).await, admitted);
     assert_eq!(app.pending_count().await, 0);
 }
+
+/// A batch inserts its rows before it takes the sale's row lock (so batches of one sale
+/// build their rows side by side); what moved while it waited for the lock is decided
+/// again under it. Here a peer buries one of its orders and another entry is finished
+/// elsewhere (acknowledged) while the batch waits: neither row may be committed.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn rows_inserted_before_the_row_lock_are_dropped_if_buried_or_gone_while_waiting_for_it(
+    db: PgPool,
+) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(10).await;
+    admit(&app, voucher, 1..=4).await;
+    let (worker, shard, held) = read_new(&app, voucher, "worker-waiting").await;
+    assert_eq!(held.len(), 4);
+    let order_of = |user: i64| {
+        *held
+            .iter()
+            .filter_map(|e| e.order())
+            .find(|o| o.user_id == user)
+            .unwrap()
+    };
+    let (buried, gone) = (order_of(1), order_of(2));
+    let kept = HashSet::from([order_of(3).id, order_of(4).id]);
+    let gone_entry = held
+        .iter()
+        .find_map(|e| match e {
+            Entry::Order { entry_id, order } if order.id == gone.id => Some(entry_id.clone()),
+            _ => None,
+        })
+        .unwrap();
+
+    // Someone holds the sale's row; the batch inserts its rows and waits for it.
+    let mut lock = app.db.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM seckill_vouchers WHERE voucher_id = $1 FOR UPDATE")
+        .bind(voucher)
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    let batch = tokio::spawn(async move { worker.process_batch(shard, &held).await });
+    let waiting = async {
+        loop {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                 AND wait_event_type = 'Lock' AND query LIKE '%seckill_vouchers%'",
+            )
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+            if n > 0 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(10), waiting)
+        .await
+        .expect("the batch never waited for the row lock");
+
+    // Meanwhile a peer buries user 1's order (its tombstone is committed) and user 2's
+    // entry is finished elsewhere.
+    sqlx::query(
+        "INSERT INTO dead_orders (id, user_id, voucher_id, reason) VALUES ($1, $2, $3, 'test')",
+    )
+    .bind(buried.id)
+    .bind(buried.user_id)
+    .bind(voucher)
+    .execute(&app.db)
+    .await
+    .unwrap();
+    let acked: i64 = app
+        .redis_cmd(
+            redis::cmd("XACK")
+                .arg(app.keys.stream(shard))
+                .arg(seckill::stream::GROUP)
+                .arg(&gone_entry),
+        )
+        .await;
+    assert_eq!(acked, 1);
+    lock.commit().await.unwrap();
+
+    let report = batch.await.unwrap().unwrap();
+    assert_eq!(
+        (report.inserted, report.vanished, report.dead_lettered),
+        (2, 1, 1),
+        "{report:?}"
+    );
+    let stored = stored_ids(&app, voucher).await;
+    assert_eq!(stored, kept, "only the orders nothing happened to");
+    assert_eq!(
+        app.pg_stock(voucher).await,
+        8,
+        "stock taken for the two rows only"
+    );
+    // The buried order was settled in Redis as its burial would: buyer record gone,
+    // unit back (6 left after four admissions, plus one).
+    assert_eq!(redis_sale(&app, voucher, 1).await, (Some(7), None));
+}
