@@ -14,7 +14,7 @@ pub mod defaults {
     pub(crate) const MAX_CONCURRENT_REQUESTS: u32 = 10_000;
     pub(crate) const REQUEST_TIMEOUT_SECS: u64 = 10;
     pub(crate) const WORKER_BATCH_SIZE: u32 = 2048;
-    pub(crate) const WORKER_CONCURRENCY: u32 = 2;
+    pub(crate) const WORKER_CONCURRENCY: u32 = 3;
     pub(crate) const WORKER_BLOCK_MS: u64 = 1000;
     pub(crate) const WORKER_CLAIM_IDLE_MS: u64 = 15_000;
     pub(crate) const WORKER_MAX_DELIVERIES: u64 = 5;
