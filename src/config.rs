@@ -207,7 +207,7 @@ pub struct WorkerOptions {
           value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub worker_batch_size: u32,
     /// Batches one worker process writes at once, each by a consumer of its own in the
-    /// group (named `<consumer>`, `<consumer>.1`, ...): while one batch waits for its
+    /// group (named `<consumer>`, `<consumer>/1`, ...): while one batch waits for its
     /// commit, the next is read and inserted, so Postgres's group commit and both of its
     /// cores are used.
     #[arg(long, env = "WORKER_CONCURRENCY", default_value_t = defaults::WORKER_CONCURRENCY,
@@ -229,8 +229,9 @@ pub struct WorkerOptions {
     #[arg(long, env = "WORKER_MAX_DELIVERIES", default_value_t = defaults::WORKER_MAX_DELIVERIES,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub worker_max_deliveries: u64,
-    /// Consumer name in the group (default: host-pid-random, unique per process).
-    #[arg(long, env = "WORKER_CONSUMER")]
+    /// Consumer name in the group (default: host-pid-random, unique per process); lanes
+    /// past the first add `/1`, `/2`, ... Two live processes must never share a name.
+    #[arg(long, env = "WORKER_CONSUMER", value_parser = consumer_name)]
     pub worker_consumer: Option<String>,
     /// Pause between passes of the expiry sweeper (ms): an unpaid order expires at most
     /// about this long after its deadline. Every worker process sweeps; they share the
@@ -329,6 +330,17 @@ impl Default for Settings {
     }
 }
 
+/// A consumer name: printable, 1-200 characters, no `/` (it separates lanes).
+fn consumer_name(s: &str) -> Result<String, String> {
+    if s.is_empty() || s.len() > 200 {
+        return Err("must be 1 to 200 characters".into());
+    }
+    if s.contains('/') || s.chars().any(|c| c.is_control() || c.is_whitespace()) {
+        return Err("must not contain '/', spaces or control characters".into());
+    }
+    Ok(s.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -367,5 +379,13 @@ mod tests {
         let parsed = skip_migrations(&[]);
         std::env::remove_var("SKIP_MIGRATIONS");
         assert!(parsed.unwrap());
+    }
+
+    #[test]
+    fn a_consumer_name_may_not_contain_the_lane_separator() {
+        assert!(super::consumer_name("worker-eu.1").is_ok());
+        for bad in ["", "a/b", "a b", "a\nb", &"x".repeat(201)] {
+            assert!(super::consumer_name(bad).is_err(), "{bad:?}");
+        }
     }
 }

@@ -166,9 +166,10 @@ pub(crate) async fn build_workers(
         // Room for the blocking read in the response timeout.
         let conn = self::redis(redis, block + redis_conn::COMMAND_TIMEOUT).await?;
         let config = WorkerConfig {
+            // `/` cannot appear in a configured name, so lanes never collide with it.
             consumer: match lane {
                 0 => base.clone(),
-                n => format!("{base}.{n}"),
+                n => format!("{base}/{n}"),
             },
             batch_size: opts.worker_batch_size as usize,
             block,

@@ -1,6 +1,7 @@
 //! `dead_orders`: orders the worker gave up on. An id here is never written to
-//! `voucher_orders` afterwards (the worker's inserts skip tombstoned ids, and both
-//! happen under the sale's row lock).
+//! `voucher_orders` afterwards: the worker's inserts skip tombstoned ids, and a batch
+//! checks again under the sale's row lock (which every burial takes) for tombstones
+//! laid since it inserted, deleting those rows before it commits.
 
 use std::collections::HashMap;
 
@@ -14,15 +15,25 @@ pub enum Burial {
     /// It is in `voucher_orders` after all (a slow worker committed it): acknowledge.
     Written,
     /// Tombstoned in `dead_orders` (`newly`: by this call). `holder` is the order the
-    /// user holds for the voucher instead, if any.
-    Dead { newly: bool, holder: Option<i64> },
+    /// user holds for the voucher instead, if any; `returns_unit` whether settling it
+    /// gives its unit back to Redis, as decided by the burial that laid the tombstone.
+    Dead {
+        newly: bool,
+        holder: Option<i64>,
+        returns_unit: bool,
+    },
 }
 
 /// Buries an order that will not be written: under the sale's row lock (so no worker
 /// can be half-way through committing it), either finds it written after all, or
 /// tombstones it so that no replay can ever write it.
 #[tracing::instrument(skip(db))]
-pub async fn bury(db: &PgPool, order: &NewOrder, reason: &str) -> Result<Burial, sqlx::Error> {
+pub async fn bury(
+    db: &PgPool,
+    order: &NewOrder,
+    reason: &str,
+    returns_unit: bool,
+) -> Result<Burial, sqlx::Error> {
     let mut tx = db.begin().await?;
     lock_sales(&mut tx, &[order.voucher_id]).await?;
     let written: Option<i64> = sqlx::query_scalar("SELECT id FROM voucher_orders WHERE id = $1")
@@ -34,15 +45,26 @@ pub async fn bury(db: &PgPool, order: &NewOrder, reason: &str) -> Result<Burial,
         return Ok(Burial::Written);
     }
     let newly: Option<i64> = sqlx::query_scalar(
-        "INSERT INTO dead_orders (id, user_id, voucher_id, reason) VALUES ($1, $2, $3, $4) \
-         ON CONFLICT (id) DO NOTHING RETURNING id",
+        "INSERT INTO dead_orders (id, user_id, voucher_id, reason, returns_unit) \
+         VALUES ($1, $2, $3, $4, $5) ON CONFLICT (id) DO NOTHING RETURNING id",
     )
     .bind(order.id)
     .bind(order.user_id)
     .bind(order.voucher_id)
     .bind(reason)
+    .bind(returns_unit)
     .fetch_optional(&mut *tx)
     .await?;
+    // Buried before (by a peer that may not have settled it yet): settle as it decided.
+    let returns_unit = match newly {
+        Some(_) => returns_unit,
+        None => {
+            sqlx::query_scalar("SELECT returns_unit FROM dead_orders WHERE id = $1")
+                .bind(order.id)
+                .fetch_one(&mut *tx)
+                .await?
+        }
+    };
     let holder: Option<i64> = sqlx::query_scalar(&format!(
         "SELECT id FROM voucher_orders WHERE user_id = $1 AND voucher_id = $2 AND {}",
         super::orders::ACTIVE
@@ -55,6 +77,7 @@ pub async fn bury(db: &PgPool, order: &NewOrder, reason: &str) -> Result<Burial,
     Ok(Burial::Dead {
         newly: newly.is_some(),
         holder,
+        returns_unit,
     })
 }
 

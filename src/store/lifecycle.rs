@@ -6,8 +6,12 @@
 //! unit comes back to Postgres exactly once, and the Redis side can never be forgotten.
 //!
 //! Locks are always taken in one order: order rows first (`FOR UPDATE`, the sweeper with
-//! `SKIP LOCKED`), then sale rows in voucher order. The worker locks sale rows and then
-//! inserts, and an insert never waits for a row that is only locked, so no cycle forms.
+//! `SKIP LOCKED`), then sale rows in voucher order. The worker inserts its rows first and
+//! then locks sale rows; its inserts never wait for a row that is only locked (they may
+//! wait for a row being closed, whose transaction waits for no insert), so no cycle
+//! forms with these transactions. Two worker batches holding two users' orders in
+//! opposite order can deadlock on the one-active-order index (only with orders Redis
+//! admitted twice after losing data); Postgres aborts one, and it is retried.
 
 use sqlx::{FromRow, PgPool, Postgres, Transaction};
 

@@ -202,6 +202,17 @@ async fn write(
         .filter(|o| alive.contains(&o.id))
         .copied()
         .collect();
+    // An order skipped before the lock (its user held another order) may be writable
+    // now: that order may have been cancelled or expired meanwhile. Ask again under the
+    // lock, as writing lock-first would have; mostly these are replays, found again.
+    let skipped: Vec<NewOrder> = orders
+        .iter()
+        .filter(|o| !inserted.contains(&o.id))
+        .copied()
+        .collect();
+    if !skipped.is_empty() {
+        inserted.extend(insert_orders(tx, &skipped).await?);
+    }
 
     let mut per_voucher: BTreeMap<i64, i32> = BTreeMap::new();
     for o in orders.iter().filter(|o| inserted.contains(&o.id)) {
@@ -237,8 +248,13 @@ async fn one_by_one(
             Ok(Some(mut outcome)) => outcome.remove(0),
             Ok(None) => Persisted::Rejected(Rejection::NoStock),
             Err(e) => match e.downcast_ref::<sqlx::Error>() {
+                // The insert ran before the pending check: an entry finished elsewhere
+                // (or lost) is not this batch's to bury.
                 Some(db_error) if super::is_data_error(db_error) => {
-                    Persisted::Rejected(rejection(db_error))
+                    match live(vec![order.id]).await?.contains(&order.id) {
+                        true => Persisted::Rejected(rejection(db_error)),
+                        false => Persisted::Vanished,
+                    }
                 }
                 _ => return Err(e),
             },

@@ -197,9 +197,13 @@ impl Worker {
         why: &Rejection,
     ) -> anyhow::Result<bool> {
         let reason = why.reason();
-        match dead_orders::bury(&self.db, order, &reason).await? {
+        match dead_orders::bury(&self.db, order, &reason, why.returns_unit()).await? {
             Burial::Written => Ok(false),
-            Burial::Dead { newly, holder } => {
+            Burial::Dead {
+                newly,
+                holder,
+                returns_unit,
+            } => {
                 if newly {
                     tracing::warn!(entry_id = entry.entry_id(), order_id = order.id, %reason, "dead-lettering order");
                     let dead = entry.clone().into_dead_letter(DeadReason::Refused(reason));
@@ -215,7 +219,7 @@ impl Worker {
                     order.user_id,
                     order.id,
                     holder,
-                    why.returns_unit(),
+                    returns_unit,
                 )
                 .await?;
                 Ok(true)

@@ -1020,7 +1020,7 @@ async fn a_worker_writes_through_one_consumer_per_lane_and_a_kill_loses_nothing_
     held.sort();
     println!("killed after {written_by_first} of {n} orders; held by its lanes: {held:?}");
     let names: Vec<&str> = held.iter().map(|(name, _)| name.as_str()).collect();
-    assert_eq!(names, ["lanes", "lanes.1", "lanes.2"]);
+    assert_eq!(names, ["lanes", "lanes/1", "lanes/2"]);
     assert!(
         written_by_first < n,
         "the whole backlog was written before the kill"
