@@ -47,7 +47,8 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
             let cancel = shutdown_token();
             let sweeper = sweeper(&db, &args.redis, keys.clone(), &args.worker, cancel.clone());
             let sweeper = sweeper.await?;
-            let workers = build_workers(&db, &args.redis, keys, args.worker).await?;
+            let lanes = crate::config::defaults::WORKER_CONCURRENCY;
+            let workers = build_workers(&db, &args.redis, keys, args.worker, lanes).await?;
             let lanes =
                 futures_util::future::join_all(workers.into_iter().map(|w| w.run(cancel.clone())));
             tokio::join!(sweeper, lanes);

@@ -14,7 +14,9 @@ pub mod defaults {
     pub(crate) const MAX_CONCURRENT_REQUESTS: u32 = 10_000;
     pub(crate) const REQUEST_TIMEOUT_SECS: u64 = 10;
     pub(crate) const WORKER_BATCH_SIZE: u32 = 2048;
+    /// Lanes of `seckill worker`; `seckill serve` runs one (see `WorkerOptions`).
     pub(crate) const WORKER_CONCURRENCY: u32 = 3;
+    pub(crate) const SERVE_WORKER_CONCURRENCY: u32 = 1;
     pub(crate) const WORKER_BLOCK_MS: u64 = 1000;
     pub(crate) const WORKER_CLAIM_IDLE_MS: u64 = 15_000;
     pub(crate) const WORKER_MAX_DELIVERIES: u64 = 5;
@@ -209,10 +211,11 @@ pub struct WorkerOptions {
     /// Batches one worker process writes at once, each by a consumer of its own in the
     /// group (named `<consumer>`, `<consumer>/1`, ...): while one batch waits for its
     /// commit, the next is read and inserted, so Postgres's group commit and both of its
-    /// cores are used.
-    #[arg(long, env = "WORKER_CONCURRENCY", default_value_t = defaults::WORKER_CONCURRENCY,
-          value_parser = clap::value_parser!(u32).range(1..=16))]
-    pub worker_concurrency: u32,
+    /// cores are used. Default 3 for `seckill worker`, 1 for `seckill serve`: there the
+    /// API shares the process and the cores, and one lane keeps up in larger (cheaper)
+    /// batches, leaving more to the API during a storm.
+    #[arg(long, env = "WORKER_CONCURRENCY", value_parser = clap::value_parser!(u32).range(1..=16))]
+    pub worker_concurrency: Option<u32>,
     /// How long one read waits for new entries when idle, in milliseconds.
     #[arg(long, env = "WORKER_BLOCK_MS", default_value_t = defaults::WORKER_BLOCK_MS,
           value_parser = clap::value_parser!(u64).range(1..=30_000))]

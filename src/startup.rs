@@ -12,7 +12,7 @@ use tokio_util::task::TaskTracker;
 use crate::admission::order_id::{NodeLease, OrderIds};
 use crate::admission::upkeep;
 use crate::auth::JwtKeys;
-use crate::config::{ApiArgs, RedisArgs, Settings, WorkerOptions};
+use crate::config::{defaults, ApiArgs, RedisArgs, Settings, WorkerOptions};
 use crate::http::server::ServerLimits;
 use crate::http::state::AppState;
 use crate::keys::Keys;
@@ -85,7 +85,8 @@ impl Application {
         tasks.spawn(state.clone().forget_idle_rate_limits(cancel.clone()));
         if let Some(opts) = worker {
             tasks.spawn(sweeper(&db, &api.redis, keys.clone(), &opts, cancel.clone()).await?);
-            for worker in build_workers(&db, &api.redis, keys, opts).await? {
+            let lanes = defaults::SERVE_WORKER_CONCURRENCY;
+            for worker in build_workers(&db, &api.redis, keys, opts, lanes).await? {
                 tasks.spawn(worker.run(cancel.clone()));
             }
         }
@@ -148,13 +149,15 @@ pub(crate) async fn sweeper(
     Ok(sweeper::run(db.clone(), conn, keys, config, cancel))
 }
 
-/// The worker lanes of one process (`WORKER_CONCURRENCY`), each a consumer of its own
-/// with a Redis connection of its own (a blocking read holds its connection).
+/// The worker lanes of one process (`WORKER_CONCURRENCY`, else `default_lanes`), each a
+/// consumer of its own with a Redis connection of its own (a blocking read holds its
+/// connection).
 pub(crate) async fn build_workers(
     db: &sqlx::PgPool,
     redis: &RedisArgs,
     keys: Keys,
     opts: WorkerOptions,
+    default_lanes: u32,
 ) -> anyhow::Result<Vec<Worker>> {
     let block = Duration::from_millis(opts.worker_block_ms);
     let base = opts
@@ -162,7 +165,8 @@ pub(crate) async fn build_workers(
         .clone()
         .unwrap_or_else(WorkerConfig::unique_consumer_name);
     let mut workers = Vec::new();
-    for lane in 0..opts.worker_concurrency {
+    let lanes = opts.worker_concurrency.unwrap_or(default_lanes);
+    for lane in 0..lanes {
         // Room for the blocking read in the response timeout.
         let conn = self::redis(redis, block + redis_conn::COMMAND_TIMEOUT).await?;
         let config = WorkerConfig {
