@@ -125,6 +125,11 @@ pub struct ApiArgs {
     /// How long buyer records and sale state stay in Redis after a sale ends, in seconds.
     #[arg(long, env = "SALE_STATE_RETENTION_SECS", default_value_t = defaults::SALE_STATE_RETENTION_SECS)]
     pub sale_state_retention_secs: u64,
+    /// Origins allowed to call the API from a browser, comma-separated
+    /// (`https://shop.example.com,http://localhost:3000`). Unset: no CORS headers, and a
+    /// browser on another origin cannot call the API.
+    #[arg(long, env = "CORS_ALLOWED_ORIGINS", value_delimiter = ',', value_parser = origin)]
+    pub cors_allowed_origins: Vec<String>,
     #[command(flatten)]
     pub limits: LimitArgs,
     #[command(flatten)]
@@ -322,6 +327,8 @@ pub(crate) struct TokenArgs {
 pub struct Settings {
     pub sale_state_retention: Duration,
     pub limits: LimitArgs,
+    /// Browser origins allowed by CORS (empty: none).
+    pub cors_allowed_origins: Vec<String>,
 }
 
 impl Default for Settings {
@@ -329,8 +336,29 @@ impl Default for Settings {
         Self {
             sale_state_retention: Duration::from_secs(defaults::SALE_STATE_RETENTION_SECS),
             limits: LimitArgs::default(),
+            cors_allowed_origins: Vec::new(),
         }
     }
+}
+
+/// A browser origin as it appears in an `Origin` header: `scheme://host[:port]`, http or
+/// https, nothing after the authority.
+fn origin(s: &str) -> Result<String, String> {
+    let s = s.trim();
+    let rest = s
+        .strip_prefix("https://")
+        .or_else(|| s.strip_prefix("http://"))
+        .ok_or_else(|| format!("{s:?} is not an origin: it must start with http:// or https://"))?;
+    let valid = !rest.is_empty()
+        && rest
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | ':' | '[' | ']'));
+    if !valid {
+        return Err(format!(
+            "{s:?} is not an origin: scheme://host[:port], with no path, query or trailing slash"
+        ));
+    }
+    Ok(s.to_ascii_lowercase())
 }
 
 /// A consumer name: printable, 1-200 characters, no `/` (it separates lanes).
@@ -389,6 +417,26 @@ mod tests {
         assert!(super::consumer_name("worker-eu.1").is_ok());
         for bad in ["", "a/b", "a b", "a\nb", &"x".repeat(201)] {
             assert!(super::consumer_name(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn cors_origins_are_scheme_host_and_port_only() {
+        assert_eq!(
+            super::origin(" https://Shop.example.com:8443").unwrap(),
+            "https://shop.example.com:8443"
+        );
+        assert!(super::origin("http://localhost:3000").is_ok());
+        for bad in [
+            "*",
+            "shop.example.com",
+            "https://",
+            "https://a.com/",
+            "https://a.com/x",
+            "ftp://a.com",
+            "https://a b",
+        ] {
+            assert!(super::origin(bad).is_err(), "{bad:?}");
         }
     }
 }

@@ -10,13 +10,13 @@ use serde_json::{json, Value};
 
 use crate::http::state::AppState;
 
-#[utoipa::path(get, path = "/healthz", tag = "operations",
+#[utoipa::path(get, path = "/healthz", operation_id = "healthz", tag = "operations",
     responses((status = 200, description = "the process runs", body = Object, example = json!({"status": "ok"}))))]
 pub(crate) async fn healthz() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
 
-#[utoipa::path(get, path = "/readyz", tag = "operations",
+#[utoipa::path(get, path = "/readyz", operation_id = "readyz", tag = "operations",
     responses(
         (status = 200, description = "Redis and Postgres answer", body = Object,
             example = json!({"status": "ready", "checks": {"redis": "up", "postgres": "up"}})),
@@ -64,7 +64,7 @@ pub(crate) async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<V
     }
 }
 
-#[utoipa::path(get, path = "/metrics", tag = "operations",
+#[utoipa::path(get, path = "/metrics", operation_id = "metrics", tag = "operations",
     responses((status = 200, description = "Prometheus text format", content_type = "text/plain", body = String)))]
 pub(crate) async fn metrics(State(state): State<AppState>) -> impl axum::response::IntoResponse {
     let mut conn = state.redis.clone();

@@ -15,12 +15,13 @@ use std::time::Duration;
 
 use axum::error_handling::HandleErrorLayer;
 use axum::extract::{MatchedPath, Request};
-use axum::http::{HeaderName, StatusCode};
+use axum::http::{header, HeaderName, HeaderValue, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{BoxError, Router};
 use tower::ServiceBuilder;
+use tower_http::cors::{AllowOrigin, CorsLayer};
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
 
@@ -129,7 +130,29 @@ pub fn build_app(state: AppState) -> Router {
                 // Enforced by the body extractors, so a 413 still speaks our JSON.
                 .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT)),
         )
+        .layer(cors(&state.settings.cors_allowed_origins))
         .with_state(state)
+}
+
+/// CORS for the configured origins, outermost so that a preflight is answered before
+/// routing (without it, `OPTIONS` is a 405). Other origins get no CORS headers, so the
+/// browser refuses them; with no origins configured the layer adds nothing.
+fn cors(origins: &[String]) -> tower::util::Either<CorsLayer, tower::layer::util::Identity> {
+    if origins.is_empty() {
+        return tower::util::Either::Right(tower::layer::util::Identity::new());
+    }
+    let origins: Vec<HeaderValue> = origins
+        .iter()
+        .filter_map(|o| HeaderValue::from_str(o).ok())
+        .collect();
+    tower::util::Either::Left(
+        CorsLayer::new()
+            .allow_origin(AllowOrigin::list(origins))
+            .allow_methods([Method::GET, Method::POST])
+            .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE, REQUEST_ID])
+            .expose_headers([REQUEST_ID, header::RETRY_AFTER, FALLBACK_HEADER])
+            .max_age(Duration::from_secs(600)),
+    )
 }
 
 /// 431 `validation` for a head over [`MAX_HEADERS`] or [`MAX_HEADER_BYTES`].

@@ -78,7 +78,7 @@ static DOCUMENT: LazyLock<String> = LazyLock::new(|| {
         .expect("the OpenAPI document serializes")
 });
 
-#[utoipa::path(get, path = "/openapi.json", tag = "operations",
+#[utoipa::path(get, path = "/openapi.json", operation_id = "getOpenApiDocument", tag = "operations",
     responses((status = 200, description = "this document (OpenAPI 3.1)", body = Object)))]
 pub(crate) async fn openapi_json() -> impl IntoResponse {
     (
@@ -88,7 +88,7 @@ pub(crate) async fn openapi_json() -> impl IntoResponse {
 }
 
 /// Scalar's API reference, loaded from its CDN by the browser, pointed at our document.
-#[utoipa::path(get, path = "/docs", tag = "operations",
+#[utoipa::path(get, path = "/docs", operation_id = "getDocs", tag = "operations",
     responses((status = 200, description = "interactive API documentation", content_type = "text/html", body = String)))]
 pub(crate) async fn docs() -> Html<&'static str> {
     Html(
@@ -144,5 +144,20 @@ mod tests {
             statuses,
             &serde_json::json!(["pending", "created", "paid", "cancelled", "expired"])
         );
+    }
+
+    #[test]
+    fn every_operation_has_an_id_of_its_own() {
+        let doc: serde_json::Value = serde_json::from_str(&DOCUMENT).unwrap();
+        let mut ids = std::collections::HashSet::new();
+        for (path, item) in doc["paths"].as_object().unwrap() {
+            for (method, op) in item.as_object().unwrap() {
+                let id = op["operationId"]
+                    .as_str()
+                    .unwrap_or_else(|| panic!("{method} {path}"));
+                assert!(ids.insert(id.to_string()), "operationId {id} used twice");
+            }
+        }
+        assert_eq!(ids.len(), 13);
     }
 }

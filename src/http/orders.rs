@@ -140,7 +140,7 @@ async fn recent_sales(state: &AppState) -> AppResult<Vec<i64>> {
 /// Most stream entries an administrator's lookup of a pending order scans.
 const ADMIN_STREAM_SCAN: usize = 200_000;
 
-#[utoipa::path(get, path = "/orders/{order_id}", tag = "orders", security(("bearer" = [])),
+#[utoipa::path(get, path = "/orders/{order_id}", operation_id = "getOrder", tag = "orders", security(("bearer" = [])),
     params(("order_id" = i64, Path, description = "order id", minimum = 1)),
     responses(
         (status = 200, description = "the order", body = OrderResponse),
@@ -234,7 +234,7 @@ async fn own_order(state: &AppState, user: &AuthUser, order_id: i64) -> AppResul
     }
 }
 
-#[utoipa::path(post, path = "/orders/{order_id}/pay", tag = "orders", security(("bearer" = [])),
+#[utoipa::path(post, path = "/orders/{order_id}/pay", operation_id = "payOrder", tag = "orders", security(("bearer" = [])),
     params(("order_id" = i64, Path, description = "order id", minimum = 1)),
     request_body(content = Option<PayOrder>, description = "optional: the payment's reference", content_type = "application/json"),
     responses(
@@ -279,7 +279,7 @@ pub(crate) async fn pay(
     }
 }
 
-#[utoipa::path(post, path = "/orders/{order_id}/cancel", tag = "orders", security(("bearer" = [])),
+#[utoipa::path(post, path = "/orders/{order_id}/cancel", operation_id = "cancelOrder", tag = "orders", security(("bearer" = [])),
     params(("order_id" = i64, Path, description = "order id", minimum = 1)),
     responses(
         (status = 200, description = "the order, `cancelled` (now, or before: cancelling again is 200 and changes \
@@ -314,7 +314,7 @@ pub(crate) async fn cancel(
     }
 }
 
-#[utoipa::path(get, path = "/orders", tag = "orders", security(("bearer" = [])),
+#[utoipa::path(get, path = "/orders", operation_id = "listMyOrders", tag = "orders", security(("bearer" = [])),
     responses(
         (status = 200, description = "the caller's orders, newest first. If Redis does not answer within 500 ms, \
             only the orders already written to Postgres, and the answer carries `x-seckill-fallback: postgres`", body = [OrderResponse],

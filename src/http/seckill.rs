@@ -53,7 +53,7 @@ fn limited(wait: std::time::Duration) -> AppError {
     }
 }
 
-#[utoipa::path(post, path = "/vouchers/{id}/seckill", tag = "seckill", security(("bearer" = [])),
+#[utoipa::path(post, path = "/vouchers/{id}/seckill", operation_id = "grabVoucher", tag = "seckill", security(("bearer" = [])),
     params(("id" = i64, Path, description = "voucher id", minimum = 1)),
     responses(
         (status = 202, description = "admitted: the order id, written to Postgres moments later", body = Admitted),

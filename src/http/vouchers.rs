@@ -245,7 +245,7 @@ const STOCK_NOTE: &str = "A flash sale's `stock` is Redis's live count; \
     if Redis does not answer within 500 ms it is Postgres's count (which trails the live one \
     by the orders not yet written) and the answer carries `x-seckill-fallback: postgres`.";
 
-#[utoipa::path(post, path = "/vouchers", tag = "vouchers", security(("bearer" = [])),
+#[utoipa::path(post, path = "/vouchers", operation_id = "createVoucher", tag = "vouchers", security(("bearer" = [])),
     request_body = CreateVoucher,
     responses(
         (status = 201, description = "created", body = VoucherResponse),
@@ -287,7 +287,7 @@ pub(crate) async fn create(
     Ok((StatusCode::CREATED, Json(VoucherResponse::new(row, live))))
 }
 
-#[utoipa::path(get, path = "/vouchers/{id}", tag = "vouchers", description = STOCK_NOTE,
+#[utoipa::path(get, path = "/vouchers/{id}", operation_id = "getVoucher", tag = "vouchers", description = STOCK_NOTE,
     params(("id" = i64, Path, description = "voucher id", minimum = 1)),
     responses(
         (status = 200, description = "the voucher; a flash sale shows its live stock", body = VoucherResponse,
@@ -310,7 +310,7 @@ pub(crate) async fn get(
     ))
 }
 
-#[utoipa::path(get, path = "/shops/{shop_id}/vouchers", tag = "vouchers", description = STOCK_NOTE,
+#[utoipa::path(get, path = "/shops/{shop_id}/vouchers", operation_id = "listShopVouchers", tag = "vouchers", description = STOCK_NOTE,
     params(("shop_id" = i64, Path, description = "shop id", minimum = 1)),
     responses(
         (status = 200, description = "the shop's vouchers (at most 1000)", body = [VoucherResponse],

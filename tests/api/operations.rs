@@ -164,3 +164,102 @@ async fn the_api_document_and_its_docs_page_are_served(db: PgPool) {
     assert_eq!(page.status(), StatusCode::OK);
     assert!(page.text().await.unwrap().contains("/openapi.json"));
 }
+
+/// A browser front-end on an allowed origin can call the API: its preflight is answered
+/// with the Authorization header allowed, and the real answer carries the CORS headers.
+/// Another origin gets no CORS headers (the browser refuses the answer), and a server
+/// with no origins configured answers a preflight as any other unknown method.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn cors_allows_the_configured_origins_and_nothing_else(db: PgPool) {
+    let allowed = "https://shop.example.com";
+    let app = TestApp::spawn_with_settings(
+        db.clone(),
+        Settings {
+            cors_allowed_origins: vec![allowed.into(), "http://localhost:3000".into()],
+            ..Settings::default()
+        },
+    )
+    .await;
+    let voucher = app.open_sale(5).await;
+    let preflight = |origin: &str| {
+        app.client
+            .request(
+                reqwest::Method::OPTIONS,
+                app.url(&format!("/vouchers/{voucher}/seckill")),
+            )
+            .header("Origin", origin)
+            .header("Access-Control-Request-Method", "POST")
+            .header(
+                "Access-Control-Request-Headers",
+                "authorization,content-type",
+            )
+    };
+
+    let ok = preflight(allowed).send().await.unwrap();
+    assert!(ok.status().is_success(), "{}", ok.status());
+    let h = ok.headers();
+    assert_eq!(h["access-control-allow-origin"], allowed);
+    let allow_headers = h["access-control-allow-headers"]
+        .to_str()
+        .unwrap()
+        .to_lowercase();
+    assert!(allow_headers.contains("authorization"), "{allow_headers}");
+    assert!(h["access-control-allow-methods"]
+        .to_str()
+        .unwrap()
+        .contains("POST"));
+
+    // The grab itself, from the allowed origin: answered, with the CORS header.
+    let grab = app
+        .client
+        .post(app.url(&format!("/vouchers/{voucher}/seckill")))
+        .bearer_auth(app.token(42))
+        .header("Origin", allowed)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(grab.status(), StatusCode::ACCEPTED);
+    assert_eq!(grab.headers()["access-control-allow-origin"], allowed);
+    let exposed = grab.headers()["access-control-expose-headers"]
+        .to_str()
+        .unwrap()
+        .to_lowercase();
+    assert!(
+        exposed.contains("x-request-id") && exposed.contains("retry-after"),
+        "{exposed}"
+    );
+
+    // Another origin: no CORS headers on the preflight or on the answer.
+    let other = preflight("https://evil.example.net").send().await.unwrap();
+    assert!(other.headers().get("access-control-allow-origin").is_none());
+    let answer = app
+        .client
+        .get(app.url(&format!("/vouchers/{voucher}")))
+        .header("Origin", "https://evil.example.net")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), StatusCode::OK);
+    assert!(answer
+        .headers()
+        .get("access-control-allow-origin")
+        .is_none());
+
+    // No origins configured: no CORS at all; a preflight is a 405 in our JSON.
+    let plain = TestApp::spawn(db).await;
+    let resp = plain
+        .client
+        .request(
+            reqwest::Method::OPTIONS,
+            plain.url(&format!("/vouchers/{voucher}/seckill")),
+        )
+        .header("Origin", allowed)
+        .header("Access-Control-Request-Method", "POST")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::METHOD_NOT_ALLOWED);
+    assert!(resp.headers().get("access-control-allow-origin").is_none());
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "validation");
+}

@@ -83,6 +83,7 @@ impl TestApp {
             bind: "127.0.0.1:0".parse().unwrap(),
             skip_migrations: true,
             sale_state_retention_secs: settings.sale_state_retention.as_secs(),
+            cors_allowed_origins: settings.cors_allowed_origins,
             limits: settings.limits,
             server: ServerArgs::default(),
         };
