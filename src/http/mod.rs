@@ -94,6 +94,7 @@ pub fn build_app(state: AppState) -> Router {
         .route("/metrics", get(health::metrics))
         .route("/openapi.json", get(openapi::openapi_json))
         .route("/docs", get(openapi::docs))
+        .route("/docs/{asset}", get(openapi::docs_asset))
         .fallback(|| async { AppError::NotFound("no such route".into()) })
         .method_not_allowed_fallback(|| async {
             AppError::Validation {

@@ -87,24 +87,63 @@ pub(crate) async fn openapi_json() -> impl IntoResponse {
     )
 }
 
-/// Scalar's API reference, loaded from its CDN by the browser, pointed at our document.
+/// Swagger UI, served from assets built into the binary (nothing from a CDN: the page
+/// works offline and behind a strict egress policy), pointed at our document.
 #[utoipa::path(get, path = "/docs", operation_id = "getDocs", tag = "operations",
-    responses((status = 200, description = "interactive API documentation", content_type = "text/html", body = String)))]
+    responses((status = 200, description = "interactive API documentation (Swagger UI, served by this process)", content_type = "text/html", body = String)))]
 pub(crate) async fn docs() -> Html<&'static str> {
     Html(
-        r#"<!doctype html>
-<html>
+        r##"<!doctype html>
+<html lang="en">
   <head>
     <title>seckill API</title>
     <meta charset="utf-8" />
     <meta name="viewport" content="width=device-width, initial-scale=1" />
+    <link rel="stylesheet" href="/docs/swagger-ui.css" />
   </head>
   <body>
-    <script id="api-reference" data-url="/openapi.json"></script>
-    <script src="https://cdn.jsdelivr.net/npm/@scalar/api-reference"></script>
+    <div id="swagger-ui"></div>
+    <script src="/docs/swagger-ui-bundle.js"></script>
+    <script>
+      window.onload = () => {
+        window.ui = SwaggerUIBundle({ url: "/openapi.json", dom_id: "#swagger-ui" });
+      };
+    </script>
   </body>
-</html>"#,
+</html>"##,
     )
+}
+
+/// The Swagger UI files `docs` loads (`swagger-ui.css`, `swagger-ui-bundle.js`), as the
+/// `swagger-ui-dist` crate embeds them. Only these two names are served; the crate's
+/// own index page (which echoes the request URI into its HTML) is never reachable.
+pub(crate) async fn docs_asset(
+    axum::extract::Path(name): axum::extract::Path<String>,
+) -> axum::response::Response {
+    use tower::ServiceExt;
+    static ASSETS: LazyLock<axum::Router> = LazyLock::new(|| {
+        swagger_ui_dist::generate_routes(swagger_ui_dist::ApiDefinition {
+            uri_prefix: "/assets",
+            api_definition: swagger_ui_dist::OpenApiSource::Uri("/openapi.json"),
+            title: Some("seckill API"),
+        })
+    });
+    if !matches!(name.as_str(), "swagger-ui.css" | "swagger-ui-bundle.js") {
+        return crate::http::error::AppError::NotFound("no such route".into()).into_response();
+    }
+    let request = axum::http::Request::get(format!("/assets/{name}"))
+        .body(axum::body::Body::empty())
+        .expect("a valid request");
+    match ASSETS.clone().oneshot(request).await {
+        Ok(mut response) => {
+            response.headers_mut().insert(
+                axum::http::header::CACHE_CONTROL,
+                axum::http::HeaderValue::from_static("public, max-age=86400"),
+            );
+            response
+        }
+        Err(never) => match never {},
+    }
 }
 
 #[cfg(test)]
@@ -159,5 +198,25 @@ mod tests {
             }
         }
         assert_eq!(ids.len(), 13);
+    }
+
+    #[tokio::test]
+    async fn the_docs_page_loads_nothing_from_elsewhere() {
+        let page = docs().await.0;
+        assert!(
+            !page.contains("http://") && !page.contains("https://"),
+            "{page}"
+        );
+        for asset in ["swagger-ui.css", "swagger-ui-bundle.js"] {
+            assert!(page.contains(&format!("/docs/{asset}")));
+            let response = docs_asset(axum::extract::Path(asset.to_string())).await;
+            assert_eq!(response.status(), 200, "{asset}");
+            let body = axum::body::to_bytes(response.into_body(), 10 << 20)
+                .await
+                .unwrap();
+            assert!(body.len() > 10_000, "{asset}: {} bytes", body.len());
+        }
+        let other = docs_asset(axum::extract::Path("index.html".into())).await;
+        assert_eq!(other.status(), 404);
     }
 }
