@@ -312,3 +312,30 @@ pub async fn load_open_sales<C: ConnectionLike + Send>(
     }
     Ok(report)
 }
+
+static CLOSE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../lua/close_sale.lua")));
+
+/// Ends a sale now, in both stores at once: under the fence (so no load can put the old
+/// end back), Redis first (atomic with admission: grabs before it win, grabs after it
+/// hear `ended`), then Postgres with the same instant. If Redis fails nothing changed;
+/// `Ok(false)` when the voucher has no flash sale.
+#[tracing::instrument(skip(db, conn, keys))]
+pub async fn close_sale<C: ConnectionLike + Send>(
+    db: &PgPool,
+    conn: &mut C,
+    keys: &Keys,
+    voucher_id: i64,
+) -> anyhow::Result<bool> {
+    let mut tx = db.begin().await?;
+    if !store::vouchers::lock_sale_row(&mut tx, voucher_id).await? {
+        return Ok(false);
+    }
+    let end_ms: i64 = CLOSE
+        .key(keys.voucher(voucher_id))
+        .invoke_async(conn)
+        .await?;
+    store::vouchers::end_sale_at(&mut tx, voucher_id, end_ms).await?;
+    tx.commit().await?;
+    Ok(true)
+}

@@ -84,6 +84,8 @@ pub fn build_app(state: AppState) -> Router {
         .route("/vouchers", post(vouchers::create))
         .route("/vouchers/{id}", get(vouchers::get))
         .route("/vouchers/{id}/seckill", post(seckill::grab))
+        .route("/vouchers/{id}/orders", get(vouchers::list_orders))
+        .route("/vouchers/{id}/close", post(vouchers::close))
         .route("/shops/{shop_id}/vouchers", get(vouchers::list_by_shop))
         .route("/orders", get(orders::list_mine))
         .route("/orders/{order_id}", get(orders::get))

@@ -22,6 +22,8 @@ use crate::http::error::{ErrorBody, ErrorDetail};
         vouchers::create,
         vouchers::get,
         vouchers::list_by_shop,
+        vouchers::list_orders,
+        vouchers::close,
         seckill::grab,
         orders::get,
         orders::list_mine,
@@ -38,6 +40,7 @@ use crate::http::error::{ErrorBody, ErrorDetail};
         vouchers::CreateSeckill,
         vouchers::VoucherResponse,
         vouchers::SeckillResponse,
+        vouchers::OrderPage,
         seckill::Admitted,
         orders::OrderResponse,
         orders::OrderStatus,
@@ -158,6 +161,8 @@ mod tests {
             "/vouchers",
             "/vouchers/{id}",
             "/vouchers/{id}/seckill",
+            "/vouchers/{id}/orders",
+            "/vouchers/{id}/close",
             "/shops/{shop_id}/vouchers",
             "/orders",
             "/orders/{order_id}",
@@ -197,7 +202,7 @@ mod tests {
                 assert!(ids.insert(id.to_string()), "operationId {id} used twice");
             }
         }
-        assert_eq!(ids.len(), 13);
+        assert_eq!(ids.len(), 15);
     }
 
     #[tokio::test]

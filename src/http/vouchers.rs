@@ -1,4 +1,5 @@
-//! `POST /vouchers`, `GET /vouchers/{id}`, `GET /shops/{shop_id}/vouchers`.
+//! `POST /vouchers`, `GET /vouchers/{id}`, `GET /shops/{shop_id}/vouchers`, and the
+//! administrators' `GET /vouchers/{id}/orders` and `POST /vouchers/{id}/close`.
 
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -12,7 +13,9 @@ use crate::auth::Admin;
 use crate::http::error::{AppError, AppResult, ErrorBody};
 use crate::http::extract::{AppJson, PathId};
 use crate::http::fallback_headers;
+use crate::http::orders::OrderResponse;
 use crate::http::state::AppState;
+use crate::store::orders;
 use crate::store::vouchers::{self, NewSeckill, NewVoucher, VoucherRow};
 
 pub(crate) const MAX_STOCK: i64 = 1_000_000;
@@ -334,6 +337,155 @@ pub(crate) async fn list_by_shop(
                 .map(|(row, live)| VoucherResponse::new(row, live))
                 .collect(),
         ),
+    ))
+}
+
+/// One page of a sale's orders.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct OrderPage {
+    /// Newest first.
+    items: Vec<OrderResponse>,
+    /// Pass as `after` for the next page; `null` on the last page.
+    next: Option<String>,
+}
+
+/// The query of `GET /vouchers/{id}/orders`, checked by hand so every mistake is a
+/// `validation` error in our format.
+struct PageQuery {
+    status: Option<&'static str>,
+    limit: i64,
+    after: Option<i64>,
+}
+
+const PAGE_DEFAULT: i64 = 100;
+const PAGE_MAX: i64 = 1000;
+/// Statuses Postgres holds (a `pending` order is not written yet).
+const LISTED: [&str; 4] = ["created", "paid", "cancelled", "expired"];
+
+impl PageQuery {
+    fn parse(raw: Option<&str>) -> AppResult<Self> {
+        let mut query = PageQuery {
+            status: None,
+            limit: PAGE_DEFAULT,
+            after: None,
+        };
+        for (key, value) in form_urlencoded::parse(raw.unwrap_or("").as_bytes()) {
+            match key.as_ref() {
+                "status" if value.is_empty() => {}
+                "status" => {
+                    query.status =
+                        Some(LISTED.into_iter().find(|s| *s == value).ok_or_else(|| {
+                            AppError::bad_request(format!(
+                                "status must be one of {} (pending orders are not written yet)",
+                                LISTED.join(", ")
+                            ))
+                        })?)
+                }
+                "limit" => {
+                    query.limit = value
+                        .parse::<i64>()
+                        .ok()
+                        .filter(|n| (1..=PAGE_MAX).contains(n))
+                        .ok_or_else(|| {
+                            AppError::bad_request(format!("limit must be 1 to {PAGE_MAX}"))
+                        })?
+                }
+                "after" => {
+                    query.after = Some(crate::auth::parse_id(&value).ok_or_else(|| {
+                        AppError::bad_request("after is not a cursor of this list")
+                    })?)
+                }
+                _ => {}
+            }
+        }
+        Ok(query)
+    }
+}
+
+#[utoipa::path(get, path = "/vouchers/{id}/orders", operation_id = "listSaleOrders", tag = "vouchers",
+    security(("bearer" = [])),
+    params(
+        ("id" = i64, Path, description = "voucher id", minimum = 1),
+        ("status" = Option<String>, Query, description = "only orders in this status: created, paid, cancelled or expired"),
+        ("limit" = Option<i64>, Query, description = "orders per page, 1 to 1000 (default 100)", minimum = 1, maximum = 1000),
+        ("after" = Option<String>, Query, description = "the `next` of the previous page"),
+    ),
+    responses(
+        (status = 200, description = "a page of the sale's orders written to Postgres, newest first \
+            (keyset pagination: pages neither repeat nor skip an order while the sale goes on; an order \
+            written after its page was read, with an older id, is not in later pages)", body = OrderPage),
+        (status = 400, description = "bad id, status, limit or cursor (`validation`)", body = ErrorBody),
+        (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
+        (status = 403, description = "not an administrator (`forbidden`)", body = ErrorBody),
+        (status = 404, description = "no such voucher (`not_found`)", body = ErrorBody),
+        (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
+    ))]
+pub(crate) async fn list_orders(
+    State(state): State<AppState>,
+    _admin: Admin,
+    PathId(id): PathId,
+    axum::extract::RawQuery(raw): axum::extract::RawQuery,
+) -> AppResult<Json<OrderPage>> {
+    let query = PageQuery::parse(raw.as_deref())?;
+    vouchers::get(&state.db, id)
+        .await?
+        .ok_or_else(|| AppError::NotFound(format!("voucher {id} not found")))?;
+    // One more than asked: whether a next page exists, without an empty last page.
+    let mut rows =
+        orders::page_of_sale(&state.db, id, query.status, query.after, query.limit + 1).await?;
+    let more = rows.len() as i64 > query.limit;
+    rows.truncate(query.limit as usize);
+    let next = more
+        .then(|| rows.last().map(|r| r.id.to_string()))
+        .flatten();
+    Ok(Json(OrderPage {
+        items: rows.into_iter().map(Into::into).collect(),
+        next,
+    }))
+}
+
+#[utoipa::path(post, path = "/vouchers/{id}/close", operation_id = "closeSale", tag = "vouchers",
+    security(("bearer" = [])),
+    params(("id" = i64, Path, description = "voucher id", minimum = 1)),
+    responses(
+        (status = 200, description = "the voucher; its sale ends now (it keeps an earlier end). Grabs decided \
+            before the close are admitted as usual; every grab after it hears `ended`", body = VoucherResponse),
+        (status = 400, description = "not a valid id (`validation`)", body = ErrorBody),
+        (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
+        (status = 403, description = "not an administrator (`forbidden`)", body = ErrorBody),
+        (status = 404, description = "no such voucher, or it has no flash sale (`not_found`)", body = ErrorBody),
+        (status = 503, description = "a dependency is down (`unavailable`); nothing changed", body = ErrorBody),
+    ))]
+pub(crate) async fn close(
+    State(state): State<AppState>,
+    _admin: Admin,
+    PathId(id): PathId,
+) -> AppResult<(HeaderMap, Json<VoucherResponse>)> {
+    let mut conn = state.redis.clone();
+    match loader::close_sale(&state.db, &mut conn, &state.keys, id).await {
+        Ok(true) => {}
+        Ok(false) => {
+            return Err(AppError::NotFound(format!(
+                "voucher {id} has no flash sale"
+            )))
+        }
+        Err(e) => {
+            return Err(match e.downcast::<redis::RedisError>() {
+                Ok(redis) => AppError::Redis(redis),
+                Err(e) => match e.downcast::<sqlx::Error>() {
+                    Ok(db) => AppError::Database(db),
+                    Err(e) => AppError::Internal(e),
+                },
+            })
+        }
+    }
+    let row = vouchers::get(&state.db, id)
+        .await?
+        .ok_or_else(|| AppError::NotFound(format!("voucher {id} not found")))?;
+    let live = live_stocks(&state, std::slice::from_ref(&row)).await;
+    Ok((
+        fallback_headers(live.is_none()),
+        Json(VoucherResponse::new(row, live.and_then(|l| l[0]))),
     ))
 }
 

@@ -453,3 +453,27 @@ pub(crate) async fn written_among(
         .fetch_all(&mut **tx)
         .await
 }
+
+/// A page of a sale's orders, newest first: ids are minted in time order, so the page
+/// after a cursor is the `limit` ids below it (keyset: stable while orders are added).
+#[tracing::instrument(skip(db))]
+pub(crate) async fn page_of_sale(
+    db: &PgPool,
+    voucher_id: i64,
+    status: Option<&str>,
+    below: Option<i64>,
+    limit: i64,
+) -> Result<Vec<OrderRow>, sqlx::Error> {
+    sqlx::query_as(&format!(
+        "SELECT {ORDER_COLUMNS} FROM voucher_orders \
+         WHERE voucher_id = $1 AND ($2::text IS NULL OR status = $2) \
+           AND ($3::int8 IS NULL OR id < $3) \
+         ORDER BY id DESC LIMIT $4"
+    ))
+    .bind(voucher_id)
+    .bind(status)
+    .bind(below)
+    .bind(limit)
+    .fetch_all(db)
+    .await
+}

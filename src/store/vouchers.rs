@@ -216,3 +216,42 @@ pub(crate) async fn lock_sale(
     let buyers = buyers(&mut **tx, voucher_id).await?;
     Ok(Some((sale, buyers)))
 }
+
+/// Locks a sale's row (the fence) without reading it; `false` when the voucher has no
+/// flash sale.
+#[tracing::instrument(skip(tx))]
+pub(crate) async fn lock_sale_row(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    voucher_id: i64,
+) -> Result<bool, sqlx::Error> {
+    Ok(sqlx::query_scalar::<_, i64>(
+        "SELECT voucher_id FROM seckill_vouchers WHERE voucher_id = $1 FOR NO KEY UPDATE",
+    )
+    .bind(voucher_id)
+    .fetch_optional(&mut **tx)
+    .await?
+    .is_some())
+}
+
+/// Ends a sale at `end_ms` (Unix ms) unless it ends earlier already; its beginning moves
+/// to at most a millisecond before, as `lua/close_sale.lua` does in Redis.
+#[tracing::instrument(skip(tx))]
+pub(crate) async fn end_sale_at(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    voucher_id: i64,
+    end_ms: i64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE seckill_vouchers SET \
+           end_time = least(end_time, to_timestamp($2::float8 / 1000)), \
+           begin_time = least(begin_time, \
+             least(end_time, to_timestamp($2::float8 / 1000)) - interval '1 millisecond'), \
+           updated_at = now() \
+         WHERE voucher_id = $1",
+    )
+    .bind(voucher_id)
+    .bind(end_ms)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}

@@ -5,6 +5,7 @@
 
 mod common;
 
+mod admin;
 mod auth_and_validation;
 mod binary;
 mod cluster;
