@@ -41,6 +41,7 @@ use crate::http::error::{ErrorBody, ErrorDetail};
         vouchers::VoucherResponse,
         vouchers::SeckillResponse,
         vouchers::OrderPage,
+        vouchers::ListedStatus,
         seckill::Admitted,
         orders::OrderResponse,
         orders::OrderStatus,
@@ -183,6 +184,10 @@ mod tests {
         // The payment reference is optional, and so is the body carrying it.
         let pay = &doc["paths"]["/orders/{order_id}/pay"]["post"];
         assert_ne!(pay["requestBody"]["required"], true, "{pay}");
+        assert_eq!(
+            doc["components"]["schemas"]["ListedStatus"]["enum"],
+            serde_json::json!(["created", "paid", "cancelled", "expired"])
+        );
         let statuses = &doc["components"]["schemas"]["OrderStatus"]["enum"];
         assert_eq!(
             statuses,

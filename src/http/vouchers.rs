@@ -362,6 +362,21 @@ const PAGE_MAX: i64 = 1000;
 /// Statuses Postgres holds (a `pending` order is not written yet).
 const LISTED: [&str; 4] = ["created", "paid", "cancelled", "expired"];
 
+/// The statuses a sale's orders can be listed by (the document's name for [`LISTED`]).
+#[derive(Debug, ToSchema)]
+#[schema(as = ListedStatus)]
+#[allow(dead_code)]
+pub(crate) enum ListedStatus {
+    #[schema(rename = "created")]
+    Created,
+    #[schema(rename = "paid")]
+    Paid,
+    #[schema(rename = "cancelled")]
+    Cancelled,
+    #[schema(rename = "expired")]
+    Expired,
+}
+
 impl PageQuery {
     fn parse(raw: Option<&str>) -> AppResult<Self> {
         let mut query = PageQuery {
@@ -406,9 +421,9 @@ impl PageQuery {
     security(("bearer" = [])),
     params(
         ("id" = i64, Path, description = "voucher id", minimum = 1),
-        ("status" = Option<String>, Query, description = "only orders in this status: created, paid, cancelled or expired"),
+        ("status" = Option<ListedStatus>, Query, description = "only orders in this status"),
         ("limit" = Option<i64>, Query, description = "orders per page, 1 to 1000 (default 100)", minimum = 1, maximum = 1000),
-        ("after" = Option<String>, Query, description = "the `next` of the previous page"),
+        ("after" = Option<String>, Query, description = "the `next` of the previous page", pattern = "^[1-9][0-9]{0,18}$"),
     ),
     responses(
         (status = 200, description = "a page of the sale's orders written to Postgres, newest first \
