@@ -303,10 +303,16 @@ pub(crate) async fn get(
     State(state): State<AppState>,
     PathId(id): PathId,
 ) -> AppResult<(HeaderMap, Json<VoucherResponse>)> {
+    one_voucher(&state, id).await
+}
+
+/// A voucher as `GET /vouchers/{id}` shows it: live stock from Redis, or Postgres's
+/// with the fallback header.
+async fn one_voucher(state: &AppState, id: i64) -> AppResult<(HeaderMap, Json<VoucherResponse>)> {
     let row = vouchers::get(&state.db, id)
         .await?
         .ok_or_else(|| AppError::NotFound(format!("voucher {id} not found")))?;
-    let live = live_stocks(&state, std::slice::from_ref(&row)).await;
+    let live = live_stocks(state, std::slice::from_ref(&row)).await;
     Ok((
         fallback_headers(live.is_none()),
         Json(VoucherResponse::new(row, live.and_then(|l| l[0]))),
@@ -494,14 +500,7 @@ pub(crate) async fn close(
             })
         }
     }
-    let row = vouchers::get(&state.db, id)
-        .await?
-        .ok_or_else(|| AppError::NotFound(format!("voucher {id} not found")))?;
-    let live = live_stocks(&state, std::slice::from_ref(&row)).await;
-    Ok((
-        fallback_headers(live.is_none()),
-        Json(VoucherResponse::new(row, live.and_then(|l| l[0]))),
-    ))
+    one_voucher(&state, id).await
 }
 
 #[cfg(test)]

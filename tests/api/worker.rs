@@ -575,31 +575,7 @@ async fn rows_inserted_before_the_row_lock_are_dropped_if_buried_or_gone_while_w
         .unwrap();
 
     // Someone holds the sale's row; the batch inserts its rows and waits for it.
-    let mut lock = app.db.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM seckill_vouchers WHERE voucher_id = $1 FOR UPDATE")
-        .bind(voucher)
-        .execute(&mut *lock)
-        .await
-        .unwrap();
-    let batch = tokio::spawn(async move { worker.process_batch(shard, &held).await });
-    let waiting = async {
-        loop {
-            let n: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-                 AND wait_event_type = 'Lock' AND query LIKE '%seckill_vouchers%'",
-            )
-            .fetch_one(&app.db)
-            .await
-            .unwrap();
-            if n > 0 {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
-    };
-    tokio::time::timeout(std::time::Duration::from_secs(10), waiting)
-        .await
-        .expect("the batch never waited for the row lock");
+    let (lock, batch) = batch_waiting_for_the_row_lock(&app, voucher, worker, shard, held).await;
 
     // Meanwhile a peer buries user 1's order (its tombstone is committed) and user 2's
     // entry is finished elsewhere.
@@ -697,31 +673,7 @@ async fn an_order_whose_users_other_order_closed_while_the_batch_waited_is_writt
     let (worker, shard, held) = read_new(&app, voucher, "worker-waiting").await;
     assert_eq!(held.len(), 1);
 
-    let mut lock = app.db.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM seckill_vouchers WHERE voucher_id = $1 FOR UPDATE")
-        .bind(voucher)
-        .execute(&mut *lock)
-        .await
-        .unwrap();
-    let batch = tokio::spawn(async move { worker.process_batch(shard, &held).await });
-    let waiting = async {
-        loop {
-            let n: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-                 AND wait_event_type = 'Lock' AND query LIKE '%seckill_vouchers%'",
-            )
-            .fetch_one(&app.db)
-            .await
-            .unwrap();
-            if n > 0 {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
-    };
-    tokio::time::timeout(std::time::Duration::from_secs(10), waiting)
-        .await
-        .expect("the batch never waited for the row lock");
+    let (lock, batch) = batch_waiting_for_the_row_lock(&app, voucher, worker, shard, held).await;
     // The first order's cancel commits meanwhile (as its transaction would have, before
     // this batch's lock; done by hand here, since a real cancel waits for the same lock).
     sqlx::query("UPDATE voucher_orders SET status = 'cancelled', closed_at = now() WHERE id = $1")
@@ -742,4 +694,45 @@ async fn an_order_whose_users_other_order_closed_while_the_batch_waited_is_writt
         Some("created"),
         "the second order is the user's live order now"
     );
+}
+
+/// Takes the sale's row lock, then starts `worker` on the batch `held`, and returns once
+/// the batch (its rows inserted) waits for that lock: the lock's transaction, to commit
+/// when the test has done what happens meanwhile, and the batch's task.
+async fn batch_waiting_for_the_row_lock(
+    app: &TestApp,
+    voucher: i64,
+    worker: seckill::worker::Worker,
+    shard: seckill::keys::Shard,
+    held: Vec<Entry>,
+) -> (
+    sqlx::Transaction<'static, sqlx::Postgres>,
+    tokio::task::JoinHandle<anyhow::Result<seckill::worker::BatchReport>>,
+) {
+    let mut lock = app.db.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM seckill_vouchers WHERE voucher_id = $1 FOR UPDATE")
+        .bind(voucher)
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    let batch = tokio::spawn(async move { worker.process_batch(shard, &held).await });
+    let waiting = async {
+        loop {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                 AND wait_event_type = 'Lock' AND query LIKE '%seckill_vouchers%'",
+            )
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+            if n > 0 {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(10), waiting)
+        .await
+        .expect("the batch never waited for the row lock");
+    (lock, batch)
 }
