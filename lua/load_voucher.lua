@@ -202,8 +202,18 @@ for u, o in pairs(in_flight) do
   fields[#fields + 1] = 'u:' .. u
   fields[#fields + 1] = o
 end
+-- A sale never ends later than Redis already says: a close (lua/close_sale.lua) that
+-- reached Redis but whose Postgres commit failed must not be undone by a reload. Sales
+-- are never extended, so the earlier end is the true one.
+local begin_ms, end_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
+local closed_at = tonumber(redis.call('HGET', KEYS[1], 'end_ms'))
+if closed_at and closed_at < end_ms then
+  end_ms = closed_at
+  begin_ms = math.min(begin_ms, end_ms - 1)
+end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'stock', stock, 'begin_ms', ARGV[4], 'end_ms', ARGV[5])
+redis.call('HSET', KEYS[1], 'stock', stock, 'begin_ms', string.format('%d', begin_ms),
+  'end_ms', string.format('%d', end_ms))
 for k = 1, #fields, 1000 do
   redis.call('HSET', KEYS[1], unpack(fields, k, math.min(k + 999, #fields)))
 end

@@ -345,11 +345,22 @@ impl Default for Settings {
 /// https, nothing after the authority.
 fn origin(s: &str) -> Result<String, String> {
     let s = s.trim();
+    // `CORS_ALLOWED_ORIGINS=` (set but empty) means none, as unset does.
+    if s.is_empty() {
+        return Ok(String::new());
+    }
+    // Browsers leave the default port out of `Origin`: so must the list, to match.
+    let s = s
+        .strip_suffix(":443")
+        .filter(|_| s.starts_with("https://"))
+        .or_else(|| s.strip_suffix(":80").filter(|_| s.starts_with("http://")))
+        .unwrap_or(s);
     let rest = s
         .strip_prefix("https://")
         .or_else(|| s.strip_prefix("http://"))
         .ok_or_else(|| format!("{s:?} is not an origin: it must start with http:// or https://"))?;
     let valid = !rest.is_empty()
+        && !rest.ends_with(':')
         && rest
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | ':' | '[' | ']'));
@@ -427,6 +438,9 @@ mod tests {
             "https://shop.example.com:8443"
         );
         assert!(super::origin("http://localhost:3000").is_ok());
+        assert_eq!(super::origin("https://a.com:443").unwrap(), "https://a.com");
+        assert_eq!(super::origin("http://a.com:80").unwrap(), "http://a.com");
+        assert_eq!(super::origin("").unwrap(), "");
         for bad in [
             "*",
             "shop.example.com",

@@ -51,7 +51,12 @@ impl Application {
         let settings = Settings {
             sale_state_retention: Duration::from_secs(api.sale_state_retention_secs),
             limits: api.limits.clone(),
-            cors_allowed_origins: api.cors_allowed_origins.clone(),
+            cors_allowed_origins: api
+                .cors_allowed_origins
+                .iter()
+                .filter(|o| !o.is_empty())
+                .cloned()
+                .collect(),
         };
         let ids = Arc::new(OrderIds::default());
         // Lease an order-id node now if Redis answers, so the first grab can be served;

@@ -146,7 +146,7 @@ fn cors(origins: &[String]) -> tower::util::Either<CorsLayer, tower::layer::util
     }
     let origins: Vec<HeaderValue> = origins
         .iter()
-        .filter_map(|o| HeaderValue::from_str(o).ok())
+        .map(|o| HeaderValue::from_str(o).expect("origins are checked at start-up"))
         .collect();
     tower::util::Either::Left(
         CorsLayer::new()

@@ -122,8 +122,9 @@ pub(crate) async fn docs() -> Html<&'static str> {
 /// `swagger-ui-dist` crate embeds them. Only these two names are served; the crate's
 /// own index page (which echoes the request URI into its HTML) is never reachable.
 pub(crate) async fn docs_asset(
-    axum::extract::Path(name): axum::extract::Path<String>,
+    name: Result<axum::extract::Path<String>, axum::extract::rejection::PathRejection>,
 ) -> axum::response::Response {
+    let name = name.map(|p| p.0).unwrap_or_default();
     use tower::ServiceExt;
     static ASSETS: LazyLock<axum::Router> = LazyLock::new(|| {
         swagger_ui_dist::generate_routes(swagger_ui_dist::ApiDefinition {
@@ -219,14 +220,14 @@ mod tests {
         );
         for asset in ["swagger-ui.css", "swagger-ui-bundle.js"] {
             assert!(page.contains(&format!("/docs/{asset}")));
-            let response = docs_asset(axum::extract::Path(asset.to_string())).await;
+            let response = docs_asset(Ok(axum::extract::Path(asset.to_string()))).await;
             assert_eq!(response.status(), 200, "{asset}");
             let body = axum::body::to_bytes(response.into_body(), 10 << 20)
                 .await
                 .unwrap();
             assert!(body.len() > 10_000, "{asset}: {} bytes", body.len());
         }
-        let other = docs_asset(axum::extract::Path("index.html".into())).await;
+        let other = docs_asset(Ok(axum::extract::Path("index.html".into()))).await;
         assert_eq!(other.status(), 404);
     }
 }

@@ -403,9 +403,9 @@ impl PageQuery {
                         })?)
                 }
                 "limit" => {
-                    query.limit = value
-                        .parse::<i64>()
-                        .ok()
+                    query.limit = Some(value.as_ref())
+                        .filter(|v| v.len() <= 4 && v.bytes().all(|b| b.is_ascii_digit()))
+                        .and_then(|v| v.parse::<i64>().ok())
                         .filter(|n| (1..=PAGE_MAX).contains(n))
                         .ok_or_else(|| {
                             AppError::bad_request(format!("limit must be 1 to {PAGE_MAX}"))
@@ -429,7 +429,7 @@ impl PageQuery {
         ("id" = i64, Path, description = "voucher id", minimum = 1),
         ("status" = Option<ListedStatus>, Query, description = "only orders in this status"),
         ("limit" = Option<i64>, Query, description = "orders per page, 1 to 1000 (default 100)", minimum = 1, maximum = 1000),
-        ("after" = Option<String>, Query, description = "the `next` of the previous page", pattern = "^[1-9][0-9]{0,18}$"),
+        ("after" = Option<String>, Query, description = "the `next` of the previous page", pattern = "^[1-9][0-9]{0,17}$"),
     ),
     responses(
         (status = 200, description = "a page of the sale's orders written to Postgres, newest first \
@@ -475,7 +475,8 @@ pub(crate) async fn list_orders(
         (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
         (status = 403, description = "not an administrator (`forbidden`)", body = ErrorBody),
         (status = 404, description = "no such voucher, or it has no flash sale (`not_found`)", body = ErrorBody),
-        (status = 503, description = "a dependency is down (`unavailable`); nothing changed", body = ErrorBody),
+        (status = 503, description = "a dependency is down (`unavailable`): the close may or may not \
+            have taken effect; closing again is safe and finishes it", body = ErrorBody),
     ))]
 pub(crate) async fn close(
     State(state): State<AppState>,
@@ -492,12 +493,17 @@ pub(crate) async fn close(
         }
         Err(e) => {
             return Err(match e.downcast::<redis::RedisError>() {
+                // The script may have run (a timeout, a dropped connection): the close
+                // may have taken effect in Redis. Closing again is safe and finishes it.
+                Ok(redis) if redis.is_timeout() || redis.is_io_error() => AppError::Unavailable(
+                    "the close may or may not have taken effect; close again to finish it".into(),
+                ),
                 Ok(redis) => AppError::Redis(redis),
                 Err(e) => match e.downcast::<sqlx::Error>() {
                     Ok(db) => AppError::Database(db),
                     Err(e) => AppError::Internal(e),
                 },
-            })
+            });
         }
     }
     one_voucher(&state, id).await

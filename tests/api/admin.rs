@@ -303,3 +303,47 @@ async fn a_sale_closed_before_it_opens_reads_as_ended_and_closing_needs_a_sale_a
         (StatusCode::NOT_FOUND, Some("not_found"))
     );
 }
+
+/// A close that reached Redis but whose Postgres commit failed (the process died between
+/// the two) is not undone by a reload: the sale stays ended, and closing again writes
+/// the same end to Postgres.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_close_that_only_reached_redis_survives_a_repair_and_a_second_close_finishes_it(
+    db: PgPool,
+) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(10).await;
+    assert_eq!(app.grab(voucher, 1).await.0, StatusCode::ACCEPTED);
+    let end_ms: i64 = redis::Script::new(include_str!("../../lua/close_sale.lua"))
+        .key(app.keys.voucher(voucher))
+        .invoke_async(&mut app.redis.clone())
+        .await
+        .unwrap();
+    let (status, body) = app.grab(voucher, 2).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (StatusCode::CONFLICT, Some("ended"))
+    );
+
+    let (code, out) = app.cli(&["reconcile", "--voucher", &voucher.to_string(), "--repair"]);
+    assert_eq!(code, 0, "{out}");
+    let (status, body) = app.grab(voucher, 3).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (StatusCode::CONFLICT, Some("ended")),
+        "a repair reopened a closed sale"
+    );
+
+    let (status, closed) = close(&app, voucher).await;
+    assert_eq!(status, StatusCode::OK);
+    let end: chrono::DateTime<chrono::Utc> = closed["seckill"]["end_time"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(
+        end.timestamp_millis(),
+        end_ms,
+        "Postgres ends the sale when Redis did"
+    );
+}
