@@ -456,6 +456,10 @@ pub(crate) async fn written_among(
 
 /// A page of a sale's orders, newest first: ids are minted in time order, so the page
 /// after a cursor is the `limit` ids below it (keyset: stable while orders are added).
+/// It walks the primary key backwards from the cursor (a plain bound, so even a generic
+/// plan starts there), skipping other sales' orders: quick for a current sale. No
+/// `(voucher_id, id)` index on purpose: it cost the worker's drain about 6% (load/drain,
+/// 2026-11-23: 97k → 91k rows/s), for an administrators' page.
 #[tracing::instrument(skip(db))]
 pub(crate) async fn page_of_sale(
     db: &PgPool,
@@ -466,8 +470,8 @@ pub(crate) async fn page_of_sale(
 ) -> Result<Vec<OrderRow>, sqlx::Error> {
     sqlx::query_as(&format!(
         "SELECT {ORDER_COLUMNS} FROM voucher_orders \
-         WHERE voucher_id = $1 AND ($2::text IS NULL OR status = $2) \
-           AND ($3::int8 IS NULL OR id < $3) \
+         WHERE voucher_id = $1 AND id < coalesce($3, 9223372036854775807) \
+           AND ($2::text IS NULL OR status = $2) \
          ORDER BY id DESC LIMIT $4"
     ))
     .bind(voucher_id)
