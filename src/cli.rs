@@ -49,9 +49,9 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
             let sweeper = sweeper.await?;
             let lanes = crate::config::defaults::WORKER_CONCURRENCY;
             let workers = build_workers(&db, &args.redis, keys, args.worker, lanes).await?;
-            let lanes =
+            let running =
                 futures_util::future::join_all(workers.into_iter().map(|w| w.run(cancel.clone())));
-            tokio::join!(sweeper, lanes);
+            tokio::join!(sweeper, running);
             Ok(ExitCode::SUCCESS)
         }
         Command::DeadLetters(args) => {

@@ -318,8 +318,10 @@ static CLOSE: LazyLock<Script> =
 
 /// Ends a sale now, in both stores at once: under the fence (so no load can put the old
 /// end back), Redis first (atomic with admission: grabs before it win, grabs after it
-/// hear `ended`), then Postgres with the same instant. If Redis fails nothing changed;
-/// `Ok(false)` when the voucher has no flash sale.
+/// hear `ended`), then Postgres with the same instant. If Redis refuses, nothing
+/// changed; if its answer is lost, or Postgres fails after it, Redis alone is closed
+/// (a reload keeps the earlier end) and closing again finishes it. `Ok(false)` when the
+/// voucher has no flash sale.
 #[tracing::instrument(skip(db, conn, keys))]
 pub async fn close_sale<C: ConnectionLike + Send>(
     db: &PgPool,
@@ -328,7 +330,7 @@ pub async fn close_sale<C: ConnectionLike + Send>(
     voucher_id: i64,
 ) -> anyhow::Result<bool> {
     let mut tx = db.begin().await?;
-    if !store::vouchers::lock_sale_row(&mut tx, voucher_id).await? {
+    if store::orders::lock_sales(&mut tx, &[voucher_id]).await? == 0 {
         return Ok(false);
     }
     let end_ms: i64 = CLOSE

@@ -75,7 +75,21 @@ pub enum AppError {
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
     #[error("internal: {0}")]
-    Internal(#[from] anyhow::Error),
+    Internal(anyhow::Error),
+}
+
+/// Orchestration below the handlers returns `anyhow`: a Postgres or Redis error inside
+/// keeps its own variant (so a dependency that is down is a 503, not a 500).
+impl From<anyhow::Error> for AppError {
+    fn from(e: anyhow::Error) -> Self {
+        match e.downcast::<sqlx::Error>() {
+            Ok(db) => AppError::Database(db),
+            Err(e) => match e.downcast::<redis::RedisError>() {
+                Ok(redis) => AppError::Redis(redis),
+                Err(e) => AppError::Internal(e),
+            },
+        }
+    }
 }
 
 pub(crate) type AppResult<T> = Result<T, AppError>;

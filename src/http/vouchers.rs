@@ -366,7 +366,7 @@ struct PageQuery {
 const PAGE_DEFAULT: i64 = 100;
 const PAGE_MAX: i64 = 1000;
 /// Statuses Postgres holds (a `pending` order is not written yet).
-const LISTED: [&str; 4] = ["created", "paid", "cancelled", "expired"];
+pub(crate) const LISTED: [&str; 4] = ["created", "paid", "cancelled", "expired"];
 
 /// The statuses a sale's orders can be listed by (the document's name for [`LISTED`]).
 #[derive(Debug, ToSchema)]
@@ -492,17 +492,16 @@ pub(crate) async fn close(
             )))
         }
         Err(e) => {
-            return Err(match e.downcast::<redis::RedisError>() {
+            return Err(match AppError::from(e) {
                 // The script may have run (a timeout, a dropped connection): the close
                 // may have taken effect in Redis. Closing again is safe and finishes it.
-                Ok(redis) if redis.is_timeout() || redis.is_io_error() => AppError::Unavailable(
-                    "the close may or may not have taken effect; close again to finish it".into(),
-                ),
-                Ok(redis) => AppError::Redis(redis),
-                Err(e) => match e.downcast::<sqlx::Error>() {
-                    Ok(db) => AppError::Database(db),
-                    Err(e) => AppError::Internal(e),
-                },
+                AppError::Redis(redis) if redis.is_timeout() || redis.is_io_error() => {
+                    AppError::Unavailable(
+                        "the close may or may not have taken effect; close again to finish it"
+                            .into(),
+                    )
+                }
+                other => other,
             });
         }
     }

@@ -154,12 +154,12 @@ pub async fn persist_batch(
 }
 
 /// Locks the flash-sale rows of the given vouchers, in voucher order so concurrent
-/// transactions cannot deadlock each other on them. Waits at most the session's
-/// `lock_timeout`.
+/// transactions cannot deadlock each other on them, and returns how many exist. Waits at
+/// most the session's `lock_timeout`.
 pub(crate) async fn lock_sales(
     tx: &mut Transaction<'_, Postgres>,
     voucher_ids: &[i64],
-) -> Result<(), sqlx::Error> {
+) -> Result<u64, sqlx::Error> {
     let mut ids = voucher_ids.to_vec();
     ids.sort_unstable();
     ids.dedup();
@@ -169,8 +169,8 @@ pub(crate) async fn lock_sales(
     )
     .bind(&ids)
     .execute(&mut **tx)
-    .await?;
-    Ok(())
+    .await
+    .map(|done| done.rows_affected())
 }
 
 /// Writes `all` in `tx` (not committed); `Ok(None)` when a stock guard failed.
@@ -191,7 +191,8 @@ async fn write(
         .filter(|id| !alive.contains(id))
         .copied()
         .collect();
-    unwanted.extend(buried_rows(tx, &inserted).await?);
+    let rows: Vec<i64> = inserted.iter().copied().collect();
+    unwanted.extend(super::dead_orders::buried_among(tx, &rows).await?);
     if !unwanted.is_empty() {
         for id in delete_rows(tx, &unwanted).await? {
             inserted.remove(&id);
@@ -313,21 +314,6 @@ async fn insert_orders(
     Ok(inserted.into_iter().collect())
 }
 
-/// Which of these rows (inserted by this transaction) belong to orders buried since.
-async fn buried_rows(
-    tx: &mut Transaction<'_, Postgres>,
-    inserted: &HashSet<i64>,
-) -> Result<Vec<i64>, sqlx::Error> {
-    if inserted.is_empty() {
-        return Ok(Vec::new());
-    }
-    let ids: Vec<i64> = inserted.iter().copied().collect();
-    sqlx::query_scalar("SELECT id FROM dead_orders WHERE id = ANY($1)")
-        .bind(&ids)
-        .fetch_all(&mut **tx)
-        .await
-}
-
 /// Takes back rows this transaction inserted; returns the ids deleted.
 async fn delete_rows(
     tx: &mut Transaction<'_, Postgres>,
@@ -380,16 +366,10 @@ async fn classify(
         .map(|(id, u, v)| (id, (u, v)))
         .collect()
     };
-    let dead: HashSet<i64> = if skipped.is_empty() {
-        HashSet::new()
-    } else {
-        sqlx::query_scalar("SELECT id FROM dead_orders WHERE id = ANY($1)")
-            .bind(&skipped)
-            .fetch_all(&mut **tx)
-            .await?
-            .into_iter()
-            .collect()
-    };
+    let dead: HashSet<i64> = super::dead_orders::buried_among(tx, &skipped)
+        .await?
+        .into_iter()
+        .collect();
     Ok(orders
         .iter()
         .map(|o| {

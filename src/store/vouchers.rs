@@ -217,22 +217,6 @@ pub(crate) async fn lock_sale(
     Ok(Some((sale, buyers)))
 }
 
-/// Locks a sale's row (the fence) without reading it; `false` when the voucher has no
-/// flash sale.
-#[tracing::instrument(skip(tx))]
-pub(crate) async fn lock_sale_row(
-    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
-    voucher_id: i64,
-) -> Result<bool, sqlx::Error> {
-    Ok(sqlx::query_scalar::<_, i64>(
-        "SELECT voucher_id FROM seckill_vouchers WHERE voucher_id = $1 FOR NO KEY UPDATE",
-    )
-    .bind(voucher_id)
-    .fetch_optional(&mut **tx)
-    .await?
-    .is_some())
-}
-
 /// Ends a sale at `end_ms` (Unix ms) unless it ends earlier already; its beginning moves
 /// to at most a millisecond before, as `lua/close_sale.lua` does in Redis.
 #[tracing::instrument(skip(tx))]
