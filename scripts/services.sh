@@ -63,6 +63,9 @@ start_postgres() {
 
 # Points REDIS_URL and DATABASE_URL at servers that answer, starting them if needed.
 ensure_services() {
+  # The TLS tests make their certificates with openssl and start a Postgres of their own
+  # (initdb, as the postgres account when run as root) and TLS-only redis-servers.
+  ensure_packages openssl postgresql redis-server redis-tools
   redis_answers || start_redis
   postgres_answers || start_postgres
   log "Redis at $REDIS_URL, Postgres at $DATABASE_URL"

@@ -1,24 +1,60 @@
-//! Bearer tokens: HS256 JWTs signed with `JWT_SECRET`.
+//! Bearer tokens: HS256 JWTs signed with `JWT_SECRET`, and RS256/ES256 JWTs signed by an
+//! identity provider whose public keys are published as a JWKS (`JWT_JWKS_URL`, see
+//! [`jwks`]). Either may be configured alone, or both.
 //!
 //! `sub` is the user id (a positive 64-bit integer, as a JSON string or number), `exp`
-//! is required, `role: "admin"` marks administrators. Anything else is a 401.
+//! is required (5 s leeway), `role: "admin"` marks administrators; `iss` / `aud` must
+//! match `JWT_ISSUER` / `JWT_AUDIENCE` when those are set. Anything else is a 401.
+//!
+//! The header's `alg` picks the path, and no path ever looks at another's keys: HS256 is
+//! checked against the secret only (refused without one), RS256/ES256 against the JWKS
+//! key its `kid` names, whose own algorithm must be the token's; any other `alg`
+//! (`none` included) is refused.
+
+mod jwks;
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine as _;
-use jsonwebtoken::{Algorithm, EncodingKey, Header};
+use jsonwebtoken::errors::ErrorKind;
+use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
 use serde::{Deserialize, Deserializer, Serialize};
+
+pub use jwks::Jwks;
 
 pub(crate) const ADMIN_ROLE: &str = "admin";
 
-#[derive(Debug, Serialize, Deserialize)]
+/// Why tokens are refused (the `message` of the 401).
+pub(crate) const INVALID: &str = "invalid or expired token";
+pub(crate) const ALG_NOT_ACCEPTED: &str = "token algorithm not accepted";
+pub(crate) const ALG_MISMATCH: &str = "token algorithm does not match its key";
+pub(crate) const NO_KID: &str = "token has no key id (kid)";
+pub(crate) const UNKNOWN_KID: &str = "unknown key id (kid)";
+pub(crate) const WRONG_ISSUER: &str = "token issuer not accepted";
+pub(crate) const WRONG_AUDIENCE: &str = "token audience not accepted";
+pub(crate) const UNKNOWN_ROLE: &str = "unknown role in token";
+
+#[derive(Debug, Deserialize)]
 pub(crate) struct Claims {
-    #[serde(deserialize_with = "positive_id", serialize_with = "as_string")]
+    #[serde(deserialize_with = "positive_id")]
     pub sub: i64,
     pub exp: u64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub role: Option<String>,
+}
+
+/// The claims `mint` writes.
+#[derive(Serialize)]
+struct Minted<'a> {
+    sub: String,
+    exp: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    iss: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    aud: Option<&'a str>,
 }
 
 /// `sub` as a JSON number or a string of digits; a positive 64-bit integer either way.
@@ -47,20 +83,127 @@ fn positive_id<'de, D: Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
     d.deserialize_any(Id)
 }
 
-fn as_string<S: serde::Serializer>(id: &i64, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(&id.to_string())
-}
-
 #[derive(Deserialize)]
 struct JoseHeader<'a> {
     #[serde(borrow)]
     alg: std::borrow::Cow<'a, str>,
+    #[serde(borrow, default)]
+    kid: Option<std::borrow::Cow<'a, str>>,
+}
+
+/// A token cut at its dots: exactly three parts, or `None`.
+struct Parts<'a> {
+    token: &'a str,
+    header: &'a str,
+    payload: &'a str,
+    signature: &'a str,
+}
+
+impl<'a> Parts<'a> {
+    fn of(token: &'a str) -> Option<Self> {
+        let mut parts = token.split('.');
+        match (parts.next(), parts.next(), parts.next(), parts.next()) {
+            (Some(header), Some(payload), Some(signature), None) => Some(Self {
+                token,
+                header,
+                payload,
+                signature,
+            }),
+            _ => None,
+        }
+    }
+
+    /// The header, decoded from base64url (parse it as a [`JoseHeader`]).
+    fn header_json(&self) -> Result<Vec<u8>, Unauthorized> {
+        URL_SAFE_NO_PAD
+            .decode(self.header)
+            .map_err(|_| Unauthorized(INVALID))
+    }
+}
+
+fn parse_header(raw: &[u8]) -> Result<JoseHeader<'_>, Unauthorized> {
+    serde_json::from_slice(raw).map_err(|_| Unauthorized(INVALID))
 }
 
 /// Leeway on `exp`, in seconds (clock skew between token issuer and us).
 const LEEWAY_SECS: u64 = 5;
 
-/// Signing and verifying keys, built once from the secret.
+/// What every token must also carry, whatever signed it: `iss` and `aud`, when
+/// configured (`JWT_ISSUER`, `JWT_AUDIENCE`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Expected {
+    pub issuer: Option<String>,
+    /// Accepted when the token's `aud` is this string, or an array holding it.
+    pub audience: Option<String>,
+}
+
+impl Expected {
+    /// Unset when empty (`JWT_ISSUER=` means no check, as unset does).
+    pub fn new(issuer: Option<&str>, audience: Option<&str>) -> Self {
+        let set = |v: Option<&str>| v.filter(|v| !v.is_empty()).map(str::to_string);
+        Self {
+            issuer: set(issuer),
+            audience: set(audience),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.issuer.is_none() && self.audience.is_none()
+    }
+
+    /// jsonwebtoken's rules for `alg`: those of the HS256 fast path (`exp` required,
+    /// 5 s leeway, `nbf` and an unexpected `aud` not checked) plus `iss`/`aud`, which
+    /// must then be present.
+    fn validation(&self, alg: Algorithm) -> Validation {
+        let mut validation = Validation::new(alg);
+        validation.leeway = LEEWAY_SECS;
+        validation.validate_aud = false;
+        if let Some(issuer) = &self.issuer {
+            validation.set_issuer(&[issuer]);
+            validation.required_spec_claims.insert("iss".into());
+        }
+        if let Some(audience) = &self.audience {
+            validation.set_audience(&[audience]);
+            validation.validate_aud = true;
+            validation.required_spec_claims.insert("aud".into());
+        }
+        validation
+    }
+}
+
+/// Verifies a token with jsonwebtoken under `validation` (which pins the algorithm),
+/// then the claims rules.
+fn decode_checked(
+    token: &str,
+    key: &DecodingKey,
+    validation: &Validation,
+) -> Result<AuthUser, Unauthorized> {
+    match jsonwebtoken::decode::<Claims>(token, key, validation) {
+        Ok(data) => user(data.claims),
+        Err(e) => Err(Unauthorized(match e.kind() {
+            ErrorKind::InvalidIssuer => WRONG_ISSUER,
+            ErrorKind::MissingRequiredClaim(c) if c == "iss" => WRONG_ISSUER,
+            ErrorKind::InvalidAudience => WRONG_AUDIENCE,
+            ErrorKind::MissingRequiredClaim(c) if c == "aud" => WRONG_AUDIENCE,
+            _ => INVALID,
+        })),
+    }
+}
+
+/// The caller the (verified, unexpired) claims name.
+fn user(claims: Claims) -> Result<AuthUser, Unauthorized> {
+    let admin = match claims.role.as_deref() {
+        None => false,
+        Some(ADMIN_ROLE) => true,
+        Some(_) => return Err(Unauthorized(UNKNOWN_ROLE)),
+    };
+    Ok(AuthUser {
+        user_id: claims.sub,
+        admin,
+    })
+}
+
+/// HS256 signing and verifying keys, built once from the secret.
 pub struct JwtKeys {
     encoding: EncodingKey,
     /// HMAC-SHA256 key for verification: the hot path verifies with it directly.
@@ -70,12 +213,27 @@ pub struct JwtKeys {
     /// Encoded headers of HS256 tokens as common libraries write them; any other header
     /// is decoded and checked.
     known_headers: [String; 3],
+    expected: Expected,
+    /// Only with `iss`/`aud` to check: then tokens go through `jsonwebtoken::decode`
+    /// (the fast path checks neither, and stays free of allocations for the claims).
+    checked: Option<Box<(DecodingKey, Validation)>>,
 }
 
 impl JwtKeys {
     pub fn new(secret: &str) -> anyhow::Result<Self> {
+        Self::with_expected(secret, Expected::default())
+    }
+
+    /// Keys whose tokens must carry `expected`'s `iss`/`aud` (and that mints them).
+    pub fn with_expected(secret: &str, expected: Expected) -> anyhow::Result<Self> {
         anyhow::ensure!(!secret.is_empty(), "JWT_SECRET must not be empty");
         let b64 = |json: &str| URL_SAFE_NO_PAD.encode(json);
+        let checked = (!expected.is_empty()).then(|| {
+            Box::new((
+                DecodingKey::from_secret(secret.as_bytes()),
+                expected.validation(Algorithm::HS256),
+            ))
+        });
         Ok(Self {
             encoding: EncodingKey::from_secret(secret.as_bytes()),
             hmac: ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret.as_bytes()),
@@ -84,15 +242,20 @@ impl JwtKeys {
                 b64(r#"{"alg":"HS256","typ":"JWT"}"#),
                 b64(r#"{"alg":"HS256"}"#),
             ],
+            expected,
+            checked,
         })
     }
 
+    /// An HS256 token for `user_id`, carrying the configured `iss`/`aud` if any.
     pub fn mint(&self, user_id: i64, admin: bool, ttl_secs: u64) -> anyhow::Result<String> {
         anyhow::ensure!(user_id > 0, "user id must be positive");
-        let claims = Claims {
-            sub: user_id,
+        let claims = Minted {
+            sub: user_id.to_string(),
             exp: now_secs() + ttl_secs,
-            role: admin.then(|| ADMIN_ROLE.to_string()),
+            role: admin.then_some(ADMIN_ROLE),
+            iss: self.expected.issuer.as_deref(),
+            aud: self.expected.audience.as_deref(),
         };
         Ok(jsonwebtoken::encode(
             &Header::new(Algorithm::HS256),
@@ -103,44 +266,109 @@ impl JwtKeys {
 
     /// Verifies an HS256 token: algorithm pinned (a header naming any other, or `none`,
     /// is refused), signature checked in constant time, `exp` required (5 s leeway),
-    /// `sub` a positive integer, `role` absent or `"admin"`.
+    /// `sub` a positive integer, `role` absent or `"admin"`, `iss`/`aud` as expected.
+    /// (Requests go through [`Verifier::verify`], which takes the same path.)
+    #[cfg(test)]
     pub(crate) fn verify(&self, token: &str) -> Result<AuthUser, Unauthorized> {
-        let invalid = || Unauthorized("invalid or expired token");
-        let mut parts = token.split('.');
-        let (Some(header), Some(payload), Some(signature), None) =
-            (parts.next(), parts.next(), parts.next(), parts.next())
-        else {
-            return Err(invalid());
-        };
-        if !self.known_headers.iter().any(|h| h == header) {
-            let raw = URL_SAFE_NO_PAD.decode(header).map_err(|_| invalid())?;
-            let parsed: JoseHeader = serde_json::from_slice(&raw).map_err(|_| invalid())?;
-            if parsed.alg != "HS256" {
-                return Err(invalid());
-            }
+        let parts = Parts::of(token).ok_or(Unauthorized(INVALID))?;
+        if !self.is_known_header(parts.header)
+            && parse_header(&parts.header_json()?)?.alg != "HS256"
+        {
+            return Err(Unauthorized(INVALID));
         }
+        self.verify_hs256(&parts)
+    }
+
+    fn is_known_header(&self, header: &str) -> bool {
+        self.known_headers.iter().any(|h| h == header)
+    }
+
+    /// Verifies a token whose header says HS256.
+    fn verify_hs256(&self, parts: &Parts) -> Result<AuthUser, Unauthorized> {
+        if let Some(checked) = &self.checked {
+            return decode_checked(parts.token, &checked.0, &checked.1);
+        }
+        let invalid = || Unauthorized(INVALID);
         let mut mac = [0u8; 32];
-        match URL_SAFE_NO_PAD.decode_slice(signature, &mut mac) {
+        match URL_SAFE_NO_PAD.decode_slice(parts.signature, &mut mac) {
             Ok(32) => {}
             _ => return Err(invalid()),
         }
-        let signed = &token[..header.len() + 1 + payload.len()];
+        let signed = &parts.token[..parts.header.len() + 1 + parts.payload.len()];
         ring::hmac::verify(&self.hmac, signed.as_bytes(), &mac).map_err(|_| invalid())?;
 
-        let raw = URL_SAFE_NO_PAD.decode(payload).map_err(|_| invalid())?;
+        let raw = URL_SAFE_NO_PAD
+            .decode(parts.payload)
+            .map_err(|_| invalid())?;
         let claims: Claims = serde_json::from_slice(&raw).map_err(|_| invalid())?;
         if claims.exp.saturating_add(LEEWAY_SECS) < now_secs() {
             return Err(invalid());
         }
-        let admin = match claims.role.as_deref() {
-            None => false,
-            Some(ADMIN_ROLE) => true,
-            Some(_) => return Err(Unauthorized("unknown role in token")),
-        };
-        Ok(AuthUser {
-            user_id: claims.sub,
-            admin,
-        })
+        user(claims)
+    }
+}
+
+/// Every way a token may be verified here: the HS256 secret, an identity provider's
+/// JWKS, or both.
+pub struct Verifier {
+    hs256: Option<JwtKeys>,
+    jwks: Option<Jwks>,
+}
+
+impl Verifier {
+    /// At least one of the two is required.
+    pub fn new(hs256: Option<JwtKeys>, jwks: Option<Jwks>) -> anyhow::Result<Self> {
+        anyhow::ensure!(
+            hs256.is_some() || jwks.is_some(),
+            "no way to verify bearer tokens: set JWT_SECRET (HS256 tokens), JWT_JWKS_URL \
+             (RS256/ES256 tokens of an identity provider), or both"
+        );
+        Ok(Self { hs256, jwks })
+    }
+
+    /// From the configuration (`JWT_SECRET`, `JWT_JWKS_URL`, `JWT_ISSUER`, `JWT_AUDIENCE`).
+    /// Fetches nothing yet: see [`Jwks::refresh`] and [`Jwks::keep_fresh`].
+    pub fn from_args(args: &crate::config::JwtArgs) -> anyhow::Result<Self> {
+        let expected = Expected::new(args.jwt_issuer.as_deref(), args.jwt_audience.as_deref());
+        let hs256 = args
+            .jwt_secret
+            .as_deref()
+            .map(|secret| JwtKeys::with_expected(secret, expected.clone()))
+            .transpose()?;
+        let jwks = args
+            .jwt_jwks_url
+            .as_deref()
+            .filter(|url| !url.is_empty())
+            .map(|url| Jwks::new(url, &expected))
+            .transpose()?;
+        Self::new(hs256, jwks)
+    }
+
+    /// The identity provider's keys, when configured.
+    pub fn jwks(&self) -> Option<&Jwks> {
+        self.jwks.as_ref()
+    }
+
+    /// Verifies a bearer token. HS256 tokens as common libraries write them take the
+    /// fast path at once (no allocation, no lock); otherwise the header is decoded and
+    /// its `alg` picks the keys.
+    pub(crate) async fn verify(&self, token: &str) -> Result<AuthUser, Refused> {
+        let parts = Parts::of(token).ok_or(Unauthorized(INVALID))?;
+        if let Some(hs256) = &self.hs256 {
+            if hs256.is_known_header(parts.header) {
+                return Ok(hs256.verify_hs256(&parts)?);
+            }
+        }
+        let raw = parts.header_json()?;
+        let header = parse_header(&raw)?;
+        let kid = header.kid.as_deref();
+        match (header.alg.as_ref(), &self.hs256, &self.jwks) {
+            ("HS256", Some(hs256), _) => Ok(hs256.verify_hs256(&parts)?),
+            // Boxed: the HS256 path's future stays small.
+            ("RS256", _, Some(jwks)) => Box::pin(jwks.verify(token, Algorithm::RS256, kid)).await,
+            ("ES256", _, Some(jwks)) => Box::pin(jwks.verify(token, Algorithm::ES256, kid)).await,
+            _ => Err(Unauthorized(ALG_NOT_ACCEPTED).into()),
+        }
     }
 }
 
@@ -166,6 +394,24 @@ pub(crate) struct Admin;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
 pub(crate) struct Unauthorized(pub &'static str);
+
+/// Why a request's token was not accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum Refused {
+    /// A bad token: 401.
+    #[error("{0}")]
+    Unauthorized(&'static str),
+    /// An RS256/ES256 token, and the identity provider's keys were never fetched (it has
+    /// not answered since the start): 503, retry.
+    #[error("identity provider keys not loaded yet")]
+    KeysNotLoaded,
+}
+
+impl From<Unauthorized> for Refused {
+    fn from(e: Unauthorized) -> Self {
+        Refused::Unauthorized(e.0)
+    }
+}
 
 /// Parses an id strictly: ASCII digits only, no sign, no leading zero, a positive i64.
 pub(crate) fn parse_id(s: &str) -> Option<i64> {
@@ -194,6 +440,24 @@ mod tests {
             &EncodingKey::from_secret(secret.as_bytes()),
         )
         .unwrap()
+    }
+
+    fn sign_as(alg: Algorithm, claims: &serde_json::Value, secret: &str) -> String {
+        jsonwebtoken::encode(
+            &Header::new(alg),
+            claims,
+            &EncodingKey::from_secret(secret.as_bytes()),
+        )
+        .unwrap()
+    }
+
+    fn verifier(hs256: Option<JwtKeys>, jwks: Option<Jwks>) -> Verifier {
+        Verifier::new(hs256, jwks).unwrap()
+    }
+
+    /// A JWKS nothing answers at (connections to port 1 are refused at once).
+    fn unreachable_jwks() -> Jwks {
+        Jwks::new("http://127.0.0.1:1/jwks.json", &Expected::default()).unwrap()
     }
 
     fn in_an_hour() -> u64 {
@@ -315,6 +579,8 @@ mod tests {
         let mut validation = Validation::new(Algorithm::HS256);
         validation.leeway = LEEWAY_SECS;
         validation.validate_aud = false;
+        // The JWKS path and HS256 with iss/aud configured verify under these rules too.
+        assert_eq!(Expected::default().validation(Algorithm::HS256), validation);
         let decoding = DecodingKey::from_secret(b"test-secret");
         let reference = |t: &str| {
             jsonwebtoken::decode::<Claims>(t, &decoding, &validation)
@@ -361,5 +627,211 @@ mod tests {
             let ours = k.verify(token).ok().map(|u| (u.user_id, u.admin));
             assert_eq!(ours, reference(token), "{token}");
         }
+    }
+
+    /// Requests take the same HS256 path as `JwtKeys::verify`, common header or not.
+    #[tokio::test]
+    async fn the_verifier_accepts_exactly_the_hs256_tokens_the_keys_accept() {
+        let k = keys();
+        let v = verifier(Some(keys()), None);
+        let exp = in_an_hour();
+        let mut with_kid = Header::new(Algorithm::HS256);
+        with_kid.kid = Some("key-1".into());
+        let good = k.mint(3, true, 60).unwrap();
+        let tokens = [
+            good.clone(),
+            jsonwebtoken::encode(
+                &with_kid,
+                &serde_json::json!({"sub": 4, "exp": exp}),
+                &EncodingKey::from_secret(b"test-secret"),
+            )
+            .unwrap(),
+            sign(
+                serde_json::json!({"sub": 5, "exp": exp - 7200}),
+                "test-secret",
+            ),
+            sign(serde_json::json!({"sub": 5, "exp": exp}), "other"),
+            sign(
+                serde_json::json!({"sub": 5, "exp": exp, "role": "root"}),
+                "test-secret",
+            ),
+            sign_as(
+                Algorithm::HS384,
+                &serde_json::json!({"sub": 5, "exp": exp}),
+                "test-secret",
+            ),
+            format!("{good}.x"),
+            "a.b".into(),
+            "eyJhbGciOiJub25lIiwidHlwIjoiSldUIn0.eyJzdWIiOjEsImV4cCI6OTk5OTk5OTk5OX0.".into(),
+        ];
+        for token in &tokens {
+            let ours = v.verify(token).await.ok().map(|u| (u.user_id, u.admin));
+            let reference = k.verify(token).ok().map(|u| (u.user_id, u.admin));
+            assert_eq!(ours, reference, "{token}");
+        }
+        assert_eq!(v.verify(&good).await.unwrap().user_id, 3);
+    }
+
+    #[tokio::test]
+    async fn issuer_and_audience_apply_to_hs256_tokens_when_configured() {
+        let expected = Expected::new(Some("https://idp.example"), Some("seckill"));
+        let k = JwtKeys::with_expected("test-secret", expected).unwrap();
+        let v = verifier(
+            Some(JwtKeys::with_expected("test-secret", k.expected.clone()).unwrap()),
+            None,
+        );
+        let minted = k.mint(42, false, 60).unwrap();
+        let payload: serde_json::Value = serde_json::from_slice(
+            &URL_SAFE_NO_PAD
+                .decode(minted.split('.').nth(1).unwrap())
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(payload["iss"], "https://idp.example");
+        assert_eq!(payload["aud"], "seckill");
+        assert_eq!(v.verify(&minted).await.unwrap().user_id, 42);
+
+        let exp = in_an_hour();
+        let check = |claims: serde_json::Value| sign(claims, "test-secret");
+        let cases = [
+            (
+                serde_json::json!({"sub": 1, "exp": exp, "iss": "https://idp.example", "aud": ["x", "seckill"]}),
+                Ok(1),
+            ),
+            (
+                serde_json::json!({"sub": 1, "exp": exp, "aud": "seckill"}),
+                Err(WRONG_ISSUER),
+            ),
+            (
+                serde_json::json!({"sub": 1, "exp": exp, "iss": "https://evil.example", "aud": "seckill"}),
+                Err(WRONG_ISSUER),
+            ),
+            (
+                serde_json::json!({"sub": 1, "exp": exp, "iss": "https://idp.example"}),
+                Err(WRONG_AUDIENCE),
+            ),
+            (
+                serde_json::json!({"sub": 1, "exp": exp, "iss": "https://idp.example", "aud": "other"}),
+                Err(WRONG_AUDIENCE),
+            ),
+            (
+                serde_json::json!({"sub": 1, "exp": exp, "iss": "https://idp.example", "aud": ["other"]}),
+                Err(WRONG_AUDIENCE),
+            ),
+            (
+                serde_json::json!({"sub": 1, "exp": exp - 7200, "iss": "https://idp.example", "aud": "seckill"}),
+                Err(INVALID),
+            ),
+            (
+                serde_json::json!({"sub": 0, "exp": exp, "iss": "https://idp.example", "aud": "seckill"}),
+                Err(INVALID),
+            ),
+            (
+                serde_json::json!({"sub": 1, "exp": exp, "iss": "https://idp.example", "aud": "seckill", "role": "root"}),
+                Err(UNKNOWN_ROLE),
+            ),
+        ];
+        for (claims, want) in cases {
+            let token = check(claims.clone());
+            let got = v.verify(&token).await.map(|u| u.user_id);
+            assert_eq!(got, want.map_err(Refused::Unauthorized), "{claims}");
+            assert_eq!(
+                k.verify(&token).map(|u| u.user_id).map_err(|e| e.0),
+                want,
+                "{claims}"
+            );
+        }
+        // Unconfigured, neither is checked (the rules of the fast path).
+        let plain = keys();
+        let token =
+            check(serde_json::json!({"sub": 1, "exp": exp, "iss": "anyone", "aud": "anything"}));
+        assert_eq!(plain.verify(&token).unwrap().user_id, 1);
+    }
+
+    #[tokio::test]
+    async fn the_header_alg_picks_the_keys_and_no_other_algorithm_is_accepted() {
+        let exp = in_an_hour();
+        let claims = serde_json::json!({"sub": 1, "exp": exp});
+        let hs256 = sign(claims.clone(), "test-secret");
+        // Without a secret, HS256 is refused outright (never tried against JWKS keys).
+        let jwks_only = verifier(None, Some(unreachable_jwks()));
+        assert_eq!(
+            jwks_only.verify(&hs256).await.unwrap_err(),
+            Refused::Unauthorized(ALG_NOT_ACCEPTED)
+        );
+        // Without a JWKS, RS256/ES256 are refused.
+        let hs_only = verifier(Some(keys()), None);
+        let header = |json: &str| URL_SAFE_NO_PAD.encode(json);
+        let body = URL_SAFE_NO_PAD.encode(claims.to_string());
+        let rs256 = format!("{}.{body}.c2ln", header(r#"{"alg":"RS256","kid":"k"}"#));
+        let es256 = format!("{}.{body}.c2ln", header(r#"{"alg":"ES256","kid":"k"}"#));
+        for token in [&rs256, &es256] {
+            assert_eq!(
+                hs_only.verify(token).await.unwrap_err(),
+                Refused::Unauthorized(ALG_NOT_ACCEPTED)
+            );
+        }
+        // Anything else, either way.
+        let both = verifier(Some(keys()), Some(unreachable_jwks()));
+        for alg in [
+            "none", "None", "HS384", "HS512", "RS384", "PS256", "ES384", "EdDSA", "",
+        ] {
+            let token = format!(
+                "{}.{body}.",
+                header(&format!(r#"{{"alg":"{alg}","kid":"k"}}"#))
+            );
+            for v in [&both, &jwks_only, &hs_only] {
+                assert_eq!(
+                    v.verify(&token).await.unwrap_err(),
+                    Refused::Unauthorized(ALG_NOT_ACCEPTED),
+                    "{alg}"
+                );
+            }
+        }
+        // An RS256 token must name its key.
+        let no_kid = format!("{}.{body}.c2ln", header(r#"{"alg":"RS256"}"#));
+        assert_eq!(
+            both.verify(&no_kid).await.unwrap_err(),
+            Refused::Unauthorized(NO_KID)
+        );
+        // Keys never fetched: 503, not 401 (the token may be good); HS256 still works.
+        assert_eq!(
+            both.verify(&rs256).await.unwrap_err(),
+            Refused::KeysNotLoaded
+        );
+        assert_eq!(both.verify(&hs256).await.unwrap().user_id, 1);
+    }
+
+    #[test]
+    fn a_secret_or_a_jwks_is_required_and_the_jwks_url_must_be_http() {
+        let err = Verifier::new(None, None).err().unwrap().to_string();
+        assert!(
+            err.contains("JWT_SECRET") && err.contains("JWT_JWKS_URL"),
+            "{err}"
+        );
+        let args = crate::config::JwtArgs {
+            jwt_jwks_url: Some(String::new()),
+            jwt_issuer: Some("https://idp.example".into()),
+            ..Default::default()
+        };
+        assert!(Verifier::from_args(&args).is_err());
+        assert!(Verifier::from_args(&crate::config::JwtArgs {
+            jwt_secret: Some(String::new()),
+            ..Default::default()
+        })
+        .is_err());
+        for bad in [
+            "not a url",
+            "ftp://idp.example/jwks.json",
+            "file:///etc/jwks.json",
+        ] {
+            assert!(Jwks::new(bad, &Expected::default()).is_err(), "{bad}");
+        }
+        let jwks_only = Verifier::from_args(&crate::config::JwtArgs {
+            jwt_jwks_url: Some("https://idp.example/.well-known/jwks.json".into()),
+            ..Default::default()
+        })
+        .unwrap();
+        assert!(jwks_only.hs256.is_none() && jwks_only.jwks().is_some());
     }
 }

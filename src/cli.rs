@@ -6,7 +6,7 @@ use std::time::Duration;
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
-use crate::auth::JwtKeys;
+use crate::auth::{Expected, JwtKeys};
 use crate::config::{ApiArgs, Cli, Command, WorkerOptions};
 use crate::redis_conn;
 use crate::startup::{build_workers, keys, redis, sweeper, Application};
@@ -31,7 +31,7 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Reconcile(args) => reconcile(args).await,
         Command::Token(args) => done(token(args)),
         Command::Migrate(args) => {
-            let db = store::pool(&args.database.database_url, 2)?;
+            let db = store::connect(&args.database.database_url, 2).await?;
             store::migrate(&db, Duration::from_secs(30)).await?;
             tracing::info!("migrations applied");
             Ok(ExitCode::SUCCESS)
@@ -40,10 +40,11 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Serve(args) => done(serve(args.api, Some(args.worker)).await),
         Command::Worker(args) => {
             let keys = keys(&args.redis)?;
-            let db = store::pool(
+            let db = store::connect(
                 &args.database.database_url,
                 args.database.database_max_connections,
-            )?;
+            )
+            .await?;
             let cancel = shutdown_token();
             let sweeper = sweeper(&db, &args.redis, keys.clone(), &args.worker, cancel.clone());
             let sweeper = sweeper.await?;
@@ -66,7 +67,7 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
 
 async fn reconcile(args: crate::config::ReconcileArgs) -> anyhow::Result<ExitCode> {
     let keys = keys(&args.redis)?;
-    let db = store::pool(&args.database.database_url, 4)?;
+    let db = store::connect(&args.database.database_url, 4).await?;
     let mut conn = redis(&args.redis, Duration::from_secs(30)).await?;
     let retention = Duration::from_secs(args.sale_state_retention_secs);
     let balanced = crate::reconcile::run(
@@ -99,7 +100,8 @@ fn print_out(text: &str) -> anyhow::Result<()> {
 /// Prints `count` tokens for users `user`, `user + 1`, ...
 fn token(args: crate::config::TokenArgs) -> anyhow::Result<()> {
     use std::io::Write;
-    let keys = JwtKeys::new(&args.jwt_secret)?;
+    let expected = Expected::new(args.jwt_issuer.as_deref(), args.jwt_audience.as_deref());
+    let keys = JwtKeys::with_expected(&args.jwt_secret, expected)?;
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     let written = (|| -> anyhow::Result<()> {
         for i in 0..args.count as i64 {

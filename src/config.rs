@@ -12,6 +12,7 @@ pub mod defaults {
     pub(crate) const RATE_LIMIT_PER_IP: u32 = 0;
     pub(crate) const RATE_LIMIT_PER_IP_BURST: u32 = 200;
     pub(crate) const MAX_CONCURRENT_REQUESTS: u32 = 10_000;
+    pub const LIVE_MAX_VIEWERS: u32 = 1_000;
     pub(crate) const REQUEST_TIMEOUT_SECS: u64 = 10;
     pub(crate) const WORKER_BATCH_SIZE: u32 = 2048;
     /// Lanes of `seckill worker`; `seckill serve` runs one (see `WorkerOptions`).
@@ -86,14 +87,20 @@ pub struct DatabaseArgs {
     pub database_max_connections: u32,
 }
 
+pub const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
+
 #[derive(Debug, Clone, Args)]
 pub struct RedisArgs {
     /// Single Redis node.
-    #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+    #[arg(long, env = "REDIS_URL", default_value = DEFAULT_REDIS_URL)]
     pub redis_url: String,
     /// Comma-separated Redis Cluster seed nodes; when set, cluster mode.
     #[arg(long, env = "REDIS_CLUSTER_URLS", value_delimiter = ',')]
     pub redis_cluster_urls: Vec<String>,
+    /// PEM file of the CA(s) that signed the Redis servers' certificates, for
+    /// `rediss://` URLs; unset: the system's roots.
+    #[arg(long, env = "REDIS_TLS_CA_FILE")]
+    pub redis_tls_ca_file: Option<std::path::PathBuf>,
     /// Prefix of every Redis key (to share one Redis between deployments or tests).
     #[arg(long, env = "REDIS_KEY_PREFIX", default_value = "")]
     pub redis_key_prefix: String,
@@ -110,9 +117,8 @@ pub struct ApiArgs {
     pub database: DatabaseArgs,
     #[command(flatten)]
     pub redis: RedisArgs,
-    /// HS256 secret for bearer tokens (no built-in default).
-    #[arg(long, env = "JWT_SECRET", hide_env_values = true)]
-    pub jwt_secret: String,
+    #[command(flatten)]
+    pub jwt: JwtArgs,
     /// Listen address of the API.
     #[arg(long, env = "BIND", default_value = "0.0.0.0:8080")]
     pub bind: SocketAddr,
@@ -130,10 +136,35 @@ pub struct ApiArgs {
     /// browser on another origin cannot call the API.
     #[arg(long, env = "CORS_ALLOWED_ORIGINS", value_delimiter = ',', value_parser = origin)]
     pub cors_allowed_origins: Vec<String>,
+    /// Pages watching `/live/events` on this instance at once; more get 503. Each costs
+    /// a connection and a copy of the snapshot a second, never a store read.
+    #[arg(long, env = "LIVE_MAX_VIEWERS", default_value_t = defaults::LIVE_MAX_VIEWERS,
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub live_max_viewers: u32,
     #[command(flatten)]
     pub limits: LimitArgs,
     #[command(flatten)]
     pub server: ServerArgs,
+}
+
+/// How bearer tokens are verified: HS256 with a shared secret, an identity provider's
+/// published keys (JWKS), or both. At least one of the two is required.
+#[derive(Debug, Clone, Default, Args)]
+pub struct JwtArgs {
+    /// HS256 secret for bearer tokens (no built-in default). Required unless
+    /// JWT_JWKS_URL is set.
+    #[arg(long, env = "JWT_SECRET", hide_env_values = true)]
+    pub jwt_secret: Option<String>,
+    /// An identity provider's JWKS (`https://.../.well-known/jwks.json`): RS256 and ES256
+    /// tokens whose `kid` names one of its keys are accepted.
+    #[arg(long, env = "JWT_JWKS_URL")]
+    pub jwt_jwks_url: Option<String>,
+    /// When set, every token's `iss` must be this (HS256 ones too).
+    #[arg(long, env = "JWT_ISSUER")]
+    pub jwt_issuer: Option<String>,
+    /// When set, every token's `aud` must be this, or an array holding it (HS256 ones too).
+    #[arg(long, env = "JWT_AUDIENCE")]
+    pub jwt_audience: Option<String>,
 }
 
 impl Default for ServerArgs {
@@ -308,6 +339,12 @@ pub(crate) struct TokenArgs {
     /// HS256 secret for bearer tokens.
     #[arg(long, env = "JWT_SECRET", hide_env_values = true)]
     pub jwt_secret: String,
+    /// Written as the tokens' `iss` (the API checks it when set).
+    #[arg(long, env = "JWT_ISSUER")]
+    pub jwt_issuer: Option<String>,
+    /// Written as the tokens' `aud` (the API checks it when set).
+    #[arg(long, env = "JWT_AUDIENCE")]
+    pub jwt_audience: Option<String>,
     /// The user id (`sub`), a positive integer.
     #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]
     pub user: i64,

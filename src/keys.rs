@@ -124,6 +124,12 @@ impl Keys {
         key
     }
 
+    /// A sale's grab outcomes counted for the live view (see `admission::tally`);
+    /// written apart from the admission script, so not in the shard's slot.
+    pub fn live_counts(&self, voucher_id: i64) -> String {
+        format!("{}seckill:live:{voucher_id}", self.prefix)
+    }
+
     /// Lease of an order-id node number (not tied to a shard).
     pub(crate) fn node_lease(&self, node: u16) -> String {
         format!("{}seckill:node:{node}", self.prefix)

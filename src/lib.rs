@@ -13,6 +13,7 @@ pub mod config;
 pub mod http;
 pub mod keys;
 pub mod lifecycle;
+pub mod live;
 pub mod metrics;
 pub mod reconcile;
 pub mod redis_conn;
@@ -20,6 +21,7 @@ pub mod startup;
 pub mod store;
 pub mod stream;
 pub mod telemetry;
+pub mod tls;
 pub mod worker;
 
 pub use http::build_app;

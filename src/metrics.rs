@@ -24,6 +24,14 @@ pub(crate) const DEPENDENCY_ERRORS: &str = "seckill_dependency_errors_total";
 pub(crate) const TRANSITIONS: &str = "seckill_order_transitions_total";
 pub(crate) const UNITS_RETURNED: &str = "seckill_units_returned_total";
 pub(crate) const RELEASES_OWED: &str = "seckill_releases_owed";
+/// Fetches of the identity provider's keys (`JWT_JWKS_URL`), by `outcome`: `ok`, `error`
+/// (unreachable, timed out, not 2xx) or `invalid` (not a key set, too large, no usable key).
+pub(crate) const JWKS_FETCHES: &str = "seckill_jwks_fetches_total";
+/// Snapshots the live view's producer built (one per second while pages are open,
+/// however many).
+pub(crate) const LIVE_SNAPSHOTS: &str = "seckill_live_snapshots_total";
+/// Pages watching `/live/events` now.
+pub(crate) const LIVE_VIEWERS: &str = "seckill_live_viewers";
 
 /// The process-wide recorder (installed on first use, with a thread doing its upkeep:
 /// without it histogram samples would pile up in memory between scrapes).
@@ -101,38 +109,12 @@ pub(crate) async fn sample_streams<C: ConnectionLike + Send>(
 ) -> redis::RedisResult<()> {
     for shard in keys.shards() {
         let shard_label = shard.0.to_string();
-        let stream = keys.stream(shard);
-        // Separate commands: with one shard the two keys live in different slots.
-        let len: u64 = redis::cmd("XLEN").arg(stream).query_async(conn).await?;
-        let dead: u64 = redis::cmd("XLEN")
-            .arg(keys.dead_letters(shard))
-            .query_async(conn)
-            .await?;
-        let pending: u64 = match redis::cmd("XPENDING")
-            .arg(stream)
-            .arg(crate::stream::GROUP)
-            .query_async::<redis::Value>(conn)
-            .await
-        {
-            Ok(redis::Value::Array(parts)) if !parts.is_empty() => {
-                redis::from_redis_value_ref(&parts[0]).unwrap_or(0)
-            }
-            _ => 0,
-        };
-        // Entries not yet delivered to any worker (Redis 7 keeps the count per group).
-        let groups: Vec<std::collections::HashMap<String, redis::Value>> = redis::cmd("XINFO")
-            .arg("GROUPS")
-            .arg(stream)
-            .query_async(conn)
-            .await
-            .unwrap_or_default();
-        let lag = groups
-            .iter()
-            .find_map(|g| {
-                g.get("lag")
-                    .and_then(|v| redis::from_redis_value_ref::<u64>(v).ok())
-            })
-            .unwrap_or(0);
+        let crate::stream::StreamStats {
+            length: len,
+            pending,
+            lag,
+            dead_letters: dead,
+        } = crate::stream::stats(conn, keys, shard).await?;
         metrics::gauge!(STREAM_LAG, "shard" => shard_label.clone()).set(lag as f64);
         metrics::gauge!(STREAM_LENGTH, "shard" => shard_label.clone()).set(len as f64);
         metrics::gauge!(STREAM_PENDING, "shard" => shard_label.clone()).set(pending as f64);

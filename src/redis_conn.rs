@@ -13,24 +13,112 @@ use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Value};
 
-/// Where Redis is: `REDIS_URL`, or `REDIS_CLUSTER_URLS` when set.
+/// Where Redis is: `REDIS_URL`, or `REDIS_CLUSTER_URLS` when set; `rediss://` URLs
+/// speak TLS, verified against `REDIS_TLS_CA_FILE` or else the system's roots.
 #[derive(Debug, Clone)]
-pub(crate) enum RedisTarget {
+pub(crate) struct RedisTarget {
+    pub nodes: RedisNodes,
+    /// The CA bundle (PEM) and the setting it came from, for `rediss://`.
+    tls_ca: Option<(std::path::PathBuf, Vec<u8>)>,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) enum RedisNodes {
     Single(String),
     Cluster(Vec<String>),
 }
 
 impl RedisTarget {
-    pub(crate) fn new(url: &str, cluster_urls: &[String]) -> Self {
+    /// Validates the URLs and reads the CA file; every mistake names its setting.
+    pub(crate) fn new(
+        url: &str,
+        cluster_urls: &[String],
+        tls_ca_file: Option<&std::path::Path>,
+    ) -> anyhow::Result<Self> {
         let seeds: Vec<String> = cluster_urls
             .iter()
             .map(|s| s.trim().to_string())
             .filter(|s| !s.is_empty())
             .collect();
-        if seeds.is_empty() {
-            RedisTarget::Single(url.to_string())
+        let (nodes, setting) = if seeds.is_empty() {
+            (RedisNodes::Single(url.to_string()), "REDIS_URL")
         } else {
-            RedisTarget::Cluster(seeds)
+            if url != crate::config::DEFAULT_REDIS_URL {
+                tracing::warn!("REDIS_URL is ignored: REDIS_CLUSTER_URLS is set (cluster mode)");
+            }
+            (RedisNodes::Cluster(seeds), "REDIS_CLUSTER_URLS")
+        };
+        let urls = match &nodes {
+            RedisNodes::Single(u) => std::slice::from_ref(u),
+            RedisNodes::Cluster(s) => s.as_slice(),
+        };
+        let tls = urls.iter().filter(|u| u.starts_with("rediss://")).count();
+        anyhow::ensure!(
+            tls == 0 || tls == urls.len(),
+            "{setting}: either every URL is rediss:// (TLS) or none is"
+        );
+        let tls_ca = match tls_ca_file {
+            None => None,
+            Some(_) if tls == 0 => anyhow::bail!(
+                "REDIS_TLS_CA_FILE is set but {setting} is not a rediss:// URL (TLS is off)"
+            ),
+            Some(path) => {
+                let pem = std::fs::read(path)
+                    .map_err(|e| anyhow::anyhow!("REDIS_TLS_CA_FILE {}: {e}", path.display()))?;
+                let certs = {
+                    use rustls::pki_types::pem::PemObject as _;
+                    rustls::pki_types::CertificateDer::pem_slice_iter(&pem)
+                }
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| anyhow::anyhow!("REDIS_TLS_CA_FILE {}: {e}", path.display()))?;
+                anyhow::ensure!(
+                    !certs.is_empty(),
+                    "REDIS_TLS_CA_FILE {}: no PEM certificate in it",
+                    path.display()
+                );
+                Some((path.to_path_buf(), pem))
+            }
+        };
+        Ok(Self { nodes, tls_ca })
+    }
+
+    /// A target as the tests and tools name one: a single node, system roots.
+    pub(crate) fn single(url: &str) -> Self {
+        Self {
+            nodes: RedisNodes::Single(url.to_string()),
+            tls_ca: None,
+        }
+    }
+
+    fn certificates(&self) -> Option<redis::TlsCertificates> {
+        self.tls_ca.as_ref().map(|(_, pem)| redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(pem.clone()),
+        })
+    }
+
+    /// The setting the nodes came from.
+    fn setting(&self) -> &'static str {
+        match self.nodes {
+            RedisNodes::Single(_) => "REDIS_URL",
+            RedisNodes::Cluster(_) => "REDIS_CLUSTER_URLS",
+        }
+    }
+
+    /// What to check when TLS fails, naming the settings.
+    fn tls_hint(&self) -> String {
+        let setting = self.setting();
+        match &self.tls_ca {
+            Some((path, _)) => format!(
+                "check {setting} (rediss://, a host name the certificate names) and that \
+                 REDIS_TLS_CA_FILE ({}) holds the CA that signed the server's certificate",
+                path.display()
+            ),
+            None => format!(
+                "check {setting} (rediss://, a host name the certificate names); the \
+                 certificate is checked against the system's roots: set REDIS_TLS_CA_FILE \
+                 for a private CA"
+            ),
         }
     }
 }
@@ -48,7 +136,19 @@ pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
 /// Connects to one node lazily, so a process starts (and reports not-ready) while Redis
 /// is down.
 pub fn connect(url: &str, response_timeout: Duration) -> anyhow::Result<RedisConn> {
-    let client = redis::Client::open(url)?;
+    connect_single(&RedisTarget::single(url), url, response_timeout)
+}
+
+fn connect_single(
+    target: &RedisTarget,
+    url: &str,
+    response_timeout: Duration,
+) -> anyhow::Result<RedisConn> {
+    crate::tls::install_crypto();
+    let client = match target.certificates() {
+        Some(certs) => redis::Client::build_with_tls(url, certs)?,
+        None => redis::Client::open(url)?,
+    };
     let config = ConnectionManagerConfig::new()
         .set_connection_timeout(Some(Duration::from_secs(2)))
         .set_response_timeout(Some(response_timeout))
@@ -60,24 +160,33 @@ pub fn connect(url: &str, response_timeout: Duration) -> anyhow::Result<RedisCon
 }
 
 /// Connects to `target`. A cluster must answer (its slot map is read at once): this
-/// waits up to `patience` for it.
+/// waits up to `patience` for it. A single node is not waited for (a process starts
+/// while Redis is down). Either way one node is probed first (see [`probe`]), so that a
+/// TLS failure stops the start with an error that names the setting to fix.
 pub(crate) async fn connect_to(
     target: &RedisTarget,
     response_timeout: Duration,
     patience: Duration,
 ) -> anyhow::Result<RedisConn> {
-    match target {
-        RedisTarget::Single(url) => connect(url, response_timeout),
-        RedisTarget::Cluster(seeds) => {
-            let client = ClusterClient::builder(seeds.clone())
+    probe(target).await?;
+    match &target.nodes {
+        RedisNodes::Single(url) => connect_single(target, url, response_timeout),
+        RedisNodes::Cluster(seeds) => {
+            crate::tls::install_crypto();
+            let mut builder = ClusterClient::builder(seeds.clone())
                 .connection_timeout(Duration::from_secs(2))
                 .response_timeout(response_timeout)
-                .retries(3)
-                .build()?;
+                .retries(3);
+            if let Some(certs) = target.certificates() {
+                builder = builder.certs(certs);
+            }
+            let client = builder.build()?;
             let deadline = tokio::time::Instant::now() + patience;
             loop {
                 match client.get_async_connection().await {
                     Ok(conn) => return Ok(RedisConn::Cluster(conn)),
+                    // (The cluster client keeps only the text of a node's error.)
+                    Err(e) if tls_failure_text(&e).is_some() => return Err(tls_error(target, &e)),
                     Err(e) if tokio::time::Instant::now() < deadline => {
                         tracing::warn!(error = %e, "redis cluster not reachable yet, retrying");
                         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -87,6 +196,111 @@ pub(crate) async fn connect_to(
             }
         }
     }
+}
+
+/// How long the probe waits for a node's PONG.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Asks the first node that answers (the URL, or each seed in turn) for a PING, with
+/// the target's TLS settings: a failed handshake or certificate check is an error naming
+/// the setting; a node that is down is only logged. Each URL is probed once per process
+/// (a worker's lanes and sweeper connect one after another), again only after a failure.
+async fn probe(target: &RedisTarget) -> anyhow::Result<()> {
+    use std::collections::HashSet;
+    use std::sync::{Mutex, OnceLock};
+    static PROBED: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
+    let probed = PROBED.get_or_init(Mutex::default);
+    let urls = match &target.nodes {
+        RedisNodes::Single(url) => std::slice::from_ref(url),
+        RedisNodes::Cluster(seeds) => seeds.as_slice(),
+    };
+    let known = |url: &String| {
+        probed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(url)
+    };
+    if urls.iter().any(known) {
+        return Ok(());
+    }
+    crate::tls::install_crypto();
+    for url in urls {
+        let client = match target.certificates() {
+            Some(certs) => redis::Client::build_with_tls(url.as_str(), certs)?,
+            None => redis::Client::open(url.as_str())?,
+        };
+        let ping = async {
+            let mut conn = client.get_multiplexed_async_connection().await?;
+            redis::cmd("PING").query_async::<()>(&mut conn).await
+        };
+        let tls = url.starts_with("rediss://");
+        let error = match tokio::time::timeout(PROBE_TIMEOUT, ping).await {
+            Ok(Ok(())) => {
+                probed
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(url.clone());
+                return Ok(());
+            }
+            Ok(Err(e)) if tls_failure_text(&e).is_some() => return Err(tls_error(target, &e)),
+            Ok(Err(e)) if e.is_connection_refusal() => {
+                tracing::warn!(error = %e, node = %redacted(url), "redis not reachable yet");
+                continue;
+            }
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no PONG within {}s", PROBE_TIMEOUT.as_secs()),
+        };
+        // The two ways a scheme that does not match the port shows: a plain port reads a
+        // TLS hello as a command that never ends; a TLS port drops plain RESP.
+        let hint = match tls {
+            true => "if this is a plain (non-TLS) port, the URL must be redis:// or name the server's tls-port",
+            false => "if this port speaks only TLS, the URL must be rediss://",
+        };
+        tracing::warn!(
+            %error,
+            node = %redacted(url),
+            "redis not reachable yet; if it stays so, check {}: {hint}",
+            target.setting()
+        );
+    }
+    Ok(())
+}
+
+/// `url` without its password, for logs.
+fn redacted(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut u) if u.password().is_some() => {
+            let _ = u.set_password(Some("***"));
+            u.to_string()
+        }
+        Ok(u) => u.to_string(),
+        Err(_) => "(not a URL)".into(),
+    }
+}
+
+/// The TLS failure in `e`: its causes, or else its text (the cluster client and some
+/// connection paths keep only that). rustls's messages start with these.
+fn tls_failure_text(e: &redis::RedisError) -> Option<String> {
+    if let Some(found) = crate::tls::failure(e) {
+        return Some(found);
+    }
+    const RUSTLS: [&str; 6] = [
+        "invalid peer certificate",
+        "received fatal alert",
+        "received corrupt message",
+        "peer is incompatible",
+        "peer misbehaved",
+        "the peer failed to provide",
+    ];
+    let text = e.to_string();
+    RUSTLS
+        .iter()
+        .find_map(|m| text.find(m).map(|at| text[at..].to_string()))
+}
+
+fn tls_error(target: &RedisTarget, e: &redis::RedisError) -> anyhow::Error {
+    let cause = tls_failure_text(e).unwrap_or_else(|| e.to_string());
+    anyhow::anyhow!("TLS with Redis failed: {cause}; {}", target.tls_hint())
 }
 
 impl ConnectionLike for RedisConn {

@@ -11,7 +11,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::admission::order_id::{NodeLease, OrderIds};
 use crate::admission::upkeep;
-use crate::auth::JwtKeys;
+use crate::auth::Verifier;
 use crate::config::{defaults, ApiArgs, RedisArgs, Settings, WorkerOptions};
 use crate::http::server::ServerLimits;
 use crate::http::state::AppState;
@@ -39,11 +39,14 @@ impl Application {
         worker: Option<WorkerOptions>,
         cancel: CancellationToken,
     ) -> anyhow::Result<Self> {
+        // First: a configuration that cannot verify any token stops the start at once.
+        let auth = Arc::new(Verifier::from_args(&api.jwt)?);
         let keys = keys(&api.redis)?;
-        let db = store::pool(
+        let db = store::connect(
             &api.database.database_url,
             api.database.database_max_connections,
-        )?;
+        )
+        .await?;
         if !api.skip_migrations {
             store::migrate(&db, Duration::from_secs(60)).await?;
         }
@@ -71,15 +74,35 @@ impl Application {
                 None
             }
         };
+        let tasks = TaskTracker::new();
+        if let Some(jwks) = auth.jwks() {
+            // One attempt (at most the fetch timeout) before serving; if the provider
+            // does not answer, its tokens get 503 until a retry succeeds.
+            if !jwks.refresh().await {
+                tracing::warn!(
+                    "identity provider keys not loaded yet: its tokens get 503 until a \
+                     fetch succeeds (retried in the background)"
+                );
+            }
+            tasks.spawn(jwks.clone().keep_fresh(cancel.clone()));
+        }
         let state = AppState::new(
             db.clone(),
             redis.clone(),
             keys.clone(),
-            JwtKeys::new(&api.jwt_secret)?,
+            auth,
             ids.clone(),
             settings.clone(),
+            crate::live::Live::new(api.live_max_viewers as usize, cancel.clone()),
         );
-        let tasks = TaskTracker::new();
+        // The live view's producer, which also adds this process's grab counts to
+        // Redis each second (every instance's page shows them).
+        tasks.spawn(state.live.clone().run(
+            db.clone(),
+            redis.clone(),
+            keys.clone(),
+            state.admissions.tally().clone(),
+        ));
         let duties = upkeep::Upkeep {
             db: db.clone(),
             redis: redis.clone(),
@@ -134,7 +157,11 @@ pub(crate) async fn redis(
     args: &RedisArgs,
     response_timeout: Duration,
 ) -> anyhow::Result<RedisConn> {
-    let target = redis_conn::RedisTarget::new(&args.redis_url, &args.redis_cluster_urls);
+    let target = redis_conn::RedisTarget::new(
+        &args.redis_url,
+        &args.redis_cluster_urls,
+        args.redis_tls_ca_file.as_deref(),
+    )?;
     redis_conn::connect_to(&target, response_timeout, Duration::from_secs(60)).await
 }
 

@@ -10,6 +10,9 @@
 use redis::RedisResult;
 use tokio::sync::{mpsc, oneshot};
 
+use std::sync::Arc;
+
+use super::tally::{self, Tally};
 use super::{admit_many, Grab, Outcome};
 use crate::keys::Keys;
 use crate::redis_conn::RedisConn;
@@ -27,20 +30,33 @@ type Reply = oneshot::Sender<RedisResult<Outcome>>;
 pub struct Batcher {
     keys: Keys,
     shards: Vec<mpsc::Sender<(Grab, Reply)>>,
+    tally: Arc<Tally>,
 }
 
 impl Batcher {
-    /// Starts one task per shard (needs a Tokio runtime).
+    /// Starts one task per shard (needs a Tokio runtime). Outcomes are counted in
+    /// the returned batcher's [`Batcher::tally`].
     pub fn start(conn: RedisConn, keys: Keys, max: usize) -> Self {
+        let tally = Arc::new(Tally::default());
         let shards = keys
             .shards()
             .map(|shard| {
                 let (tx, rx) = mpsc::channel(QUEUE);
-                tokio::spawn(run_shard(rx, conn.clone(), keys.clone(), shard, max.max(1)));
+                let (conn, keys, tally) = (conn.clone(), keys.clone(), tally.clone());
+                tokio::spawn(run_shard(rx, conn, keys, tally, shard, max.max(1)));
                 tx
             })
             .collect();
-        Self { keys, shards }
+        Self {
+            keys,
+            shards,
+            tally,
+        }
+    }
+
+    /// The outcomes decided so far and not yet flushed (see [`tally`]).
+    pub fn tally(&self) -> &Arc<Tally> {
+        &self.tally
     }
 
     /// Decides one grab, in the next call of its shard.
@@ -71,6 +87,7 @@ async fn run_shard(
     mut rx: mpsc::Receiver<(Grab, Reply)>,
     mut conn: RedisConn,
     keys: Keys,
+    tally: Arc<Tally>,
     shard: crate::keys::Shard,
     max: usize,
 ) {
@@ -94,6 +111,12 @@ async fn run_shard(
         }
         match admit_many(&mut conn, &keys, shard, &grabs).await {
             Ok(outcomes) => {
+                tally.add_all(
+                    grabs
+                        .iter()
+                        .zip(&outcomes)
+                        .filter_map(|(g, o)| Some((g.voucher_id, tally::index(o, g.order_id)?))),
+                );
                 for (reply, outcome) in replies.drain(..).zip(outcomes) {
                     let _ = reply.send(Ok(outcome));
                 }

@@ -3,6 +3,7 @@
 pub mod batcher;
 pub mod loader;
 pub mod order_id;
+pub mod tally;
 pub mod upkeep;
 
 use std::sync::LazyLock;

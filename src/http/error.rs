@@ -100,6 +100,19 @@ impl From<crate::auth::Unauthorized> for AppError {
     }
 }
 
+/// A bad token is a 401; an identity provider's token before its keys were ever fetched
+/// is a 503 (`unavailable`, `Retry-After: 1`): the token may be good.
+impl From<crate::auth::Refused> for AppError {
+    fn from(e: crate::auth::Refused) -> Self {
+        match e {
+            crate::auth::Refused::Unauthorized(why) => AppError::Unauthorized(why),
+            crate::auth::Refused::KeysNotLoaded => AppError::Unavailable(
+                "identity provider keys not loaded yet, try again shortly".into(),
+            ),
+        }
+    }
+}
+
 impl AppError {
     pub(crate) fn invalid(message: impl Into<String>) -> Self {
         Self::Validation {

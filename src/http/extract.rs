@@ -8,7 +8,7 @@ use axum::http::{header, request::Parts, StatusCode};
 use serde::de::DeserializeOwned;
 
 use crate::auth::parse_id;
-use crate::auth::{Admin, AuthUser, JwtKeys};
+use crate::auth::{Admin, AuthUser, Verifier};
 use crate::http::error::AppError;
 
 /// `axum::Json`, but a malformed body is a `validation` error: 400 when it cannot be
@@ -150,10 +150,11 @@ impl<S: Send + Sync> FromRequestParts<S> for PathId {
 }
 
 /// The caller of a `Authorization: Bearer <token>` request; 401 without a valid token.
-/// Works with any state the token keys can be taken from.
+/// 503 for an identity provider's token while its keys have never been fetched. Works
+/// with any state the verifier can be taken from.
 impl<S> FromRequestParts<S> for AuthUser
 where
-    Arc<JwtKeys>: FromRef<S>,
+    Arc<Verifier>: FromRef<S>,
     S: Send + Sync,
 {
     type Rejection = AppError;
@@ -173,13 +174,13 @@ where
             .map(str::trim)
             .filter(|t| !t.is_empty())
             .ok_or(AppError::Unauthorized("malformed authorization header"))?;
-        Ok(Arc::<JwtKeys>::from_ref(state).verify(token)?)
+        Ok(Arc::<Verifier>::from_ref(state).verify(token).await?)
     }
 }
 
 impl<S> FromRequestParts<S> for Admin
 where
-    Arc<JwtKeys>: FromRef<S>,
+    Arc<Verifier>: FromRef<S>,
     S: Send + Sync,
 {
     type Rejection = AppError;

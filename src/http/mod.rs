@@ -4,6 +4,7 @@ pub mod error;
 pub mod extract;
 pub mod health;
 pub mod limits;
+pub mod live;
 pub mod openapi;
 pub mod orders;
 pub mod seckill;
@@ -97,6 +98,11 @@ pub fn build_app(state: AppState) -> Router {
         .route("/openapi.json", get(openapi::openapi_json))
         .route("/docs", get(openapi::docs))
         .route("/docs/{asset}", get(openapi::docs_asset))
+        .route("/live", get(live::page))
+        .route("/live/app.js", get(live::script))
+        .route("/live/app.css", get(live::style))
+        .route("/live/favicon.svg", get(live::icon))
+        .route("/live/events", get(live::events))
         .fallback(|| async { AppError::NotFound("no such route".into()) })
         .method_not_allowed_fallback(|| async {
             AppError::Validation {

@@ -7,7 +7,7 @@ use axum::response::{Html, IntoResponse};
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use super::{health, orders, seckill, vouchers};
+use super::{health, live, orders, seckill, vouchers};
 use crate::http::error::{ErrorBody, ErrorDetail};
 
 #[derive(OpenApi)]
@@ -16,7 +16,9 @@ use crate::http::error::{ErrorBody, ErrorDetail};
         title = "seckill",
         description = "Flash-sale vouchers: atomic admission in Redis, orders written to Postgres \
             moments later. Every error is `{\"error\": {\"code\", \"message\"}}`; bearer tokens are \
-            HS256 JWTs (`sub` = user id, `exp` required, `role: \"admin\"` for administrators)."
+            JWTs: HS256, and RS256/ES256 of an identity provider when a JWKS is configured (`sub` = \
+            user id, `exp` required, `role: \"admin\"` for administrators). A provider's token gets \
+            503 `unavailable` while its keys have never been fetched."
     ),
     paths(
         vouchers::create,
@@ -34,6 +36,8 @@ use crate::http::error::{ErrorBody, ErrorDetail};
         health::metrics,
         openapi_json,
         docs,
+        live::page,
+        live::events,
     ),
     components(schemas(
         vouchers::CreateVoucher,
@@ -55,6 +59,7 @@ use crate::http::error::{ErrorBody, ErrorDetail};
         (name = "seckill", description = "the flash sale itself"),
         (name = "orders", description = "the caller's orders"),
         (name = "operations", description = "health, readiness, metrics, this document"),
+        (name = "live", description = "every open sale, live: a page and its event stream"),
     )
 )]
 pub(crate) struct ApiDoc;
@@ -209,7 +214,7 @@ mod tests {
                 assert!(ids.insert(id.to_string()), "operationId {id} used twice");
             }
         }
-        assert_eq!(ids.len(), 15);
+        assert_eq!(ids.len(), 17, "every routed operation is documented");
     }
 
     #[tokio::test]

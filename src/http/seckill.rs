@@ -44,10 +44,14 @@ impl<S: Send + Sync> axum::extract::FromRequestParts<S> for PeerIp {
     }
 }
 
-fn limited(wait: std::time::Duration) -> AppError {
+fn limited(state: &AppState, voucher_id: i64, wait: std::time::Duration) -> AppError {
     crate::metrics::HotPath::get()
         .outcome("rate_limited")
         .increment(1);
+    state
+        .admissions
+        .tally()
+        .add(voucher_id, admission::tally::RATE_LIMITED);
     AppError::RateLimited {
         retry_after_secs: wait.as_secs_f64().ceil() as u64,
     }
@@ -75,10 +79,14 @@ pub(crate) async fn grab(
     PathId(voucher_id): PathId,
 ) -> AppResult<(StatusCode, Json<Admitted>)> {
     if let (Some(limiter), Some(ip)) = (&state.per_ip, ip) {
-        limiter.check(&ip).map_err(limited)?;
+        limiter
+            .check(&ip)
+            .map_err(|wait| limited(&state, voucher_id, wait))?;
     }
     if let Some(limiter) = &state.per_user {
-        limiter.check(&user.user_id).map_err(limited)?;
+        limiter
+            .check(&user.user_id)
+            .map_err(|wait| limited(&state, voucher_id, wait))?;
     }
     let order_id = state.ids.next().ok_or_else(|| {
         AppError::Unavailable("order ids are not ready yet (waiting for redis)".into())

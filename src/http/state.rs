@@ -8,7 +8,7 @@ use sqlx::PgPool;
 
 use crate::admission::batcher::{self, Batcher};
 use crate::admission::order_id::OrderIds;
-use crate::auth::JwtKeys;
+use crate::auth::Verifier;
 use crate::config::Settings;
 use crate::http::limits::RateLimiter;
 use crate::keys::Keys;
@@ -22,7 +22,8 @@ pub struct Shared {
     pub db: PgPool,
     pub redis: RedisConn,
     pub keys: Keys,
-    pub jwt: Arc<JwtKeys>,
+    /// Bearer tokens: the HS256 secret and/or the identity provider's keys.
+    pub auth: Arc<Verifier>,
     pub ids: Arc<OrderIds>,
     pub settings: Arc<Settings>,
     /// Vouchers whose Redis state is being reloaded right now (one reload at a time).
@@ -31,6 +32,8 @@ pub struct Shared {
     pub(crate) per_ip: Option<RateLimiter<IpAddr>>,
     /// Coalesces concurrent grabs of a shard into one admission script call.
     pub(crate) admissions: Batcher,
+    /// The live view's snapshots (`/live/events`).
+    pub(crate) live: crate::live::Live,
 }
 
 impl AppState {
@@ -38,9 +41,10 @@ impl AppState {
         db: PgPool,
         redis: RedisConn,
         keys: Keys,
-        jwt: JwtKeys,
+        auth: Arc<Verifier>,
         ids: Arc<OrderIds>,
         settings: Settings,
+        live: crate::live::Live,
     ) -> Self {
         let limits = &settings.limits;
         let per_user =
@@ -51,13 +55,14 @@ impl AppState {
             db,
             redis,
             keys,
-            jwt: Arc::new(jwt),
+            auth,
             ids,
             settings: Arc::new(settings),
             reloading: Arc::default(),
             per_user,
             per_ip,
             admissions,
+            live,
         }))
     }
 }
@@ -70,10 +75,10 @@ impl std::ops::Deref for AppState {
     }
 }
 
-/// The token keys, for the extractors (`FromRef`, so they need no concrete state).
-impl axum::extract::FromRef<AppState> for Arc<JwtKeys> {
+/// The token verifier, for the extractors (`FromRef`, so they need no concrete state).
+impl axum::extract::FromRef<AppState> for Arc<Verifier> {
     fn from_ref(state: &AppState) -> Self {
-        state.jwt.clone()
+        state.auth.clone()
     }
 }
 

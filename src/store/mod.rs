@@ -2,7 +2,9 @@
 
 pub mod dead_orders;
 pub mod lifecycle;
+pub mod live;
 pub mod orders;
+mod tls;
 pub mod vouchers;
 
 use std::time::Duration;
@@ -23,12 +25,52 @@ const SESSION_TIMEOUTS: [(&str, &str); 3] = [
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
 /// A lazily connecting pool: processes start (and report not-ready) while Postgres is down.
+/// `sslmode` and `sslrootcert` in the URL (or `PGSSLMODE`, `PGSSLROOTCERT`) turn TLS on
+/// (rustls); certificate and key files that cannot be read are refused here, naming
+/// the setting ([`tls::TlsSettings`]).
 pub(crate) fn pool(url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
-    let options: PgConnectOptions = url.parse()?;
+    let options: PgConnectOptions = url
+        .parse()
+        .map_err(|e| anyhow::anyhow!("DATABASE_URL: {e}"))?;
+    let tls = tls::TlsSettings::of(url);
+    tls.check()?;
     Ok(PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(3))
-        .connect_lazy_with(options.options(SESSION_TIMEOUTS)))
+        .connect_lazy_with(tls.apply(options).options(SESSION_TIMEOUTS)))
+}
+
+/// A pool whose first connection has been tried: a TLS failure (a handshake or
+/// certificate check, a server without TLS under `sslmode=require`) stops the start with
+/// an error naming the settings; Postgres merely down is only logged.
+pub(crate) async fn connect(url: &str, max_connections: u32) -> anyhow::Result<PgPool> {
+    let db = pool(url, max_connections)?;
+    match tokio::time::timeout(Duration::from_secs(5), db.acquire()).await {
+        Ok(Ok(_)) | Err(_) => {}
+        Ok(Err(e)) => match tls_failure(&e) {
+            Some(cause) => {
+                return Err(tls_error(Some(&tls::TlsSettings::of(url)), &cause));
+            }
+            None => tracing::warn!(error = %e, "postgres not reachable yet"),
+        },
+    }
+    Ok(db)
+}
+
+/// The TLS failure inside a connection error, if that is what it is.
+pub(crate) fn tls_failure(e: &sqlx::Error) -> Option<String> {
+    match e {
+        sqlx::Error::Tls(cause) => Some(cause.to_string()),
+        e => crate::tls::failure(e),
+    }
+}
+
+fn tls_error(settings: Option<&tls::TlsSettings>, cause: &str) -> anyhow::Error {
+    let hint = settings.map_or_else(
+        || "check DATABASE_URL's sslmode and sslrootcert".into(),
+        tls::TlsSettings::hint,
+    );
+    anyhow::anyhow!("TLS with Postgres failed: {cause}; {hint}")
 }
 
 /// Applies pending migrations, waiting up to `patience` for Postgres to answer.
@@ -46,6 +88,10 @@ pub(crate) async fn migrate(db: &PgPool, patience: Duration) -> anyhow::Result<(
         };
         match run.await {
             Ok(()) => return Ok(()),
+            Err(sqlx::migrate::MigrateError::Execute(e)) if tls_failure(&e).is_some() => {
+                let cause = tls_failure(&e).unwrap_or_default();
+                return Err(tls_error(None, &cause));
+            }
             Err(sqlx::migrate::MigrateError::Execute(e))
                 if is_connectivity(&e) && tokio::time::Instant::now() < deadline =>
             {

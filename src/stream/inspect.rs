@@ -67,3 +67,71 @@ pub(crate) async fn range<C: ConnectionLike + Send>(
     }
     Ok(out)
 }
+
+/// A shard's stream as the worker sees it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct StreamStats {
+    /// Entries in the stream (written or not; trimmed later).
+    pub length: u64,
+    /// Delivered to a worker, not yet acknowledged (being written, or to be replayed).
+    pub pending: u64,
+    /// Not yet delivered to any worker.
+    pub lag: u64,
+    /// Entries in the shard's dead-letter stream.
+    pub dead_letters: u64,
+}
+
+impl std::ops::AddAssign for StreamStats {
+    fn add_assign(&mut self, o: Self) {
+        self.length += o.length;
+        self.pending += o.pending;
+        self.lag += o.lag;
+        self.dead_letters += o.dead_letters;
+    }
+}
+
+/// The shard's [`StreamStats`] (a missing stream or group counts as empty).
+pub async fn stats<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    shard: Shard,
+) -> RedisResult<StreamStats> {
+    let stream = keys.stream(shard);
+    // Separate commands: with one shard the two keys live in different slots.
+    let length: u64 = redis::cmd("XLEN").arg(stream).query_async(conn).await?;
+    let dead_letters: u64 = redis::cmd("XLEN")
+        .arg(keys.dead_letters(shard))
+        .query_async(conn)
+        .await?;
+    let pending: u64 = match redis::cmd("XPENDING")
+        .arg(stream)
+        .arg(super::GROUP)
+        .query_async::<Value>(conn)
+        .await
+    {
+        Ok(Value::Array(parts)) if !parts.is_empty() => {
+            redis::from_redis_value_ref(&parts[0]).unwrap_or(0)
+        }
+        _ => 0,
+    };
+    // Entries not yet delivered to any worker (Redis 7 keeps the count per group).
+    let groups: Vec<std::collections::HashMap<String, Value>> = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(stream)
+        .query_async(conn)
+        .await
+        .unwrap_or_default();
+    let lag = groups
+        .iter()
+        .find_map(|g| {
+            g.get("lag")
+                .and_then(|v| redis::from_redis_value_ref::<u64>(v).ok())
+        })
+        .unwrap_or(0);
+    Ok(StreamStats {
+        length,
+        pending,
+        lag,
+        dead_letters,
+    })
+}

@@ -19,4 +19,5 @@ pub(crate) use group::{
 };
 pub use group::{ReadFrom, GROUP};
 pub(crate) use inspect::{entries, page, range};
+pub use inspect::{stats, StreamStats};
 pub(crate) use trim::trim_acknowledged;

@@ -101,13 +101,18 @@ async fn the_serve_binary_runs_a_sale_end_to_end_and_stops_on_sigterm(db: PgPool
 }
 
 #[test]
-fn serve_refuses_to_start_without_a_jwt_secret() {
+fn serve_refuses_to_start_without_a_jwt_secret_or_a_jwks() {
     let out = Command::new(BIN)
         .arg("serve")
         .env_remove("JWT_SECRET")
+        .env_remove("JWT_JWKS_URL")
         .env("DATABASE_URL", "postgres://127.0.0.1:1/none")
         .output()
         .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("JWT_SECRET"));
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("JWT_SECRET") && stderr.contains("JWT_JWKS_URL"),
+        "{stderr}"
+    );
 }

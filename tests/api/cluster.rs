@@ -176,6 +176,31 @@ async fn a_dozen_sales_on_a_three_master_cluster_sell_exactly_their_stock(db: Pg
         assert_eq!(resp.status(), StatusCode::ACCEPTED, "voucher {voucher}");
     }
 
+    // The live view of both instances: the same figures for every sale, from the
+    // cluster's nodes and Postgres.
+    let mut pages = [
+        crate::live::Events::open(&http, &bases[0]).await,
+        crate::live::Events::open(&http, &bases[1]).await,
+    ];
+    for &voucher in &vouchers {
+        let settled = |v: &Value| {
+            v["outcomes"]["admitted"] == stock + 1
+                && v["outcomes"]["sold_out"] == 60 - stock
+                && v["orders"]["persisted"] == stock + 1
+                && v["orders"]["cancelled"] == 1
+                && v["remaining"] == 0
+        };
+        let a = pages[0]
+            .until(voucher, Duration::from_secs(30), settled)
+            .await;
+        let b = pages[1]
+            .until(voucher, Duration::from_secs(30), settled)
+            .await;
+        assert_eq!(a["outcomes"], b["outcomes"], "voucher {voucher}");
+        assert_eq!(a["orders"], b["orders"], "voucher {voucher}");
+    }
+    println!("live view: both instances show the same figures for all 12 sales");
+
     let per_node = cluster.keys_per_node("seckill:*:voucher:*");
     println!("sale keys per node: {per_node:?}");
     assert_eq!(per_node.iter().sum::<usize>(), 12);

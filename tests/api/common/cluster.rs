@@ -8,6 +8,8 @@ pub struct PrivateCluster {
     nodes: Vec<Child>,
     pub ports: Vec<u16>,
     dir: std::path::PathBuf,
+    /// The CA that signed the nodes' certificates when they speak TLS only.
+    tls_ca: Option<std::path::PathBuf>,
 }
 
 /// A port free both for clients and for the cluster bus (port + 10000).
@@ -23,6 +25,15 @@ fn cluster_port() -> u16 {
 
 impl PrivateCluster {
     pub fn start(masters: usize) -> Self {
+        Self::start_with(masters, None)
+    }
+
+    /// Nodes that speak TLS only, to clients and to each other (`--tls-cluster yes`).
+    pub fn start_tls(masters: usize, certs: &super::tls::Certs) -> Self {
+        Self::start_with(masters, Some(certs))
+    }
+
+    fn start_with(masters: usize, tls: Option<&super::tls::Certs>) -> Self {
         let dir = std::env::temp_dir().join(format!(
             "seckill-cluster-{}-{:08x}",
             std::process::id(),
@@ -37,7 +48,15 @@ impl PrivateCluster {
             std::fs::create_dir_all(&node_dir).unwrap();
             nodes.push(
                 Command::new("redis-server")
-                    .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
+                    .args(["--bind", "127.0.0.1"])
+                    .args(match tls {
+                        None => vec!["--port".to_string(), port.to_string()],
+                        Some(certs) => {
+                            let mut args = super::tls::redis_tls_args(certs, port);
+                            args.extend(["--tls-cluster".into(), "yes".into()]);
+                            args
+                        }
+                    })
                     .args([
                         "--cluster-enabled",
                         "yes",
@@ -54,7 +73,12 @@ impl PrivateCluster {
             );
             ports.push(port);
         }
-        let cluster = Self { nodes, ports, dir };
+        let cluster = Self {
+            nodes,
+            ports,
+            dir,
+            tls_ca: tls.map(|c| c.ca.clone()),
+        };
         for &port in &cluster.ports {
             cluster.wait_for(port, |c| redis::cmd("PING").query::<String>(c).is_ok());
         }
@@ -63,7 +87,11 @@ impl PrivateCluster {
             .iter()
             .map(|p| format!("127.0.0.1:{p}"))
             .collect();
-        let out = Command::new("redis-cli")
+        let mut create = Command::new("redis-cli");
+        if let Some(ca) = &cluster.tls_ca {
+            create.arg("--tls").arg("--cacert").arg(ca);
+        }
+        let out = create
             .args(["--cluster", "create"])
             .args(&addrs)
             .args(["--cluster-replicas", "0", "--cluster-yes"])
@@ -88,8 +116,9 @@ impl PrivateCluster {
     fn wait_for(&self, port: u16, ready: impl Fn(&mut redis::Connection) -> bool) {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let ok = redis::Client::open(format!("redis://127.0.0.1:{port}"))
-                .and_then(|c| c.get_connection())
+            let ok = self
+                .client(port)
+                .get_connection()
                 .is_ok_and(|mut c| ready(&mut c));
             if ok {
                 return;
@@ -103,9 +132,33 @@ impl PrivateCluster {
     pub fn urls(&self) -> String {
         self.ports
             .iter()
-            .map(|p| format!("redis://127.0.0.1:{p}"))
+            .map(|p| self.url(*p))
             .collect::<Vec<_>>()
             .join(",")
+    }
+
+    fn url(&self, port: u16) -> String {
+        let scheme = if self.tls_ca.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}://127.0.0.1:{port}")
+    }
+
+    /// A client of one node (trusting the test's CA when the nodes speak TLS).
+    fn client(&self, port: u16) -> redis::Client {
+        match &self.tls_ca {
+            None => redis::Client::open(self.url(port)).unwrap(),
+            Some(ca) => redis::Client::build_with_tls(
+                self.url(port),
+                redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(std::fs::read(ca).unwrap()),
+                },
+            )
+            .unwrap(),
+        }
     }
 
     /// The keys matching `pattern` that each node holds.
@@ -113,10 +166,7 @@ impl PrivateCluster {
         self.ports
             .iter()
             .map(|p| {
-                let mut c = redis::Client::open(format!("redis://127.0.0.1:{p}"))
-                    .unwrap()
-                    .get_connection()
-                    .unwrap();
+                let mut c = self.client(*p).get_connection().unwrap();
                 redis::cmd("KEYS")
                     .arg(pattern)
                     .query::<Vec<String>>(&mut c)

@@ -2,8 +2,10 @@
 //! database per test, from `#[sqlx::test]`) and the real Redis under a key prefix of
 //! the test's own, deleted when the test ends.
 
+pub mod browser;
 pub mod cluster;
 pub mod faults;
+pub mod tls;
 
 use std::time::Duration;
 
@@ -14,7 +16,7 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use seckill::auth::JwtKeys;
-use seckill::config::{ApiArgs, DatabaseArgs, RedisArgs, ServerArgs, Settings};
+use seckill::config::{ApiArgs, DatabaseArgs, JwtArgs, RedisArgs, ServerArgs, Settings};
 use seckill::keys::Keys;
 use seckill::redis_conn::{self, RedisConn};
 use seckill::startup::Application;
@@ -28,6 +30,14 @@ pub fn all_live(
     ids: Vec<i64>,
 ) -> futures::future::BoxFuture<'static, anyhow::Result<std::collections::HashSet<i64>>> {
     Box::pin(async move { Ok(ids.into_iter().collect()) })
+}
+
+/// Tokens signed with [`SECRET`] only, as every test but the JWKS ones runs.
+pub fn hs256_only() -> JwtArgs {
+    JwtArgs {
+        jwt_secret: Some(SECRET.into()),
+        ..JwtArgs::default()
+    }
 }
 
 pub fn redis_url() -> String {
@@ -54,18 +64,30 @@ impl TestApp {
     /// The app against the Redis at `redis_url`; with `upkeep`, the background duties
     /// of an API process run too (lease renewal, reloading sales after data loss).
     pub async fn spawn_with(db: PgPool, redis_url: String, upkeep: bool) -> Self {
-        Self::spawn_full(db, redis_url, upkeep, Settings::default()).await
+        Self::spawn_full(db, redis_url, upkeep, Settings::default(), hs256_only()).await
     }
 
     /// The app with its own settings (limits, retention).
     pub async fn spawn_with_settings(db: PgPool, settings: Settings) -> Self {
-        Self::spawn_full(db, redis_url(), false, settings).await
+        Self::spawn_full(db, redis_url(), false, settings, hs256_only()).await
+    }
+
+    /// The app verifying tokens as `jwt` says (JWKS, issuer, audience; [`SECRET`] or
+    /// no secret at all). [`TestApp::token`] mints with [`SECRET`], without `iss`/`aud`.
+    pub async fn spawn_with_jwt(db: PgPool, jwt: JwtArgs) -> Self {
+        Self::spawn_full(db, redis_url(), false, Settings::default(), jwt).await
     }
 
     /// The app started the way `seckill api` starts it ([`Application::build`]), on a
     /// spare loopback port, in the test's database and a key prefix of its own.
     /// (`_upkeep`: the background duties always run, as in production.)
-    async fn spawn_full(db: PgPool, redis_url: String, _upkeep: bool, settings: Settings) -> Self {
+    async fn spawn_full(
+        db: PgPool,
+        redis_url: String,
+        _upkeep: bool,
+        settings: Settings,
+        jwt: JwtArgs,
+    ) -> Self {
         let prefix = format!("test{:016x}:", rand::random::<u64>());
         let keys = Keys::new(prefix.clone()).unwrap();
         let api = ApiArgs {
@@ -76,14 +98,16 @@ impl TestApp {
             redis: RedisArgs {
                 redis_url: redis_url.clone(),
                 redis_cluster_urls: Vec::new(),
+                redis_tls_ca_file: None,
                 redis_key_prefix: prefix,
                 stream_shards: 1,
             },
-            jwt_secret: SECRET.into(),
+            jwt,
             bind: "127.0.0.1:0".parse().unwrap(),
             skip_migrations: true,
             sale_state_retention_secs: settings.sale_state_retention.as_secs(),
             cors_allowed_origins: settings.cors_allowed_origins,
+            live_max_viewers: seckill::config::defaults::LIVE_MAX_VIEWERS,
             limits: settings.limits,
             server: ServerArgs::default(),
         };

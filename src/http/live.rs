@@ -1,0 +1,100 @@
+//! `GET /live`: one page, its script and style built into the binary (nothing from a
+//! CDN), fed by `GET /live/events`, a server-sent event stream of the snapshots the
+//! process's one producer makes (see [`crate::live`]).
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::header::{self, HeaderValue};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::IntoResponse;
+use futures_util::Stream;
+
+use crate::http::error::AppError;
+use crate::http::state::AppState;
+
+/// Only our own files, and the stream from our own origin.
+const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; \
+                   connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; \
+                   frame-ancestors 'none'";
+
+/// How long a browser waits before reconnecting a dropped stream.
+const RECONNECT: Duration = Duration::from_secs(2);
+
+fn asset(content_type: &'static str, body: &'static str) -> impl IntoResponse {
+    (
+        [
+            (header::CONTENT_TYPE, HeaderValue::from_static(content_type)),
+            (
+                header::CONTENT_SECURITY_POLICY,
+                HeaderValue::from_static(CSP),
+            ),
+            (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
+            (
+                header::X_CONTENT_TYPE_OPTIONS,
+                HeaderValue::from_static("nosniff"),
+            ),
+        ],
+        body,
+    )
+}
+
+#[utoipa::path(get, path = "/live", operation_id = "livePage", tag = "live",
+    responses((status = 200, description = "an HTML page showing every open sale live (no external assets)", content_type = "text/html", body = String)))]
+pub(crate) async fn page() -> impl IntoResponse {
+    asset(
+        "text/html; charset=utf-8",
+        include_str!("live_page/index.html"),
+    )
+}
+
+pub(crate) async fn script() -> impl IntoResponse {
+    asset(
+        "text/javascript; charset=utf-8",
+        include_str!("live_page/app.js"),
+    )
+}
+
+pub(crate) async fn style() -> impl IntoResponse {
+    asset("text/css; charset=utf-8", include_str!("live_page/app.css"))
+}
+
+pub(crate) async fn icon() -> impl IntoResponse {
+    asset("image/svg+xml", include_str!("live_page/favicon.svg"))
+}
+
+#[utoipa::path(get, path = "/live/events", operation_id = "liveEvents", tag = "live",
+    responses(
+        (status = 200, description = "`text/event-stream`: an event `snapshot` at least every second while the stream is open, \
+            its data one JSON object: `at`, `worker` (`length`, `pending`, `lag`, `dead_letters` of the order streams), \
+            `sales` (per sale: `id`, `title`, `state`, `begin_time`, `end_time`, `initial_stock`, `remaining`, `grabs_per_sec`, \
+            `outcomes`, `orders`, `dead_letters`, `releases_owed`) and `unavailable` (stores that did not answer)", content_type = "text/event-stream", body = String),
+        (status = 503, description = "too many pages are watching this instance (`unavailable`)", body = crate::http::error::ErrorBody),
+    ))]
+pub(crate) async fn events(
+    State(state): State<AppState>,
+) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, AppError> {
+    let viewer = state.live.watch().ok_or_else(|| {
+        AppError::Unavailable("too many pages are watching this instance; try again".into())
+    })?;
+    // Waits for the next snapshot (opening the stream woke the producer), then one
+    // event per snapshot until the page goes or the process stops.
+    let stream = futures_util::stream::unfold((viewer, true), |(mut viewer, first)| async move {
+        loop {
+            tokio::select! {
+                _ = viewer.cancel.cancelled() => return None,
+                changed = viewer.updates.changed() => changed.ok()?,
+            }
+            let latest = viewer.updates.borrow_and_update().clone();
+            if let Some(json) = latest {
+                let mut event = Event::default().event("snapshot").data(&*json);
+                if first {
+                    event = event.retry(RECONNECT);
+                }
+                return Some((Ok(event), (viewer, false)));
+            }
+        }
+    });
+    Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
+}

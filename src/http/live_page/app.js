@@ -1,0 +1,105 @@
+// The live view: renders each snapshot of /live/events (one JSON object a second) in
+// place, keyed by sale id. Text only goes in through textContent (titles are data).
+"use strict";
+
+const STALE_AFTER_MS = 5000;
+const status = document.getElementById("status");
+const salesEl = document.getElementById("sales");
+const cards = new Map();
+let lastSnapshot = 0;
+let source = null;
+
+function setStatus(kind, text) {
+  status.className = "status " + kind;
+  status.textContent = text;
+}
+
+function set(root, field, value) {
+  const el = root.querySelector('[data-field="' + field + '"]');
+  if (el && el.textContent !== String(value)) el.textContent = value;
+}
+
+function fmt(n) {
+  return typeof n === "number" ? n.toLocaleString("en-US") : n;
+}
+
+function until(iso, now) {
+  let s = Math.max(0, Math.round((Date.parse(iso) - now) / 1000));
+  const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60);
+  s %= 60;
+  return (h ? h + "h " : "") + (h || m ? m + "m " : "") + s + "s";
+}
+
+function card(id) {
+  let el = cards.get(id);
+  if (!el) {
+    el = document.getElementById("sale").content.firstElementChild.cloneNode(true);
+    el.dataset.saleId = id;
+    cards.set(id, el);
+  }
+  return el;
+}
+
+function render(snap) {
+  lastSnapshot = Date.now();
+  setStatus("live", "live");
+  const w = document.getElementById("worker");
+  set(w, "lag", fmt(snap.worker.lag));
+  set(w, "pending", fmt(snap.worker.pending));
+  set(w, "dead_letters", fmt(snap.worker.dead_letters));
+  set(w, "at", new Date(snap.at).toLocaleTimeString());
+  const down = document.getElementById("unavailable");
+  down.hidden = snap.unavailable.length === 0;
+  down.textContent = down.hidden ? "" : "Not answering: " + snap.unavailable.join(", ") + " (figures shown are the last known)";
+
+  const now = Date.parse(snap.at);
+  const seen = new Set();
+  snap.sales.forEach((s, i) => {
+    const el = card(s.id);
+    seen.add(s.id);
+    set(el, "title", s.title);
+    set(el, "id", "#" + s.id);
+    const badge = el.querySelector('[data-field="state"]');
+    badge.className = "badge " + s.state;
+    set(el, "state", s.state);
+    set(el, "when", s.state === "upcoming" ? "opens in " + until(s.begin_time, now)
+      : s.state === "open" ? "ends in " + until(s.end_time, now) : "ended");
+    const remaining = s.remaining === null ? null : s.remaining;
+    set(el, "remaining", remaining === null ? "–" : fmt(remaining));
+    set(el, "initial_stock", fmt(s.initial_stock));
+    const bar = el.querySelector(".bar");
+    bar.setAttribute("aria-valuemax", s.initial_stock);
+    bar.setAttribute("aria-valuenow", remaining === null ? 0 : remaining);
+    const pct = s.initial_stock > 0 && remaining !== null ? (100 * remaining) / s.initial_stock : 0;
+    el.querySelector(".fill").style.width = pct.toFixed(1) + "%";
+    set(el, "grabs_per_sec", fmt(s.grabs_per_sec));
+    for (const k of ["admitted", "sold_out", "already_ordered", "rate_limited"]) set(el, k, fmt(s.outcomes[k]));
+    for (const k of ["persisted", "in_flight", "paid", "cancelled", "expired"]) set(el, k, fmt(s.orders[k]));
+    set(el, "sale_dead_letters", fmt(s.dead_letters));
+    if (salesEl.children[i] !== el) salesEl.insertBefore(el, salesEl.children[i] || null);
+  });
+  for (const [id, el] of cards) {
+    if (!seen.has(id)) { el.remove(); cards.delete(id); }
+  }
+  document.getElementById("empty").hidden = snap.sales.length > 0;
+}
+
+function connect() {
+  if (source) source.close();
+  source = new EventSource("/live/events");
+  source.addEventListener("snapshot", (e) => render(JSON.parse(e.data)));
+  source.onerror = () => {
+    setStatus("down", "reconnecting…");
+    // The browser retries by itself unless the server refused the stream (a 503 when
+    // too many pages watch): then try again later.
+    if (source.readyState === EventSource.CLOSED) setTimeout(connect, 3000);
+  };
+}
+
+setInterval(() => {
+  if (lastSnapshot && Date.now() - lastSnapshot > STALE_AFTER_MS && status.classList.contains("live")) {
+    setStatus("stale", "no update for " + Math.round((Date.now() - lastSnapshot) / 1000) + "s");
+  }
+}, 1000);
+
+connect();

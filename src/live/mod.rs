@@ -1,0 +1,377 @@
+//! The live view of every open sale (`GET /live`, `GET /live/events`).
+//!
+//! One producer per process reads the stores once a second, and only while someone is
+//! watching: Postgres (the sales, their orders by status, dead letters, releases owed:
+//! one statement), Redis (each sale's live stock and grab counts, each shard's stream).
+//! It serialises one JSON snapshot and publishes it on a `watch` channel that every
+//! open page reads, so a thousand pages cost what one does. Every figure comes from the
+//! shared stores (grab counts too: see `admission::tally`), so every API instance, in
+//! cluster mode as well, shows the same numbers.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::PgPool;
+use tokio::sync::{watch, Notify};
+use tokio_util::sync::CancellationToken;
+
+use crate::admission::tally::{self, Tally};
+use crate::keys::Keys;
+use crate::redis_conn::RedisConn;
+use crate::store::live::{self as store, SaleRow};
+use crate::stream::StreamStats;
+
+/// A snapshot at least this often while someone watches; grab counts flushed as often.
+pub const EVERY: Duration = Duration::from_secs(1);
+/// Grabs per second are averaged over this long (each instance adds its counts once a
+/// second, so a shorter window would flicker).
+const RATE_WINDOW: Duration = Duration::from_secs(5);
+/// A store's reads give up after this long; the snapshot says which store is missing.
+const READ_DEADLINE: Duration = Duration::from_millis(800);
+
+/// What every page receives.
+#[derive(Debug, Clone, Serialize)]
+pub struct Snapshot {
+    pub at: DateTime<Utc>,
+    /// The order streams, all shards together (`lag`: not yet delivered to a worker;
+    /// `pending`: delivered, not yet written and acknowledged).
+    pub worker: StreamStats,
+    pub sales: Vec<SaleView>,
+    /// Stores that did not answer this time (their figures are the last known).
+    pub unavailable: Vec<&'static str>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct SaleView {
+    pub id: i64,
+    pub title: String,
+    /// `upcoming`, `open` or `ended`.
+    pub state: &'static str,
+    pub begin_time: DateTime<Utc>,
+    pub end_time: DateTime<Utc>,
+    pub initial_stock: i64,
+    /// Units left to grab, as admission sees them (Redis); `None` when the sale is
+    /// not loaded there (it loads on its first grab).
+    pub remaining: Option<i64>,
+    pub grabs_per_sec: f64,
+    pub outcomes: Outcomes,
+    pub orders: Orders,
+    /// Orders that could never be written (see `seckill dead-letters`).
+    pub dead_letters: i64,
+    /// Units returned in Postgres whose return to Redis is still to be made.
+    pub releases_owed: i64,
+}
+
+/// Grabs by outcome, since the sale's first grab.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Outcomes {
+    pub admitted: u64,
+    pub sold_out: u64,
+    pub already_ordered: u64,
+    pub rate_limited: u64,
+    pub not_started: u64,
+    pub ended: u64,
+}
+
+impl From<tally::Counts> for Outcomes {
+    fn from(c: tally::Counts) -> Self {
+        let [admitted, sold_out, already_ordered, rate_limited, not_started, ended] = c;
+        Self {
+            admitted,
+            sold_out,
+            already_ordered,
+            rate_limited,
+            not_started,
+            ended,
+        }
+    }
+}
+
+impl Outcomes {
+    fn total(&self) -> u64 {
+        self.admitted
+            + self.sold_out
+            + self.already_ordered
+            + self.rate_limited
+            + self.not_started
+            + self.ended
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Orders {
+    /// Written to Postgres, whatever became of them since.
+    pub persisted: i64,
+    /// Admitted, not yet written.
+    pub in_flight: i64,
+    pub created: i64,
+    pub paid: i64,
+    pub cancelled: i64,
+    pub expired: i64,
+}
+
+/// The process's live view: the latest snapshot and who watches it. Cheap to clone.
+#[derive(Clone)]
+pub struct Live(Arc<Inner>);
+
+struct Inner {
+    latest: watch::Sender<Option<Arc<str>>>,
+    /// Wakes the producer when the first page opens.
+    watched: Notify,
+    viewers: AtomicUsize,
+    max_viewers: usize,
+    cancel: CancellationToken,
+}
+
+/// One page's subscription; counted until dropped.
+pub struct Viewer {
+    pub updates: watch::Receiver<Option<Arc<str>>>,
+    pub cancel: CancellationToken,
+    live: Live,
+}
+
+impl Drop for Viewer {
+    fn drop(&mut self) {
+        self.live.0.viewers.fetch_sub(1, Ordering::Relaxed);
+        metrics::gauge!(crate::metrics::LIVE_VIEWERS).decrement(1.0);
+    }
+}
+
+impl Live {
+    /// Pages watching at once are at most `max_viewers`; their streams end when
+    /// `cancel` fires.
+    pub fn new(max_viewers: usize, cancel: CancellationToken) -> Self {
+        Self(Arc::new(Inner {
+            latest: watch::Sender::new(None),
+            watched: Notify::new(),
+            viewers: AtomicUsize::new(0),
+            max_viewers,
+            cancel,
+        }))
+    }
+
+    /// A new page's subscription, or `None` when [`Live::new`]'s limit is reached.
+    pub fn watch(&self) -> Option<Viewer> {
+        let inner = &self.0;
+        let before = inner.viewers.fetch_add(1, Ordering::Relaxed);
+        metrics::gauge!(crate::metrics::LIVE_VIEWERS).increment(1.0);
+        // Built before the check: dropping it when over the limit undoes the count.
+        let viewer = Viewer {
+            updates: inner.latest.subscribe(),
+            cancel: inner.cancel.clone(),
+            live: self.clone(),
+        };
+        if before >= inner.max_viewers {
+            return None;
+        }
+        inner.watched.notify_one();
+        Some(viewer)
+    }
+
+    fn watched(&self) -> bool {
+        self.0.viewers.load(Ordering::Relaxed) > 0
+    }
+
+    /// The producer (and the flush of this process's grab counts): every [`EVERY`]
+    /// until cancelled.
+    pub async fn run(self, db: PgPool, mut redis: RedisConn, keys: Keys, tally: Arc<Tally>) {
+        let mut producer = Producer::default();
+        let cancel = self.0.cancel.clone();
+        let mut every = tokio::time::interval(EVERY);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = every.tick() => {}
+                // A first page gets its snapshot at once.
+                _ = self.0.watched.notified() => {}
+            }
+            if let Err(e) = timeout(tally.flush(&mut redis, &keys)).await {
+                tracing::debug!(error = %e, "grab counts not flushed yet; kept for the next flush");
+            }
+            if !self.watched() {
+                continue;
+            }
+            let snapshot = producer.snapshot(&db, &redis, &keys).await;
+            metrics::counter!(crate::metrics::LIVE_SNAPSHOTS).increment(1);
+            match serde_json::to_string(&snapshot) {
+                Ok(json) => {
+                    self.0.latest.send_replace(Some(json.into()));
+                }
+                Err(e) => tracing::error!(error = %e, "live snapshot not serialised"),
+            }
+        }
+    }
+}
+
+async fn timeout<T, E: std::fmt::Display>(
+    read: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(READ_DEADLINE, read).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("no answer within {READ_DEADLINE:?}")),
+    }
+}
+
+/// The producer's memory between snapshots: the last figures (shown again, marked,
+/// when a store does not answer) and recent grab totals for the rates.
+#[derive(Default)]
+struct Producer {
+    sales: Vec<SaleRow>,
+    redis: HashMap<i64, (Option<i64>, Outcomes)>,
+    worker: StreamStats,
+    totals: HashMap<i64, VecDeque<(Instant, u64)>>,
+}
+
+impl Producer {
+    async fn snapshot(&mut self, db: &PgPool, redis: &RedisConn, keys: &Keys) -> Snapshot {
+        let mut unavailable = Vec::new();
+        match timeout(store::sales(db)).await {
+            Ok(sales) => self.sales = sales,
+            Err(e) => {
+                tracing::debug!(error = %e, "live view: postgres did not answer");
+                unavailable.push("postgres");
+            }
+        }
+        let ids: Vec<i64> = self.sales.iter().map(|s| s.voucher_id).collect();
+        match timeout(read_redis(redis, keys, &ids)).await {
+            Ok((figures, worker)) => {
+                self.redis = ids.iter().copied().zip(figures).collect();
+                self.worker = worker;
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "live view: redis did not answer");
+                unavailable.push("redis");
+            }
+        }
+        let now = Utc::now();
+        let clock = Instant::now();
+        self.totals.retain(|id, _| ids.contains(id));
+        let sales = self
+            .sales
+            .iter()
+            .map(|s| {
+                let (remaining, outcomes) =
+                    self.redis.get(&s.voucher_id).copied().unwrap_or_default();
+                let rate = rate(
+                    self.totals.entry(s.voucher_id).or_default(),
+                    clock,
+                    outcomes.total(),
+                );
+                view(s, remaining, outcomes, rate, now)
+            })
+            .collect();
+        Snapshot {
+            at: now,
+            worker: self.worker,
+            sales,
+            unavailable,
+        }
+    }
+}
+
+/// Each sale's live stock and grab counts, and the streams.
+async fn read_redis(
+    redis: &RedisConn,
+    keys: &Keys,
+    ids: &[i64],
+) -> redis::RedisResult<(Vec<(Option<i64>, Outcomes)>, StreamStats)> {
+    let stocks = ids.iter().map(|&id| {
+        let mut conn = redis.clone();
+        async move { crate::admission::live_stock(&mut conn, keys, id).await }
+    });
+    let stocks = futures_util::future::try_join_all(stocks).await?;
+    let counts = tally::read(redis, keys, ids).await?;
+    let mut worker = StreamStats::default();
+    let mut conn = redis.clone();
+    for shard in keys.shards() {
+        worker += crate::stream::stats(&mut conn, keys, shard).await?;
+    }
+    let figures = stocks
+        .into_iter()
+        .zip(counts)
+        .map(|(stock, counts)| (stock, counts.into()))
+        .collect();
+    Ok((figures, worker))
+}
+
+/// Grabs per second over the last [`RATE_WINDOW`], `history` holding recent totals.
+fn rate(history: &mut VecDeque<(Instant, u64)>, now: Instant, total: u64) -> f64 {
+    history.push_back((now, total));
+    while history
+        .front()
+        .is_some_and(|(t, _)| now.duration_since(*t) > RATE_WINDOW)
+    {
+        history.pop_front();
+    }
+    let (since, first) = history[0];
+    let secs = now.duration_since(since).as_secs_f64();
+    if secs < 0.5 {
+        return 0.0;
+    }
+    // Counts restart from zero if Redis lost them: never a negative rate.
+    (total.saturating_sub(first) as f64 / secs * 10.0).round() / 10.0
+}
+
+fn view(
+    s: &SaleRow,
+    remaining: Option<i64>,
+    outcomes: Outcomes,
+    grabs_per_sec: f64,
+    now: DateTime<Utc>,
+) -> SaleView {
+    let state = if now < s.begin_time {
+        "upcoming"
+    } else if now < s.end_time {
+        "open"
+    } else {
+        "ended"
+    };
+    // Redis's stock = Postgres's - orders in flight - units whose return to Redis is
+    // owed (see `reconcile`).
+    let in_flight = remaining.map_or(0, |r| (s.stock as i64 - r - s.releases_owed).max(0));
+    SaleView {
+        id: s.voucher_id,
+        title: s.title.clone(),
+        state,
+        begin_time: s.begin_time,
+        end_time: s.end_time,
+        initial_stock: s.initial_stock as i64,
+        remaining,
+        grabs_per_sec,
+        outcomes,
+        orders: Orders {
+            persisted: s.created + s.paid + s.cancelled + s.expired,
+            in_flight,
+            created: s.created,
+            paid: s.paid,
+            cancelled: s.cancelled,
+            expired: s.expired,
+        },
+        dead_letters: s.dead_letters,
+        releases_owed: s.releases_owed,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_rate_is_grabs_over_the_window_and_never_negative() {
+        let mut h = VecDeque::new();
+        let t0 = Instant::now();
+        assert_eq!(rate(&mut h, t0, 100), 0.0, "one sample: no rate yet");
+        assert_eq!(rate(&mut h, t0 + Duration::from_secs(2), 300), 100.0);
+        assert_eq!(rate(&mut h, t0 + Duration::from_secs(4), 500), 100.0);
+        // The first sample leaves the window: the rate is over the last 5 s.
+        assert_eq!(rate(&mut h, t0 + Duration::from_secs(6), 1500), 300.0);
+        // Counts lost (a Redis restart) restart from zero.
+        assert_eq!(rate(&mut h, t0 + Duration::from_secs(7), 0), 0.0);
+    }
+}

@@ -1,0 +1,378 @@
+//! The live view: `/live/events` snapshots while a sale sells, the same numbers from
+//! every instance, one producer however many pages watch, and the page itself in a real
+//! (headless) Chromium.
+
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use serde_json::Value;
+use sqlx::PgPool;
+
+use crate::common::browser::Browser;
+use crate::common::TestApp;
+
+/// An open `/live/events` stream, read event by event.
+pub(crate) struct Events {
+    response: reqwest::Response,
+    buffer: String,
+}
+
+impl Events {
+    pub(crate) async fn open(client: &reqwest::Client, base: &str) -> Self {
+        let response = client
+            .get(format!("{base}/live/events"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(
+            response.headers()["content-type"],
+            "text/event-stream",
+            "an event stream"
+        );
+        Self {
+            response,
+            buffer: String::new(),
+        }
+    }
+
+    /// The next snapshot (at most `limit` away).
+    async fn next(&mut self, limit: Duration) -> Value {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            if let Some(end) = self.buffer.find("\n\n") {
+                let event: String = self.buffer.drain(..end + 2).collect();
+                let data: Vec<&str> = event
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data: "))
+                    .collect();
+                if event.lines().any(|l| l == "event: snapshot") {
+                    return serde_json::from_str(&data.join("\n")).unwrap();
+                }
+                continue;
+            }
+            let chunk = tokio::time::timeout_at(deadline, self.response.chunk())
+                .await
+                .unwrap_or_else(|_| panic!("no snapshot within {limit:?}"))
+                .unwrap()
+                .expect("the stream stays open");
+            self.buffer.push_str(std::str::from_utf8(&chunk).unwrap());
+        }
+    }
+
+    /// Snapshots until `sale`'s view satisfies `done` (at most `limit`); that view.
+    pub(crate) async fn until(
+        &mut self,
+        sale: i64,
+        limit: Duration,
+        done: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let deadline = Instant::now() + limit;
+        let mut last = Value::Null;
+        while Instant::now() < deadline {
+            let snapshot = self.next(limit).await;
+            if let Some(view) = sale_in(&snapshot, sale) {
+                if done(view) {
+                    return view.clone();
+                }
+                last = view.clone();
+            }
+        }
+        panic!("sale {sale} never reached the expected figures within {limit:?}; last {last}");
+    }
+}
+
+fn sale_in(snapshot: &Value, id: i64) -> Option<&Value> {
+    snapshot["sales"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["id"] == id)
+}
+
+const WAIT: Duration = Duration::from_secs(20);
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn the_live_stream_shows_a_sales_stock_outcomes_and_orders_as_they_change(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(3).await;
+    let mut events = Events::open(&app.client, &app.base).await;
+
+    let first = events.next(WAIT).await;
+    let view = sale_in(&first, voucher).expect("an open sale is shown");
+    assert_eq!(view["state"], "open");
+    assert_eq!(view["initial_stock"], 3);
+    assert_eq!(view["title"], "50 off 100");
+    for field in ["length", "pending", "lag", "dead_letters"] {
+        assert!(first["worker"][field].is_u64(), "worker.{field}: {first}");
+    }
+
+    // Five shoppers for three units, and one of the winners again.
+    let mut orders = Vec::new();
+    for user in 1..=5 {
+        let (status, body) = app.grab(voucher, user).await;
+        if status == StatusCode::ACCEPTED {
+            orders.push((user, body["order_id"].as_str().unwrap().to_string()));
+        }
+    }
+    assert_eq!(orders.len(), 3);
+    let (status, _) = app.grab(voucher, orders[0].0).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+
+    // Admitted, not yet written (no worker runs in this app).
+    let view = events
+        .until(voucher, WAIT, |v| v["outcomes"]["admitted"] == 3)
+        .await;
+    assert_eq!(view["outcomes"]["sold_out"], 2, "{view}");
+    assert_eq!(view["outcomes"]["already_ordered"], 1, "{view}");
+    assert_eq!(view["remaining"], 0, "{view}");
+    assert_eq!(view["orders"]["in_flight"], 3, "{view}");
+    assert_eq!(view["orders"]["persisted"], 0, "{view}");
+
+    // Written by the worker.
+    app.drain().await;
+    let view = events
+        .until(voucher, WAIT, |v| v["orders"]["persisted"] == 3)
+        .await;
+    assert_eq!(view["orders"]["in_flight"], 0, "{view}");
+    assert_eq!(view["orders"]["created"], 3, "{view}");
+
+    // Paid and cancelled: the cancelled unit is back on sale.
+    let (status, _) = app.pay(&orders[1].1, orders[1].0).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _) = app.cancel(&orders[2].1, orders[2].0).await;
+    assert_eq!(status, StatusCode::OK);
+    let view = events
+        .until(voucher, WAIT, |v| v["orders"]["cancelled"] == 1)
+        .await;
+    assert_eq!(view["orders"]["paid"], 1, "{view}");
+    assert_eq!(view["orders"]["created"], 1, "{view}");
+    assert_eq!(view["remaining"], 1, "{view}");
+    assert_eq!(view["orders"]["persisted"], 3, "{view}");
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn every_api_instance_shows_the_same_numbers(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    // A second instance (the binary) in the same stores, limiting each shopper to one
+    // grab a second.
+    let limits = [
+        ("RATE_LIMIT_PER_USER", "1".to_string()),
+        ("RATE_LIMIT_PER_USER_BURST", "1".to_string()),
+    ];
+    let (_other, other) = app.spawn_server("api", &limits).await;
+    let voucher = app.open_sale(4).await;
+
+    // Grabs through both: three here, three there, and one shopper twice at once there.
+    for user in 1..=3 {
+        app.grab(voucher, user).await;
+    }
+    let grab_there = |user: i64| {
+        app.client
+            .post(format!("{other}/vouchers/{voucher}/seckill"))
+            .bearer_auth(app.token(user))
+            .send()
+    };
+    let mut statuses = Vec::new();
+    for user in 4..=6 {
+        statuses.push(grab_there(user).await.unwrap().status());
+    }
+    statuses.push(grab_there(6).await.unwrap().status());
+    assert_eq!(
+        statuses.last(),
+        Some(&StatusCode::TOO_MANY_REQUESTS),
+        "{statuses:?}"
+    );
+    app.drain().await;
+
+    let settled = |v: &Value| {
+        v["outcomes"]["admitted"] == 4
+            && v["outcomes"]["sold_out"] == 2
+            && v["outcomes"]["rate_limited"] == 1
+            && v["orders"]["persisted"] == 4
+    };
+    let mut here = Events::open(&app.client, &app.base).await;
+    let mut there = Events::open(&app.client, &other).await;
+    let a = here.until(voucher, WAIT, settled).await;
+    let b = there.until(voucher, WAIT, settled).await;
+    for field in [
+        "outcomes",
+        "orders",
+        "remaining",
+        "initial_stock",
+        "dead_letters",
+    ] {
+        assert_eq!(a[field], b[field], "{field}: here {a}, there {b}");
+    }
+    println!(
+        "both instances: {} admitted, {} sold out, {} rate limited, {} persisted",
+        a["outcomes"]["admitted"],
+        a["outcomes"]["sold_out"],
+        a["outcomes"]["rate_limited"],
+        a["orders"]["persisted"]
+    );
+}
+
+/// `name`'s value in a Prometheus text exposition (no labels).
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn many_open_pages_cost_one_snapshot_a_second_and_pages_beyond_the_limit_get_503(db: PgPool) {
+    const PAGES: usize = 300;
+    let app = TestApp::spawn(db).await;
+    // Its own process, so that its metrics count only its own producer.
+    let (_api, base) = app
+        .spawn_server("api", &[("LIVE_MAX_VIEWERS", PAGES.to_string())])
+        .await;
+    app.open_sale(10).await;
+    let client = reqwest::Client::new();
+    let mut pages = Vec::new();
+    for _ in 0..PAGES {
+        pages.push(Events::open(&client, &base).await);
+    }
+    for page in &mut pages {
+        page.next(WAIT).await;
+    }
+    let scrape = || async {
+        client
+            .get(format!("{base}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    };
+    let before = scrape().await;
+    let started = Instant::now();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Every page still gets every snapshot.
+    for page in &mut pages {
+        page.next(WAIT).await;
+    }
+    let after = scrape().await;
+    let seconds = started.elapsed().as_secs_f64();
+    let snapshots = metric(&after, "seckill_live_snapshots_total")
+        - metric(&before, "seckill_live_snapshots_total");
+    assert_eq!(metric(&after, "seckill_live_viewers"), PAGES as f64);
+    assert!(
+        snapshots >= 1.0 && snapshots <= seconds.ceil() + 2.0,
+        "{snapshots} snapshots in {seconds:.1} s for {PAGES} pages"
+    );
+    println!("{PAGES} pages watching: {snapshots} snapshots in {seconds:.1} s");
+
+    // One more is refused, in our error format.
+    let resp = client
+        .get(format!("{base}/live/events"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "unavailable", "{body}");
+
+    // Pages that close free their places.
+    pages.truncate(PAGES - 10);
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let resp = client
+            .get(format!("{base}/live/events"))
+            .send()
+            .await
+            .unwrap();
+        if resp.status() == StatusCode::OK {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "closed pages never freed a place"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn the_live_page_in_a_real_browser_updates_after_grabs_without_a_reload(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(5).await;
+    let browser = Browser::start().await;
+    browser.goto(&app.url("/live")).await;
+
+    let field = |name: &str| {
+        format!(
+            "const el = document.querySelector('[data-sale-id=\"{voucher}\"] [data-field=\"{name}\"]'); \
+             return el ? el.textContent : null;"
+        )
+    };
+    let text_is = |want: &'static str| move |v: &Value| v == want;
+    browser
+        .wait_for(&field("remaining"), WAIT, text_is("5"))
+        .await;
+    browser
+        .wait_for(
+            "return document.getElementById('status').textContent;",
+            WAIT,
+            text_is("live"),
+        )
+        .await;
+    // A mark that a reload would erase.
+    browser
+        .eval("window.seckillMark = 'same page'; return true;")
+        .await;
+
+    for user in 1..=2 {
+        let (status, body) = app.grab(voucher, user).await;
+        assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    }
+    browser
+        .wait_for(&field("remaining"), WAIT, text_is("3"))
+        .await;
+    browser
+        .wait_for(&field("admitted"), WAIT, text_is("2"))
+        .await;
+    let bar = browser
+        .eval(&format!(
+            "return document.querySelector('[data-sale-id=\"{voucher}\"] .bar').getAttribute('aria-valuenow');"
+        ))
+        .await;
+    assert_eq!(bar, "3");
+    app.drain().await;
+    browser
+        .wait_for(&field("persisted"), WAIT, text_is("2"))
+        .await;
+    assert_eq!(
+        browser.eval("return window.seckillMark || null;").await,
+        "same page",
+        "the numbers changed without a reload"
+    );
+
+    // A phone's width: nothing wider than the screen.
+    browser.resize(390, 844).await;
+    let overflow = browser
+        .wait_for(
+            "return document.documentElement.scrollWidth - window.innerWidth;",
+            WAIT,
+            |v| v.as_i64().is_some_and(|px| px <= 0),
+        )
+        .await;
+    assert!(overflow.as_i64().unwrap() <= 0);
+
+    browser.resize(1280, 900).await;
+    let png = browser.screenshot().await;
+    assert!(png.starts_with(b"\x89PNG"), "a PNG");
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("live.png");
+    std::fs::write(&path, png).unwrap();
+    println!("screenshot of /live mid-sale: {}", path.display());
+
+    let errors: Vec<Value> = browser
+        .console()
+        .await
+        .into_iter()
+        .filter(|e| e["level"] == "SEVERE" || e["level"] == "WARNING")
+        .collect();
+    assert!(errors.is_empty(), "console: {errors:?}");
+}
