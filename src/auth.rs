@@ -11,7 +11,7 @@
 //! key its `kid` names, whose own algorithm must be the token's; any other `alg`
 //! (`none` included) is refused.
 
-mod jwks;
+pub mod jwks;
 
 use std::time::{SystemTime, UNIX_EPOCH};
 

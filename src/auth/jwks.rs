@@ -4,9 +4,13 @@
 //! memory, refreshed every [`REFRESH_EVERY`] (retried from 1 s, doubling to 10 s, while a
 //! fetch fails), and fetched again when a token names a `kid` the cache lacks, at most
 //! once per [`REFETCH_GAP`] for that reason: a flood of made-up `kid`s costs the provider
-//! one request per 10 s. One fetch at a time; a request that needs one waits for it (at
-//! most [`MISS_WAIT`]). A failed or malformed fetch keeps the cached keys; a good one
-//! replaces them (a key the provider dropped is dropped here too).
+//! one request per 10 s. One fetch at a time. A request with an unknown `kid` waits for
+//! the fetch it caused, or for one another miss caused that is still running, at most
+//! [`MISS_WAIT`], and then answers 503 if that fetch is still running (the key may be on
+//! its way). Otherwise it answers at once: 401 for an unknown `kid`, 503 before the keys
+//! were ever loaded. It never waits for a scheduled fetch, so a provider that hangs costs
+//! a request at most [`MISS_WAIT`]. A failed or malformed fetch keeps the cached keys; a
+//! good one replaces them (a key the provider dropped is dropped here too).
 //!
 //! Usable keys: a `kid`, `use` absent or `sig`, `key_ops` absent or holding `verify`;
 //! RSA (2048 bits or more) for RS256, EC P-256 for ES256; the JWK's `alg`, when present,
@@ -32,8 +36,10 @@ use super::{
 /// An unknown `kid` fetches the set again only if the last fetch it caused began at least
 /// this long ago.
 pub const REFETCH_GAP: Duration = Duration::from_secs(10);
-/// The longest a request waits for a fetch (its own or one in flight).
-pub const MISS_WAIT: Duration = Duration::from_secs(5);
+/// The longest a request waits for a fetch caused by an unknown `kid` (its own or
+/// another's still running). Providers answer in milliseconds; one that does not gets
+/// its shoppers a 503 after this, not after [`FETCH_TIMEOUT`].
+pub const MISS_WAIT: Duration = Duration::from_secs(1);
 /// One fetch, connection to last byte.
 pub const FETCH_TIMEOUT: Duration = Duration::from_secs(5);
 /// Keys are fetched again this often, so rotated keys arrive before a token needs them.
@@ -65,30 +71,26 @@ struct Inner {
     /// `None` until a fetch has succeeded.
     keys: RwLock<Option<KeySet>>,
     /// Held for the whole of a fetch: one at a time.
-    fetches: tokio::sync::Mutex<Fetches>,
+    fetches: tokio::sync::Mutex<()>,
+    /// Fetches caused by unknown `kid`s. A plain mutex, never held across an await: a
+    /// request checks it without queueing behind a fetch.
+    misses: std::sync::Mutex<Misses>,
     rs256: Validation,
     es256: Validation,
 }
 
 #[derive(Default)]
-struct Fetches {
+struct Misses {
     /// When the last fetch caused by an unknown `kid` began.
-    last_on_miss: Option<Instant>,
+    last: Option<Instant>,
+    /// That fetch: `true` once it has ended.
+    running: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
-impl Fetches {
-    fn due_on_miss(&self) -> bool {
-        self.last_on_miss
-            .is_none_or(|began| began.elapsed() >= REFETCH_GAP)
+impl Misses {
+    fn due(&self) -> bool {
+        self.last.is_none_or(|began| began.elapsed() >= REFETCH_GAP)
     }
-}
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Trigger {
-    /// At start, on schedule, or retrying.
-    Schedule,
-    /// A token named a `kid` the cache lacks.
-    UnknownKid,
 }
 
 enum Lookup {
@@ -100,16 +102,19 @@ enum Lookup {
 impl Jwks {
     /// Keys from `url` (nothing fetched yet), for tokens that must also meet `expected`.
     pub fn new(url: &str, expected: &Expected) -> anyhow::Result<Self> {
-        let parsed = reqwest::Url::parse(url)
-            .map_err(|e| anyhow::anyhow!("JWT_JWKS_URL {url:?} is not a URL: {e}"))?;
-        anyhow::ensure!(
-            matches!(parsed.scheme(), "https" | "http"),
-            "JWT_JWKS_URL must be an https:// URL (http:// only on a trusted network), not {url:?}"
-        );
+        // Errors and logs show the URL without a password, should it hold one.
+        let parsed = reqwest::Url::parse(url).map_err(|e| {
+            anyhow::anyhow!("JWT_JWKS_URL {:?} is not a URL: {e}", redact_userinfo(url))
+        })?;
         let mut shown = parsed.clone();
         if shown.password().is_some() {
             let _ = shown.set_password(Some("***"));
         }
+        anyhow::ensure!(
+            matches!(parsed.scheme(), "https" | "http"),
+            "JWT_JWKS_URL must be an https:// URL (http:// only on a trusted network), not {:?}",
+            shown.as_str()
+        );
         if parsed.scheme() == "http" {
             let loopback = match parsed.host_str() {
                 Some("localhost") => true,
@@ -140,6 +145,7 @@ impl Jwks {
             client,
             keys: RwLock::new(None),
             fetches: tokio::sync::Mutex::default(),
+            misses: std::sync::Mutex::default(),
             rs256: expected.validation(Algorithm::RS256),
             es256: expected.validation(Algorithm::ES256),
         })))
@@ -153,7 +159,7 @@ impl Jwks {
     /// Fetches the set now (after a fetch in flight, if any); true if this fetch
     /// succeeded. At most [`FETCH_TIMEOUT`].
     pub async fn refresh(&self) -> bool {
-        self.0.refresh(Trigger::Schedule).await
+        self.0.refresh().await
     }
 
     /// Fetches every [`REFRESH_EVERY`], and after a failure from [`RETRY_FIRST`] doubling
@@ -172,7 +178,7 @@ impl Jwks {
             }
             let fetched = tokio::select! {
                 _ = cancel.cancelled() => return,
-                fetched = self.0.refresh(Trigger::Schedule) => fetched,
+                fetched = self.0.refresh() => fetched,
             };
             delay = match fetched {
                 true => REFRESH_EVERY,
@@ -193,9 +199,11 @@ impl Jwks {
         let key = match self.lookup(kid) {
             Lookup::Found(key) => key,
             Lookup::Unknown | Lookup::NotLoaded => {
-                self.fetch_on_miss().await;
+                let still_fetching = self.fetch_on_miss().await;
                 match self.lookup(kid) {
                     Lookup::Found(key) => key,
+                    // The fetch may yet bring it: "try again", not "bad token".
+                    Lookup::Unknown if still_fetching => return Err(Refused::KeysNotLoaded),
                     Lookup::Unknown => return Err(Unauthorized(UNKNOWN_KID).into()),
                     Lookup::NotLoaded => return Err(Refused::KeysNotLoaded),
                 }
@@ -222,18 +230,37 @@ impl Jwks {
         }
     }
 
-    /// After a miss: waits for a fetch in flight, then fetches if the last fetch caused
-    /// by a miss began [`REFETCH_GAP`] ago or more. At most [`MISS_WAIT`] in all.
-    async fn fetch_on_miss(&self) {
-        let wait = async {
-            if self.0.fetches.lock().await.due_on_miss() {
-                // Spawned: a caller that goes away does not cancel the fetch others
-                // wait for (and that counts against the gap).
-                let inner = self.0.clone();
-                let _ = tokio::spawn(async move { inner.refresh(Trigger::UnknownKid).await }).await;
+    /// After a miss: starts a fetch if the last one a miss caused began [`REFETCH_GAP`]
+    /// ago or more, and waits (at most [`MISS_WAIT`]) for the miss-caused fetch still
+    /// running, if any. True if that fetch is still running when the wait ends.
+    async fn fetch_on_miss(&self) -> bool {
+        let running = {
+            let mut misses = self.0.misses.lock().unwrap_or_else(PoisonError::into_inner);
+            // (A closed channel is a fetch that ended without saying so.)
+            let running = misses.running.clone();
+            match running.filter(|r| !*r.borrow() && r.has_changed().is_ok()) {
+                Some(running) => Some(running),
+                None if misses.due() => {
+                    let (ended, running) = tokio::sync::watch::channel(false);
+                    misses.last = Some(Instant::now());
+                    misses.running = Some(running.clone());
+                    // Spawned: a caller that goes away does not cancel the fetch others
+                    // wait for (and that counts against the gap).
+                    let inner = self.0.clone();
+                    tokio::spawn(async move {
+                        inner.refresh().await;
+                        let _ = ended.send(true);
+                    });
+                    Some(running)
+                }
+                None => None,
             }
         };
-        let _ = tokio::time::timeout(MISS_WAIT, wait).await;
+        let Some(mut running) = running else {
+            return false;
+        };
+        let ended = tokio::time::timeout(MISS_WAIT, running.wait_for(|ended| *ended)).await;
+        !matches!(ended, Ok(Ok(_)))
     }
 }
 
@@ -242,16 +269,9 @@ impl Inner {
         self.keys.read().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// One fetch (unless `trigger` is a miss and another miss fetched less than
-    /// [`REFETCH_GAP`] ago); true if it succeeded.
-    async fn refresh(&self, trigger: Trigger) -> bool {
-        let mut fetches = self.fetches.lock().await;
-        if trigger == Trigger::UnknownKid {
-            if !fetches.due_on_miss() {
-                return false;
-            }
-            fetches.last_on_miss = Some(Instant::now());
-        }
+    /// One fetch, after the one in flight if any; true if it succeeded.
+    async fn refresh(&self) -> bool {
+        let _one_at_a_time = self.fetches.lock().await;
         let (outcome, ok) = match self.fetch().await {
             Ok((keys, skipped)) => {
                 let mut cached = self.keys.write().unwrap_or_else(PoisonError::into_inner);
@@ -342,6 +362,22 @@ fn error_chain(e: &dyn std::error::Error) -> String {
         source = cause.source();
     }
     text
+}
+
+/// `url` with whatever sits between `scheme://` and the last `@` of its authority
+/// replaced by `***`: for a text that did not parse as a URL, so nothing is assumed
+/// about where a password ends.
+fn redact_userinfo(url: &str) -> String {
+    let Some(start) = url.find("://").map(|i| i + 3) else {
+        return url.to_string();
+    };
+    let authority_end = url[start..]
+        .find(['/', '?', '#'])
+        .map_or(url.len(), |i| start + i);
+    match url[start..authority_end].rfind('@') {
+        Some(at) => format!("{}***{}", &url[..start], &url[start + at..]),
+        None => url.to_string(),
+    }
 }
 
 /// The usable keys of a JWKS document by `kid` (the first of a duplicated `kid`), and
@@ -501,6 +537,27 @@ mod tests {
         ]);
         assert_eq!(found, vec![("good".to_string(), Algorithm::RS256)]);
         assert_eq!(skipped, 18);
+    }
+
+    #[test]
+    fn a_password_in_jwt_jwks_url_never_reaches_an_error() {
+        let expected = Expected::new(None, None);
+        for url in [
+            "ftp://user:hunter2@idp.example/jwks.json",
+            "https://user:hunter2@idp example/jwks.json",
+            "https://user:hunter2@[::1/jwks.json",
+            "https://us@er:hunter2@idp.example:99999/jwks.json",
+        ] {
+            let err = Jwks::new(url, &expected).err().expect(url).to_string();
+            assert!(err.starts_with("JWT_JWKS_URL"), "{err}");
+            assert!(!err.contains("hunter2"), "{err}");
+        }
+        assert_eq!(
+            redact_userinfo("https://a:b@c@host/p@q"),
+            "https://***@host/p@q"
+        );
+        assert_eq!(redact_userinfo("https://host/p@q"), "https://host/p@q");
+        assert_eq!(redact_userinfo("not a url"), "not a url");
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! ring), tokens signed with jsonwebtoken.
 
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -23,12 +23,13 @@ const ISSUER: &str = "https://idp.test/realms/shop";
 const AUDIENCE: &str = "seckill-api";
 
 /// The identity provider: `GET /jwks.json` answers the current key set (or 500 while
-/// `failing`), counting every request.
+/// `failing`, or nothing at all while `hanging`), counting every request.
 struct Idp {
     url: String,
     keys: Arc<Mutex<Vec<Value>>>,
     fetches: Arc<AtomicUsize>,
-    failing: Arc<std::sync::atomic::AtomicBool>,
+    failing: Arc<AtomicBool>,
+    hanging: Arc<AtomicBool>,
     server: tokio::task::JoinHandle<()>,
 }
 
@@ -49,14 +50,23 @@ impl Idp {
         let url = format!("http://{}/jwks.json", listener.local_addr().unwrap());
         let keys = Arc::new(Mutex::new(keys));
         let fetches = Arc::new(AtomicUsize::new(0));
-        let failing = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (k, f, down) = (keys.clone(), fetches.clone(), failing.clone());
+        let failing = Arc::new(AtomicBool::new(false));
+        let hanging = Arc::new(AtomicBool::new(false));
+        let (k, f, down, hang) = (
+            keys.clone(),
+            fetches.clone(),
+            failing.clone(),
+            hanging.clone(),
+        );
         let app = axum::Router::new().route(
             "/jwks.json",
             axum::routing::get(move || {
-                let (k, f, down) = (k.clone(), f.clone(), down.clone());
+                let (k, f, down, hang) = (k.clone(), f.clone(), down.clone(), hang.clone());
                 async move {
                     f.fetch_add(1, Ordering::SeqCst);
+                    if hang.load(Ordering::SeqCst) {
+                        std::future::pending::<()>().await;
+                    }
                     if down.load(Ordering::SeqCst) {
                         return Err(Status::INTERNAL_SERVER_ERROR);
                     }
@@ -73,6 +83,7 @@ impl Idp {
             keys,
             fetches,
             failing,
+            hanging,
             server,
         }
     }
@@ -87,6 +98,11 @@ impl Idp {
 
     fn set_failing(&self, failing: bool) {
         self.failing.store(failing, Ordering::SeqCst);
+    }
+
+    /// Requests arriving while set are accepted and never answered.
+    fn set_hanging(&self, hanging: bool) {
+        self.hanging.store(hanging, Ordering::SeqCst);
     }
 }
 
@@ -584,6 +600,73 @@ async fn a_flood_of_unknown_kids_fetches_the_jwks_at_most_once_per_10_s(db: PgPo
         assert_eq!(status, StatusCode::UNAUTHORIZED);
     }
     assert_eq!(idp.fetches(), 3, "one more fetch after 10 s");
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_provider_that_hangs_costs_an_unknown_kid_one_second_and_a_known_kid_nothing(db: PgPool) {
+    use seckill::auth::jwks::{FETCH_TIMEOUT, MISS_WAIT, REFETCH_GAP};
+    let key = ec_key("ec-1");
+    let idp = Idp::start(vec![key.jwk.clone()]).await;
+    let app = app_with_idp(db, &idp).await;
+    assert_eq!(idp.fetches(), 1, "at start");
+    idp.set_hanging(true);
+
+    // 50 unknown kids at once: one fetch, which hangs; each waits for it MISS_WAIT,
+    // not FETCH_TIMEOUT, and gets "try again" (the key may be on its way).
+    let stranger = ec_key("rotated");
+    let began = Instant::now();
+    let presses = (0..50).map(|i| {
+        let token = stranger.sign_as(Algorithm::ES256, Some(&format!("new-{i}")), &claims(5));
+        let app = &app;
+        async move {
+            let sent = Instant::now();
+            let answer = my_orders(app, &token).await;
+            (answer, sent.elapsed())
+        }
+    });
+    for ((status, body), took) in futures::future::join_all(presses).await {
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        assert_eq!(body["error"]["code"], "unavailable", "{body}");
+        assert!(
+            took >= MISS_WAIT.mul_f32(0.9) && took < FETCH_TIMEOUT.mul_f32(0.8),
+            "waited {took:?}: the fetch's own wait, not the provider's timeout"
+        );
+    }
+    assert_eq!(idp.fetches(), 2, "one fetch for the 50");
+    // A known kid never waits for the fetch.
+    let sent = Instant::now();
+    assert_accepted(&app, &key.sign(&claims(5)), "a known kid while it hangs").await;
+    assert!(sent.elapsed() < MISS_WAIT, "{:?}", sent.elapsed());
+
+    // The hung fetch ends (timed out) a little after FETCH_TIMEOUT; until REFETCH_GAP
+    // since it began, an unknown kid is a plain 401 at once, with no fetch.
+    idp.set_hanging(false);
+    tokio::time::sleep(
+        (FETCH_TIMEOUT + Duration::from_millis(500)).saturating_sub(began.elapsed()),
+    )
+    .await;
+    let sent = Instant::now();
+    assert_refused(
+        &app,
+        &stranger.sign_as(Algorithm::ES256, Some("new-0"), &claims(5)),
+        "unknown key id (kid)",
+        "within the gap, after the hung fetch",
+    )
+    .await;
+    assert!(sent.elapsed() < MISS_WAIT, "{:?}", sent.elapsed());
+    assert_eq!(idp.fetches(), 2);
+
+    // After the gap, the provider answers again and the new key is fetched and used.
+    idp.set_keys(vec![key.jwk.clone(), stranger.jwk.clone()]);
+    tokio::time::sleep((REFETCH_GAP + Duration::from_millis(200)).saturating_sub(began.elapsed()))
+        .await;
+    assert_accepted(
+        &app,
+        &stranger.sign(&claims(5)),
+        "the new key, after the gap",
+    )
+    .await;
+    assert_eq!(idp.fetches(), 3);
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
