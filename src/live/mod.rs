@@ -160,7 +160,7 @@ impl Live {
         let before = inner.viewers.fetch_add(1, Ordering::Relaxed);
         metrics::gauge!(crate::metrics::LIVE_VIEWERS).increment(1.0);
         // Built before the check: dropping it when over the limit undoes the count.
-        let viewer = Viewer {
+        let mut viewer = Viewer {
             updates: inner.latest.subscribe(),
             cancel: inner.cancel.clone(),
             live: self.clone(),
@@ -168,7 +168,13 @@ impl Live {
         if before >= inner.max_viewers {
             return None;
         }
-        inner.watched.notify_one();
+        if viewer.updates.borrow().is_some() {
+            // Less than a second old (the producer clears it when nobody watches): the
+            // page starts with it, and opening pages never costs a snapshot.
+            viewer.updates.mark_changed();
+        } else {
+            inner.watched.notify_one();
+        }
         Some(viewer)
     }
 
@@ -184,16 +190,28 @@ impl Live {
         let mut every = tokio::time::interval(EVERY);
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            tokio::select! {
+            let ticked = tokio::select! {
                 _ = cancel.cancelled() => return,
-                _ = every.tick() => {}
-                // A first page gets its snapshot at once.
-                _ = self.0.watched.notified() => {}
-            }
-            if let Err(e) = timeout(tally.flush(&mut redis, &keys)).await {
-                tracing::debug!(error = %e, "grab counts not flushed yet; kept for the next flush");
+                _ = every.tick() => true,
+                // A page opened with no snapshot to start from: it gets one at once.
+                _ = self.0.watched.notified() => false,
+            };
+            if ticked {
+                if let Err(e) = timeout(tally.flush(&mut redis, &keys)).await {
+                    tracing::debug!(error = %e, "grab counts not flushed yet; kept for the next flush");
+                }
             }
             if !self.watched() {
+                // Nobody watches: no snapshot, and the last one goes (it would be stale
+                // for the next page).
+                if self.0.latest.borrow().is_some() {
+                    self.0.latest.send_replace(None);
+                }
+                continue;
+            }
+            if !ticked && self.0.latest.borrow().is_some() {
+                // Woken by a page that has one already: pages opening and closing in a
+                // loop cost at most one extra snapshot a second.
                 continue;
             }
             let snapshot = producer.snapshot(&db, &redis, &keys).await;
