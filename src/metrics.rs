@@ -1,7 +1,13 @@
 //! Prometheus metrics: recorded with the `metrics` facade, rendered at `GET /metrics`.
+//!
+//! Every metric is a const below and has a line in [`DESCRIBED`], which gives its
+//! `# HELP`; the counters whose labels are known in advance exist at zero from the
+//! recorder's installation ([`register_known_series`]), so an alert on them sees `0`,
+//! not "no data", before the first event.
 
 use std::sync::OnceLock;
 
+use metrics::{KeyName, Recorder, SharedString, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use redis::aio::ConnectionLike;
 
@@ -17,6 +23,7 @@ pub(crate) const STREAM_PENDING: &str = "seckill_stream_pending";
 pub(crate) const DEAD_LETTERS: &str = "seckill_dead_letters";
 pub(crate) const STREAM_LAG: &str = "seckill_stream_lag";
 pub(crate) const HTTP_REQUESTS: &str = "seckill_http_requests_total";
+pub(crate) const HTTP_SECONDS: &str = "seckill_http_request_duration_seconds";
 pub(crate) const SHED: &str = "seckill_http_shed_total";
 pub(crate) const WORKER_BATCH_SIZE: &str = "seckill_worker_batch_size";
 pub(crate) const WORKER_COMMIT_SECONDS: &str = "seckill_worker_commit_seconds";
@@ -33,22 +40,116 @@ pub(crate) const LIVE_SNAPSHOTS: &str = "seckill_live_snapshots_total";
 /// Pages watching `/live/events` now.
 pub(crate) const LIVE_VIEWERS: &str = "seckill_live_viewers";
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// One metric's type, unit and `# HELP` text.
+pub(crate) struct Described {
+    pub name: &'static str,
+    pub kind: Kind,
+    pub unit: Option<Unit>,
+    pub help: &'static str,
+}
+
+const fn m(name: &'static str, kind: Kind, unit: Option<Unit>, help: &'static str) -> Described {
+    Described {
+        name,
+        kind,
+        unit,
+        help,
+    }
+}
+
+/// Every metric the service records (a unit test checks that no const is missing).
+#[rustfmt::skip]
+pub(crate) const DESCRIBED: &[Described] = &[
+    m(ADMISSIONS, Kind::Counter, None,
+        "Grab attempts by outcome: admitted, sold_out, already_ordered, not_started, ended, not_loaded, rate_limited, redis_error."),
+    m(ADMISSION_SECONDS, Kind::Histogram, Some(Unit::Seconds),
+        "Round trip of the admission script in Redis, per grab."),
+    m(HTTP_REQUESTS, Kind::Counter, None,
+        "HTTP requests answered, by route template (\"unmatched\" for unknown paths) and status code."),
+    m(HTTP_SECONDS, Kind::Histogram, Some(Unit::Seconds),
+        "Time from a request's arrival to its answer's headers, by route template and status code."),
+    m(SHED, Kind::Counter, None,
+        "Requests refused with 503 at once because the concurrency limit was reached."),
+    m(WORKER_ORDERS, Kind::Counter, None,
+        "Stream entries the worker settled, by result: inserted, already_there, dead_lettered."),
+    m(WORKER_BATCH_SIZE, Kind::Histogram, Some(Unit::Count),
+        "Stream entries per batch the worker wrote to Postgres in one transaction."),
+    m(WORKER_COMMIT_SECONDS, Kind::Histogram, Some(Unit::Seconds),
+        "Time to write one batch of orders to Postgres, commit included."),
+    m(WORKER_BATCH_ERRORS, Kind::Counter, None,
+        "Worker turns that failed (the batch stays pending and is retried)."),
+    m(DEPENDENCY_ERRORS, Kind::Counter, None,
+        "Errors of a dependency (redis, postgres, other) seen in the api or the worker."),
+    m(DEAD_LETTERED, Kind::Counter, None,
+        "Stream entries dead-lettered, by kind: malformed, poison, rejected; each unit of stock goes back on sale."),
+    m(DEAD_LETTERS, Kind::Gauge, None,
+        "Entries in the dead-letter stream, per shard, sampled at scrape time."),
+    m(STREAM_LENGTH, Kind::Gauge, None,
+        "Entries in the order stream, per shard, sampled at scrape time."),
+    m(STREAM_PENDING, Kind::Gauge, None,
+        "Order stream entries delivered to a worker and not yet acknowledged, per shard, sampled at scrape time."),
+    m(STREAM_LAG, Kind::Gauge, None,
+        "Order stream entries not yet delivered to any worker, per shard, sampled at scrape time."),
+    m(TRANSITIONS, Kind::Counter, None,
+        "Order transitions made, by new status: paid, cancelled, expired."),
+    m(UNITS_RETURNED, Kind::Counter, None,
+        "Units of stock given back by closed orders, by store: postgres (order closed), redis (release made)."),
+    m(RELEASES_OWED, Kind::Gauge, None,
+        "Closed orders whose unit Redis has not been given back yet, sampled by each sweeper pass."),
+    m(JWKS_FETCHES, Kind::Counter, None,
+        "Fetches of the identity provider's key set (JWT_JWKS_URL), by outcome: ok, error, invalid."),
+    m(LIVE_SNAPSHOTS, Kind::Counter, None,
+        "Snapshots of all open sales the live view built (one a second while any page watches)."),
+    m(LIVE_VIEWERS, Kind::Gauge, None,
+        "Pages watching /live/events now."),
+];
+
+/// Buckets of the `_seconds` histograms: sub-millisecond Redis round trips up to the
+/// default request timeout (10 s).
+const SECONDS_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// Buckets of the batch size: powers of two, so a full batch of the default 2048 (or of
+/// any power of two) lands on a bound; `WORKER_BATCH_SIZE` goes up to 10,000 (+Inf).
+const BATCH_SIZE_BUCKETS: &[f64] = &[
+    1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0,
+];
+
 /// The process-wide recorder (installed on first use, with a thread doing its upkeep:
 /// without it histogram samples would pile up in memory between scrapes).
 pub(crate) fn handle() -> PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE
         .get_or_init(|| {
-            let handle = PrometheusBuilder::new()
-                .set_buckets_for_metric(
-                    Matcher::Suffix("_seconds".into()),
-                    &[
-                        0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-                    ],
-                )
+            let recorder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
                 .expect("static buckets are valid")
-                .install_recorder()
-                .expect("no other metrics recorder is installed");
+                .set_buckets_for_metric(Matcher::Full(WORKER_BATCH_SIZE.into()), BATCH_SIZE_BUCKETS)
+                .expect("static buckets are valid")
+                .build_recorder();
+            for d in DESCRIBED {
+                let (name, unit, help) = (
+                    KeyName::from_const_str(d.name),
+                    d.unit,
+                    SharedString::const_str(d.help),
+                );
+                match d.kind {
+                    Kind::Counter => recorder.describe_counter(name, unit, help),
+                    Kind::Gauge => recorder.describe_gauge(name, unit, help),
+                    Kind::Histogram => recorder.describe_histogram(name, unit, help),
+                }
+            }
+            let handle = recorder.handle();
+            metrics::set_global_recorder(recorder).expect("no other metrics recorder is installed");
+            register_known_series();
             let upkeep = handle.clone();
             std::thread::Builder::new()
                 .name("metrics-upkeep".into())
@@ -60,6 +161,49 @@ pub(crate) fn handle() -> PrometheusHandle {
             handle
         })
         .clone()
+}
+
+/// Registers, at zero, every series whose labels are known before anything happens
+/// (registering does not change a value), and the unlabelled histograms (empty). Not
+/// here: the HTTP series (their routes and statuses come with traffic) and the sampled
+/// gauges, which appear once sampled: a `0` from a process that never samples them
+/// (`seckill_releases_owed` in `seckill api`) would be a claim, not a count.
+fn register_known_series() {
+    for outcome in HotPath::OUTCOMES {
+        metrics::counter!(ADMISSIONS, "outcome" => outcome).increment(0);
+    }
+    for result in ["inserted", "already_there", "dead_lettered"] {
+        metrics::counter!(WORKER_ORDERS, "result" => result).increment(0);
+    }
+    for kind in ["malformed", "poison", "rejected"] {
+        metrics::counter!(DEAD_LETTERED, "kind" => kind).increment(0);
+    }
+    for (dependency, within) in [
+        ("redis", "api"),
+        ("postgres", "api"),
+        ("redis", "worker"),
+        ("postgres", "worker"),
+        ("other", "worker"),
+    ] {
+        metrics::counter!(DEPENDENCY_ERRORS, "dependency" => dependency, "in" => within)
+            .increment(0);
+    }
+    for to in ["paid", "cancelled", "expired"] {
+        metrics::counter!(TRANSITIONS, "to" => to).increment(0);
+    }
+    for store in ["postgres", "redis"] {
+        metrics::counter!(UNITS_RETURNED, "store" => store).increment(0);
+    }
+    for outcome in ["ok", "error", "invalid"] {
+        metrics::counter!(JWKS_FETCHES, "outcome" => outcome).increment(0);
+    }
+    metrics::counter!(WORKER_BATCH_ERRORS).increment(0);
+    metrics::counter!(SHED).increment(0);
+    metrics::counter!(LIVE_SNAPSHOTS).increment(0);
+    metrics::gauge!(LIVE_VIEWERS).increment(0.0);
+    let _ = metrics::histogram!(ADMISSION_SECONDS);
+    let _ = metrics::histogram!(WORKER_BATCH_SIZE);
+    let _ = metrics::histogram!(WORKER_COMMIT_SECONDS);
 }
 
 /// Handles of the hot path's metrics, registered once: recording through them is an
@@ -121,4 +265,135 @@ pub(crate) async fn sample_streams<C: ConnectionLike + Send>(
         metrics::gauge!(DEAD_LETTERS, "shard" => shard_label).set(dead as f64);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The metric-name consts of this file, read from its source.
+    fn consts() -> Vec<&'static str> {
+        include_str!("metrics.rs")
+            .lines()
+            .filter_map(|l| l.strip_prefix("pub(crate) const "))
+            .filter_map(|l| l.split_once(": &str = \"")?.1.strip_suffix("\";"))
+            .collect()
+    }
+
+    #[test]
+    fn every_metric_const_is_described_once() {
+        let consts = consts();
+        assert!(consts.len() >= 21, "{consts:?}");
+        for name in &consts {
+            let n = DESCRIBED.iter().filter(|d| d.name == *name).count();
+            assert_eq!(n, 1, "{name} is described {n} times");
+        }
+        assert_eq!(
+            DESCRIBED.len(),
+            consts.len(),
+            "a description without a const"
+        );
+    }
+
+    #[test]
+    fn every_metric_has_its_help_and_type_in_the_rendered_output() {
+        let handle = handle();
+        // The series that appear only with traffic or sampling, as they would.
+        metrics::counter!(HTTP_REQUESTS, "route" => "/healthz", "status" => "200").increment(1);
+        metrics::histogram!(HTTP_SECONDS, "route" => "/healthz", "status" => "200").record(0.001);
+        for gauge in [STREAM_LENGTH, STREAM_PENDING, STREAM_LAG, DEAD_LETTERS] {
+            metrics::gauge!(gauge, "shard" => "0").set(0.0);
+        }
+        metrics::gauge!(RELEASES_OWED).set(0.0);
+        let text = handle.render();
+        for d in DESCRIBED {
+            let help = format!("# HELP {} {}\n", d.name, d.help);
+            assert!(text.contains(&help), "no {help:?} in\n{text}");
+            let kind = match d.kind {
+                Kind::Counter => "counter",
+                Kind::Gauge => "gauge",
+                Kind::Histogram => "histogram",
+            };
+            let type_line = format!("# TYPE {} {kind}\n", d.name);
+            assert!(text.contains(&type_line), "no {type_line:?} in\n{text}");
+        }
+    }
+
+    #[test]
+    fn counters_with_known_labels_exist_from_the_recorders_installation() {
+        let text = handle().render();
+        for series in [
+            "seckill_dead_lettered_total{kind=\"poison\"} ",
+            "seckill_dead_lettered_total{kind=\"malformed\"} ",
+            "seckill_dead_lettered_total{kind=\"rejected\"} ",
+            "seckill_worker_batch_errors_total ",
+            "seckill_admissions_total{outcome=\"sold_out\"} ",
+            "seckill_dependency_errors_total{dependency=\"postgres\",in=\"worker\"} ",
+            "seckill_order_transitions_total{to=\"expired\"} ",
+            "seckill_http_shed_total ",
+            "seckill_live_viewers ",
+        ] {
+            assert!(
+                text.lines().any(|l| l.starts_with(series)),
+                "{series} missing from\n{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_batch_size_is_a_histogram_of_entries_not_of_seconds() {
+        let handle = handle();
+        metrics::histogram!(WORKER_BATCH_SIZE).record(2048.0);
+        let text = handle.render();
+        for line in [
+            "seckill_worker_batch_size_bucket{le=\"1\"} ",
+            "seckill_worker_batch_size_bucket{le=\"2048\"} ",
+            "seckill_worker_batch_size_bucket{le=\"+Inf\"} ",
+            "seckill_worker_batch_size_count ",
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
+        }
+        assert!(
+            !text.contains("seckill_worker_batch_size{quantile"),
+            "a summary"
+        );
+        assert!(!text.contains("seckill_worker_batch_size_bucket{le=\"0.0005\"}"));
+    }
+
+    /// Every `counter!`/`gauge!`/`histogram!` in the crate names its metric through a
+    /// const of this file, so [`DESCRIBED`] cannot miss one.
+    #[test]
+    fn no_metric_is_recorded_under_a_name_that_is_not_a_const() {
+        fn walk(dir: &std::path::Path, files: &mut Vec<std::path::PathBuf>) {
+            for entry in std::fs::read_dir(dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    walk(&path, files);
+                } else if path.extension().is_some_and(|e| e == "rs") {
+                    files.push(path);
+                }
+            }
+        }
+        let mut files = Vec::new();
+        walk(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+            &mut files,
+        );
+        assert!(files.len() > 10);
+        for file in files {
+            let source = std::fs::read_to_string(&file).unwrap();
+            for kind in ["counter", "gauge", "histogram"] {
+                let macro_ = format!("{kind}!(");
+                for (at, _) in source.match_indices(&macro_) {
+                    let arg = source[at + macro_.len()..].trim_start();
+                    assert!(
+                        !arg.starts_with('"'),
+                        "{}: {macro_} with a literal name: {}",
+                        file.display(),
+                        arg.lines().next().unwrap_or("")
+                    );
+                }
+            }
+        }
+    }
 }

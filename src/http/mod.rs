@@ -127,7 +127,7 @@ pub fn build_app(state: AppState) -> Router {
                         .unwrap_or("");
                     tracing::debug_span!("request", method = %req.method(), uri = %req.uri(), request_id = %id)
                 }))
-                .layer(middleware::from_fn(count_requests))
+                .layer(middleware::from_fn(observe_requests))
                 .layer(middleware::from_fn(log_failures))
                 .layer(middleware::from_fn(limit_headers))
                 // Overload answers 503 at once rather than queueing without end; a
@@ -215,33 +215,43 @@ async fn log_failures(req: Request, next: Next) -> Response {
     response
 }
 
-/// `seckill_http_requests_total{route, status}`, through a cache of counter handles so
-/// a request costs a map lookup and an atomic add, not a registry lookup.
-async fn count_requests(req: Request, next: Next) -> Response {
-    type Counters = std::sync::RwLock<Vec<(u16, String, metrics::Counter)>>;
-    static COUNTERS: std::sync::LazyLock<Counters> = std::sync::LazyLock::new(Default::default);
+/// `seckill_http_requests_total{route, status}` and
+/// `seckill_http_request_duration_seconds{route, status}` (arrival to the answer's
+/// headers; a `/live/events` stream counts until it starts). The route is the matched
+/// template (`/orders/{order_id}`), or `unmatched`, so ids never multiply the series.
+/// Handles are cached: a request costs a lookup and two atomic adds, not registry
+/// lookups.
+async fn observe_requests(req: Request, next: Next) -> Response {
+    type Series = std::sync::RwLock<Vec<(u16, String, metrics::Counter, metrics::Histogram)>>;
+    static SERIES: std::sync::LazyLock<Series> = std::sync::LazyLock::new(Default::default);
+    let started = std::time::Instant::now();
     let route = req.extensions().get::<MatchedPath>().cloned();
     let response = next.run(req).await.into_response();
+    let seconds = started.elapsed().as_secs_f64();
     let route = route.as_ref().map_or("unmatched", |p| p.as_str());
     let status = response.status().as_u16();
-    let cached = COUNTERS
+    let cached = SERIES
         .read()
         .expect("poisoned")
         .iter()
-        .find(|(s, r, _)| *s == status && r == route)
-        .map(|(_, _, c)| c.clone());
-    let counter = cached.unwrap_or_else(|| {
-        let counter = metrics::counter!(
-            crate::metrics::HTTP_REQUESTS,
-            "route" => route.to_owned(),
-            "status" => status.to_string()
-        );
-        COUNTERS
-            .write()
-            .expect("poisoned")
-            .push((status, route.to_owned(), counter.clone()));
-        counter
+        .find(|(s, r, _, _)| *s == status && r == route)
+        .map(|(_, _, c, h)| (c.clone(), h.clone()));
+    let (counter, histogram) = cached.unwrap_or_else(|| {
+        let labels = [
+            metrics::Label::new("route", route.to_owned()),
+            metrics::Label::new("status", status.to_string()),
+        ];
+        let counter = metrics::counter!(crate::metrics::HTTP_REQUESTS, labels.iter());
+        let histogram = metrics::histogram!(crate::metrics::HTTP_SECONDS, labels.iter());
+        SERIES.write().expect("poisoned").push((
+            status,
+            route.to_owned(),
+            counter.clone(),
+            histogram.clone(),
+        ));
+        (counter, histogram)
     });
     counter.increment(1);
+    histogram.record(seconds);
     response
 }

@@ -15,6 +15,7 @@ mod http_limits;
 mod jwks;
 mod lifecycle;
 mod live;
+mod observability;
 mod operations;
 mod reconcile;
 mod recovery;

@@ -137,14 +137,21 @@ async fn metrics_show_the_sale_the_worker_and_the_http_traffic(db: PgPool) {
     }
     app.drain().await;
     let text = app.metrics_text().await;
+    // Counted (the recorder is shared by the tests of this binary: at least, not exactly).
     for series in [
         "seckill_admissions_total{outcome=\"admitted\"}",
         "seckill_admissions_total{outcome=\"sold_out\"}",
-        "seckill_admission_duration_seconds_bucket",
+        "seckill_admission_duration_seconds_count",
         "seckill_http_requests_total{route=\"/vouchers/{id}/seckill\",status=\"202\"}",
+        "seckill_http_request_duration_seconds_count{route=\"/vouchers/{id}/seckill\",status=\"202\"}",
         "seckill_worker_orders_total{result=\"inserted\"}",
-        "seckill_worker_batch_size",
-        "seckill_worker_commit_seconds",
+        "seckill_worker_batch_size_count",
+        "seckill_worker_commit_seconds_count",
+    ] {
+        let value = crate::common::metric_value(&text, series);
+        assert!(value >= Some(1.0), "{series} is {value:?} in\n{text}");
+    }
+    for series in [
         "seckill_stream_pending{shard=\"0\"} 0",
         "seckill_stream_lag{shard=\"0\"} 0",
         "seckill_dead_letters{shard=\"0\"} 0",

@@ -523,6 +523,14 @@ impl Drop for TestApp {
     }
 }
 
+/// The value of one series (`name{labels}` exactly as rendered) in a Prometheus text
+/// exposition; `None` if absent. Counters with known labels exist at 0 from start-up, so
+/// a test that an event was counted compares the value, not the presence.
+pub fn metric_value(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
 /// Presses "grab" for each user against `base`, `concurrency` at a time. Returns each
 /// user's status and body, or `None` where no answer came.
 pub async fn press_all(
