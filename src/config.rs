@@ -396,7 +396,7 @@ pub(crate) struct DemoArgs {
     pub persist_timeout: u64,
     /// The server's HS256 secret: the demo mints an admin token and one token per shopper.
     #[arg(long, env = "JWT_SECRET", hide_env_values = true)]
-    pub jwt_secret: String,
+    pub jwt_secret: Option<String>,
     /// Written as the tokens' `iss` (when the server checks it).
     #[arg(long, env = "JWT_ISSUER")]
     pub jwt_issuer: Option<String>,

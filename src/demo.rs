@@ -338,7 +338,13 @@ impl Api {
 pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let base = base_url(args.url.as_deref(), args.bind.as_deref())?;
     let expected = Expected::new(args.jwt_issuer.as_deref(), args.jwt_audience.as_deref());
-    let keys = JwtKeys::with_expected(&args.jwt_secret, expected)?;
+    // Checked here, not by clap, to say where the secret comes from.
+    let secret = args.jwt_secret.as_deref().ok_or_else(|| {
+        anyhow::anyhow!(
+            "the demo mints its tokens with the server's secret: set JWT_SECRET (or --jwt-secret)"
+        )
+    })?;
+    let keys = JwtKeys::with_expected(secret, expected)?;
     let shoppers = args.shoppers;
     let last_user = args
         .first_user

@@ -152,4 +152,12 @@ fn the_demo_refuses_bad_input_with_a_message_instead_of_a_panic() {
         assert_eq!(code, Some(2), "{args:?}: {stderr}");
         assert!(stderr.contains(says), "{args:?}: {stderr}");
     }
+    let out = Command::new(BIN)
+        .arg("demo")
+        .env_remove("JWT_SECRET")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("set JWT_SECRET"), "{stderr}");
 }
