@@ -29,6 +29,7 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
     let done = |r: anyhow::Result<()>| r.map(|()| ExitCode::SUCCESS);
     match command {
         Command::Reconcile(args) => reconcile(args).await,
+        Command::Demo(args) => crate::demo::run(args).await,
         Command::Token(args) => done(token(args)),
         Command::Migrate(args) => {
             let db = store::connect(&args.database.database_url, 2).await?;

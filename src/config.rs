@@ -56,6 +56,9 @@ pub(crate) enum Command {
     Reconcile(ReconcileArgs),
     /// List the dead-lettered stream entries (orders that could not be written).
     DeadLetters(DeadLetterArgs),
+    /// Simulate a sale against a running server: distinct shoppers grab over a few
+    /// seconds; prints the outcomes and waits until the admitted orders are in Postgres.
+    Demo(DemoArgs),
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -357,6 +360,61 @@ pub(crate) struct TokenArgs {
     /// Lifetime in seconds.
     #[arg(long, default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..=31_536_000))]
     pub ttl: u64,
+}
+
+#[derive(Debug, Clone, Args)]
+pub(crate) struct DemoArgs {
+    /// Base URL of the running API (default: http://<BIND> when BIND is set, else
+    /// http://127.0.0.1:8080).
+    #[arg(long)]
+    pub url: Option<String>,
+    /// The server's listen address, the default of --url (as `seckill serve` reads it).
+    #[arg(long, env = "BIND", hide = true)]
+    pub bind: Option<String>,
+    /// Shoppers, each a distinct user pressing "grab" once.
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub shoppers: u64,
+    /// Seconds over which the grabs are spread (0: all at once).
+    #[arg(long, default_value_t = 5.0, value_parser = demo_seconds)]
+    pub seconds: f64,
+    /// Units on sale in the voucher the demo creates.
+    #[arg(long, default_value_t = 100, conflicts_with = "voucher",
+          value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub stock: u64,
+    /// Grab from this existing flash-sale voucher instead of creating one.
+    #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]
+    pub voucher: Option<i64>,
+    /// Grabs in flight at most (when the server is slower, the grabs fall behind the
+    /// schedule rather than pile up).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    pub concurrency: u64,
+    /// User id of the first shopper; the others follow it (`first`, `first + 1`, ...).
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(i64).range(1..))]
+    pub first_user: i64,
+    /// Seconds to wait for the admitted orders to reach Postgres (0: look once).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(0..=3600))]
+    pub persist_timeout: u64,
+    /// The server's HS256 secret: the demo mints an admin token and one token per shopper.
+    #[arg(long, env = "JWT_SECRET", hide_env_values = true)]
+    pub jwt_secret: Option<String>,
+    /// Written as the tokens' `iss` (when the server checks it).
+    #[arg(long, env = "JWT_ISSUER")]
+    pub jwt_issuer: Option<String>,
+    /// Written as the tokens' `aud` (when the server checks it).
+    #[arg(long, env = "JWT_AUDIENCE")]
+    pub jwt_audience: Option<String>,
+}
+
+/// A duration in seconds for `demo --seconds`: 0 to 3600, fractions allowed.
+fn demo_seconds(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    if !(0.0..=3600.0).contains(&v) {
+        return Err("must be 0 to 3600 seconds".into());
+    }
+    Ok(v)
 }
 
 /// Settings the HTTP layer needs at run time.

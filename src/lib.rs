@@ -10,6 +10,7 @@ pub mod auth;
 pub mod backoff;
 pub mod cli;
 pub mod config;
+pub mod demo;
 pub mod http;
 pub mod keys;
 pub mod lifecycle;

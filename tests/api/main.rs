@@ -9,6 +9,8 @@ mod admin;
 mod auth_and_validation;
 mod binary;
 mod cluster;
+mod demo;
+mod dev_script;
 mod faults;
 mod flash_sale;
 mod http_limits;

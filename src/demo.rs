@@ -1,0 +1,544 @@
+//! `seckill demo`: a small sale against a running server, through its public API only,
+//! so that a newcomer sees `/live` move and the outcome add up.
+//!
+//! It opens a sale as an admin (or uses `--voucher`), lets N distinct shoppers press
+//! "grab" once each, spread evenly over a few seconds, prints what they were answered,
+//! and waits until every admitted order is in Postgres (read back through the admin
+//! listing of the sale's orders: a 202 is a promise, and this shows it kept).
+
+use std::collections::{BTreeMap, HashSet};
+use std::io::{IsTerminal, Write};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use futures_util::StreamExt;
+use reqwest::{Client, StatusCode};
+use serde_json::{json, Value};
+
+use crate::auth::{Expected, JwtKeys};
+use crate::config::DemoArgs;
+
+const DEFAULT_URL: &str = "http://127.0.0.1:8080";
+/// The admin the demo acts as (as `seckill token --user 1 --admin` would).
+const ADMIN_USER: i64 = 1;
+/// Most distinct error kinds listed under the table.
+const ERROR_KINDS_SHOWN: usize = 5;
+
+/// What one shopper's press was answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    Admitted(String),
+    SoldOut,
+    AlreadyOrdered,
+    RateLimited,
+    /// Anything else (not_started, ended, 5xx, no answer): what happened, in short.
+    Error(String),
+}
+
+/// Reads one answer of `POST /vouchers/{id}/seckill`.
+pub(crate) fn classify(status: StatusCode, body: &Value) -> Outcome {
+    let code = body["error"]["code"].as_str();
+    match (status, code) {
+        (StatusCode::ACCEPTED, _) => match body["order_id"].as_str() {
+            Some(id) => Outcome::Admitted(id.to_string()),
+            None => Outcome::Error("202 without an order_id".into()),
+        },
+        (StatusCode::CONFLICT, Some("sold_out")) => Outcome::SoldOut,
+        (StatusCode::CONFLICT, Some("already_ordered")) => Outcome::AlreadyOrdered,
+        (StatusCode::TOO_MANY_REQUESTS, _) => Outcome::RateLimited,
+        (status, Some(code)) => Outcome::Error(format!("{} {code}", status.as_u16())),
+        (status, None) => Outcome::Error(status.as_u16().to_string()),
+    }
+}
+
+/// The outcomes so far.
+#[derive(Debug, Default)]
+pub(crate) struct Tally {
+    pub admitted: Vec<String>,
+    pub sold_out: u64,
+    pub already_ordered: u64,
+    pub rate_limited: u64,
+    /// Errors by kind.
+    pub errors: BTreeMap<String, u64>,
+}
+
+impl Tally {
+    pub(crate) fn add(&mut self, outcome: Outcome) {
+        match outcome {
+            Outcome::Admitted(id) => self.admitted.push(id),
+            Outcome::SoldOut => self.sold_out += 1,
+            Outcome::AlreadyOrdered => self.already_ordered += 1,
+            Outcome::RateLimited => self.rate_limited += 1,
+            Outcome::Error(kind) => *self.errors.entry(kind).or_default() += 1,
+        }
+    }
+
+    pub(crate) fn error_count(&self) -> u64 {
+        self.errors.values().sum()
+    }
+
+    pub(crate) fn total(&self) -> u64 {
+        self.admitted.len() as u64
+            + self.sold_out
+            + self.already_ordered
+            + self.rate_limited
+            + self.error_count()
+    }
+
+    /// The outcome table: one `name count` row per outcome, then the total.
+    pub(crate) fn table(&self) -> String {
+        let rows = [
+            ("admitted", self.admitted.len() as u64),
+            ("sold_out", self.sold_out),
+            ("already_ordered", self.already_ordered),
+            ("rate_limited", self.rate_limited),
+            ("errors", self.error_count()),
+            ("total", self.total()),
+        ];
+        let mut out = format!("{:<16} {:>9}\n", "outcome", "shoppers");
+        for (name, n) in rows {
+            out += &format!("{name:<16} {n:>9}\n");
+        }
+        let mut kinds: Vec<_> = self.errors.iter().collect();
+        kinds.sort_by(|a, b| b.1.cmp(a.1));
+        for (kind, n) in kinds.iter().take(ERROR_KINDS_SHOWN) {
+            out += &format!("  error {kind}: {n}\n");
+        }
+        out
+    }
+}
+
+/// The API's base URL: `--url`, else `http://<BIND>` (a wildcard address reached on
+/// loopback), else the default.
+pub(crate) fn base_url(url: Option<&str>, bind: Option<&str>) -> anyhow::Result<String> {
+    let raw = match (url, bind) {
+        (Some(url), _) => url.to_string(),
+        (None, Some(bind)) if !bind.is_empty() => {
+            let addr: std::net::SocketAddr = bind
+                .parse()
+                .map_err(|_| anyhow::anyhow!("BIND {bind:?} is not an address; pass --url"))?;
+            let ip = match addr.ip() {
+                ip if ip.is_unspecified() => std::net::Ipv4Addr::LOCALHOST.into(),
+                ip => ip,
+            };
+            format!("http://{}", std::net::SocketAddr::new(ip, addr.port()))
+        }
+        _ => DEFAULT_URL.to_string(),
+    };
+    let parsed = reqwest::Url::parse(&raw)
+        .map_err(|e| anyhow::anyhow!("--url {raw:?} is not a URL ({e})"))?;
+    if !matches!(parsed.scheme(), "http" | "https") || parsed.host().is_none() {
+        bail!("--url {raw:?} must be an http:// or https:// URL of the API");
+    }
+    if parsed.query().is_some() || parsed.fragment().is_some() {
+        bail!("--url {raw:?} must not have a query or fragment");
+    }
+    Ok(raw.trim_end_matches('/').to_string())
+}
+
+/// Draws progress on standard error: a bar redrawn in place on a terminal, a plain line
+/// a second otherwise (a log file or CI would fill with carriage returns).
+struct Progress {
+    terminal: bool,
+    total: u64,
+    started: Instant,
+    last: Option<Instant>,
+}
+
+impl Progress {
+    fn new(total: u64) -> Self {
+        Self {
+            terminal: std::io::stderr().is_terminal(),
+            total,
+            started: Instant::now(),
+            last: None,
+        }
+    }
+
+    fn update(&mut self, tally: &Tally, done: bool) {
+        let every = if self.terminal {
+            Duration::from_millis(100)
+        } else {
+            Duration::from_secs(1)
+        };
+        if !done && self.last.is_some_and(|t| t.elapsed() < every) {
+            return;
+        }
+        self.last = Some(Instant::now());
+        let answered = tally.total();
+        // Short enough for an 80-column terminal: a wrapped line cannot be redrawn.
+        let mut counts = format!(
+            "{answered}/{} answered, {} admitted, {} sold out",
+            self.total,
+            tally.admitted.len(),
+            tally.sold_out
+        );
+        for (n, what) in [
+            (tally.already_ordered, "already ordered"),
+            (tally.rate_limited, "rate limited"),
+            (tally.error_count(), "errors"),
+        ] {
+            if n > 0 {
+                counts += &format!(", {n} {what}");
+            }
+        }
+        counts += &format!(", {:.1} s", self.started.elapsed().as_secs_f64());
+        let mut err = std::io::stderr().lock();
+        let _ = if self.terminal {
+            const WIDTH: u64 = 20;
+            let filled = (answered * WIDTH / self.total.max(1)) as usize;
+            let bar = format!(
+                "{}{}",
+                "#".repeat(filled),
+                "-".repeat(WIDTH as usize - filled)
+            );
+            // \r and erase-line: redraw in place; the last draw ends the line.
+            write!(
+                err,
+                "\r\x1b[2K[{bar}] {counts}{}",
+                if done { "\n" } else { "" }
+            )
+        } else {
+            writeln!(err, "demo: {counts}")
+        };
+        let _ = err.flush();
+    }
+}
+
+/// The server's answer as JSON (`Null` when it is not JSON).
+async fn read(resp: reqwest::Response) -> (StatusCode, Value) {
+    let status = resp.status();
+    let body = resp.json::<Value>().await.unwrap_or(Value::Null);
+    (status, body)
+}
+
+/// The error message of an error answer, for humans.
+fn message(status: StatusCode, body: &Value) -> String {
+    match (
+        body["error"]["code"].as_str(),
+        body["error"]["message"].as_str(),
+    ) {
+        (Some(code), Some(msg)) => format!("{} {code}: {msg}", status.as_u16()),
+        _ => format!("{status}"),
+    }
+}
+
+struct Api {
+    http: Client,
+    base: String,
+    admin: String,
+}
+
+impl Api {
+    /// Opens a sale of `stock` now, lasting past the demo, and returns its voucher id.
+    async fn open_sale(&self, stock: u64, lasts: Duration) -> anyhow::Result<i64> {
+        let now = chrono::Utc::now();
+        // A little in the past: the server's clock judges `begin_time`.
+        let begin = now - chrono::Duration::seconds(5);
+        let end = now + chrono::Duration::from_std(lasts)?;
+        let body = json!({
+            "shop_id": 1, "title": "seckill demo", "sub_title": "50 off 100",
+            "rules": "one per person", "pay_value": 5000, "actual_value": 10000,
+            "seckill": {"stock": stock, "begin_time": begin, "end_time": end},
+        });
+        let resp = self
+            .http
+            .post(format!("{}/vouchers", self.base))
+            .bearer_auth(&self.admin)
+            .json(&body)
+            .send()
+            .await
+            .context("creating the voucher")?;
+        let (status, body) = read(resp).await;
+        match status {
+            StatusCode::CREATED => body["id"]
+                .as_i64()
+                .ok_or_else(|| anyhow::anyhow!("the new voucher has no id: {body}")),
+            StatusCode::UNAUTHORIZED => bail!(
+                "the server refused the demo's admin token ({}): is JWT_SECRET the server's \
+                 (and JWT_ISSUER / JWT_AUDIENCE as it checks them)?",
+                message(status, &body)
+            ),
+            _ => bail!("creating the voucher failed: {}", message(status, &body)),
+        }
+    }
+
+    /// An existing flash-sale voucher's live stock.
+    async fn sale_stock(&self, voucher: i64) -> anyhow::Result<Option<i64>> {
+        let resp = self
+            .http
+            .get(format!("{}/vouchers/{voucher}", self.base))
+            .send()
+            .await
+            .with_context(|| format!("reading voucher {voucher}"))?;
+        let (status, body) = read(resp).await;
+        match status {
+            StatusCode::OK if body["seckill"].is_object() => Ok(body["stock"].as_i64()),
+            StatusCode::OK => bail!("voucher {voucher} is not a flash sale: nothing to grab"),
+            StatusCode::NOT_FOUND => bail!("voucher {voucher} does not exist"),
+            _ => bail!("reading voucher {voucher}: {}", message(status, &body)),
+        }
+    }
+
+    async fn grab(&self, voucher: i64, token: String) -> Outcome {
+        let sent = self
+            .http
+            .post(format!("{}/vouchers/{voucher}/seckill", self.base))
+            .bearer_auth(token)
+            .send()
+            .await;
+        match sent {
+            Ok(resp) => {
+                let (status, body) = read(resp).await;
+                classify(status, &body)
+            }
+            Err(e) if e.is_timeout() => Outcome::Error("timed out".into()),
+            Err(_) => Outcome::Error("no answer".into()),
+        }
+    }
+
+    /// How many of `ids` the sale's order listing (orders written to Postgres) holds.
+    async fn persisted(&self, voucher: i64, ids: &HashSet<i64>) -> anyhow::Result<usize> {
+        let mut found = 0;
+        let mut after: Option<String> = None;
+        loop {
+            let mut url = format!("{}/vouchers/{voucher}/orders?limit=1000", self.base);
+            if let Some(cursor) = &after {
+                url += &format!("&after={cursor}");
+            }
+            let resp = self
+                .http
+                .get(url)
+                .bearer_auth(&self.admin)
+                .send()
+                .await
+                .context("listing the sale's orders")?;
+            let (status, page) = read(resp).await;
+            if status != StatusCode::OK {
+                bail!("listing the sale's orders: {}", message(status, &page));
+            }
+            found += page["items"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|o| o["order_id"].as_str()?.parse::<i64>().ok())
+                .filter(|id| ids.contains(id))
+                .count();
+            match page["next"].as_str() {
+                Some(next) if found < ids.len() => after = Some(next.to_string()),
+                _ => return Ok(found),
+            }
+        }
+    }
+}
+
+/// Runs the demo; exit 0 when every grab had an expected answer and every admitted order
+/// reached Postgres, 1 otherwise.
+pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
+    let base = base_url(args.url.as_deref(), args.bind.as_deref())?;
+    let expected = Expected::new(args.jwt_issuer.as_deref(), args.jwt_audience.as_deref());
+    // Checked here, not by clap, to say where the secret comes from.
+    let secret = args.jwt_secret.as_deref().ok_or_else(|| {
+        anyhow::anyhow!(
+            "the demo mints its tokens with the server's secret: set JWT_SECRET (or --jwt-secret)"
+        )
+    })?;
+    let keys = JwtKeys::with_expected(secret, expected)?;
+    let shoppers = args.shoppers;
+    let last_user = args
+        .first_user
+        .checked_add(shoppers as i64 - 1)
+        .ok_or_else(|| anyhow::anyhow!("--first-user plus --shoppers overflows a user id"))?;
+    let spread = Duration::from_secs_f64(args.seconds);
+    let persist_timeout = Duration::from_secs(args.persist_timeout);
+    // Tokens outlive the whole run, waiting included.
+    let ttl = (spread + persist_timeout).as_secs() + 600;
+    let concurrency = args.concurrency as usize;
+    let api = Api {
+        http: Client::builder()
+            .timeout(Duration::from_secs(10))
+            .pool_max_idle_per_host(concurrency)
+            .build()?,
+        admin: keys.mint(ADMIN_USER, true, ttl)?,
+        base,
+    };
+
+    match api.http.get(format!("{}/healthz", api.base)).send().await {
+        Ok(r) if r.status().is_success() => {}
+        Ok(r) => bail!(
+            "{} answered /healthz with {}: is it the seckill API? (--url)",
+            api.base,
+            r.status()
+        ),
+        Err(e) => bail!(
+            "cannot reach the API at {} ({e}): is `seckill serve` running there? (--url)",
+            api.base
+        ),
+    }
+
+    let (voucher, stock) = match args.voucher {
+        Some(voucher) => (voucher, api.sale_stock(voucher).await?),
+        None => {
+            // Open well past the demo, so that /live shows it as a running sale.
+            let lasts = spread + Duration::from_secs(600);
+            let voucher = api.open_sale(args.stock, lasts).await?;
+            (voucher, Some(args.stock as i64))
+        }
+    };
+    let stock_text = stock.map_or("unknown".to_string(), |s| s.to_string());
+    println!(
+        "voucher {voucher}: stock {stock_text}, {shoppers} shoppers (users {}..={last_user}) over {:.1} s",
+        args.first_user, args.seconds
+    );
+    eprintln!("demo: watch it at {}/live", api.base);
+
+    // Shopper i presses at start + i/N of the spread; at most `concurrency` in flight.
+    let started = tokio::time::Instant::now();
+    let step = spread.div_f64(shoppers as f64);
+    let (api, keys, first_user) = (&api, &keys, args.first_user);
+    let mut answers = futures_util::stream::iter(0..shoppers)
+        .map(|i| async move {
+            tokio::time::sleep_until(started + step.mul_f64(i as f64)).await;
+            match keys.mint(first_user + i as i64, false, ttl) {
+                Ok(token) => api.grab(voucher, token).await,
+                Err(e) => Outcome::Error(format!("minting a token: {e}")),
+            }
+        })
+        .buffer_unordered(concurrency);
+    let mut tally = Tally::default();
+    let mut progress = Progress::new(shoppers);
+    while let Some(outcome) = answers.next().await {
+        tally.add(outcome);
+        progress.update(&tally, false);
+    }
+    progress.update(&tally, true);
+    let grabbed_at = Instant::now();
+
+    println!();
+    print!("{}", tally.table());
+
+    let ids: HashSet<i64> = tally
+        .admitted
+        .iter()
+        .filter_map(|id| id.parse().ok())
+        .collect();
+    if !ids.is_empty() {
+        eprintln!(
+            "demo: waiting up to {} s for the {} admitted orders to reach Postgres",
+            args.persist_timeout,
+            ids.len()
+        );
+    }
+    let deadline = grabbed_at + persist_timeout;
+    let persisted = loop {
+        let found = if ids.is_empty() {
+            0
+        } else {
+            api.persisted(voucher, &ids).await?
+        };
+        if found == ids.len() || Instant::now() >= deadline {
+            break found;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    println!();
+    println!(
+        "{:<16} {persisted:>9}   of {} admitted, in Postgres {:.1} s after the last answer",
+        "persisted",
+        ids.len(),
+        grabbed_at.elapsed().as_secs_f64()
+    );
+    if let Ok(Some(left)) = api.sale_stock(voucher).await {
+        println!("{:<16} {left:>9}", "stock_left");
+    }
+
+    let mut ok = true;
+    if persisted < ids.len() {
+        eprintln!(
+            "demo: {} admitted orders are not in Postgres after {} s: is a worker running?",
+            ids.len() - persisted,
+            args.persist_timeout
+        );
+        ok = false;
+    }
+    if tally.error_count() > 0 {
+        eprintln!(
+            "demo: {} grabs had no expected answer (see the errors above)",
+            tally.error_count()
+        );
+        ok = false;
+    }
+    Ok(if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_are_sorted_into_the_table_outcomes() {
+        let admitted = json!({"order_id": "12", "status": "pending"});
+        let err = |code: &str| json!({"error": {"code": code, "message": "m"}});
+        let cases = [
+            (202, admitted, Outcome::Admitted("12".into())),
+            (409, err("sold_out"), Outcome::SoldOut),
+            (409, err("already_ordered"), Outcome::AlreadyOrdered),
+            (429, err("rate_limited"), Outcome::RateLimited),
+            (409, err("ended"), Outcome::Error("409 ended".into())),
+            (503, Value::Null, Outcome::Error("503".into())),
+            (
+                202,
+                json!({}),
+                Outcome::Error("202 without an order_id".into()),
+            ),
+        ];
+        for (status, body, want) in cases {
+            assert_eq!(classify(StatusCode::from_u16(status).unwrap(), &body), want);
+        }
+    }
+
+    #[test]
+    fn the_table_adds_up_and_names_the_errors() {
+        let mut t = Tally::default();
+        t.add(Outcome::Admitted("1".into()));
+        t.add(Outcome::SoldOut);
+        t.add(Outcome::SoldOut);
+        t.add(Outcome::Error("409 ended".into()));
+        let table = t.table();
+        assert!(table.contains("admitted                 1\n"), "{table}");
+        assert!(table.contains("sold_out                 2\n"), "{table}");
+        assert!(table.contains("errors                   1\n"), "{table}");
+        assert!(table.contains("total                    4\n"), "{table}");
+        assert!(table.contains("error 409 ended: 1"), "{table}");
+    }
+
+    #[test]
+    fn the_url_comes_from_the_flag_then_bind_then_the_default() {
+        assert_eq!(
+            base_url(Some("http://h:1/"), Some("0.0.0.0:2")).unwrap(),
+            "http://h:1"
+        );
+        assert_eq!(
+            base_url(None, Some("0.0.0.0:9000")).unwrap(),
+            "http://127.0.0.1:9000"
+        );
+        assert_eq!(
+            base_url(None, Some("[::]:9000")).unwrap(),
+            "http://127.0.0.1:9000"
+        );
+        assert_eq!(
+            base_url(None, Some("[::1]:9000")).unwrap(),
+            "http://[::1]:9000"
+        );
+        assert_eq!(base_url(None, None).unwrap(), DEFAULT_URL);
+        for bad in ["localhost:8080", "ftp://h", "http://h/?x=1", "not a url"] {
+            assert!(base_url(Some(bad), None).is_err(), "{bad}");
+        }
+        assert!(base_url(None, Some("nonsense")).is_err());
+    }
+}
