@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use crate::common::faults::BIN;
 use crate::common::TestApp;
 use reqwest::StatusCode;
-use serde_json::{json, Value};
+use serde_json::Value;
 use sqlx::PgPool;
 
 /// A token from `seckill token`.
@@ -33,19 +33,7 @@ async fn the_serve_binary_runs_a_sale_end_to_end_and_stops_on_sigterm(db: PgPool
         .await;
     let http = reqwest::Client::new();
 
-    let now = chrono::Utc::now();
-    let created: Value = http
-        .post(format!("{base}/vouchers"))
-        .bearer_auth(token(1, true))
-        .json(&json!({"shop_id": 1, "title": "50 off 100", "pay_value": 5000, "actual_value": 10000,
-            "seckill": {"stock": 2, "begin_time": now - chrono::Duration::minutes(1), "end_time": now + chrono::Duration::hours(1)}}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let voucher = created["id"].as_i64().expect("voucher created");
+    let voucher = crate::common::open_sale_at(&http, &base, 2).await;
 
     let mut winners = Vec::new();
     for user in [10, 11, 12] {

@@ -9,7 +9,7 @@ use crate::common::faults::{self, Process};
 use futures::StreamExt;
 use reqwest::StatusCode;
 use seckill::auth::JwtKeys;
-use serde_json::{json, Value};
+use serde_json::Value;
 use sqlx::PgPool;
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
@@ -51,25 +51,10 @@ async fn a_dozen_sales_on_a_three_master_cluster_sell_exactly_their_stock(db: Pg
 
     let jwt = JwtKeys::new(crate::common::SECRET).unwrap();
     let http = reqwest::Client::new();
-    let now = chrono::Utc::now();
     let stock = 40i64;
     let mut vouchers = Vec::new();
     for _ in 0..12 {
-        let created: Value = http
-            .post(format!("{}/vouchers", bases[0]))
-            .bearer_auth(jwt.mint(1, true, 600).unwrap())
-            .json(
-                &json!({"shop_id": 1, "title": "cluster sale", "pay_value": 1, "actual_value": 2,
-                "seckill": {"stock": stock, "begin_time": now - chrono::Duration::minutes(1),
-                            "end_time": now + chrono::Duration::hours(1)}}),
-            )
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        vouchers.push(created["id"].as_i64().expect("voucher created"));
+        vouchers.push(crate::common::open_sale_at(&http, &bases[0], stock).await);
     }
 
     // 60 shoppers per sale (each a different user), all sales at once, alternating

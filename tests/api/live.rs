@@ -213,11 +213,9 @@ async fn every_api_instance_shows_the_same_numbers(db: PgPool) {
     );
 }
 
-/// `name`'s value in a Prometheus text exposition (no labels).
+/// `name`'s value in a Prometheus text exposition (no labels); 0 when absent.
 fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
+    crate::common::metric_value(text, name).unwrap_or(0.0)
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
@@ -230,16 +228,7 @@ async fn many_open_pages_cost_one_snapshot_a_second_and_pages_beyond_the_limit_g
         .await;
     app.open_sale(10).await;
     let client = reqwest::Client::new();
-    let scrape = || async {
-        client
-            .get(format!("{base}/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
-    };
+    let scrape = || crate::common::metrics_at(&client, &base);
     // Snapshots made since `before`, and whether that is at most about two a second
     // (one per tick, and one when the first page of an idle spell opens).
     let bounded = |before: &str, after: &str, seconds: f64| {

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
-use serde_json::{json, Value};
+use serde_json::Value;
 use sqlx::PgPool;
 
 use crate::common::TestApp;
@@ -215,33 +215,6 @@ impl Exposition {
     }
 }
 
-async fn scrape(client: &reqwest::Client, base: &str) -> String {
-    let resp = client.get(format!("{base}/metrics")).send().await.unwrap();
-    assert_eq!(resp.status(), StatusCode::OK);
-    resp.text().await.unwrap()
-}
-
-/// A sale of `stock` on `base`, created through the API.
-async fn open_sale(app: &TestApp, base: &str, stock: i64) -> i64 {
-    let now = chrono::Utc::now();
-    let voucher: Value = app
-        .client
-        .post(format!("{base}/vouchers"))
-        .bearer_auth(app.admin_token())
-        .json(
-            &json!({"shop_id": 1, "title": "50 off 100", "pay_value": 5000, "actual_value": 10000,
-            "seckill": {"stock": stock, "begin_time": now - chrono::Duration::minutes(1),
-                        "end_time": now + chrono::Duration::hours(1)}}),
-        )
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    voucher["id"].as_i64().expect("voucher created")
-}
-
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn every_metric_the_dashboard_queries_is_on_a_live_metrics_page_with_its_help(db: PgPool) {
     let queries = dashboard_queries();
@@ -258,7 +231,7 @@ async fn every_metric_the_dashboard_queries_is_on_a_live_metrics_page_with_its_h
         .await;
 
     // Before anything happened, the counters alerts watch are there, at zero.
-    let fresh = scrape(&app.client, &base).await;
+    let fresh = crate::common::metrics_at(&app.client, &base).await;
     for series in [
         "seckill_dead_lettered_total{kind=\"malformed\"} 0",
         "seckill_dead_lettered_total{kind=\"poison\"} 0",
@@ -273,7 +246,7 @@ async fn every_metric_the_dashboard_queries_is_on_a_live_metrics_page_with_its_h
     }
 
     // A small sale: two admitted, one sold out, both written by the process's worker.
-    let voucher = open_sale(&app, &base, 2).await;
+    let voucher = crate::common::open_sale_at(&app.client, &base, 2).await;
     let answers = crate::common::press_all(&app, &base, voucher, [1, 2, 3], 3).await;
     let admitted = answers
         .iter()
@@ -290,7 +263,7 @@ async fn every_metric_the_dashboard_queries_is_on_a_live_metrics_page_with_its_h
     // passes: wait for them, boundedly.
     let deadline = Instant::now() + Duration::from_secs(10);
     let (text, live) = loop {
-        let text = scrape(&app.client, &base).await;
+        let text = crate::common::metrics_at(&app.client, &base).await;
         let live = Exposition::parse(&text);
         let all_there = wanted.iter().all(|n| live.samples.contains(n));
         if all_there || Instant::now() > deadline {
@@ -330,7 +303,7 @@ async fn every_metric_the_dashboard_queries_is_on_a_live_metrics_page_with_its_h
 async fn http_latency_is_labelled_by_route_template_so_ids_never_add_series(db: PgPool) {
     let app = TestApp::spawn(db).await;
     let (_serve, base) = app.spawn_server("serve", &[]).await;
-    let voucher = open_sale(&app, &base, 1).await;
+    let voucher = crate::common::open_sale_at(&app.client, &base, 1).await;
     let answers = crate::common::press_all(&app, &base, voucher, [7], 1).await;
     let (status, body) = answers[0].1.clone().expect("an answer");
     assert_eq!(status, StatusCode::ACCEPTED, "{body}");
@@ -355,7 +328,7 @@ async fn http_latency_is_labelled_by_route_template_so_ids_never_add_series(db: 
         .unwrap();
     assert_eq!(resp.status(), StatusCode::NOT_FOUND);
 
-    let text = scrape(&app.client, &base).await;
+    let text = crate::common::metrics_at(&app.client, &base).await;
     for series in [
         "seckill_http_request_duration_seconds_count{route=\"/vouchers/{id}\",status=\"200\"} 1",
         "seckill_http_request_duration_seconds_count{route=\"/vouchers/{id}\",status=\"404\"} 1",

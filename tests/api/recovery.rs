@@ -16,7 +16,7 @@ use crate::common::faults::{self, Process, BIN};
 use crate::common::{press_all, TestApp};
 use reqwest::StatusCode;
 use seckill::keys::{Keys, Shard};
-use serde_json::{json, Value};
+use serde_json::Value;
 use sqlx::{Connection, PgPool};
 
 /// Issue 9, scenario 1: `reconcile --repair` rebuilds the sale while the worker commits
@@ -596,7 +596,7 @@ async fn an_order_on_a_quiet_shard_is_written_before_a_busy_shards_backlog_drain
     let mut busy = None;
     let mut quiet = None;
     for _ in 0..4 {
-        let id = create_sale_at(&app, &base, backlog).await;
+        let id = crate::common::open_sale_at(&app.client, &base, backlog).await;
         match keys.shard_of(id) {
             Shard(0) => busy = busy.or(Some(id)),
             _ => quiet = quiet.or(Some(id)),
@@ -715,27 +715,6 @@ fn admitted(results: &[(i64, Option<(StatusCode, Value)>)]) -> HashMap<i64, i64>
         }
     }
     ids
-}
-
-/// Creates an open flash sale through the API at `base`.
-async fn create_sale_at(app: &TestApp, base: &str, stock: i64) -> i64 {
-    let now = chrono::Utc::now();
-    let body = json!({
-        "shop_id": 1, "title": "recovery", "sub_title": "", "rules": "",
-        "pay_value": 100, "actual_value": 200,
-        "seckill": {"stock": stock, "begin_time": now - chrono::Duration::minutes(1),
-                    "end_time": now + chrono::Duration::hours(1)},
-    });
-    let (status, voucher) = app
-        .send(
-            app.client
-                .post(format!("{base}/vouchers"))
-                .bearer_auth(app.admin_token())
-                .json(&body),
-        )
-        .await;
-    assert_eq!(status, StatusCode::CREATED, "{voucher}");
-    voucher["id"].as_i64().unwrap()
 }
 
 /// Runs `seckill <args>` in the test's database and key space, off the async runtime

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use reqwest::StatusCode;
-use serde_json::{json, Value};
+use serde_json::Value;
 use sqlx::PgPool;
 
 use crate::common::cluster::PrivateCluster;
@@ -39,22 +39,7 @@ async fn cli(args: &[&str], env: &[(&str, String)]) -> (Option<i32>, String) {
 async fn sell(base: &str, db: &PgPool, stock: i64, shoppers: i64) -> i64 {
     let jwt = JwtKeys::new(crate::common::SECRET).unwrap();
     let http = reqwest::Client::new();
-    let now = chrono::Utc::now();
-    let created: Value = http
-        .post(format!("{base}/vouchers"))
-        .bearer_auth(jwt.mint(1, true, 600).unwrap())
-        .json(
-            &json!({"shop_id": 1, "title": "sold over TLS", "pay_value": 1, "actual_value": 2,
-            "seckill": {"stock": stock, "begin_time": now - chrono::Duration::minutes(1),
-                        "end_time": now + chrono::Duration::hours(1)}}),
-        )
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let voucher = created["id"].as_i64().expect("voucher created");
+    let voucher = crate::common::open_sale_at(&http, base, stock).await;
 
     let results: Vec<(StatusCode, Value)> = futures::stream::iter(1..=shoppers)
         .map(|user| {

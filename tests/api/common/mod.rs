@@ -25,6 +25,37 @@ use seckill::AppState;
 
 pub const SECRET: &str = "integration-test-secret";
 
+/// Opens a sale of `stock` (now, for an hour) through the API at `base` (another
+/// process's, say) as an administrator signed with [`SECRET`]; its id.
+pub async fn open_sale_at(http: &reqwest::Client, base: &str, stock: i64) -> i64 {
+    let now = Utc::now();
+    let admin = JwtKeys::new(SECRET).unwrap().mint(1, true, 600).unwrap();
+    let resp = http
+        .post(format!("{base}/vouchers"))
+        .bearer_auth(admin)
+        .json(&sale_body(
+            stock,
+            now - chrono::Duration::minutes(1),
+            now + chrono::Duration::hours(1),
+        ))
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status();
+    let voucher: Value = resp.json().await.unwrap();
+    assert_eq!(status, StatusCode::CREATED, "{voucher}");
+    voucher["id"].as_i64().unwrap()
+}
+
+/// A flash-sale voucher's body.
+fn sale_body(stock: i64, begin: DateTime<Utc>, end: DateTime<Utc>) -> Value {
+    json!({
+        "shop_id": 1, "title": "50 off 100", "sub_title": "weekdays", "rules": "one per person",
+        "pay_value": 5000, "actual_value": 10000,
+        "seckill": {"stock": stock, "begin_time": begin, "end_time": end},
+    })
+}
+
 /// A live check for `persist_batch` that calls every entry still pending.
 pub fn all_live(
     ids: Vec<i64>,
@@ -181,11 +212,7 @@ impl TestApp {
 
     /// Creates a flash-sale voucher through the API and returns its id.
     pub async fn create_sale(&self, stock: i64, begin: DateTime<Utc>, end: DateTime<Utc>) -> i64 {
-        let body = json!({
-            "shop_id": 1, "title": "50 off 100", "sub_title": "weekdays", "rules": "one per person",
-            "pay_value": 5000, "actual_value": 10000,
-            "seckill": {"stock": stock, "begin_time": begin, "end_time": end},
-        });
+        let body = sale_body(stock, begin, end);
         let (status, voucher) = self
             .post_json("/vouchers", Some(&self.admin_token()), &body)
             .await;
@@ -286,14 +313,7 @@ impl TestApp {
 
     /// The `/metrics` page.
     pub async fn metrics_text(&self) -> String {
-        self.client
-            .get(self.url("/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
+        metrics_at(&self.client, &self.base).await
     }
 
     /// A worker named `consumer` reads a batch of `shard`, commits it, and dies before
@@ -521,6 +541,13 @@ impl Drop for TestApp {
             let _: redis::RedisResult<()> = redis::cmd("DEL").arg(keys).query(&mut conn);
         }
     }
+}
+
+/// The `/metrics` page of the server at `base`.
+pub async fn metrics_at(http: &reqwest::Client, base: &str) -> String {
+    let resp = http.get(format!("{base}/metrics")).send().await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    resp.text().await.unwrap()
 }
 
 /// The value of one series (`name{labels}` exactly as rendered) in a Prometheus text
