@@ -6,6 +6,12 @@
 //! The deadlines are a watchdog per connection rather than hyper's `header_read_timeout`:
 //! hyper's also runs while a keep-alive connection waits for its next request, so it
 //! cannot give a short header deadline and a long idle timeout at once.
+//!
+//! A response the client does not take is bounded too: a connection whose writes make
+//! no progress for [`WRITE_STALL`] (or the idle timeout, if shorter) is closed, and for a
+//! second only once shutdown has begun. Without it a client that never reads (an open
+//! `/live/events` page, say) would hold its connection, hyper's buffers and the
+//! process's shutdown for as long as it liked.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -34,6 +40,12 @@ const PARSER_MAX_HEADERS: usize = 4 * super::MAX_HEADERS;
 /// Descriptors kept free of client connections: Postgres and Redis connections, the
 /// listener, the runtime, logs.
 const RESERVED_DESCRIPTORS: u64 = 64;
+/// A response's writes may stall this long (the client reads nothing) before the
+/// connection is closed.
+pub(crate) const WRITE_STALL: Duration = Duration::from_secs(30);
+/// The same once shutdown has begun: responses still being sent get this long to make
+/// progress, so a client that stopped reading cannot hold the process.
+const WRITE_STALL_DRAINING: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ServerLimits {
@@ -185,7 +197,7 @@ async fn connection<S>(
     let mut conn = pin!(http.serve_connection(io, hyper_service));
     let mut draining = false;
     loop {
-        let deadline = activity.deadline(&limits);
+        let deadline = activity.deadline(&limits, draining);
         tokio::select! {
             result = conn.as_mut() => {
                 if let Err(e) = result {
@@ -198,8 +210,8 @@ async fn connection<S>(
                 conn.as_mut().graceful_shutdown();
             }
             _ = tokio::time::sleep_until(deadline) => {
-                if activity.deadline(&limits) <= Instant::now() {
-                    tracing::debug!("connection too slow or idle; closed");
+                if activity.deadline(&limits, draining) <= Instant::now() {
+                    tracing::debug!("connection too slow, idle or not reading; closed");
                     return; // dropping the connection closes the socket
                 }
             }
@@ -218,7 +230,12 @@ struct Activity {
     /// Whether it waits for headers (bytes of a request came, or it is new) rather than
     /// idling between requests.
     reading_head: std::sync::atomic::AtomicBool,
+    /// Since when (ms after `opened`) a write has been waiting for the client to take
+    /// bytes; [`NOT_STALLED`] while writes go through.
+    stalled_ms: AtomicU64,
 }
+
+const NOT_STALLED: u64 = u64::MAX;
 
 impl Activity {
     fn new() -> Self {
@@ -227,6 +244,7 @@ impl Activity {
             busy: AtomicUsize::new(0),
             since_ms: AtomicU64::new(0),
             reading_head: std::sync::atomic::AtomicBool::new(true),
+            stalled_ms: AtomicU64::new(NOT_STALLED),
         }
     }
 
@@ -235,10 +253,22 @@ impl Activity {
     }
 
     /// When the connection is to be closed unless something happens first.
-    fn deadline(&self, limits: &ServerLimits) -> Instant {
+    fn deadline(&self, limits: &ServerLimits, draining: bool) -> Instant {
+        // First: bytes waiting for the client, whether or not their request still
+        // counts as busy (hyper takes a whole body into its buffer before writing it).
+        let stalled = self.stalled_ms.load(Ordering::Relaxed);
+        if stalled != NOT_STALLED {
+            let limit = if draining {
+                WRITE_STALL_DRAINING
+            } else {
+                WRITE_STALL.min(limits.keepalive_idle)
+            };
+            return self.opened + Duration::from_millis(stalled) + limit;
+        }
         if self.busy.load(Ordering::Relaxed) > 0 {
-            // The request timeout bounds the handler; look again later.
-            return Instant::now() + limits.keepalive_idle;
+            // The request timeout bounds the handler; look again soon, since a stall
+            // that begins meanwhile does not wake the watchdog.
+            return Instant::now() + WRITE_STALL_DRAINING.min(limits.keepalive_idle);
         }
         let since = self.opened + Duration::from_millis(self.since_ms.load(Ordering::Relaxed));
         if self.reading_head.load(Ordering::Relaxed) {
@@ -253,6 +283,17 @@ impl Activity {
             // The first bytes of the next request: its header deadline starts.
             self.since_ms.store(self.now_ms(), Ordering::Relaxed);
             self.reading_head.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// A write's outcome: `Pending` starts (or continues) a stall, anything else ends it.
+    fn on_write<T>(&self, poll: &Poll<T>) {
+        if poll.is_pending() {
+            if self.stalled_ms.load(Ordering::Relaxed) == NOT_STALLED {
+                self.stalled_ms.store(self.now_ms(), Ordering::Relaxed);
+            }
+        } else {
+            self.stalled_ms.store(NOT_STALLED, Ordering::Relaxed);
         }
     }
 
@@ -301,7 +342,9 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
+        let poll = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.activity.on_write(&poll);
+        poll
     }
 
     fn poll_write_vectored(
@@ -309,7 +352,9 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+        let poll = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.activity.on_write(&poll);
+        poll
     }
 
     fn is_write_vectored(&self) -> bool {

@@ -327,6 +327,82 @@ async fn an_idle_keep_alive_connection_is_closed_after_the_idle_timeout(db: PgPo
     );
 }
 
+/// Opens a connection with a small receive buffer, asks for the Swagger UI bundle
+/// (about 1.5 MB) `times` over in one go, and never reads: the server's writes stall.
+async fn stop_reading(addr: &str, times: usize) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stream = socket.connect(addr.parse().unwrap()).await.unwrap();
+    let request = b"GET /docs/swagger-ui-bundle.js HTTP/1.1\r\nHost: test\r\n\r\n";
+    stream.write_all(&request.repeat(times)).await.unwrap();
+    stream
+}
+
+async fn bundle_len(base: &str) -> usize {
+    let resp = reqwest::get(format!("{base}/docs/swagger-ui-bundle.js"))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    resp.bytes().await.unwrap().len()
+}
+
+/// A client that stops reading its answers (a dead phone, a stuck `/live/events` page)
+/// loses its connection once the writes have stalled for the idle timeout, instead of
+/// holding it and the answers buffered for it forever.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_client_that_stops_reading_its_answers_is_cut_off_after_the_idle_timeout(db: PgPool) {
+    const TIMES: usize = 8;
+    let app = TestApp::spawn(db).await;
+    let env = [("HTTP_KEEPALIVE_IDLE_SECS", "3".to_string())];
+    let (_server, base) = app.spawn_server("api", &env).await;
+    let whole = bundle_len(&base).await * TIMES;
+    let mut stuck = stop_reading(&addr_of(&base), TIMES).await;
+    // Others are served meanwhile.
+    let mut fresh = TcpStream::connect(addr_of(&base)).await.unwrap();
+    assert!(healthz_on(&mut fresh).await.starts_with("HTTP/1.1 200"));
+    // Stalled for longer than the idle timeout: reading now finds the connection
+    // closed before all the answers (a server that kept it would hand them all over).
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let got = until_closed(&mut stuck, Duration::from_secs(20))
+        .await
+        .unwrap_or_else(|got| panic!("still open after {} bytes", got.len()));
+    assert!(
+        got.len() < whole,
+        "all {} bytes were delivered: the stalled connection was kept",
+        got.len()
+    );
+    println!(
+        "a client that stopped reading: cut off after {} of {whole} bytes",
+        got.len()
+    );
+}
+
+/// Shutdown does not wait on clients that stopped reading: answers still being sent get
+/// a second to make progress.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_client_that_stops_reading_cannot_hold_the_process_at_shutdown(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    // The default idle timeout (75 s): only the shutdown rule can close it soon.
+    let (mut server, base) = app.spawn_server("api", &[]).await;
+    let _stuck = stop_reading(&addr_of(&base), 8).await;
+    let mut page = TcpStream::connect(addr_of(&base)).await.unwrap();
+    page.write_all(b"GET /live/events HTTP/1.1\r\nHost: test\r\n\r\n")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let stopping = std::time::Instant::now();
+    server.sigterm();
+    let status = server
+        .wait_exit(Duration::from_secs(15))
+        .await
+        .expect("the process waited on a client that does not read");
+    assert!(status.success(), "{status}");
+    println!(
+        "stopped in {:?} with a client not reading",
+        stopping.elapsed()
+    );
+}
+
 /// The incident: slowloris clients held every descriptor and `/healthz` could not even
 /// be accepted. With the process's descriptor limit at 128 and more slow clients than
 /// that, the connection cap keeps descriptors free and the header deadline frees
