@@ -134,7 +134,9 @@ pub fn build_app(state: AppState) -> Router {
                 // request that takes too long answers 503 too.
                 .layer(HandleErrorLayer::new(overloaded))
                 .load_shed()
-                .concurrency_limit(max_concurrent)
+                // One semaphore for the whole process: `Router::layer` builds the stack
+                // once per route, and `concurrency_limit` would give each its own.
+                .layer(tower::limit::GlobalConcurrencyLimitLayer::new(max_concurrent))
                 .timeout(timeout)
                 // Enforced by the body extractors, so a 413 still speaks our JSON.
                 .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT)),

@@ -403,6 +403,71 @@ async fn a_client_that_stops_reading_cannot_hold_the_process_at_shutdown(db: PgP
     );
 }
 
+/// `MAX_CONCURRENT_REQUESTS` counts the process's requests, whatever their route: with
+/// two closes waiting on a held row lock and a limit of 2, a read of another route is
+/// shed at once, and served again once they finish.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn the_concurrency_limit_is_one_for_all_routes_not_one_per_route(db: PgPool) {
+    let app = TestApp::spawn(db.clone()).await;
+    let env = [("MAX_CONCURRENT_REQUESTS", "2".to_string())];
+    let (_server, base) = app.spawn_server("api", &env).await;
+    let http = reqwest::Client::new();
+    let voucher = crate::common::open_sale_at(&http, &base, 5).await;
+
+    let mut lock = db.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM seckill_vouchers WHERE voucher_id = $1 FOR UPDATE")
+        .bind(voucher)
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    let closes: Vec<_> = (0..2)
+        .map(|_| {
+            let req = http
+                .post(format!("{base}/vouchers/{voucher}/close"))
+                .bearer_auth(app.admin_token());
+            tokio::spawn(async move { req.send().await.unwrap().status() })
+        })
+        .collect();
+    // Both closes wait on the lock (Postgres shows them waiting).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&db)
+        .await
+        .unwrap();
+        if waiting >= 2 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the closes never waited"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let resp = http
+        .get(format!("{base}/vouchers/{voucher}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "unavailable", "{body}");
+
+    lock.rollback().await.unwrap();
+    for close in closes {
+        assert_eq!(close.await.unwrap(), StatusCode::OK);
+    }
+    let resp = http
+        .get(format!("{base}/vouchers/{voucher}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+}
+
 /// The incident: slowloris clients held every descriptor and `/healthz` could not even
 /// be accepted. With the process's descriptor limit at 128 and more slow clients than
 /// that, the connection cap keeps descriptors free and the header deadline frees
