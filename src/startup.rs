@@ -28,6 +28,8 @@ pub struct Application {
     limits: ServerLimits,
     tasks: TaskTracker,
     cancel: CancellationToken,
+    /// Fires once the server has stopped and its last request has been answered.
+    served: CancellationToken,
 }
 
 impl Application {
@@ -96,12 +98,15 @@ impl Application {
             crate::live::Live::new(api.live_max_viewers as usize, cancel.clone()),
         );
         // The live view's producer, which also adds this process's grab counts to
-        // Redis each second (every instance's page shows them).
+        // Redis each second (every instance's page shows them), the last time once the
+        // last request has been answered.
+        let served = CancellationToken::new();
         tasks.spawn(state.live.clone().run(
             db.clone(),
             redis.clone(),
             keys.clone(),
             state.admissions.tally().clone(),
+            served.clone(),
         ));
         let duties = upkeep::Upkeep {
             db: db.clone(),
@@ -126,6 +131,7 @@ impl Application {
             limits: (&api.server).into(),
             tasks,
             cancel,
+            served,
         })
     }
 
@@ -143,6 +149,7 @@ impl Application {
         let app = crate::build_app(self.state);
         crate::http::server::serve(self.listener, app, self.limits, self.cancel.clone()).await;
         self.cancel.cancel();
+        self.served.cancel();
         self.tasks.close();
         self.tasks.wait().await;
     }

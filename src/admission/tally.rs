@@ -4,9 +4,17 @@
 //! admission script stays as it is: these counts are an observation, never a decision.
 //!
 //! Counts survive as long as the hash ([`RETAIN`] after the last grab); a Redis restart
-//! loses them (the orders, which are what matters, are in Postgres).
+//! loses them (the orders, which are what matters, are in Postgres). A flush that fails
+//! or is cut off (a timeout, shutdown) keeps what it had not written for the next one;
+//! the process's last flush comes after its last request. A write whose answer was lost
+//! after Redis applied it is written again: that sale's counts are then too high by one
+//! second's worth, the one way they can be wrong.
+//!
+//! Rate limiting answers before anything knows whether the sale exists, so a
+//! `rate_limited` grab is counted only for a sale this process has seen decided
+//! (admitted, sold out, ...): grabs at made-up voucher ids cost nothing here.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -30,8 +38,8 @@ pub const RATE_LIMITED: usize = 3;
 /// Counts per outcome, indexed as [`OUTCOMES`].
 pub type Counts = [u64; OUTCOMES.len()];
 
-/// Sales counted between flushes, at most: grabs for made-up voucher ids while Redis is
-/// away must not grow the map without end (beyond it, new sales' counts are dropped).
+/// Sales counted between flushes, and sales known, at most (beyond it, new sales'
+/// counts are dropped).
 const MAX_SALES: usize = 10_000;
 
 /// How long a sale's counts stay in Redis after its last grab.
@@ -55,10 +63,33 @@ pub fn index(outcome: &Outcome, minted: i64) -> Option<usize> {
 /// This process's counts since the last flush.
 #[derive(Default)]
 pub struct Tally {
-    counts: Mutex<HashMap<i64, Counts>>,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    counts: HashMap<i64, Counts>,
+    /// Sales whose admission script answered here: they exist.
+    known: HashSet<i64>,
+}
+
+impl State {
+    fn add(&mut self, voucher_id: i64, counts: Counts) {
+        if self.counts.len() >= MAX_SALES && !self.counts.contains_key(&voucher_id) {
+            return;
+        }
+        let entry = self.counts.entry(voucher_id).or_default();
+        for (sum, n) in entry.iter_mut().zip(counts) {
+            *sum += n;
+        }
+    }
 }
 
 impl Tally {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Adds one to `voucher_id`'s count of outcome `index`.
     pub fn add(&self, voucher_id: i64, index: usize) {
         self.add_all(std::iter::once((voucher_id, index)));
@@ -66,49 +97,39 @@ impl Tally {
 
     /// Adds each `(voucher_id, outcome index)`, under one lock.
     pub fn add_all(&self, outcomes: impl IntoIterator<Item = (i64, usize)>) {
-        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = self.lock();
         for (voucher_id, index) in outcomes {
-            if counts.len() < MAX_SALES || counts.contains_key(&voucher_id) {
-                counts.entry(voucher_id).or_default()[index] += 1;
+            if index == RATE_LIMITED {
+                if !state.known.contains(&voucher_id) {
+                    continue;
+                }
+            } else if state.known.len() < MAX_SALES {
+                state.known.insert(voucher_id);
             }
+            let mut one = Counts::default();
+            one[index] = 1;
+            state.add(voucher_id, one);
         }
     }
 
     fn take(&self) -> HashMap<i64, Counts> {
-        std::mem::take(&mut *self.counts.lock().unwrap_or_else(|e| e.into_inner()))
+        std::mem::take(&mut self.lock().counts)
     }
 
-    /// Adds the counts since the last flush to Redis; on failure what was not written
-    /// is kept for the next flush (nothing counted is lost while Redis is away, only
-    /// delayed).
+    /// Adds the counts since the last flush to Redis, one pipeline per sale (one key
+    /// each: valid on a cluster). Cancel-safe: what was not written, on an error or when
+    /// the future is dropped, is kept for the next flush.
     pub async fn flush<C: ConnectionLike + Send>(
         &self,
         conn: &mut C,
         keys: &Keys,
     ) -> redis::RedisResult<()> {
-        let mut left: Vec<(i64, Counts)> = self.take().into_iter().collect();
-        while let Some((voucher_id, counts)) = left.pop() {
+        let mut unwritten = Unwritten {
+            tally: self,
+            left: self.take().into_iter().collect(),
+        };
+        while let Some(&(voucher_id, counts)) = unwritten.left.last() {
             let key = keys.live_counts(voucher_id);
-            // Rate limiting comes before anything knows whether the sale exists: such
-            // counts alone go only to a sale already counted, so that made-up voucher
-            // ids cannot create keys.
-            let decided = counts
-                .iter()
-                .enumerate()
-                .any(|(i, &n)| i != RATE_LIMITED && n > 0);
-            if !decided {
-                let exists: bool = match redis::cmd("EXISTS").arg(&key).query_async(conn).await {
-                    Ok(exists) => exists,
-                    Err(e) => {
-                        left.push((voucher_id, counts));
-                        self.put_back(left);
-                        return Err(e);
-                    }
-                };
-                if !exists {
-                    continue;
-                }
-            }
             let mut pipe = redis::pipe();
             for (field, &n) in OUTCOMES.iter().zip(&counts) {
                 if n > 0 {
@@ -116,26 +137,27 @@ impl Tally {
                 }
             }
             pipe.expire(&key, RETAIN.as_secs() as i64).ignore();
-            // (One key per pipeline: valid on a cluster.)
-            if let Err(e) = pipe.query_async::<()>(conn).await {
-                left.push((voucher_id, counts));
-                self.put_back(left);
-                return Err(e);
-            }
+            pipe.query_async::<()>(conn).await?;
+            unwritten.left.pop();
         }
         Ok(())
     }
+}
 
-    fn put_back(&self, unwritten: Vec<(i64, Counts)>) {
-        let mut all = self.counts.lock().unwrap_or_else(|e| e.into_inner());
-        for (voucher_id, counts) in unwritten {
-            if all.len() >= MAX_SALES && !all.contains_key(&voucher_id) {
-                continue;
-            }
-            let entry = all.entry(voucher_id).or_default();
-            for (sum, n) in entry.iter_mut().zip(counts) {
-                *sum += n;
-            }
+/// A flush's counts not yet written: put back when it ends, however it ends.
+struct Unwritten<'a> {
+    tally: &'a Tally,
+    left: Vec<(i64, Counts)>,
+}
+
+impl Drop for Unwritten<'_> {
+    fn drop(&mut self) {
+        if self.left.is_empty() {
+            return;
+        }
+        let mut state = self.tally.lock();
+        for (voucher_id, counts) in self.left.drain(..) {
+            state.add(voucher_id, counts);
         }
     }
 }

@@ -32,6 +32,10 @@ pub const EVERY: Duration = Duration::from_secs(1);
 const RATE_WINDOW: Duration = Duration::from_secs(5);
 /// A store's reads give up after this long; the snapshot says which store is missing.
 const READ_DEADLINE: Duration = Duration::from_millis(800);
+/// At shutdown, how long the last flush waits for the server's last request (bounded by
+/// the request timeout) and then for Redis.
+const LAST_FLUSH_WAIT: Duration = Duration::from_secs(15);
+const LAST_FLUSH_DEADLINE: Duration = Duration::from_secs(2);
 
 /// What every page receives.
 #[derive(Debug, Clone, Serialize)]
@@ -183,15 +187,34 @@ impl Live {
     }
 
     /// The producer (and the flush of this process's grab counts): every [`EVERY`]
-    /// until cancelled.
-    pub async fn run(self, db: PgPool, mut redis: RedisConn, keys: Keys, tally: Arc<Tally>) {
+    /// until cancelled; then one last flush once `served` fires (the last request has
+    /// been answered), so that no count is lost at shutdown.
+    pub async fn run(
+        self,
+        db: PgPool,
+        mut redis: RedisConn,
+        keys: Keys,
+        tally: Arc<Tally>,
+        served: CancellationToken,
+    ) {
         let mut producer = Producer::default();
         let cancel = self.0.cancel.clone();
         let mut every = tokio::time::interval(EVERY);
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let ticked = tokio::select! {
-                _ = cancel.cancelled() => return,
+                _ = cancel.cancelled() => {
+                    let _ = tokio::time::timeout(LAST_FLUSH_WAIT, served.cancelled()).await;
+                    let flushed = tokio::time::timeout(
+                        LAST_FLUSH_DEADLINE,
+                        tally.flush(&mut redis, &keys),
+                    )
+                    .await;
+                    if !matches!(flushed, Ok(Ok(()))) {
+                        tracing::warn!("the last grab counts were not written to Redis");
+                    }
+                    return;
+                }
                 _ = every.tick() => true,
                 // A page opened with no snapshot to start from: it gets one at once.
                 _ = self.0.watched.notified() => false,

@@ -218,6 +218,59 @@ fn metric(text: &str, name: &str) -> f64 {
     crate::common::metric_value(text, name).unwrap_or(0.0)
 }
 
+/// The grab counts a process has not flushed yet reach Redis when it stops (its last
+/// flush follows its last answer), and grabs refused by rate limiting at voucher ids no
+/// sale has make no keys.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_stopping_instance_writes_its_last_counts_and_made_up_vouchers_cost_no_keys(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let limits = [
+        ("RATE_LIMIT_PER_USER", "1".to_string()),
+        ("RATE_LIMIT_PER_USER_BURST", "1".to_string()),
+    ];
+    let (mut other, base) = app.spawn_server("api", &limits).await;
+    let voucher = crate::common::open_sale_at(&app.client, &base, 5).await;
+    let grab = |voucher: i64, user: i64| {
+        app.client
+            .post(format!("{base}/vouchers/{voucher}/seckill"))
+            .bearer_auth(app.token(user))
+            .send()
+    };
+    let mut statuses = Vec::new();
+    for user in 1..=8 {
+        statuses.push(grab(voucher, user).await.unwrap().status().as_u16());
+    }
+    // Shopper 8 again at once: refused by the limiter, counted (the sale is known).
+    statuses.push(grab(voucher, 8).await.unwrap().status().as_u16());
+    // Shopper 9 at 50 vouchers that do not exist: one 404, then refused by the limiter.
+    for made_up in 900_001..=900_050 {
+        statuses.push(grab(made_up, 9).await.unwrap().status().as_u16());
+    }
+    let count = |code: u16| statuses.iter().filter(|&&s| s == code).count();
+    assert_eq!(
+        (count(202), count(409), count(429), count(404)),
+        (5, 3, 50, 1)
+    );
+
+    // Straight away, well within the second between flushes.
+    other.sigterm();
+    let status = other
+        .wait_exit(Duration::from_secs(20))
+        .await
+        .expect("stopped");
+    assert!(status.success(), "{status}");
+    let key = format!("{}seckill:live:{voucher}", app.keys.prefix());
+    let counts: std::collections::HashMap<String, u64> =
+        app.redis_cmd(redis::cmd("HGETALL").arg(&key)).await;
+    assert_eq!(counts.get("admitted"), Some(&5), "{counts:?}");
+    assert_eq!(counts.get("sold_out"), Some(&3), "{counts:?}");
+    assert_eq!(counts.get("rate_limited"), Some(&1), "{counts:?}");
+    let keys: Vec<String> = app
+        .redis_cmd(redis::cmd("KEYS").arg(format!("{}seckill:live:*", app.keys.prefix())))
+        .await;
+    assert_eq!(keys, vec![key], "only the real sale has counts");
+}
+
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn many_open_pages_cost_one_snapshot_a_second_and_pages_beyond_the_limit_get_503(db: PgPool) {
     const PAGES: usize = 300;
