@@ -45,13 +45,16 @@ pub enum Transition {
     Missing,
 }
 
-/// Pays a `created` order whose deadline has not passed (by Postgres's clock).
+/// Pays a `created` order whose deadline has not passed (by Postgres's clock), and
+/// counts it on its sale's row (the order's lock first, then the sale's, as closing
+/// takes them).
 #[tracing::instrument(skip(db))]
 pub(crate) async fn pay(
     db: &PgPool,
     order_id: i64,
     payment_ref: Option<&str>,
 ) -> Result<Transition, sqlx::Error> {
+    let mut tx = db.begin().await?;
     let paid: Option<OrderRow> = sqlx::query_as(&format!(
         "UPDATE voucher_orders SET status = 'paid', paid_at = now(), payment_ref = $2 \
          WHERE id = $1 AND status = 'created' AND pay_before > now() \
@@ -59,8 +62,15 @@ pub(crate) async fn pay(
     ))
     .bind(order_id)
     .bind(payment_ref)
-    .fetch_optional(db)
+    .fetch_optional(&mut *tx)
     .await?;
+    if let Some(row) = &paid {
+        sqlx::query("UPDATE seckill_vouchers SET paid = paid + 1 WHERE voucher_id = $1")
+            .bind(row.voucher_id)
+            .execute(&mut *tx)
+            .await?;
+    }
+    tx.commit().await?;
     Ok(match paid {
         Some(row) => Transition::Moved(row),
         None => match super::orders::get(db, order_id).await? {
@@ -155,13 +165,17 @@ async fn close_rows(
         *per_voucher.entry(r.voucher_id).or_default() += 1;
     }
     let (ids, counts): (Vec<i64>, Vec<i32>) = per_voucher.into_iter().unzip();
+    // The unit back, and the order counted as `to` (the live view's figures).
     sqlx::query(
-        "UPDATE seckill_vouchers s SET stock = s.stock + d.n, updated_at = now() \
+        "UPDATE seckill_vouchers s SET stock = s.stock + d.n, updated_at = now(), \
+             cancelled = s.cancelled + CASE WHEN $3 = 'cancelled' THEN d.n ELSE 0 END, \
+             expired = s.expired + CASE WHEN $3 = 'expired' THEN d.n ELSE 0 END \
          FROM unnest($1::int8[], $2::int4[]) AS d (voucher_id, n) \
          WHERE s.voucher_id = d.voucher_id",
     )
     .bind(&ids)
     .bind(&counts)
+    .bind(to)
     .execute(&mut **tx)
     .await?;
     let (orders, (vouchers, users)): (Vec<i64>, (Vec<i64>, Vec<i64>)) = released

@@ -67,6 +67,8 @@ async fn paying_a_created_order_makes_it_paid_and_paying_again_changes_nothing(d
         (4, Some(4)),
         "a paid unit stays sold"
     );
+    // (Checked against the sale row's counts, which paying again did not raise.)
+    assert_eq!(app.pg_statuses(voucher).await.get("paid"), Some(&1));
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
@@ -82,6 +84,7 @@ async fn cancelling_returns_the_unit_to_both_stores_once_and_the_buyer_may_grab_
     assert_eq!(status, StatusCode::OK, "{cancelled}");
     assert_eq!(cancelled["status"], "cancelled");
     assert!(cancelled["closed_at"].is_string());
+    assert_eq!(app.pg_statuses(voucher).await.get("cancelled"), Some(&1));
     assert_eq!(
         stocks(&app, voucher).await,
         (2, Some(2)),
@@ -836,6 +839,20 @@ async fn the_lifecycle_migration_keeps_orders_written_before_it_as_paid_purchase
     .execute(&db)
     .await;
     assert!(second.is_err(), "one active order per user and voucher");
+
+    // The later migrations count those orders on the sale's row for the live view.
+    for f in &files[at + 1..] {
+        sqlx::raw_sql(&std::fs::read_to_string(f).unwrap())
+            .execute(&db)
+            .await
+            .unwrap();
+    }
+    let counts: (i32, i32, i32) =
+        sqlx::query_as("SELECT paid, cancelled, expired FROM seckill_vouchers")
+            .fetch_one(&db)
+            .await
+            .unwrap();
+    assert_eq!(counts, (2, 0, 0), "both orders counted as paid");
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]

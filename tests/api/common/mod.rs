@@ -291,16 +291,30 @@ impl TestApp {
     }
 
     /// Orders of the voucher per status in Postgres.
+    /// The sale's orders by status, counted; and checked against the counts its row
+    /// keeps for the live view (paid, cancelled, expired, and created as initial stock
+    /// less stock less paid), which every transition must keep equal.
     pub async fn pg_statuses(&self, voucher_id: i64) -> std::collections::BTreeMap<String, i64> {
-        sqlx::query_as::<_, (String, i64)>(
-            "SELECT status, count(*) FROM voucher_orders WHERE voucher_id = $1 GROUP BY status",
-        )
-        .bind(voucher_id)
-        .fetch_all(&self.db)
-        .await
-        .unwrap()
-        .into_iter()
-        .collect()
+        // One statement, so one snapshot even while orders move.
+        let (counted, kept): (sqlx::types::Json<std::collections::BTreeMap<String, i64>>, Vec<i64>) =
+            sqlx::query_as(
+                "SELECT coalesce((SELECT jsonb_object_agg(status, n) FROM (SELECT status, count(*) AS n \
+                     FROM voucher_orders WHERE voucher_id = $1 GROUP BY status) c), '{}'), \
+                 ARRAY[(initial_stock - stock - paid)::int8, paid, cancelled, expired] \
+                 FROM seckill_vouchers WHERE voucher_id = $1",
+            )
+            .bind(voucher_id)
+            .fetch_one(&self.db)
+            .await
+            .unwrap();
+        let counted = counted.0;
+        let of = |status: &str| counted.get(status).copied().unwrap_or(0);
+        assert_eq!(
+            kept,
+            [of("created"), of("paid"), of("cancelled"), of("expired")],
+            "the sale row's counts (created, paid, cancelled, expired) against its orders"
+        );
+        counted
     }
 
     /// Releases still owed to Redis.
