@@ -70,7 +70,7 @@ pub(crate) const DESCRIBED: &[Described] = &[
     m(ADMISSIONS, Kind::Counter, None,
         "Grab attempts by outcome: admitted, sold_out, already_ordered, not_started, ended, not_loaded, rate_limited, redis_error."),
     m(ADMISSION_SECONDS, Kind::Histogram, Some(Unit::Seconds),
-        "Round trip of the admission script in Redis, per grab."),
+        "Time from a grab's turn at admission to the script's answer, per grab: the wait for its shard's call in flight, then the script's round trip in Redis."),
     m(HTTP_REQUESTS, Kind::Counter, None,
         "HTTP requests answered, by route template (\"unmatched\" for unknown paths) and status code."),
     m(HTTP_SECONDS, Kind::Histogram, Some(Unit::Seconds),

@@ -110,8 +110,9 @@ impl Outcomes {
 pub struct Orders {
     /// Written to Postgres, whatever became of them since.
     pub persisted: i64,
-    /// Admitted, not yet written.
-    pub in_flight: i64,
+    /// Admitted, not yet written; `None` unless both stores answered this time (one
+    /// store's last figures beside the other's new ones would make it up).
+    pub in_flight: Option<i64>,
     pub created: i64,
     pub paid: i64,
     pub cancelled: i64,
@@ -292,6 +293,7 @@ impl Producer {
         }
         let now = Utc::now();
         let clock = Instant::now();
+        let fresh = unavailable.is_empty();
         self.totals.retain(|id, _| ids.contains(id));
         let sales = self
             .sales
@@ -304,7 +306,7 @@ impl Producer {
                     clock,
                     outcomes.total(),
                 );
-                view(s, remaining, outcomes, rate, now)
+                view(s, remaining, outcomes, rate, now, fresh)
             })
             .collect();
         Snapshot {
@@ -365,6 +367,7 @@ fn view(
     outcomes: Outcomes,
     grabs_per_sec: f64,
     now: DateTime<Utc>,
+    fresh: bool,
 ) -> SaleView {
     let state = if now < s.begin_time {
         "upcoming"
@@ -375,7 +378,9 @@ fn view(
     };
     // Redis's stock = Postgres's - orders in flight - units whose return to Redis is
     // owed (see `reconcile`).
-    let in_flight = remaining.map_or(0, |r| (s.stock as i64 - r - s.releases_owed).max(0));
+    let in_flight = remaining
+        .filter(|_| fresh)
+        .map(|r| (s.stock as i64 - r - s.releases_owed).max(0));
     SaleView {
         id: s.voucher_id,
         title: s.title.clone(),

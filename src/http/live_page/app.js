@@ -20,7 +20,8 @@ function set(root, field, value) {
 }
 
 function fmt(n) {
-  return typeof n === "number" ? n.toLocaleString("en-US") : n;
+  // null: not known right now (a store did not answer, or the sale is not loaded).
+  return typeof n === "number" ? n.toLocaleString("en-US") : "–";
 }
 
 function until(iso, now) {
@@ -70,7 +71,11 @@ function render(snap) {
     const bar = el.querySelector(".bar");
     bar.setAttribute("aria-valuemax", s.initial_stock);
     bar.setAttribute("aria-valuenow", remaining === null ? 0 : remaining);
-    const pct = s.initial_stock > 0 && remaining !== null ? (100 * remaining) / s.initial_stock : 0;
+    // Not loaded in Redis yet (it loads on the first grab): Postgres's count of units
+    // not taken by a written order, so the bar does not read as sold out.
+    const left = remaining !== null ? remaining
+      : s.initial_stock - s.orders.created - s.orders.paid;
+    const pct = s.initial_stock > 0 ? Math.max(0, (100 * left) / s.initial_stock) : 0;
     el.querySelector(".fill").style.width = pct.toFixed(1) + "%";
     set(el, "grabs_per_sec", fmt(s.grabs_per_sec));
     for (const k of ["admitted", "sold_out", "already_ordered", "rate_limited"]) set(el, k, fmt(s.outcomes[k]));
