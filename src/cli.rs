@@ -47,6 +47,16 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
             )
             .await?;
             let cancel = shutdown_token();
+            crate::metrics::handle();
+            let metrics = match args.metrics_bind {
+                Some(addr) => {
+                    let listener = tokio::net::TcpListener::bind(addr).await?;
+                    tracing::info!(addr = %listener.local_addr()?, "metrics listening");
+                    let serving = crate::http::health::serve_metrics(listener, cancel.clone());
+                    Some(tokio::spawn(serving))
+                }
+                None => None,
+            };
             let sweeper = sweeper(&db, &args.redis, keys.clone(), &args.worker, cancel.clone());
             let sweeper = sweeper.await?;
             let lanes = crate::config::defaults::WORKER_CONCURRENCY;
@@ -54,6 +64,9 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
             let running =
                 futures_util::future::join_all(workers.into_iter().map(|w| w.run(cancel.clone())));
             tokio::join!(sweeper, running);
+            if let Some(metrics) = metrics {
+                let _ = metrics.await;
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::DeadLetters(args) => {

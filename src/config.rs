@@ -303,6 +303,11 @@ pub(crate) struct WorkerArgs {
     pub redis: RedisArgs,
     #[command(flatten)]
     pub worker: WorkerOptions,
+    /// Serve `GET /metrics` (and `/healthz`) on this address: a worker's own figures
+    /// (batches, commits, dead letters, releases owed) exist only in its process.
+    /// Unset: no listener.
+    #[arg(long, env = "METRICS_BIND")]
+    pub metrics_bind: Option<std::net::SocketAddr>,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -88,7 +88,7 @@ pub(crate) const DESCRIBED: &[Described] = &[
     m(DEPENDENCY_ERRORS, Kind::Counter, None,
         "Errors of a dependency (redis, postgres, other) seen in the api or the worker."),
     m(DEAD_LETTERED, Kind::Counter, None,
-        "Stream entries dead-lettered, by kind: malformed, poison, rejected; each unit of stock goes back on sale."),
+        "Stream entries dead-lettered, by kind: malformed, poison, rejected (their units go back on sale), no_stock (Postgres had no unit: an admitted order not written, nothing returned)."),
     m(DEAD_LETTERS, Kind::Gauge, None,
         "Entries in the dead-letter stream, per shard, sampled at scrape time."),
     m(STREAM_LENGTH, Kind::Gauge, None,
@@ -111,10 +111,12 @@ pub(crate) const DESCRIBED: &[Described] = &[
         "Pages watching /live/events now."),
 ];
 
-/// Buckets of the `_seconds` histograms: sub-millisecond Redis round trips up to the
-/// default request timeout (10 s).
+/// Buckets of the `_seconds` histograms: sub-millisecond Redis round trips up to past
+/// the default request timeout (10 s), so timed-out answers and stalled commits are not
+/// all lumped into +Inf.
 const SECONDS_BUCKETS: &[f64] = &[
-    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 30.0,
+    60.0,
 ];
 
 /// Buckets of the batch size: powers of two, so a full batch of the default 2048 (or of
@@ -175,7 +177,7 @@ fn register_known_series() {
     for result in ["inserted", "already_there", "dead_lettered"] {
         metrics::counter!(WORKER_ORDERS, "result" => result).increment(0);
     }
-    for kind in ["malformed", "poison", "rejected"] {
+    for kind in ["malformed", "poison", "rejected", "no_stock"] {
         metrics::counter!(DEAD_LETTERED, "kind" => kind).increment(0);
     }
     for (dependency, within) in [
@@ -245,26 +247,55 @@ impl HotPath {
     }
 }
 
-/// Samples the streams (length, pending entries, dead letters) into gauges; done at
-/// scrape time so an API-only process reports them too.
+/// How long a scrape waits for the streams' figures (every shard together).
+pub(crate) const SAMPLE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Samples the streams (length, pending entries, lag, dead letters) into gauges; done at
+/// scrape time so an API-only process reports them too. All shards within
+/// [`SAMPLE_DEADLINE`], or every shard's gauges become NaN: an old figure exported
+/// as current would read as "no backlog" exactly while Redis struggles.
 pub(crate) async fn sample_streams<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
 ) -> redis::RedisResult<()> {
-    for shard in keys.shards() {
-        let shard_label = shard.0.to_string();
-        let crate::stream::StreamStats {
-            length: len,
-            pending,
-            lag,
-            dead_letters: dead,
-        } = crate::stream::stats(conn, keys, shard).await?;
-        metrics::gauge!(STREAM_LAG, "shard" => shard_label.clone()).set(lag as f64);
-        metrics::gauge!(STREAM_LENGTH, "shard" => shard_label.clone()).set(len as f64);
-        metrics::gauge!(STREAM_PENDING, "shard" => shard_label.clone()).set(pending as f64);
-        metrics::gauge!(DEAD_LETTERS, "shard" => shard_label).set(dead as f64);
+    let sampled = tokio::time::timeout(SAMPLE_DEADLINE, async {
+        let mut all = Vec::new();
+        for shard in keys.shards() {
+            all.push((shard.0, crate::stream::stats(conn, keys, shard).await?));
+        }
+        Ok::<_, redis::RedisError>(all)
+    })
+    .await
+    .unwrap_or_else(|_| Err(std::io::Error::from(std::io::ErrorKind::TimedOut).into()));
+    let set = |shard: String, [lag, len, pending, dead]: [f64; 4]| {
+        metrics::gauge!(STREAM_LAG, "shard" => shard.clone()).set(lag);
+        metrics::gauge!(STREAM_LENGTH, "shard" => shard.clone()).set(len);
+        metrics::gauge!(STREAM_PENDING, "shard" => shard.clone()).set(pending);
+        metrics::gauge!(DEAD_LETTERS, "shard" => shard).set(dead);
+    };
+    match sampled {
+        Ok(all) => {
+            for (shard, stats) in all {
+                let crate::stream::StreamStats {
+                    length,
+                    pending,
+                    lag,
+                    dead_letters,
+                } = stats;
+                set(
+                    shard.to_string(),
+                    [lag, length, pending, dead_letters].map(|n| n as f64),
+                );
+            }
+            Ok(())
+        }
+        Err(e) => {
+            for shard in keys.shards() {
+                set(shard.0.to_string(), [f64::NAN; 4]);
+            }
+            Err(e)
+        }
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -326,6 +357,7 @@ mod tests {
             "seckill_dead_lettered_total{kind=\"poison\"} ",
             "seckill_dead_lettered_total{kind=\"malformed\"} ",
             "seckill_dead_lettered_total{kind=\"rejected\"} ",
+            "seckill_dead_lettered_total{kind=\"no_stock\"} ",
             "seckill_worker_batch_errors_total ",
             "seckill_admissions_total{outcome=\"sold_out\"} ",
             "seckill_dependency_errors_total{dependency=\"postgres\",in=\"worker\"} ",

@@ -41,6 +41,9 @@ impl Application {
         worker: Option<WorkerOptions>,
         cancel: CancellationToken,
     ) -> anyhow::Result<Self> {
+        // The recorder before anything runs: counts made before it are lost (the
+        // sweeper's first pass expires what fell due while the process was down).
+        crate::metrics::handle();
         // First: a configuration that cannot verify any token stops the start at once.
         let auth = Arc::new(Verifier::from_args(&api.jwt)?);
         let keys = keys(&api.redis)?;

@@ -5,9 +5,12 @@ use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::Json;
+use axum::routing::get;
+use axum::{Json, Router};
 use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
 
+use crate::http::error::AppError;
 use crate::http::state::AppState;
 
 #[utoipa::path(get, path = "/healthz", operation_id = "healthz", tag = "operations",
@@ -71,6 +74,29 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> impl axum::respons
     if let Err(e) = crate::metrics::sample_streams(&mut conn, &state.keys).await {
         tracing::debug!(error = %e, "stream gauges not sampled");
     }
+    render()
+}
+
+/// `GET /metrics` and `GET /healthz` alone, for `seckill worker --metrics-bind`: the
+/// worker's counters and histograms live only in its own process. Served with the same
+/// connection limits as the API (slow or idle scrapers cannot pile up); stops with
+/// `shutdown`.
+pub(crate) async fn serve_metrics(listener: tokio::net::TcpListener, shutdown: CancellationToken) {
+    let app = Router::new()
+        .route("/metrics", get(|| async { render() }))
+        .route("/healthz", get(healthz))
+        .fallback(|| async { AppError::NotFound("no such route".into()) });
+    let limits = super::server::ServerLimits {
+        header_read_timeout: Duration::from_secs(
+            crate::config::defaults::HTTP_HEADER_READ_TIMEOUT_SECS,
+        ),
+        keepalive_idle: Duration::from_secs(crate::config::defaults::HTTP_KEEPALIVE_IDLE_SECS),
+        max_connections: 64,
+    };
+    super::server::serve(listener, app, limits, shutdown).await;
+}
+
+fn render() -> impl axum::response::IntoResponse {
     (
         [(
             axum::http::header::CONTENT_TYPE,

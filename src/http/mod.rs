@@ -81,7 +81,8 @@ pub fn build_app(state: AppState) -> Router {
     let limits = &state.settings.limits;
     let timeout = Duration::from_secs(limits.request_timeout_secs);
     let max_concurrent = limits.max_concurrent_requests as usize;
-    Router::new()
+    // Everything but /metrics shares the process's concurrency limit and timeout.
+    let limited = Router::new()
         .route("/vouchers", post(vouchers::create))
         .route("/vouchers/{id}", get(vouchers::get))
         .route("/vouchers/{id}/seckill", post(seckill::grab))
@@ -94,7 +95,6 @@ pub fn build_app(state: AppState) -> Router {
         .route("/orders/{order_id}/cancel", post(orders::cancel))
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
-        .route("/metrics", get(health::metrics))
         .route("/openapi.json", get(openapi::openapi_json))
         .route("/docs", get(openapi::docs))
         .route("/docs/{asset}", get(openapi::docs_asset))
@@ -110,6 +110,33 @@ pub fn build_app(state: AppState) -> Router {
                 message: "method not allowed on this route".into(),
             }
         })
+        .layer(
+            ServiceBuilder::new()
+                // Overload answers 503 at once rather than queueing without end; a
+                // request that takes too long answers 503 too.
+                .layer(HandleErrorLayer::new(overloaded))
+                .load_shed()
+                // One semaphore for the whole process: `Router::layer` builds the stack
+                // once per route, and `concurrency_limit` would give each its own.
+                .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
+                    max_concurrent,
+                ))
+                .timeout(timeout)
+                // Enforced by the body extractors, so a 413 still speaks our JSON.
+                .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT)),
+        );
+    // Scrapes have a small limit of their own: a sale that fills the process's limit
+    // must not blind Prometheus (series gone stale exactly at peak), and a flood of
+    // scrapes cannot take the grabs' places.
+    let scrape = ServiceBuilder::new()
+        .layer(HandleErrorLayer::new(overloaded))
+        .load_shed()
+        .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
+            METRICS_CONCURRENCY,
+        ))
+        .timeout(METRICS_TIMEOUT);
+    limited
+        .route("/metrics", get(health::metrics).layer(scrape))
         .layer(
             ServiceBuilder::new()
                 // Accept the caller's x-request-id or make a UUID v4 (from the thread's
@@ -129,21 +156,17 @@ pub fn build_app(state: AppState) -> Router {
                 }))
                 .layer(middleware::from_fn(observe_requests))
                 .layer(middleware::from_fn(log_failures))
-                .layer(middleware::from_fn(limit_headers))
-                // Overload answers 503 at once rather than queueing without end; a
-                // request that takes too long answers 503 too.
-                .layer(HandleErrorLayer::new(overloaded))
-                .load_shed()
-                // One semaphore for the whole process: `Router::layer` builds the stack
-                // once per route, and `concurrency_limit` would give each its own.
-                .layer(tower::limit::GlobalConcurrencyLimitLayer::new(max_concurrent))
-                .timeout(timeout)
-                // Enforced by the body extractors, so a 413 still speaks our JSON.
-                .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT)),
+                .layer(middleware::from_fn(limit_headers)),
         )
         .layer(cors(&state.settings.cors_allowed_origins))
         .with_state(state)
 }
+
+/// Scrapes of `/metrics` in flight at most (beyond: 503 at once), outside the process's
+/// `MAX_CONCURRENT_REQUESTS`.
+const METRICS_CONCURRENCY: usize = 4;
+/// A scrape's whole time, below Prometheus's shortest usual scrape timeout (5 s).
+const METRICS_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// CORS for the configured origins, outermost so that a preflight is answered before
 /// routing (without it, `OPTIONS` is a 405). Other origins get no CORS headers, so the

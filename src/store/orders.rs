@@ -72,6 +72,9 @@ impl Rejection {
     pub(crate) fn kind(&self) -> &'static str {
         match self {
             Rejection::Poison(_) => "poison",
+            // Redis admitted an order Postgres had no unit for: a 202 broken, the one
+            // dead letter worth paging someone for, so apart from the other refusals.
+            Rejection::NoStock => "no_stock",
             _ => "rejected",
         }
     }

@@ -125,9 +125,13 @@ impl Worker {
         let mut outcomes = orders::persist_batch(&self.db, &new_orders, &live)
             .await?
             .into_iter();
-        metrics::histogram!(crate::metrics::WORKER_COMMIT_SECONDS)
-            .record(started.elapsed().as_secs_f64());
-        metrics::histogram!(crate::metrics::WORKER_BATCH_SIZE).record(entries.len() as f64);
+        // Only batches that went to Postgres: a turn of malformed or poison entries
+        // alone writes nothing and would drag both histograms towards zero.
+        if !new_orders.is_empty() {
+            metrics::histogram!(crate::metrics::WORKER_COMMIT_SECONDS)
+                .record(started.elapsed().as_secs_f64());
+            metrics::histogram!(crate::metrics::WORKER_BATCH_SIZE).record(new_orders.len() as f64);
+        }
         for fate in &mut fates {
             if let Fate::Write(order) = fate {
                 match outcomes.next().expect("one outcome per order") {

@@ -405,9 +405,10 @@ async fn a_client_that_stops_reading_cannot_hold_the_process_at_shutdown(db: PgP
 
 /// `MAX_CONCURRENT_REQUESTS` counts the process's requests, whatever their route: with
 /// two closes waiting on a held row lock and a limit of 2, a read of another route is
-/// shed at once, and served again once they finish.
+/// shed at once, and served again once they finish. `/metrics` is outside it: a full
+/// process is exactly when Prometheus must still see it (and the shedding).
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
-async fn the_concurrency_limit_is_one_for_all_routes_not_one_per_route(db: PgPool) {
+async fn the_concurrency_limit_is_one_for_all_routes_and_never_blinds_metrics(db: PgPool) {
     let app = TestApp::spawn(db.clone()).await;
     let env = [("MAX_CONCURRENT_REQUESTS", "2".to_string())];
     let (_server, base) = app.spawn_server("api", &env).await;
@@ -455,6 +456,14 @@ async fn the_concurrency_limit_is_one_for_all_routes_not_one_per_route(db: PgPoo
     assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
     let body: serde_json::Value = resp.json().await.unwrap();
     assert_eq!(body["error"]["code"], "unavailable", "{body}");
+    let resp = http.get(format!("{base}/metrics")).send().await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK, "a scrape at the limit");
+    let text = resp.text().await.unwrap();
+    let shed = text
+        .lines()
+        .find_map(|l| l.strip_prefix("seckill_http_shed_total "))
+        .and_then(|n| n.parse::<f64>().ok());
+    assert!(shed.is_some_and(|n| n >= 1.0), "shed counted: {shed:?}");
 
     lock.rollback().await.unwrap();
     for close in closes {

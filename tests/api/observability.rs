@@ -16,7 +16,8 @@ const DASHBOARD: &str = concat!(
     "/deploy/grafana/dashboards/seckill.json"
 );
 
-/// The `expr` of every query of every panel (rows' panels included).
+/// The `expr` of every query: every panel's (rows' panels included), every templating
+/// variable's and every annotation's.
 fn dashboard_queries() -> Vec<String> {
     fn walk(panels: &Value, out: &mut Vec<String>) {
         for panel in panels.as_array().into_iter().flatten() {
@@ -32,155 +33,219 @@ fn dashboard_queries() -> Vec<String> {
     let dashboard: Value = serde_json::from_str(&text).expect("the dashboard is JSON");
     let mut out = Vec::new();
     walk(&dashboard["panels"], &mut out);
+    for variable in dashboard["templating"]["list"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        let query = &variable["query"];
+        if let Some(q) = query.as_str().or_else(|| query["query"].as_str()) {
+            out.push(q.to_string());
+        }
+    }
+    for annotation in dashboard["annotations"]["list"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        if let Some(expr) = annotation["expr"].as_str() {
+            out.push(expr.to_string());
+        }
+    }
     out
 }
 
-/// PromQL words that are never metric names wherever they stand.
-const KEYWORDS: &[&str] = &["and", "or", "unless", "bool", "offset", "atan2"];
-/// Followed by a parenthesised list of label names, not of expressions.
-const GROUPINGS: &[&str] = &[
-    "by",
-    "without",
-    "on",
-    "ignoring",
-    "group_left",
-    "group_right",
-];
-const AGGREGATIONS: &[&str] = &[
-    "sum",
-    "min",
-    "max",
-    "avg",
-    "group",
-    "stddev",
-    "stdvar",
-    "count",
-    "count_values",
-    "bottomk",
-    "topk",
-    "quantile",
-    "limitk",
-    "limit_ratio",
-];
+/// One series selector of a query: the metric, its label matchers, and whether a
+/// rate-like function (`rate`, `increase`, ...) reads it, which needs a counter.
+#[derive(Debug)]
+struct Selector {
+    name: String,
+    /// `label = "value"` matchers: the value must exist, or the panel is empty.
+    equal: Vec<(String, String)>,
+    /// Every label a matcher names (`=`, `!=`, `=~`, `!~`).
+    labels: Vec<String>,
+    rated: bool,
+}
 
-/// The metric names a PromQL expression selects, as written (`x_bucket` stays so):
-/// strings, label matchers (`{...}`), ranges (`[...]`), grouping label lists, function
-/// and aggregation names, keywords, numbers and Grafana variables (`$__interval`) are not.
-fn metric_names(expr: &str) -> BTreeSet<String> {
-    // Blank out quoted strings, then everything inside braces and brackets.
-    let mut plain = String::new();
-    let (mut quote, mut escaped, mut depth) = (None, false, 0usize);
-    for c in expr.chars() {
-        if let Some(q) = quote {
-            if escaped {
-                escaped = false;
-            } else if c == '\\' {
-                escaped = true;
-            } else if c == q {
-                quote = None;
+/// What a query asks of the series it reads.
+#[derive(Debug, Default)]
+struct Asks {
+    selectors: Vec<Selector>,
+    /// Each `by (...)` / `without (...)` / `on (...)` list, with the metrics below it.
+    groupings: Vec<(Vec<String>, Vec<String>)>,
+    /// `histogram_quantile` calls whose buckets lost their `le` label on the way.
+    quantiles_without_le: Vec<String>,
+}
+
+/// Parses a dashboard query (Grafana's `$__…` range variables made durations) with a
+/// real PromQL parser: a query Prometheus would refuse fails here.
+fn asks(query: &str) -> Asks {
+    use promql_parser::parser;
+    let promql = query
+        .replace("$__rate_interval", "1m")
+        .replace("$__interval", "1m")
+        .replace("$__range", "1h");
+    let ast = parser::parse(&promql).unwrap_or_else(|e| panic!("{query:?} is not PromQL: {e}"));
+    let mut asks = Asks::default();
+    walk(&ast, false, &mut asks);
+    asks
+}
+
+fn walk(expr: &promql_parser::parser::Expr, rated: bool, out: &mut Asks) {
+    use promql_parser::label::MatchOp;
+    use promql_parser::parser::{Expr, LabelModifier};
+    let selector = |vs: &promql_parser::parser::VectorSelector| {
+        let matchers = vs
+            .matchers
+            .matchers
+            .iter()
+            .chain(vs.matchers.or_matchers.iter().flatten());
+        let (mut equal, mut labels) = (Vec::new(), Vec::new());
+        for m in matchers.filter(|m| m.name != "__name__") {
+            labels.push(m.name.clone());
+            if matches!(m.op, MatchOp::Equal) {
+                equal.push((m.name.clone(), m.value.clone()));
             }
-            plain.push(' ');
-            continue;
         }
-        match c {
-            '"' | '\'' | '`' => quote = Some(c),
-            '{' | '[' => depth += 1,
-            '}' | ']' => depth = depth.saturating_sub(1),
-            _ if depth == 0 => {
-                plain.push(c);
-                continue;
-            }
-            _ => {}
+        Selector {
+            name: vs.name.clone().expect("every selector names its metric"),
+            equal,
+            labels,
+            rated,
         }
-        plain.push(' ');
-    }
-    // Words, with what follows each.
-    let bytes = plain.as_bytes();
-    let word_char = |b: u8| b.is_ascii_alphanumeric() || b == b'_' || b == b':';
-    let mut words: Vec<(&str, bool)> = Vec::new(); // (word, is a name rather than a number/variable)
-    let mut i = 0;
-    while i < bytes.len() {
-        let b = bytes[i];
-        if word_char(b) || b == b'$' || b == b'.' {
-            let start = i;
-            i += 1;
-            while i < bytes.len() && (word_char(bytes[i]) || bytes[i] == b'.') {
-                i += 1;
+    };
+    let names_below = |e: &Expr| {
+        let mut below = Asks::default();
+        walk(e, false, &mut below);
+        below.selectors.into_iter().map(|s| s.name).collect()
+    };
+    match expr {
+        Expr::Aggregate(a) => {
+            if let Some(m) = &a.modifier {
+                out.groupings
+                    .push((m.labels().labels.clone(), names_below(&a.expr)));
             }
-            let word = &plain[start..i];
-            let first = word.as_bytes()[0];
-            words.push((word, first.is_ascii_alphabetic() || first == b'_'));
-        } else {
-            if !b.is_ascii_whitespace() {
-                words.push((&plain[i..i + 1], false));
+            walk(&a.expr, false, out);
+            if let Some(param) = &a.param {
+                walk(param, false, out);
             }
-            i += 1;
         }
-    }
-    let mut names = BTreeSet::new();
-    let mut skip_list = false;
-    let mut list_depth = 0;
-    for (k, &(word, is_name)) in words.iter().enumerate() {
-        let next = words.get(k + 1).map(|w| w.0);
-        if skip_list {
-            // Inside `by (a, b)` and the like: label names until the closing paren.
-            match word {
-                "(" => list_depth += 1,
-                ")" => {
-                    list_depth -= 1;
-                    if list_depth == 0 {
-                        skip_list = false;
-                    }
+        Expr::Binary(b) => {
+            if let Some(m) = &b.modifier {
+                let mut labels: Vec<String> = m
+                    .matching
+                    .iter()
+                    .flat_map(|l| l.labels().labels.clone())
+                    .collect();
+                labels.extend(m.card.labels().into_iter().flat_map(|l| l.labels.clone()));
+                if !labels.is_empty() {
+                    let mut below: Vec<String> = names_below(&b.lhs);
+                    below.extend(names_below(&b.rhs));
+                    out.groupings.push((labels, below));
                 }
-                _ => {}
             }
-            continue;
+            walk(&b.lhs, false, out);
+            walk(&b.rhs, false, out);
         }
-        if !is_name || KEYWORDS.contains(&word) {
-            continue;
-        }
-        if GROUPINGS.contains(&word) {
-            if next == Some("(") {
-                skip_list = true;
+        Expr::Unary(u) => walk(&u.expr, rated, out),
+        Expr::Paren(p) => walk(&p.expr, rated, out),
+        Expr::Subquery(s) => walk(&s.expr, false, out),
+        Expr::VectorSelector(vs) => out.selectors.push(selector(vs)),
+        Expr::MatrixSelector(ms) => out.selectors.push(selector(&ms.vs)),
+        Expr::Call(call) => {
+            let name = call.func.name;
+            if name == "histogram_quantile" {
+                let mut buckets = &*call.args.args[1];
+                while let Expr::Paren(p) = buckets {
+                    buckets = &p.expr;
+                }
+                let keeps_le = match buckets {
+                    Expr::Aggregate(a) => match &a.modifier {
+                        Some(LabelModifier::Include(l)) => l.labels.iter().any(|l| l == "le"),
+                        Some(LabelModifier::Exclude(l)) => !l.labels.iter().any(|l| l == "le"),
+                        None => false,
+                    },
+                    _ => true,
+                };
+                if !keeps_le {
+                    out.quantiles_without_le.push(expr.to_string());
+                }
             }
-            continue;
+            let rate_like = matches!(
+                name,
+                "rate" | "irate" | "increase" | "resets" | "delta" | "idelta"
+            );
+            // delta/idelta are for gauges; the others for counters.
+            let needs_counter = rate_like && !matches!(name, "delta" | "idelta");
+            for arg in &call.args.args {
+                walk(arg, needs_counter, out);
+            }
         }
-        let aggregation =
-            AGGREGATIONS.contains(&word) && next.is_some_and(|n| n == "by" || n == "without");
-        if next == Some("(") || aggregation {
-            continue;
-        }
-        names.insert(word.to_string());
+        _ => {}
     }
-    names
 }
 
 #[test]
-fn metric_names_are_read_out_of_promql_and_nothing_else_is() {
-    let expr = r#"histogram_quantile(0.99, sum by (route, le) (rate(a_seconds_bucket{route!="/x{y}", s=~"5.."}[$__rate_interval])))
+fn queries_are_read_with_their_selectors_matchers_groupings_and_quantiles() {
+    let q = r#"histogram_quantile(0.99, sum by (route, le) (rate(a_seconds_bucket{route!="/x{y}", s=~"5..", k="v"}[$__rate_interval])))
         / on (shard) group_left (kind) max without (instance) (b_total offset 5m) > bool 0
-        and sum(c) by (le) unless count(d{k='z"'}) or topk(3, e:rule) * 1.5e3"#;
-    let expected = ["a_seconds_bucket", "b_total", "c", "d", "e:rule"];
+        and histogram_quantile(0.5, sum(rate(c_bucket[5m]))) unless count(d{k='z"'}) or topk(3, e:rule)"#;
+    let asked = asks(q);
+    let asks = &asked;
+    let names: Vec<&str> = asks.selectors.iter().map(|s| s.name.as_str()).collect();
     assert_eq!(
-        metric_names(expr),
-        expected
-            .iter()
-            .map(|s| s.to_string())
-            .collect::<BTreeSet<_>>()
+        names,
+        ["a_seconds_bucket", "b_total", "c_bucket", "d", "e:rule"]
     );
+    let a = &asks.selectors[0];
+    assert!(a.rated);
+    assert_eq!(a.labels, ["route", "s", "k"]);
+    assert_eq!(a.equal, [("k".to_string(), "v".to_string())]);
+    assert!(!asks.selectors[1].rated);
+    assert!(asks
+        .groupings
+        .iter()
+        .any(|(l, below)| l == &["route", "le"] && below == &["a_seconds_bucket"]));
+    assert!(asks.groupings.iter().any(|(l, _)| l == &["shard", "kind"]));
+    assert_eq!(asks.quantiles_without_le.len(), 1, "{asks:?}");
+    assert!(asks.quantiles_without_le[0].contains("c_bucket"));
+    let refused = std::panic::catch_unwind(|| self::asks("sum by (le (rate(x[1m]))"));
+    assert!(refused.is_err(), "a malformed query is refused");
 }
 
-/// A Prometheus text exposition: sample names, `# HELP` names, `# TYPE`s.
+/// A Prometheus text exposition: each sample name's label sets, `# HELP` names, `# TYPE`s.
 struct Exposition {
-    samples: BTreeSet<String>,
+    samples: BTreeMap<String, Vec<BTreeMap<String, String>>>,
     help: BTreeSet<String>,
     types: BTreeMap<String, String>,
+}
+
+/// `k="v",k2="v2"` (the inside of a sample's braces; values may hold `,`, `{`, `"`).
+fn label_set(inside: &str) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    let mut rest = inside;
+    while let Some((key, after)) = rest.split_once("=\"") {
+        let (mut value, mut chars, mut end) = (String::new(), after.char_indices(), after.len());
+        while let Some((i, c)) = chars.next() {
+            match c {
+                '\\' => value.extend(chars.next().map(|(_, c)| if c == 'n' { '\n' } else { c })),
+                '"' => {
+                    end = i + 1;
+                    break;
+                }
+                c => value.push(c),
+            }
+        }
+        out.insert(key.trim_start_matches(',').trim().to_string(), value);
+        rest = &after[end..];
+    }
+    out
 }
 
 impl Exposition {
     fn parse(text: &str) -> Self {
         let mut out = Self {
-            samples: BTreeSet::new(),
+            samples: BTreeMap::new(),
             help: BTreeSet::new(),
             types: BTreeMap::new(),
         };
@@ -192,11 +257,25 @@ impl Exposition {
                 let (name, kind) = rest.split_once(' ').unwrap_or((rest, ""));
                 out.types.insert(name.to_string(), kind.to_string());
             } else if !line.starts_with('#') && !line.is_empty() {
-                let name = line.split(['{', ' ']).next().unwrap_or_default();
-                out.samples.insert(name.to_string());
+                let (name, labels) = match line.split_once('{') {
+                    Some((name, rest)) => (name, label_set(&rest[..rest.rfind('}').unwrap_or(0)])),
+                    None => (line.split(' ').next().unwrap_or_default(), BTreeMap::new()),
+                };
+                out.samples
+                    .entry(name.to_string())
+                    .or_default()
+                    .push(labels);
             }
         }
         out
+    }
+
+    /// Whether any series of `name` has label `label` (with `value`, when given).
+    fn has(&self, name: &str, label: &str, value: Option<&str>) -> bool {
+        self.samples.get(name).into_iter().flatten().any(|set| {
+            set.get(label)
+                .is_some_and(|v| value.is_none_or(|want| want == v))
+        })
     }
 
     /// The family a sample name belongs to: `x_bucket`, `x_sum` and `x_count` are
@@ -218,7 +297,11 @@ impl Exposition {
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn every_metric_the_dashboard_queries_is_on_a_live_metrics_page_with_its_help(db: PgPool) {
     let queries = dashboard_queries();
-    let wanted: BTreeSet<String> = queries.iter().flat_map(|q| metric_names(q)).collect();
+    let asked: Vec<Asks> = queries.iter().map(|q| asks(q)).collect();
+    let wanted: BTreeSet<String> = asked
+        .iter()
+        .flat_map(|a| a.selectors.iter().map(|s| s.name.clone()))
+        .collect();
     assert!(
         queries.len() >= 10 && wanted.len() >= 10,
         "the dashboard reads as {} queries over {wanted:?}",
@@ -236,6 +319,7 @@ async fn every_metric_the_dashboard_queries_is_on_a_live_metrics_page_with_its_h
         "seckill_dead_lettered_total{kind=\"malformed\"} 0",
         "seckill_dead_lettered_total{kind=\"poison\"} 0",
         "seckill_dead_lettered_total{kind=\"rejected\"} 0",
+        "seckill_dead_lettered_total{kind=\"no_stock\"} 0",
         "seckill_worker_batch_errors_total 0",
         "seckill_dependency_errors_total{dependency=\"postgres\",in=\"worker\"} 0",
     ] {
@@ -265,7 +349,7 @@ async fn every_metric_the_dashboard_queries_is_on_a_live_metrics_page_with_its_h
     let (text, live) = loop {
         let text = crate::common::metrics_at(&app.client, &base).await;
         let live = Exposition::parse(&text);
-        let all_there = wanted.iter().all(|n| live.samples.contains(n));
+        let all_there = wanted.iter().all(|n| live.samples.contains_key(n));
         if all_there || Instant::now() > deadline {
             break (text, live);
         }
@@ -273,7 +357,7 @@ async fn every_metric_the_dashboard_queries_is_on_a_live_metrics_page_with_its_h
     };
     let missing: Vec<&String> = wanted
         .iter()
-        .filter(|n| !live.samples.contains(*n))
+        .filter(|n| !live.samples.contains_key(*n))
         .collect();
     assert!(
         missing.is_empty(),
@@ -292,8 +376,62 @@ async fn every_metric_the_dashboard_queries_is_on_a_live_metrics_page_with_its_h
             "{name}"
         );
     }
+    // Every label a query matches or groups by is on the series it reads, every value
+    // it asks for with `=` exists, rates read counters (or a histogram's parts), and
+    // quantiles keep `le`: a typo in any of them is an empty panel, not an error.
+    let mut wrong = Vec::new();
+    let mut checks = 0;
+    for (query, asks) in queries.iter().zip(&asked) {
+        for s in &asks.selectors {
+            for label in &s.labels {
+                checks += 1;
+                if !live.has(&s.name, label, None) {
+                    wrong.push(format!(
+                        "{query}: no series of {} has label {label}",
+                        s.name
+                    ));
+                }
+            }
+            for (label, value) in &s.equal {
+                checks += 1;
+                if !live.has(&s.name, label, Some(value)) {
+                    wrong.push(format!(
+                        "{query}: no series {}{{{label}=\"{value}\"}}",
+                        s.name
+                    ));
+                }
+            }
+            if s.rated {
+                checks += 1;
+                let family = live.family(&s.name);
+                let kind = live.types.get(family).map(String::as_str);
+                let counter_like = kind == Some("counter")
+                    || (family != s.name && matches!(kind, Some("histogram" | "summary")));
+                if !counter_like {
+                    wrong.push(format!(
+                        "{query}: a rate of {} ({kind:?}), not a counter",
+                        s.name
+                    ));
+                }
+            }
+        }
+        for (labels, below) in &asks.groupings {
+            for label in labels {
+                checks += 1;
+                if !below.iter().any(|name| live.has(name, label, None)) {
+                    wrong.push(format!(
+                        "{query}: groups by {label}, which none of {below:?} has"
+                    ));
+                }
+            }
+        }
+        for q in &asks.quantiles_without_le {
+            wrong.push(format!("{query}: {q} drops the le label"));
+        }
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}\nagainst\n{text}");
     println!(
-        "dashboard: {} queries, {} metric names, all present in a live /metrics",
+        "dashboard: {} queries, {} metric names, {checks} label and type checks, all met by a live /metrics",
         queries.len(),
         wanted.len()
     );
@@ -352,4 +490,73 @@ async fn http_latency_is_labelled_by_route_template_so_ids_never_add_series(db: 
         .filter(|l| l.contains(&order) || l.contains(&format!("/vouchers/{voucher}")))
         .collect();
     assert!(leaked.is_empty(), "ids in labels: {leaked:?}");
+}
+
+/// A `seckill worker` alone has figures no API process has (batches, commits, dead
+/// letters): with `METRICS_BIND` it serves them, counted from its first batch.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_worker_serves_its_own_figures_on_metrics_bind(db: PgPool) {
+    use crate::common::{faults, metric_value};
+    let app = TestApp::spawn(db.clone()).await;
+    let voucher = app.open_sale(3).await;
+    for user in 1..=3 {
+        let (status, body) = app.grab(voucher, user).await;
+        assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    }
+    let port = faults::free_port();
+    let _worker = faults::Process::spawn(
+        "worker",
+        &app.redis_url,
+        app.keys.prefix(),
+        &faults::database_url(&db, None),
+        &[
+            ("METRICS_BIND", format!("127.0.0.1:{port}")),
+            ("WORKER_BLOCK_MS", "200".to_string()),
+        ],
+    );
+    assert_eq!(
+        app.wait_for_orders(voucher, 3, Duration::from_secs(20))
+            .await,
+        3
+    );
+    let base = format!("http://127.0.0.1:{port}");
+    let health = app
+        .client
+        .get(format!("{base}/healthz"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(health.status(), StatusCode::OK);
+    // The counts follow the commit by a moment: wait, boundedly.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let text = loop {
+        let text = crate::common::metrics_at(&app.client, &base).await;
+        let inserted = metric_value(&text, "seckill_worker_orders_total{result=\"inserted\"}");
+        if inserted == Some(3.0) || Instant::now() > deadline {
+            break text;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        metric_value(&text, "seckill_worker_orders_total{result=\"inserted\"}"),
+        Some(3.0),
+        "{text}"
+    );
+    let batches = metric_value(&text, "seckill_worker_batch_size_count").unwrap_or(0.0);
+    let entries = metric_value(&text, "seckill_worker_batch_size_sum").unwrap_or(0.0);
+    assert!(
+        batches >= 1.0 && entries == 3.0,
+        "{batches} batches of {entries} entries"
+    );
+    assert_eq!(
+        metric_value(&text, "seckill_dead_lettered_total{kind=\"no_stock\"}"),
+        Some(0.0)
+    );
+    let other = app
+        .client
+        .get(format!("{base}/vouchers/1"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(other.status(), StatusCode::NOT_FOUND, "metrics only");
 }
