@@ -594,3 +594,41 @@ async fn a_worker_serves_its_own_figures_on_metrics_bind(db: PgPool) {
         .unwrap();
     assert_eq!(other.status(), StatusCode::NOT_FOUND, "metrics only");
 }
+
+/// Orders that fell due while no process ran are expired by a starting process's first
+/// sweeper pass, before it serves anything: that pass is counted too.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn what_a_starting_process_expires_first_is_counted(db: PgPool) {
+    use crate::common::metric_value;
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale_paying(3, 1).await;
+    for user in 1..=3 {
+        let (status, body) = app.grab(voucher, user).await;
+        assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    }
+    app.drain().await;
+    assert_eq!(app.pg_orders(voucher).await.len(), 3);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    let (_serve, base) = app.spawn_server("serve", &[]).await;
+    let expired = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM voucher_orders WHERE voucher_id = $1 AND status = 'expired'",
+        )
+        .bind(voucher)
+        .fetch_one(&app.db)
+        .await
+        .unwrap()
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while expired().await < 3 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(expired().await, 3);
+    let text = crate::common::metrics_at(&app.client, &base).await;
+    assert_eq!(
+        metric_value(&text, "seckill_order_transitions_total{to=\"expired\"}"),
+        Some(3.0),
+        "{text}"
+    );
+}
