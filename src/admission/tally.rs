@@ -16,7 +16,7 @@
 //! `rate_limited` grab is counted only for a sale this process has seen decided
 //! (admitted, sold out, ...): grabs at made-up voucher ids cost nothing here.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
@@ -89,7 +89,8 @@ struct State {
     /// Each sale's batch sent and not yet acknowledged: sent again, unchanged, until
     /// Redis answers, and only then does the sale's next batch form. Its answer may
     /// have been lost after Redis added it, so it must never be merged or re-numbered.
-    batches: HashMap<i64, Batch>,
+    /// (Ordered by sale only so that flushes are repeatable.)
+    batches: BTreeMap<i64, Batch>,
     /// The last sequence number given to a batch (of any sale).
     seq: u64,
     /// Sales whose admission script answered here: they exist.
