@@ -237,6 +237,7 @@ impl Tally {
                 Err(_) => tracing::debug!("grab counts flush cut off; the rest goes next time"),
             }
         }
+        // No later flush to leave a failure to: try again until the deadline.
         let flushed = tokio::time::timeout(last_deadline, async {
             while self.flush(&conn, &keys).await.is_err() {
                 tokio::time::sleep(Duration::from_millis(100)).await;
