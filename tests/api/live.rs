@@ -607,3 +607,61 @@ async fn one_sale_whose_flush_fails_does_not_hold_back_the_others() {
         );
     }
 }
+
+/// Redis stalls (every command, reads too) while grab counts wait to be flushed: the
+/// flush waits out its deadline each second, and the snapshots, whose Redis reads wait
+/// out theirs, still come a second apart (flush and snapshot one after the other made
+/// it 1.6 s). The count lands once when Redis answers again, though every stalled
+/// flush sent it.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_stalled_flush_delays_no_snapshot(db: PgPool) {
+    // A Redis of its own: the pause would stall every other test's Redis calls.
+    let redis = crate::common::faults::PrivateRedis::start();
+    let app = TestApp::spawn_with(db, redis.url.clone(), false).await;
+    let voucher = app.open_sale(5).await;
+    let mut events = Events::open(&app.client, &app.base).await;
+    events.next(WAIT).await;
+
+    app.grab(voucher, 1).await;
+    let mut admin = redis::Client::open(redis.url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(6000)
+        .arg("ALL")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    // The snapshots whose Redis reads the pause cut off, as they arrive: a second
+    // apart. (The first comes up to a second after the pause, plus its reads.)
+    let paused = Instant::now();
+    let mut stalled = Vec::new();
+    while paused.elapsed() < Duration::from_secs(6) {
+        let snapshot = events.next(WAIT).await;
+        if snapshot["unavailable"].to_string().contains("redis") {
+            stalled.push(Instant::now());
+        }
+    }
+    assert!(stalled.len() >= 2, "the pause must stall the reads too");
+    let gaps: Vec<Duration> = stalled.windows(2).map(|w| w[1] - w[0]).collect();
+    assert!(
+        gaps.iter().all(|&gap| gap < Duration::from_millis(1400)),
+        "{gaps:?}"
+    );
+
+    let key = app.keys.live_counts(voucher);
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let admitted: Option<u64> = app
+            .redis_cmd(redis::cmd("HGET").arg(&key).arg("admitted"))
+            .await;
+        if admitted == Some(1) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never flushed: {admitted:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
