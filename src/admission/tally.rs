@@ -4,21 +4,26 @@
 //! admission script stays as it is: these counts are an observation, never a decision.
 //!
 //! Counts survive as long as the hash ([`RETAIN`] after the last grab); a Redis restart
-//! loses them (the orders, which are what matters, are in Postgres). A flush that fails
-//! or is cut off (a timeout, shutdown) keeps what it had not written for the next one;
-//! the process's last flush comes after its last request. A write whose answer was lost
-//! after Redis applied it is written again: that sale's counts are then too high by one
-//! second's worth, the one way they can be wrong.
+//! loses them (the orders, which are what matters, are in Postgres). Each sale's counts
+//! go as numbered batches that Redis adds at most once (the hash keeps, per process, the
+//! last number added: one `seq:<process id>` field per process that counted the sale,
+//! gone with the hash), so a batch whose answer was lost (a timeout, a dropped
+//! connection) is sent again unchanged until answered: counted neither twice nor never,
+//! while the process lives. One sale failing (its cluster node down) holds no other
+//! back. The process's last flush comes after its last request.
 //!
 //! Rate limiting answers before anything knows whether the sale exists, so a
 //! `rate_limited` grab is counted only for a sale this process has seen decided
 //! (admitted, sold out, ...): grabs at made-up voucher ids cost nothing here.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::Mutex;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::future::Future;
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
+use futures_util::StreamExt;
 use redis::aio::ConnectionLike;
+use redis::Script;
 
 use super::Outcome;
 use crate::keys::Keys;
@@ -60,17 +65,42 @@ pub fn index(outcome: &Outcome, minted: i64) -> Option<usize> {
     })
 }
 
-/// This process's counts since the last flush.
-#[derive(Default)]
+/// This process's counts not yet in Redis.
 pub struct Tally {
     state: Mutex<State>,
+    /// This process's field in every sale's hash (`seq:<random id>`): unique to this
+    /// process's lifetime, so its sequence numbers never meet another's.
+    seq_field: String,
+}
+
+impl Default for Tally {
+    fn default() -> Self {
+        Self {
+            state: Mutex::default(),
+            seq_field: format!("seq:{:016x}", rand::random::<u64>()),
+        }
+    }
 }
 
 #[derive(Default)]
 struct State {
+    /// Counts since each sale's batch was formed, not yet part of one.
     counts: HashMap<i64, Counts>,
+    /// Each sale's batch sent and not yet acknowledged: sent again, unchanged, until
+    /// Redis answers, and only then does the sale's next batch form. Its answer may
+    /// have been lost after Redis added it, so it must never be merged or re-numbered.
+    /// (Ordered by sale only so that flushes are repeatable.)
+    batches: BTreeMap<i64, Batch>,
+    /// The last sequence number given to a batch (of any sale).
+    seq: u64,
     /// Sales whose admission script answered here: they exist.
     known: HashSet<i64>,
+}
+
+#[derive(Clone, Copy)]
+struct Batch {
+    seq: u64,
+    counts: Counts,
 }
 
 impl State {
@@ -83,7 +113,32 @@ impl State {
             *sum += n;
         }
     }
+
+    /// Every sale's batch to send now: the unacknowledged ones as they were, and a new
+    /// one for each other sale with counts.
+    fn batches(&mut self) -> Vec<(i64, Batch)> {
+        let counted: Vec<i64> = self
+            .counts
+            .keys()
+            .filter(|v| !self.batches.contains_key(v))
+            .copied()
+            .collect();
+        for voucher_id in counted {
+            if let Some(counts) = self.counts.remove(&voucher_id) {
+                self.seq += 1;
+                let seq = self.seq;
+                self.batches.insert(voucher_id, Batch { seq, counts });
+            }
+        }
+        self.batches.iter().map(|(&v, &b)| (v, b)).collect()
+    }
 }
+
+/// Sales' batches in flight at once in one flush (each one script call).
+const CONCURRENT_SALES: usize = 32;
+
+static ADD: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../lua/add_live_counts.lua")));
 
 impl Tally {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -112,52 +167,85 @@ impl Tally {
         }
     }
 
-    fn take(&self) -> HashMap<i64, Counts> {
-        std::mem::take(&mut self.lock().counts)
-    }
-
-    /// Adds the counts since the last flush to Redis, one pipeline per sale (one key
-    /// each: valid on a cluster). Cancel-safe: what was not written, on an error or when
-    /// the future is dropped, is kept for the next flush.
-    pub async fn flush<C: ConnectionLike + Send>(
+    /// Adds the counts not yet in Redis, each sale's as one batch (one script call on
+    /// one key: valid on a cluster), several sales at once. A batch counts once however
+    /// often it is sent (`lua/add_live_counts.lua`), so one whose answer is lost (an
+    /// error, a timeout, the future dropped) is sent again as it was by the next flush.
+    /// One sale failing holds no other back: the error returned is the first of them,
+    /// after every sale was tried.
+    pub async fn flush<C: ConnectionLike + Send + Clone>(
         &self,
-        conn: &mut C,
+        conn: &C,
         keys: &Keys,
     ) -> redis::RedisResult<()> {
-        let mut unwritten = Unwritten {
-            tally: self,
-            left: self.take().into_iter().collect(),
-        };
-        while let Some(&(voucher_id, counts)) = unwritten.left.last() {
-            let key = keys.live_counts(voucher_id);
-            let mut pipe = redis::pipe();
-            for (field, &n) in OUTCOMES.iter().zip(&counts) {
+        let batches = self.lock().batches();
+        let sends = batches.into_iter().map(|(voucher_id, batch)| {
+            let mut conn = conn.clone();
+            let mut call = ADD.key(keys.live_counts(voucher_id));
+            call.arg(&self.seq_field)
+                .arg(batch.seq)
+                .arg(RETAIN.as_secs());
+            for (field, &n) in OUTCOMES.iter().zip(&batch.counts) {
                 if n > 0 {
-                    pipe.hincr(&key, *field, n).ignore();
+                    call.arg(*field).arg(n);
                 }
             }
-            pipe.expire(&key, RETAIN.as_secs() as i64).ignore();
-            pipe.query_async::<()>(conn).await?;
-            unwritten.left.pop();
-        }
-        Ok(())
+            async move {
+                call.invoke_async::<i64>(&mut conn).await?;
+                // Acknowledged (added now or before): the sale's next batch may form.
+                let mut state = self.lock();
+                if state.batches.get(&voucher_id).map(|b| b.seq) == Some(batch.seq) {
+                    state.batches.remove(&voucher_id);
+                }
+                Ok(())
+            }
+        });
+        let results: Vec<redis::RedisResult<()>> = futures_util::stream::iter(sends)
+            .buffer_unordered(CONCURRENT_SALES)
+            .collect()
+            .await;
+        results.into_iter().collect()
     }
-}
 
-/// A flush's counts not yet written: put back when it ends, however it ends.
-struct Unwritten<'a> {
-    tally: &'a Tally,
-    left: Vec<(i64, Counts)>,
-}
-
-impl Drop for Unwritten<'_> {
-    fn drop(&mut self) {
-        if self.left.is_empty() {
-            return;
+    /// Flushes every `every` (each flush cut off after `deadline`: what it did not get
+    /// answered is sent by the next) until `stop` resolves (the last request answered);
+    /// then flushes what is left, trying for up to `last_deadline`. On a task of its
+    /// own: a slow Redis delays no live snapshot.
+    pub async fn keep_flushing<C: ConnectionLike + Send + Clone>(
+        self: Arc<Self>,
+        conn: C,
+        keys: Keys,
+        every: Duration,
+        deadline: Duration,
+        stop: impl Future<Output = ()>,
+        last_deadline: Duration,
+    ) {
+        let mut ticks = tokio::time::interval(every);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tokio::pin!(stop);
+        loop {
+            tokio::select! {
+                biased;
+                _ = &mut stop => break,
+                _ = ticks.tick() => {}
+            }
+            match tokio::time::timeout(deadline, self.flush(&conn, &keys)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, "grab counts not flushed yet; kept for the next flush")
+                }
+                Err(_) => tracing::debug!("grab counts flush cut off; the rest goes next time"),
+            }
         }
-        let mut state = self.tally.lock();
-        for (voucher_id, counts) in self.left.drain(..) {
-            state.add(voucher_id, counts);
+        // No later flush to leave a failure to: try again until the deadline.
+        let flushed = tokio::time::timeout(last_deadline, async {
+            while self.flush(&conn, &keys).await.is_err() {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+        .await;
+        if flushed.is_err() {
+            tracing::warn!("the last grab counts were not written to Redis");
         }
     }
 }

@@ -193,38 +193,42 @@ impl Live {
     pub async fn run(
         self,
         db: PgPool,
-        mut redis: RedisConn,
+        redis: RedisConn,
         keys: Keys,
         tally: Arc<Tally>,
         served: CancellationToken,
     ) {
         let mut producer = Producer::default();
         let cancel = self.0.cancel.clone();
+        // Flushed on a task of its own: a slow flush would hold snapshots back.
+        let stop = {
+            let cancel = cancel.clone();
+            async move {
+                cancel.cancelled().await;
+                let _ = tokio::time::timeout(LAST_FLUSH_WAIT, served.cancelled()).await;
+            }
+        };
+        let mut flusher = tokio::spawn(tally.keep_flushing(
+            redis.clone(),
+            keys.clone(),
+            EVERY,
+            READ_DEADLINE,
+            stop,
+            LAST_FLUSH_DEADLINE,
+        ));
         let mut every = tokio::time::interval(EVERY);
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let ticked = tokio::select! {
                 _ = cancel.cancelled() => {
-                    let _ = tokio::time::timeout(LAST_FLUSH_WAIT, served.cancelled()).await;
-                    let flushed = tokio::time::timeout(
-                        LAST_FLUSH_DEADLINE,
-                        tally.flush(&mut redis, &keys),
-                    )
-                    .await;
-                    if !matches!(flushed, Ok(Ok(()))) {
-                        tracing::warn!("the last grab counts were not written to Redis");
-                    }
+                    // The process's last flush: this task ends after it.
+                    let _ = (&mut flusher).await;
                     return;
                 }
                 _ = every.tick() => true,
                 // A page opened with no snapshot to start from: it gets one at once.
                 _ = self.0.watched.notified() => false,
             };
-            if ticked {
-                if let Err(e) = timeout(tally.flush(&mut redis, &keys)).await {
-                    tracing::debug!(error = %e, "grab counts not flushed yet; kept for the next flush");
-                }
-            }
             if !self.watched() {
                 // Nobody watches: no snapshot, and the last one goes (it would be stale
                 // for the next page).

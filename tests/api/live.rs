@@ -454,3 +454,214 @@ async fn the_live_page_in_a_real_browser_updates_after_grabs_without_a_reload(db
         .collect();
     assert!(errors.is_empty(), "console: {errors:?}");
 }
+
+/// One process's grab counts and their flushes, under a key prefix of the test's own.
+struct Counter {
+    tally: seckill::admission::tally::Tally,
+    conn: seckill::redis_conn::RedisConn,
+    keys: seckill::keys::Keys,
+    /// A connection of its own, for what the test does to Redis and reads back.
+    admin: redis::aio::MultiplexedConnection,
+    url: String,
+}
+
+impl Counter {
+    async fn new(url: &str) -> Self {
+        let conn = seckill::redis_conn::connect(url, seckill::redis_conn::COMMAND_TIMEOUT).unwrap();
+        let prefix = format!("test{:016x}:", rand::random::<u64>());
+        let admin = redis::Client::open(url)
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        Self {
+            tally: Default::default(),
+            conn,
+            keys: seckill::keys::Keys::new(prefix).unwrap(),
+            admin,
+            url: url.to_string(),
+        }
+    }
+
+    fn add(&self, voucher: i64, outcome: &str, n: usize) {
+        let index = seckill::admission::tally::OUTCOMES
+            .iter()
+            .position(|o| *o == outcome)
+            .unwrap();
+        for _ in 0..n {
+            self.tally.add(voucher, index);
+        }
+    }
+
+    async fn flush(&self) -> redis::RedisResult<()> {
+        self.tally.flush(&self.conn, &self.keys).await
+    }
+
+    async fn cmd<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> T {
+        cmd.query_async(&mut self.admin.clone()).await.unwrap()
+    }
+
+    /// `voucher`'s count of `outcome` in Redis.
+    async fn count(&self, voucher: i64, outcome: &str) -> Option<u64> {
+        self.cmd(
+            redis::cmd("HGET")
+                .arg(self.keys.live_counts(voucher))
+                .arg(outcome),
+        )
+        .await
+    }
+}
+
+impl Drop for Counter {
+    /// Leaves nothing behind in Redis: every key under the test's prefix goes.
+    fn drop(&mut self) {
+        let Ok(mut conn) = redis::Client::open(self.url.as_str()).and_then(|c| c.get_connection())
+        else {
+            return;
+        };
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{}*", self.keys.prefix()))
+            .query(&mut conn)
+            .unwrap_or_default();
+        if !keys.is_empty() {
+            let _: redis::RedisResult<()> = redis::cmd("DEL").arg(keys).query(&mut conn);
+        }
+    }
+}
+
+/// Redis stalls past a flush's deadline and then adds the batch the flush had sent: the
+/// answer is lost, not the write. The next flush sends that batch again, which Redis
+/// recognises, so the 5 admissions read 5, not 10 (counts made meanwhile go after it).
+#[tokio::test]
+async fn a_flush_whose_answer_is_lost_is_not_counted_twice() {
+    // A Redis of its own: the pause would stall every other test's Redis calls.
+    let redis = crate::common::faults::PrivateRedis::start();
+    let counter = Counter::new(&redis.url).await;
+    let voucher = 1;
+    // One flush answered first, as in a running process (the script is loaded).
+    counter.add(voucher, "sold_out", 1);
+    counter.flush().await.unwrap();
+
+    counter.add(voucher, "admitted", 5);
+    let () = counter
+        .cmd(redis::cmd("CLIENT").arg("PAUSE").arg(1500).arg("WRITE"))
+        .await;
+    let cut = tokio::time::timeout(Duration::from_millis(800), counter.flush()).await;
+    assert!(cut.is_err(), "the flush must be cut off by its deadline");
+    counter.add(voucher, "admitted", 1);
+    // The stalled write lands once the pause ends: only its answer was lost.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while counter.count(voucher, "admitted").await != Some(5) {
+        assert!(Instant::now() < deadline, "the stalled batch never landed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    counter.flush().await.unwrap();
+    assert_eq!(counter.count(voucher, "admitted").await, Some(5));
+    counter.flush().await.unwrap();
+    // What the live view reads (the hash's `seq:*` field is no outcome).
+    let read = seckill::admission::tally::read(&counter.conn, &counter.keys, &[voucher]).await;
+    assert_eq!(read.unwrap(), vec![[6, 1, 0, 0, 0, 0]]);
+}
+
+/// A sale whose key Redis refuses (a string there: WRONGTYPE, as a sale on a cluster
+/// node that is down fails) holds back no other sale's counts; its own are kept and
+/// land, once, when Redis takes them.
+#[tokio::test]
+async fn one_sale_whose_flush_fails_does_not_hold_back_the_others() {
+    let counter = Counter::new(&crate::common::redis_url()).await;
+    // The failing sale first: batches go in sale order.
+    let (bad, good) = (1, 2..=20);
+    let () = counter
+        .cmd(
+            redis::cmd("SET")
+                .arg(counter.keys.live_counts(bad))
+                .arg("x"),
+        )
+        .await;
+    counter.add(bad, "admitted", 3);
+    for voucher in good.clone() {
+        counter.add(voucher, "admitted", 2);
+    }
+
+    let err = counter.flush().await.expect_err("the bad sale fails");
+    assert!(err.to_string().contains("WRONGTYPE"), "{err}");
+    for voucher in good.clone() {
+        assert_eq!(
+            counter.count(voucher, "admitted").await,
+            Some(2),
+            "{voucher}"
+        );
+    }
+
+    let () = counter
+        .cmd(redis::cmd("DEL").arg(counter.keys.live_counts(bad)))
+        .await;
+    counter.flush().await.unwrap();
+    assert_eq!(counter.count(bad, "admitted").await, Some(3));
+    for voucher in good {
+        assert_eq!(
+            counter.count(voucher, "admitted").await,
+            Some(2),
+            "{voucher}"
+        );
+    }
+}
+
+/// Redis stalls (every command, reads too) while grab counts wait to be flushed: the
+/// flush waits out its deadline each second, and the snapshots, whose Redis reads wait
+/// out theirs, still come a second apart (flush and snapshot one after the other made
+/// it 1.6 s). The count lands once when Redis answers again, though every stalled
+/// flush sent it.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_stalled_flush_delays_no_snapshot(db: PgPool) {
+    // A Redis of its own: the pause would stall every other test's Redis calls.
+    let redis = crate::common::faults::PrivateRedis::start();
+    let app = TestApp::spawn_with(db, redis.url.clone(), false).await;
+    let voucher = app.open_sale(5).await;
+    let mut events = Events::open(&app.client, &app.base).await;
+    events.next(WAIT).await;
+
+    app.grab(voucher, 1).await;
+    let mut admin = redis::Client::open(redis.url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(6000)
+        .arg("ALL")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    // The snapshots whose Redis reads the pause cut off, as they arrive: a second
+    // apart. (The first comes up to a second after the pause, plus its reads.)
+    let paused = Instant::now();
+    let mut stalled = Vec::new();
+    while paused.elapsed() < Duration::from_secs(6) {
+        let snapshot = events.next(WAIT).await;
+        if snapshot["unavailable"].to_string().contains("redis") {
+            stalled.push(Instant::now());
+        }
+    }
+    assert!(stalled.len() >= 2, "the pause must stall the reads too");
+    let gaps: Vec<Duration> = stalled.windows(2).map(|w| w[1] - w[0]).collect();
+    assert!(
+        gaps.iter().all(|&gap| gap < Duration::from_millis(1400)),
+        "{gaps:?}"
+    );
+
+    let key = app.keys.live_counts(voucher);
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let admitted: Option<u64> = app
+            .redis_cmd(redis::cmd("HGET").arg(&key).arg("admitted"))
+            .await;
+        if admitted == Some(1) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never flushed: {admitted:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
