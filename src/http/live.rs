@@ -76,7 +76,7 @@ pub(crate) async fn events(
     State(state): State<AppState>,
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, AppError> {
     let viewer = state.live.watch().ok_or_else(|| {
-        AppError::Unavailable("too many pages are watching this instance; try again".into())
+        AppError::Busy("too many pages are watching this instance; try again".into())
     })?;
     // Waits for the next snapshot (opening the stream woke the producer), then one
     // event per snapshot until the page goes or the process stops.

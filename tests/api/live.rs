@@ -454,3 +454,85 @@ async fn the_live_page_in_a_real_browser_updates_after_grabs_without_a_reload(db
         .collect();
     assert!(errors.is_empty(), "console: {errors:?}");
 }
+
+/// `seckill api` on a spare port with `env`, its standard error captured (read on a
+/// thread, so that a chatty log never blocks it): the process, its base URL, and the
+/// log, complete once the process has exited.
+async fn spawn_logged(
+    app: &TestApp,
+    env: &[(&str, String)],
+) -> (
+    crate::common::faults::Process,
+    String,
+    std::thread::JoinHandle<String>,
+) {
+    use crate::common::faults;
+    use std::io::Read;
+    let port = faults::free_port();
+    let mut child = std::process::Command::new(faults::BIN)
+        .arg("api")
+        .env("DATABASE_URL", faults::database_url(&app.db, None))
+        .env("REDIS_URL", &app.redis_url)
+        .env("REDIS_KEY_PREFIX", app.keys.prefix())
+        .env("JWT_SECRET", crate::common::SECRET)
+        .env("BIND", format!("127.0.0.1:{port}"))
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let log = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text);
+        text
+    });
+    let base = format!("http://127.0.0.1:{port}");
+    faults::wait_ready(&base).await;
+    (faults::Process { child }, base, log)
+}
+
+/// Refusing a page for too many viewers is expected back-pressure (thousands of
+/// refused pages retrying must not read like an outage): a debug line each, no warning.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn pages_refused_for_too_many_viewers_are_logged_at_debug_not_as_warnings(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let (mut server, base, log) = spawn_logged(
+        &app,
+        &[
+            ("LIVE_MAX_VIEWERS", "1".to_string()),
+            ("RUST_LOG", "warn,seckill::http=debug".to_string()),
+        ],
+    )
+    .await;
+    let client = reqwest::Client::new();
+    let _watching = Events::open(&client, &base).await;
+    for _ in 0..20 {
+        let resp = client
+            .get(format!("{base}/live/events"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(resp.headers().contains_key("retry-after"));
+        let body: Value = resp.json().await.unwrap();
+        assert_eq!(body["error"]["code"], "unavailable", "{body}");
+    }
+    server.sigterm();
+    server.wait_exit(WAIT).await.expect("stopped");
+    let log = log.join().unwrap();
+    let refusals: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("too many pages"))
+        .collect();
+    assert_eq!(refusals.len(), 20, "one line per refusal:\n{log}");
+    assert!(
+        refusals.iter().all(|l| l.contains("DEBUG")),
+        "refusals logged above debug:\n{log}"
+    );
+    assert!(
+        !log.lines()
+            .any(|l| l.contains("WARN") && l.contains("request failed")),
+        "{log}"
+    );
+}

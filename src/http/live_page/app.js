@@ -89,15 +89,35 @@ function render(snap) {
   document.getElementById("empty").hidden = snap.sales.length > 0;
 }
 
+// A refused stream (503: too many pages watch this instance) is retried after 3 s,
+// doubling to 60 s, each wait ±50% at random so that refused pages do not come back
+// all at once; the first snapshot resets it.
+const RETRY_FIRST_MS = 3000;
+const RETRY_MAX_MS = 60000;
+let refusals = 0;
+let retryTimer = null;
+
+function retryDelay(n) {
+  const base = Math.min(RETRY_MAX_MS, RETRY_FIRST_MS * Math.pow(2, n));
+  return Math.round(base * (0.5 + Math.random()));
+}
+
 function connect() {
+  retryTimer = null;
   if (source) source.close();
   source = new EventSource("/live/events");
-  source.addEventListener("snapshot", (e) => render(JSON.parse(e.data)));
+  source.addEventListener("snapshot", (e) => {
+    refusals = 0;
+    render(JSON.parse(e.data));
+  });
   source.onerror = () => {
     setStatus("down", "reconnecting…");
-    // The browser retries by itself unless the server refused the stream (a 503 when
-    // too many pages watch): then try again later.
-    if (source.readyState === EventSource.CLOSED) setTimeout(connect, 3000);
+    // The browser retries a dropped stream by itself, but not one the server refused.
+    if (source.readyState === EventSource.CLOSED && retryTimer === null) {
+      const wait = retryDelay(refusals++);
+      setStatus("down", "busy; retrying in " + Math.round(wait / 1000) + "s");
+      retryTimer = setTimeout(connect, wait);
+    }
   };
 }
 
