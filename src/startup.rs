@@ -95,7 +95,11 @@ impl Application {
             auth,
             ids.clone(),
             settings.clone(),
-            crate::live::Live::new(api.live_max_viewers as usize, cancel.clone()),
+            crate::live::Live::new(
+                api.live_max_viewers as usize,
+                api.live_max_sales.into(),
+                cancel.clone(),
+            ),
         );
         // The live view's producer, which also adds this process's grab counts to
         // Redis each second (every instance's page shows them), the last time once the

@@ -45,6 +45,11 @@ pub struct Snapshot {
     /// `pending`: delivered, not yet written and acknowledged).
     pub worker: StreamStats,
     pub sales: Vec<SaleView>,
+    /// Sales qualifying for the page (open, upcoming, ended in the last minutes), of
+    /// which `sales` holds at most `LIVE_MAX_SALES`.
+    pub open_total: i64,
+    /// Some qualifying sales were left out of `sales` (more than `LIVE_MAX_SALES`).
+    pub truncated: bool,
     /// Stores that did not answer this time (their figures are the last known).
     pub unavailable: Vec<&'static str>,
 }
@@ -53,7 +58,7 @@ pub struct Snapshot {
 pub struct SaleView {
     pub id: i64,
     pub title: String,
-    /// `upcoming`, `open` or `ended`.
+    /// `upcoming`, `open` or `ended`, by Postgres's clock (one for every instance).
     pub state: &'static str,
     pub begin_time: DateTime<Utc>,
     pub end_time: DateTime<Utc>,
@@ -129,6 +134,8 @@ struct Inner {
     watched: Notify,
     viewers: AtomicUsize,
     max_viewers: usize,
+    /// Sales in a snapshot at most (`LIVE_MAX_SALES`).
+    max_sales: i64,
     cancel: CancellationToken,
 }
 
@@ -147,14 +154,15 @@ impl Drop for Viewer {
 }
 
 impl Live {
-    /// Pages watching at once are at most `max_viewers`; their streams end when
-    /// `cancel` fires.
-    pub fn new(max_viewers: usize, cancel: CancellationToken) -> Self {
+    /// Pages watching at once are at most `max_viewers`, each shown at most `max_sales`
+    /// sales; their streams end when `cancel` fires.
+    pub fn new(max_viewers: usize, max_sales: i64, cancel: CancellationToken) -> Self {
         Self(Arc::new(Inner {
             latest: watch::Sender::new(None),
             watched: Notify::new(),
             viewers: AtomicUsize::new(0),
             max_viewers,
+            max_sales,
             cancel,
         }))
     }
@@ -238,7 +246,9 @@ impl Live {
                 // loop cost at most one extra snapshot a second.
                 continue;
             }
-            let snapshot = producer.snapshot(&db, &redis, &keys).await;
+            let snapshot = producer
+                .snapshot(&db, &redis, &keys, self.0.max_sales)
+                .await;
             metrics::counter!(crate::metrics::LIVE_SNAPSHOTS).increment(1);
             match serde_json::to_string(&snapshot) {
                 Ok(json) => {
@@ -264,23 +274,29 @@ async fn timeout<T, E: std::fmt::Display>(
 /// when a store does not answer) and recent grab totals for the rates.
 #[derive(Default)]
 struct Producer {
-    sales: Vec<SaleRow>,
+    sales: store::Sales,
     redis: HashMap<i64, (Option<i64>, Outcomes)>,
     worker: StreamStats,
     totals: HashMap<i64, VecDeque<(Instant, u64)>>,
 }
 
 impl Producer {
-    async fn snapshot(&mut self, db: &PgPool, redis: &RedisConn, keys: &Keys) -> Snapshot {
+    async fn snapshot(
+        &mut self,
+        db: &PgPool,
+        redis: &RedisConn,
+        keys: &Keys,
+        max_sales: i64,
+    ) -> Snapshot {
         let mut unavailable = Vec::new();
-        match timeout(store::sales(db)).await {
+        match timeout(store::sales(db, max_sales)).await {
             Ok(sales) => self.sales = sales,
             Err(e) => {
                 tracing::debug!(error = %e, "live view: postgres did not answer");
                 unavailable.push("postgres");
             }
         }
-        let ids: Vec<i64> = self.sales.iter().map(|s| s.voucher_id).collect();
+        let ids: Vec<i64> = self.sales.rows.iter().map(|s| s.voucher_id).collect();
         match timeout(read_redis(redis, keys, &ids)).await {
             Ok((figures, worker)) => {
                 self.redis = ids.iter().copied().zip(figures).collect();
@@ -295,8 +311,9 @@ impl Producer {
         let clock = Instant::now();
         let fresh = unavailable.is_empty();
         self.totals.retain(|id, _| ids.contains(id));
-        let sales = self
+        let sales: Vec<SaleView> = self
             .sales
+            .rows
             .iter()
             .map(|s| {
                 let (remaining, outcomes) =
@@ -306,12 +323,14 @@ impl Producer {
                     clock,
                     outcomes.total(),
                 );
-                view(s, remaining, outcomes, rate, now, fresh)
+                view(s, remaining, outcomes, rate, fresh)
             })
             .collect();
         Snapshot {
             at: now,
             worker: self.worker,
+            open_total: self.sales.total,
+            truncated: self.sales.total > sales.len() as i64,
             sales,
             unavailable,
         }
@@ -366,15 +385,12 @@ fn view(
     remaining: Option<i64>,
     outcomes: Outcomes,
     grabs_per_sec: f64,
-    now: DateTime<Utc>,
     fresh: bool,
 ) -> SaleView {
-    let state = if now < s.begin_time {
-        "upcoming"
-    } else if now < s.end_time {
-        "open"
-    } else {
-        "ended"
+    let state = match s.state.as_str() {
+        "upcoming" => "upcoming",
+        "ended" => "ended",
+        _ => "open",
     };
     // Redis's stock = Postgres's - orders in flight - units whose return to Redis is
     // owed (see `reconcile`).

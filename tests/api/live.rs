@@ -536,3 +536,98 @@ async fn pages_refused_for_too_many_viewers_are_logged_at_debug_not_as_warnings(
         "{log}"
     );
 }
+
+/// The page shows at most `LIVE_MAX_SALES` sales, and says so: every snapshot counts
+/// the sales that qualify and marks itself truncated when some were left out.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn sales_beyond_the_limit_are_counted_and_the_snapshot_says_it_is_truncated(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let (_api, base) = app
+        .spawn_server("api", &[("LIVE_MAX_SALES", "2".to_string())])
+        .await;
+    let now = chrono::Utc::now();
+    let mut open = Vec::new();
+    for _ in 0..3 {
+        open.push(app.open_sale(5).await);
+    }
+    let upcoming = app
+        .create_sale(
+            5,
+            now + chrono::Duration::hours(1),
+            now + chrono::Duration::hours(2),
+        )
+        .await;
+    let client = reqwest::Client::new();
+    let mut events = Events::open(&client, &base).await;
+    let snapshot = events.next(WAIT).await;
+    assert_eq!(snapshot["open_total"], 4, "{snapshot}");
+    assert_eq!(snapshot["truncated"], true, "{snapshot}");
+    let shown: Vec<i64> = snapshot["sales"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_i64().unwrap())
+        .collect();
+    assert_eq!(shown.len(), 2, "{snapshot}");
+    assert!(
+        !shown.contains(&upcoming),
+        "open sales come first: {snapshot}"
+    );
+
+    // Within the limit: everything shown, not truncated.
+    let mut events = Events::open(&app.client, &app.base).await;
+    let snapshot = events.next(WAIT).await;
+    assert_eq!(snapshot["open_total"], 4, "{snapshot}");
+    assert_eq!(snapshot["truncated"], false, "{snapshot}");
+    assert_eq!(snapshot["sales"].as_array().unwrap().len(), 4, "{snapshot}");
+
+    // Out of range: refused at start-up, naming the setting.
+    let out = std::process::Command::new(crate::common::faults::BIN)
+        .arg("api")
+        .env("LIVE_MAX_SALES", "0")
+        .env("DATABASE_URL", "postgres://unused")
+        .env("JWT_SECRET", "x")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("live-max-sales"), "{stderr}");
+}
+
+/// Whether a sale is upcoming, open or ended is Postgres's answer (`now()`), one clock
+/// for every instance: an instance whose clock is an hour behind still shows a sale
+/// that began half an hour ago as open. (Postgres's clock is moved here by a `now()` of
+/// the test database's own, found first on its search path.)
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_sales_state_follows_the_database_clock_not_the_instances(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let now = chrono::Utc::now();
+    let sale = app
+        .create_sale(
+            5,
+            now + chrono::Duration::minutes(30),
+            now + chrono::Duration::hours(2),
+        )
+        .await;
+    let name: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    for statement in [
+        "CREATE SCHEMA skew".to_string(),
+        "CREATE FUNCTION skew.now() RETURNS timestamptz LANGUAGE sql STABLE \
+         AS $$ SELECT pg_catalog.now() + interval '1 hour' $$"
+            .to_string(),
+        format!("ALTER DATABASE \"{name}\" SET search_path = public, skew, pg_catalog"),
+    ] {
+        sqlx::query(&statement).execute(&app.db).await.unwrap();
+    }
+    // A new process, so new connections: they see the database an hour ahead. (`public`
+    // stays first on the path: tables, and the migrations' own, are created there.)
+    let (_api, base) = app.spawn_server("api", &[]).await;
+    let mut events = Events::open(&app.client, &base).await;
+    let view = events
+        .until(sale, WAIT, |v| v["state"] != Value::Null)
+        .await;
+    assert_eq!(view["state"], "open", "{view}");
+}

@@ -53,6 +53,12 @@ function render(snap) {
   down.hidden = snap.unavailable.length === 0;
   down.textContent = down.hidden ? "" : "Not answering: " + snap.unavailable.join(", ") + " (figures shown are the last known)";
 
+  // More sales than the server shows (LIVE_MAX_SALES): say so rather than hide it.
+  const cut = document.getElementById("truncated");
+  cut.hidden = snap.truncated !== true;
+  cut.textContent = cut.hidden ? "" : "Showing " + fmt(snap.sales.length) + " of " + fmt(snap.open_total)
+    + " sales (open ones first, then upcoming, then just ended)";
+
   const now = Date.parse(snap.at);
   const seen = new Set();
   snap.sales.forEach((s, i) => {
