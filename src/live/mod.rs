@@ -41,9 +41,8 @@ const LAST_FLUSH_DEADLINE: Duration = Duration::from_secs(2);
 #[derive(Debug, Clone, Serialize)]
 pub struct Snapshot {
     pub at: DateTime<Utc>,
-    /// The order streams, all shards together (`lag`: not yet delivered to a worker;
-    /// `pending`: delivered, not yet written and acknowledged).
-    pub worker: StreamStats,
+    /// The order streams, all shards together.
+    pub worker: Worker,
     pub sales: Vec<SaleView>,
     /// Sales qualifying for the page (open, upcoming, ended in the last minutes), of
     /// which `sales` holds at most `LIVE_MAX_SALES`.
@@ -52,6 +51,18 @@ pub struct Snapshot {
     pub truncated: bool,
     /// Stores that did not answer this time (their figures are the last known).
     pub unavailable: Vec<&'static str>,
+}
+
+/// The order streams as the page shows them: [`StreamStats`], but a lag Redis could
+/// not tell is `None` (shown as unknown), not 0 (which reads as "all delivered").
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Worker {
+    pub length: u64,
+    /// Delivered, not yet written and acknowledged.
+    pub pending: u64,
+    /// Not yet delivered to a worker; `None` unless every shard's is known.
+    pub lag: Option<u64>,
+    pub dead_letters: u64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -276,7 +287,7 @@ async fn timeout<T, E: std::fmt::Display>(
 struct Producer {
     sales: store::Sales,
     redis: HashMap<i64, (Option<i64>, Outcomes)>,
-    worker: StreamStats,
+    worker: Worker,
     totals: HashMap<i64, VecDeque<(Instant, u64)>>,
 }
 
@@ -342,18 +353,27 @@ async fn read_redis(
     redis: &RedisConn,
     keys: &Keys,
     ids: &[i64],
-) -> redis::RedisResult<(Vec<(Option<i64>, Outcomes)>, StreamStats)> {
+) -> redis::RedisResult<(Vec<(Option<i64>, Outcomes)>, Worker)> {
     let stocks = ids.iter().map(|&id| {
         let mut conn = redis.clone();
         async move { crate::admission::live_stock(&mut conn, keys, id).await }
     });
     let stocks = futures_util::future::try_join_all(stocks).await?;
     let counts = tally::read(redis, keys, ids).await?;
-    let mut worker = StreamStats::default();
+    let mut all = StreamStats::default();
+    let mut lag = Some(0);
     let mut conn = redis.clone();
     for shard in keys.shards() {
-        worker += crate::stream::stats(&mut conn, keys, shard).await?;
+        let (stats, known) = crate::stream::stats_with_known_lag(&mut conn, keys, shard).await?;
+        all += stats;
+        lag = lag.zip(known).map(|(a, b)| a + b);
     }
+    let worker = Worker {
+        length: all.length,
+        pending: all.pending,
+        lag,
+        dead_letters: all.dead_letters,
+    };
     let figures = stocks
         .into_iter()
         .zip(counts)

@@ -631,3 +631,45 @@ async fn a_sales_state_follows_the_database_clock_not_the_instances(db: PgPool) 
         .await;
     assert_eq!(view["state"], "open", "{view}");
 }
+
+/// A lag Redis cannot tell (its group's `lag` is NULL once an entry past the group's
+/// last delivery is deleted) is sent as null, shown as unknown, never as 0 (which reads
+/// as "every order delivered").
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_lag_redis_cannot_tell_is_null_not_zero(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    app.worker().ensure_groups().await.unwrap();
+    let voucher = app.open_sale(3).await;
+    for user in 1..=3 {
+        let (status, body) = app.grab(voucher, user).await;
+        assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    }
+    let mut events = Events::open(&app.client, &app.base).await;
+    let known = |s: &Value| s["worker"]["lag"] == 3;
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let snapshot = events.next(WAIT).await;
+        if known(&snapshot) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "lag never 3: {snapshot}");
+    }
+
+    let stream = app.keys.stream(app.keys.shard_of(0));
+    let entries: Vec<(String, Vec<(String, String)>)> = app
+        .redis_cmd(redis::cmd("XRANGE").arg(stream).arg("-").arg("+"))
+        .await;
+    assert_eq!(entries.len(), 3);
+    let _: i64 = app
+        .redis_cmd(redis::cmd("XDEL").arg(stream).arg(&entries[1].0))
+        .await;
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let snapshot = events.next(WAIT).await;
+        if snapshot["worker"]["lag"].is_null() {
+            assert_eq!(snapshot["worker"]["length"], 2, "{snapshot}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "lag never null: {snapshot}");
+    }
+}
