@@ -673,3 +673,26 @@ async fn a_lag_redis_cannot_tell_is_null_not_zero(db: PgPool) {
         assert!(Instant::now() < deadline, "lag never null: {snapshot}");
     }
 }
+
+/// A page whose phone vanished without a FIN must not hold its viewer slot for minutes:
+/// the server's side of a `/live/events` connection runs TCP keep-alive (and, not
+/// visible to `ss`, TCP_USER_TIMEOUT; see `http::server::detect_dead_peers`).
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn the_servers_side_of_a_live_stream_probes_for_a_vanished_peer(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let port = app.base.rsplit(':').next().unwrap().to_string();
+    let client = reqwest::Client::new();
+    let mut events = Events::open(&client, &app.base).await;
+    events.next(WAIT).await;
+    let out = std::process::Command::new("ss")
+        .args(["-tnoH", "state", "established"])
+        .arg(format!("( sport = :{port} )"))
+        .output()
+        .expect("ss (iproute2)");
+    let sockets = String::from_utf8_lossy(&out.stdout);
+    assert!(!sockets.trim().is_empty(), "no server socket found");
+    assert!(
+        sockets.lines().all(|l| l.contains("timer:(keepalive")),
+        "{sockets}"
+    );
+}
