@@ -96,7 +96,12 @@ impl Application {
             ids.clone(),
             settings.clone(),
             crate::live::Live::new(
-                api.live_max_viewers as usize,
+                live_max_viewers(
+                    api.live_max_viewers as usize,
+                    crate::http::server::effective_max_connections(
+                        api.server.http_max_connections as usize,
+                    ),
+                ),
                 api.live_max_sales.into(),
                 cancel.clone(),
             ),
@@ -228,4 +233,22 @@ pub(crate) async fn build_workers(
         workers.push(Worker::new(db.clone(), conn, keys.clone(), config));
     }
     Ok(workers)
+}
+
+/// `LIVE_MAX_VIEWERS`, at most half the connections the server takes: each page holds
+/// one for as long as it is open, so more would let watchers take every connection and
+/// lock out shoppers (and `/healthz`).
+fn live_max_viewers(wanted: usize, max_connections: usize) -> usize {
+    let room = (max_connections / 2).max(1);
+    if wanted > room {
+        tracing::warn!(
+            wanted,
+            max_connections,
+            using = room,
+            "LIVE_MAX_VIEWERS exceeds half the connection cap (HTTP_MAX_CONNECTIONS, \
+             lowered to fit ulimit -n); lowered"
+        );
+        return room;
+    }
+    wanted
 }

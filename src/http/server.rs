@@ -164,10 +164,7 @@ fn fit_descriptor_limit(wanted: usize) -> usize {
     let Some(limit) = descriptor_limit() else {
         return wanted;
     };
-    let room = limit
-        .saturating_sub(RESERVED_DESCRIPTORS)
-        .max(limit / 2)
-        .max(1) as usize;
+    let room = descriptor_room(limit);
     if wanted > room {
         tracing::warn!(
             wanted,
@@ -178,6 +175,20 @@ fn fit_descriptor_limit(wanted: usize) -> usize {
         return room;
     }
     wanted
+}
+
+/// Connections the descriptor limit `limit` leaves room for.
+fn descriptor_room(limit: u64) -> usize {
+    limit
+        .saturating_sub(RESERVED_DESCRIPTORS)
+        .max(limit / 2)
+        .max(1) as usize
+}
+
+/// The connection cap [`serve`] will use for `wanted` (`HTTP_MAX_CONNECTIONS`), without
+/// its warning: what start-up sizes other limits by.
+pub(crate) fn effective_max_connections(wanted: usize) -> usize {
+    descriptor_limit().map_or(wanted, |limit| wanted.min(descriptor_room(limit)))
 }
 
 /// The soft limit on open files, from `/proc/self/limits` (Linux; `None` elsewhere).

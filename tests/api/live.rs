@@ -696,3 +696,44 @@ async fn the_servers_side_of_a_live_stream_probes_for_a_vanished_peer(db: PgPool
         "{sockets}"
     );
 }
+
+/// Pages watching can never take every connection: `LIVE_MAX_VIEWERS` is lowered to half
+/// the connection cap at start-up, with a warning saying so.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn viewers_are_capped_at_half_the_connections_with_a_warning(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let (mut server, base, log) = spawn_logged(
+        &app,
+        &[
+            ("LIVE_MAX_VIEWERS", "100".to_string()),
+            ("HTTP_MAX_CONNECTIONS", "6".to_string()),
+            ("RUST_LOG", "warn".to_string()),
+        ],
+    )
+    .await;
+    let client = reqwest::Client::new();
+    let mut pages = Vec::new();
+    for _ in 0..3 {
+        pages.push(Events::open(&client, &base).await);
+    }
+    let resp = client
+        .get(format!("{base}/live/events"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+    // Shoppers still get in.
+    let (status, _) = app.send(client.get(format!("{base}/vouchers/1"))).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    drop(resp);
+    drop(pages);
+    server.sigterm();
+    server.wait_exit(WAIT).await.expect("stopped");
+    let log = log.join().unwrap();
+    assert!(
+        log.lines().any(|l| l.contains("WARN")
+            && l.contains("LIVE_MAX_VIEWERS exceeds half the connection cap")
+            && l.contains("using=3")),
+        "{log}"
+    );
+}
