@@ -108,15 +108,23 @@ impl Application {
         );
         // The live view's producer, which also adds this process's grab counts to
         // Redis each second (every instance's page shows them), the last time once the
-        // last request has been answered.
+        // last request has been answered. Restarted if it panics: every page would
+        // freeze, and grab counts stop reaching Redis.
         let served = CancellationToken::new();
-        tasks.spawn(state.live.clone().run(
-            db.clone(),
-            redis.clone(),
-            keys.clone(),
-            state.admissions.tally().clone(),
-            served.clone(),
-        ));
+        tasks.spawn(restart_after_panic("the live view's producer", {
+            let (live, db, redis, keys) =
+                (state.live.clone(), db.clone(), redis.clone(), keys.clone());
+            let (tally, served) = (state.admissions.tally().clone(), served.clone());
+            move || {
+                live.clone().run(
+                    db.clone(),
+                    redis.clone(),
+                    keys.clone(),
+                    tally.clone(),
+                    served.clone(),
+                )
+            }
+        }));
         let duties = upkeep::Upkeep {
             db: db.clone(),
             redis: redis.clone(),
@@ -251,4 +259,38 @@ fn live_max_viewers(wanted: usize, max_connections: usize) -> usize {
         return room;
     }
     wanted
+}
+
+/// First wait before restarting a task that panicked; doubled after each panic that
+/// comes soon after a restart, up to [`RESTART_MAX`].
+const RESTART_FIRST: Duration = Duration::from_secs(1);
+const RESTART_MAX: Duration = Duration::from_secs(30);
+
+/// Runs the task `start` makes until it returns, starting a new one (with an error
+/// log, after a growing wait) each time one panics, so that a bug hit by some data
+/// does not stop the task for good, nor restart it in a tight loop.
+async fn restart_after_panic<F, T>(name: &'static str, mut start: F)
+where
+    F: FnMut() -> T,
+    T: std::future::Future<Output = ()> + Send + 'static,
+{
+    let mut wait = RESTART_FIRST;
+    loop {
+        let started = tokio::time::Instant::now();
+        match tokio::spawn(start()).await {
+            Err(e) if e.is_panic() => {
+                tracing::error!(task = name, error = %e, "task panicked; restarting in {wait:?}");
+                tokio::time::sleep(wait).await;
+                // A task that ran a good while before its panic starts over from the
+                // first wait.
+                wait = if started.elapsed() > 10 * RESTART_MAX {
+                    RESTART_FIRST
+                } else {
+                    (wait * 2).min(RESTART_MAX)
+                };
+            }
+            // Returned (it was cancelled), or the runtime is shutting down.
+            _ => return,
+        }
+    }
 }

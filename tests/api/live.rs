@@ -737,3 +737,39 @@ async fn viewers_are_capped_at_half_the_connections_with_a_warning(db: PgPool) {
         "{log}"
     );
 }
+
+/// A panic in the producer (here: a corrupt stock in Redis that overflows the in-flight
+/// arithmetic, which panics in this debug build) does not freeze every page for good:
+/// the producer is restarted and the stream carries on.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn the_live_stream_carries_on_after_the_producer_panics(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(5).await;
+    let (status, body) = app.grab(voucher, 1).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    let mut events = Events::open(&app.client, &app.base).await;
+    events.until(voucher, WAIT, |v| v["remaining"] == 4).await;
+
+    let key = app.keys.voucher(voucher);
+    let _: i64 = app
+        .redis_cmd(redis::cmd("HSET").arg(&key).arg("stock").arg(i64::MIN))
+        .await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let _: i64 = app
+        .redis_cmd(redis::cmd("HSET").arg(&key).arg("stock").arg(4))
+        .await;
+    let restored = chrono::Utc::now();
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let snapshot = events.next(WAIT).await;
+        assert!(
+            snapshot["sales"][0]["remaining"] != i64::MIN,
+            "never shown: {snapshot}"
+        );
+        let at: chrono::DateTime<chrono::Utc> = snapshot["at"].as_str().unwrap().parse().unwrap();
+        if at > restored && sale_in(&snapshot, voucher).unwrap()["remaining"] == 4 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no new snapshot: {snapshot}");
+    }
+}
