@@ -9,7 +9,6 @@ use axum::extract::State;
 use axum::http::header::{self, HeaderValue};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::IntoResponse;
-use futures_util::Stream;
 
 use crate::http::error::AppError;
 use crate::http::state::AppState;
@@ -74,9 +73,7 @@ pub(crate) async fn icon() -> impl IntoResponse {
             and `unavailable` (stores that did not answer)", content_type = "text/event-stream", body = String),
         (status = 503, description = "too many pages are watching this instance (`unavailable`)", body = crate::http::error::ErrorBody),
     ))]
-pub(crate) async fn events(
-    State(state): State<AppState>,
-) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, AppError> {
+pub(crate) async fn events(State(state): State<AppState>) -> Result<impl IntoResponse, AppError> {
     let viewer = state.live.watch().ok_or_else(|| {
         AppError::Busy("too many pages are watching this instance; try again".into())
     })?;
@@ -94,9 +91,22 @@ pub(crate) async fn events(
                 if first {
                     event = event.retry(RECONNECT);
                 }
-                return Some((Ok(event), (viewer, false)));
+                return Some((Ok::<_, Infallible>(event), (viewer, false)));
             }
         }
     });
-    Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
+    // A proxy must pass each event on at once (nginx buffers responses unless told
+    // not to), and no cache may keep the stream.
+    let headers = [
+        (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
+        (
+            header::HeaderName::from_static("x-accel-buffering"),
+            HeaderValue::from_static("no"),
+        ),
+        (
+            header::X_CONTENT_TYPE_OPTIONS,
+            HeaderValue::from_static("nosniff"),
+        ),
+    ];
+    Ok((headers, Sse::new(stream).keep_alive(KeepAlive::default())))
 }

@@ -773,3 +773,135 @@ async fn the_live_stream_carries_on_after_the_producer_panics(db: PgPool) {
         assert!(Instant::now() < deadline, "no new snapshot: {snapshot}");
     }
 }
+
+/// The page, its assets and the stream carry the headers that keep them safe and live:
+/// a strict CSP and nosniff on the page's files; on the stream no caching and no proxy
+/// buffering (nginx holds a response back unless told `X-Accel-Buffering: no`).
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn the_page_and_its_stream_carry_csp_nosniff_and_no_buffering_headers(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    for path in ["/live", "/live/app.js", "/live/app.css"] {
+        let resp = app.client.get(app.url(path)).send().await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK, "{path}");
+        let h = resp.headers();
+        let csp = h["content-security-policy"].to_str().unwrap();
+        assert!(csp.contains("default-src 'none'"), "{path}: {csp}");
+        assert!(csp.contains("script-src 'self'"), "{path}: {csp}");
+        assert_eq!(h["x-content-type-options"], "nosniff", "{path}");
+    }
+    let resp = app
+        .client
+        .get(app.url("/live/events"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let h = resp.headers();
+    assert_eq!(h["content-type"], "text/event-stream");
+    assert_eq!(h["x-accel-buffering"], "no");
+    assert_eq!(h["cache-control"], "no-cache");
+    assert_eq!(h["x-content-type-options"], "nosniff");
+}
+
+/// A sale titled with markup is shown as its literal text in a real browser: nothing in
+/// it runs. The title is isolated for bidirectional text (a right-to-left title does not
+/// reorder the id beside it), and a sale not loaded in Redis gives screen readers the
+/// units the bar shows, not 0.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_hostile_title_is_shown_as_text_in_a_real_browser_and_runs_nothing(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let hostile = r#"<img src=x onerror="window.pwned=1">"#;
+    let now = chrono::Utc::now();
+    let (status, voucher) = app
+        .post_json(
+            "/vouchers",
+            Some(&app.admin_token()),
+            &serde_json::json!({
+                "shop_id": 1, "title": hostile, "pay_value": 5000, "actual_value": 10000,
+                "seckill": {"stock": 5, "begin_time": now - chrono::Duration::minutes(1),
+                            "end_time": now + chrono::Duration::hours(1)},
+            }),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{voucher}");
+    let voucher = voucher["id"].as_i64().unwrap();
+    // Not loaded in Redis: no remaining figure.
+    let _: i64 = app
+        .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(voucher)))
+        .await;
+
+    let browser = Browser::start().await;
+    browser.goto(&app.url("/live")).await;
+    let card = format!("document.querySelector('[data-sale-id=\"{voucher}\"]')");
+    let title = browser
+        .wait_for(
+            &format!("const c = {card}; return c ? c.querySelector('[data-field=\"title\"]').textContent : null;"),
+            WAIT,
+            |v| !v.is_null(),
+        )
+        .await;
+    assert_eq!(title, hostile);
+    let inside = browser
+        .eval(&format!(
+            "const t = {card}.querySelector('[data-field=\"title\"]'); \
+             return [t.children.length, document.querySelectorAll('img').length, \
+                     getComputedStyle(t).unicodeBidi];"
+        ))
+        .await;
+    assert_eq!(inside, serde_json::json!([0, 0, "isolate"]));
+    // Give an error handler every chance to run.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        browser.eval("return typeof window.pwned;").await,
+        "undefined"
+    );
+    let bar = browser
+        .eval(&format!(
+            "return [{card}.querySelector('[data-field=\"remaining\"]').textContent, \
+                     {card}.querySelector('.bar').getAttribute('aria-valuenow')];"
+        ))
+        .await;
+    assert_eq!(bar, serde_json::json!(["–", "5"]));
+}
+
+/// The server restarts (the same address, a new process): the open page reconnects by
+/// itself and shows "live" again, without a reload.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn the_page_shows_live_again_after_the_server_restarts_without_a_reload(db: PgPool) {
+    use crate::common::faults;
+    let app = TestApp::spawn(db).await;
+    let (mut first, base) = app.spawn_server("api", &[]).await;
+    let port = base.rsplit(':').next().unwrap().to_string();
+    let voucher = app.open_sale(5).await;
+    let browser = Browser::start().await;
+    browser.goto(&format!("{base}/live")).await;
+    let status = "return document.getElementById('status').textContent;";
+    browser.wait_for(status, WAIT, |v| v == "live").await;
+    browser
+        .eval("window.seckillMark = 'same page'; return true;")
+        .await;
+
+    first.kill9();
+    browser.wait_for(status, WAIT, |v| v != "live").await;
+    let _second = faults::Process::spawn(
+        "api",
+        &app.redis_url,
+        app.keys.prefix(),
+        &faults::database_url(&app.db, None),
+        &[("BIND", format!("127.0.0.1:{port}"))],
+    );
+    faults::wait_ready(&base).await;
+    browser
+        .wait_for(status, Duration::from_secs(30), |v| v == "live")
+        .await;
+    let remaining = format!(
+        "const el = document.querySelector('[data-sale-id=\"{voucher}\"] [data-field=\"remaining\"]'); \
+         return el ? el.textContent : null;"
+    );
+    browser.wait_for(&remaining, WAIT, |v| v == "5").await;
+    assert_eq!(
+        browser.eval("return window.seckillMark || null;").await,
+        "same page",
+        "no reload"
+    );
+}

@@ -7,6 +7,10 @@ const status = document.getElementById("status");
 const salesEl = document.getElementById("sales");
 const cards = new Map();
 let lastSnapshot = 0;
+// The last snapshot's own time, and when it last moved: snapshots that keep arriving
+// with the same `at` (a producer that stopped, a proxy replaying) are stale too.
+let lastAt = null;
+let lastAdvance = 0;
 let source = null;
 
 function setStatus(kind, text) {
@@ -41,9 +45,14 @@ function card(id) {
   return el;
 }
 
+function staleFor(now) {
+  return Math.max(now - lastSnapshot, now - lastAdvance);
+}
+
 function render(snap) {
   lastSnapshot = Date.now();
-  setStatus("live", "live");
+  if (snap.at !== lastAt) { lastAt = snap.at; lastAdvance = lastSnapshot; }
+  if (staleFor(lastSnapshot) <= STALE_AFTER_MS) setStatus("live", "live");
   const w = document.getElementById("worker");
   set(w, "lag", fmt(snap.worker.lag));
   set(w, "pending", fmt(snap.worker.pending));
@@ -76,11 +85,12 @@ function render(snap) {
     set(el, "initial_stock", fmt(s.initial_stock));
     const bar = el.querySelector(".bar");
     bar.setAttribute("aria-valuemax", s.initial_stock);
-    bar.setAttribute("aria-valuenow", remaining === null ? 0 : remaining);
     // Not loaded in Redis yet (it loads on the first grab): Postgres's count of units
     // not taken by a written order, so the bar does not read as sold out.
     const left = remaining !== null ? remaining
       : s.initial_stock - s.orders.created - s.orders.paid;
+    // What the bar shows, for screen readers too.
+    bar.setAttribute("aria-valuenow", Math.max(0, left));
     const pct = s.initial_stock > 0 ? Math.max(0, (100 * left) / s.initial_stock) : 0;
     el.querySelector(".fill").style.width = pct.toFixed(1) + "%";
     set(el, "grabs_per_sec", fmt(s.grabs_per_sec));
@@ -128,8 +138,9 @@ function connect() {
 }
 
 setInterval(() => {
-  if (lastSnapshot && Date.now() - lastSnapshot > STALE_AFTER_MS && status.classList.contains("live")) {
-    setStatus("stale", "no update for " + Math.round((Date.now() - lastSnapshot) / 1000) + "s");
+  const stale = staleFor(Date.now());
+  if (lastSnapshot && stale > STALE_AFTER_MS && !status.classList.contains("down")) {
+    setStatus("stale", "no update for " + Math.round(stale / 1000) + "s");
   }
 }, 1000);
 
