@@ -905,3 +905,73 @@ async fn the_page_shows_live_again_after_the_server_restarts_without_a_reload(db
         "no reload"
     );
 }
+
+/// A page refused because too many watch retries by itself, after a few seconds (not at
+/// once, not never), and once in it says how many sales it leaves out.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_refused_page_retries_after_a_backoff_and_says_how_many_sales_it_leaves_out(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let (_api, base) = app
+        .spawn_server(
+            "api",
+            &[
+                ("LIVE_MAX_VIEWERS", "1".to_string()),
+                ("LIVE_MAX_SALES", "1".to_string()),
+            ],
+        )
+        .await;
+    app.open_sale(5).await;
+    app.open_sale(5).await;
+    let client = reqwest::Client::new();
+    let held = Events::open(&client, &base).await;
+
+    let browser = Browser::start().await;
+    browser.goto(&format!("{base}/live")).await;
+    let status = "return document.getElementById('status').textContent;";
+    let busy = browser
+        .wait_for(status, WAIT, |v| {
+            v.as_str().is_some_and(|s| s.starts_with("busy"))
+        })
+        .await;
+    // The first wait is 3 s ± 50%.
+    let secs: u64 = busy
+        .as_str()
+        .unwrap()
+        .trim_start_matches("busy; retrying in ")
+        .trim_end_matches('s')
+        .parse()
+        .unwrap();
+    assert!((2..=5).contains(&secs), "{busy}");
+    // Then doubling to a minute, each ±50%: (refusals so far, least, most) in ms.
+    for (n, least, most) in [(1, 3_000, 9_000), (2, 6_000, 18_000), (9, 30_000, 90_000)] {
+        for _ in 0..20 {
+            let ms = browser
+                .eval(&format!("return retryDelay({n});"))
+                .await
+                .as_u64()
+                .unwrap();
+            assert!((least..=most).contains(&ms), "after {n} refusals: {ms} ms");
+        }
+    }
+
+    drop(held);
+    browser.wait_for(status, WAIT, |v| v == "live").await;
+    let note = browser
+        .wait_for(
+            "const t = document.getElementById('truncated'); return t.hidden ? null : t.textContent;",
+            WAIT,
+            |v| !v.is_null(),
+        )
+        .await;
+    assert!(
+        note.as_str().unwrap().starts_with("Showing 1 of 2 sales"),
+        "{note}"
+    );
+    let errors: Vec<Value> = browser
+        .console()
+        .await
+        .into_iter()
+        .filter(|e| e["level"] == "SEVERE" && !e["message"].to_string().contains("503"))
+        .collect();
+    assert!(errors.is_empty(), "console: {errors:?}");
+}
