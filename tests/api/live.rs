@@ -494,6 +494,8 @@ async fn spawn_logged(
 
 /// Refusing a page for too many viewers is expected back-pressure (thousands of
 /// refused pages retrying must not read like an outage): a debug line each, no warning.
+/// (Not covered: tower_http's `TraceLayer` in `http::router` still logs every 5xx, these
+/// too, at ERROR; that layer belongs to `src/http/mod.rs`.)
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn pages_refused_for_too_many_viewers_are_logged_at_debug_not_as_warnings(db: PgPool) {
     let app = TestApp::spawn(db).await;
@@ -974,4 +976,41 @@ async fn a_refused_page_retries_after_a_backoff_and_says_how_many_sales_it_leave
         .filter(|e| e["level"] == "SEVERE" && !e["message"].to_string().contains("503"))
         .collect();
     assert!(errors.is_empty(), "console: {errors:?}");
+}
+
+/// Snapshots that keep arriving with the same `at` (a producer that stopped while
+/// something keeps sending its last snapshot) mark the page stale, as no snapshot at all
+/// does; once `at` moves again the page is live. (The stream is closed and `render`
+/// fed by hand: the server always sends a new `at`.)
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn the_page_says_stale_when_the_snapshots_time_stops_advancing(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let browser = Browser::start().await;
+    browser.goto(&app.url("/live")).await;
+    let status = "return document.getElementById('status').textContent;";
+    browser.wait_for(status, WAIT, |v| v == "live").await;
+    browser
+        .eval(
+            "source.close(); \
+             const snap = {at: new Date().toISOString(), open_total: 0, truncated: false, \
+                           worker: {length: 0, pending: 0, lag: 0, dead_letters: 0}, \
+                           sales: [], unavailable: []}; \
+             window.feed = setInterval(() => render(snap), 300); return true;",
+        )
+        .await;
+    browser
+        .wait_for(status, WAIT, |v| {
+            v.as_str().is_some_and(|s| s.starts_with("no update for"))
+        })
+        .await;
+    browser
+        .eval(
+            "clearInterval(window.feed); \
+             window.feed = setInterval(() => render({at: new Date().toISOString(), \
+                 open_total: 0, truncated: false, \
+                 worker: {length: 0, pending: 0, lag: 0, dead_letters: 0}, \
+                 sales: [], unavailable: []}), 300); return true;",
+        )
+        .await;
+    browser.wait_for(status, WAIT, |v| v == "live").await;
 }
