@@ -66,7 +66,7 @@ pub(crate) async fn icon() -> impl IntoResponse {
 #[utoipa::path(get, path = "/live/events", operation_id = "liveEvents", tag = "live",
     responses(
         (status = 200, description = "`text/event-stream`: an event `snapshot` at least every second while the stream is open, \
-            its data one JSON object: `at`, `worker` (`length`, `pending`, `lag` (null when Redis cannot tell it), `dead_letters` of the order streams), \
+            its data one JSON object: `at` (by Postgres's clock), `worker` (`length`, `pending`, `lag` (null when Redis cannot tell it), `dead_letters` of the order streams), \
             `sales` (per sale: `id`, `title`, `state`, `begin_time`, `end_time`, `initial_stock`, `remaining`, `grabs_per_sec`, \
             `outcomes`, `orders`, `dead_letters`, `releases_owed`; `state` by Postgres's clock), `open_total` (sales qualifying: open, upcoming, \
             ended in the last 5 minutes), `truncated` (true when `sales` holds fewer than `open_total`: at most `LIVE_MAX_SALES` are sent) \

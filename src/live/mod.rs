@@ -40,6 +40,7 @@ const LAST_FLUSH_DEADLINE: Duration = Duration::from_secs(2);
 /// What every page receives.
 #[derive(Debug, Clone, Serialize)]
 pub struct Snapshot {
+    /// When it was made, by Postgres's clock (see `Producer::clock_offset`).
     pub at: DateTime<Utc>,
     /// The order streams, all shards together.
     pub worker: Worker,
@@ -289,6 +290,9 @@ struct Producer {
     redis: HashMap<i64, (Option<i64>, Outcomes)>,
     worker: Worker,
     totals: HashMap<i64, VecDeque<(Instant, u64)>>,
+    /// Postgres's clock less ours at the last read: a snapshot's `at` is Postgres's
+    /// time, like its sales' states, so that every instance's page counts down alike.
+    clock_offset: chrono::TimeDelta,
 }
 
 impl Producer {
@@ -301,7 +305,12 @@ impl Producer {
     ) -> Snapshot {
         let mut unavailable = Vec::new();
         match timeout(store::sales(db, max_sales)).await {
-            Ok(sales) => self.sales = sales,
+            Ok(sales) => {
+                if let Some(db_now) = sales.now {
+                    self.clock_offset = db_now - Utc::now();
+                }
+                self.sales = sales;
+            }
             Err(e) => {
                 tracing::debug!(error = %e, "live view: postgres did not answer");
                 unavailable.push("postgres");
@@ -318,7 +327,7 @@ impl Producer {
                 unavailable.push("redis");
             }
         }
-        let now = Utc::now();
+        let now = Utc::now() + self.clock_offset;
         let clock = Instant::now();
         let fresh = unavailable.is_empty();
         self.totals.retain(|id, _| ids.contains(id));

@@ -38,6 +38,8 @@ pub struct SaleRow {
 pub struct Sales {
     pub rows: Vec<SaleRow>,
     pub total: i64,
+    /// Postgres's clock at the read.
+    pub now: Option<DateTime<Utc>>,
 }
 
 /// The sales on show, with their counts: one statement reading each sale's own row
@@ -49,12 +51,13 @@ pub struct Sales {
 #[tracing::instrument(level = "debug", skip(db))]
 pub async fn sales(db: &PgPool, limit: i64) -> sqlx::Result<Sales> {
     let mut tx = db.begin().await?;
-    sqlx::query(&format!(
-        "SET LOCAL statement_timeout = {}",
-        STATEMENT_TIMEOUT.as_millis()
-    ))
-    .execute(&mut *tx)
-    .await?;
+    // The timeout, and Postgres's clock (the one the states below are decided by) in
+    // the same round trip.
+    let (now, _): (DateTime<Utc>, String) =
+        sqlx::query_as("SELECT now(), set_config('statement_timeout', $1, true)")
+            .bind(STATEMENT_TIMEOUT.as_millis().to_string())
+            .fetch_one(&mut *tx)
+            .await?;
     let rows = sqlx::query_as::<_, SaleRow>(
         r#"
         SELECT s.voucher_id, v.title,
@@ -81,5 +84,9 @@ pub async fn sales(db: &PgPool, limit: i64) -> sqlx::Result<Sales> {
     tx.commit().await?;
     // Counted before the LIMIT (a window runs first); no row, no sale.
     let total = rows.first().map_or(0, |r| r.qualifying);
-    Ok(Sales { rows, total })
+    Ok(Sales {
+        rows,
+        total,
+        now: Some(now),
+    })
 }

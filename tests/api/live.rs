@@ -628,10 +628,13 @@ async fn a_sales_state_follows_the_database_clock_not_the_instances(db: PgPool) 
     // stays first on the path: tables, and the migrations' own, are created there.)
     let (_api, base) = app.spawn_server("api", &[]).await;
     let mut events = Events::open(&app.client, &base).await;
-    let view = events
-        .until(sale, WAIT, |v| v["state"] != Value::Null)
-        .await;
+    let snapshot = events.next(WAIT).await;
+    let view = sale_in(&snapshot, sale).expect("shown");
     assert_eq!(view["state"], "open", "{view}");
+    // And the snapshot's time is the database's, so countdowns agree too.
+    let at: chrono::DateTime<chrono::Utc> = snapshot["at"].as_str().unwrap().parse().unwrap();
+    let ahead = (at - chrono::Utc::now()).num_seconds();
+    assert!((3590..=3610).contains(&ahead), "at {at}: {ahead} s ahead");
 }
 
 /// A lag Redis cannot tell (its group's `lag` is NULL once an entry past the group's
