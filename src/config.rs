@@ -13,6 +13,7 @@ pub mod defaults {
     pub(crate) const RATE_LIMIT_PER_IP_BURST: u32 = 200;
     pub(crate) const MAX_CONCURRENT_REQUESTS: u32 = 10_000;
     pub const LIVE_MAX_VIEWERS: u32 = 1_000;
+    pub const LIVE_MAX_SALES: u32 = 100;
     pub(crate) const REQUEST_TIMEOUT_SECS: u64 = 10;
     pub(crate) const WORKER_BATCH_SIZE: u32 = 2048;
     /// Lanes of `seckill worker`; `seckill serve` runs one (see `WorkerOptions`).
@@ -144,6 +145,12 @@ pub struct ApiArgs {
     #[arg(long, env = "LIVE_MAX_VIEWERS", default_value_t = defaults::LIVE_MAX_VIEWERS,
           value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub live_max_viewers: u32,
+    /// Sales shown on `/live` at most (open first, then upcoming, then just ended); the
+    /// snapshot says how many there are (`open_total`) and whether some were left out
+    /// (`truncated`). Every page gets every sale each second, so this bounds its size.
+    #[arg(long, env = "LIVE_MAX_SALES", default_value_t = defaults::LIVE_MAX_SALES,
+          value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub live_max_sales: u32,
     #[command(flatten)]
     pub limits: LimitArgs,
     #[command(flatten)]

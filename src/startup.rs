@@ -98,19 +98,36 @@ impl Application {
             auth,
             ids.clone(),
             settings.clone(),
-            crate::live::Live::new(api.live_max_viewers as usize, cancel.clone()),
+            crate::live::Live::new(
+                live_max_viewers(
+                    api.live_max_viewers as usize,
+                    crate::http::server::effective_max_connections(
+                        api.server.http_max_connections as usize,
+                    ),
+                ),
+                api.live_max_sales.into(),
+                cancel.clone(),
+            ),
         );
         // The live view's producer, which also adds this process's grab counts to
         // Redis each second (every instance's page shows them), the last time once the
-        // last request has been answered.
+        // last request has been answered. Restarted if it panics: every page would
+        // freeze, and grab counts stop reaching Redis.
         let served = CancellationToken::new();
-        tasks.spawn(state.live.clone().run(
-            db.clone(),
-            redis.clone(),
-            keys.clone(),
-            state.admissions.tally().clone(),
-            served.clone(),
-        ));
+        tasks.spawn(restart_after_panic("the live view's producer", {
+            let (live, db, redis, keys) =
+                (state.live.clone(), db.clone(), redis.clone(), keys.clone());
+            let (tally, served) = (state.admissions.tally().clone(), served.clone());
+            move || {
+                live.clone().run(
+                    db.clone(),
+                    redis.clone(),
+                    keys.clone(),
+                    tally.clone(),
+                    served.clone(),
+                )
+            }
+        }));
         let duties = upkeep::Upkeep {
             db: db.clone(),
             redis: redis.clone(),
@@ -227,4 +244,96 @@ pub(crate) async fn build_workers(
         workers.push(Worker::new(db.clone(), conn, keys.clone(), config));
     }
     Ok(workers)
+}
+
+/// `LIVE_MAX_VIEWERS`, at most half the connections the server takes: each page holds
+/// one for as long as it is open, so more would let watchers take every connection and
+/// lock out shoppers (and `/healthz`).
+fn live_max_viewers(wanted: usize, max_connections: usize) -> usize {
+    let room = (max_connections / 2).max(1);
+    if wanted > room {
+        tracing::warn!(
+            wanted,
+            max_connections,
+            using = room,
+            "LIVE_MAX_VIEWERS exceeds half the connection cap (HTTP_MAX_CONNECTIONS, \
+             lowered to fit ulimit -n); lowered"
+        );
+        return room;
+    }
+    wanted
+}
+
+/// First wait before restarting a task that panicked; doubled after each panic that
+/// comes soon after a restart, up to [`RESTART_MAX`].
+const RESTART_FIRST: Duration = Duration::from_secs(1);
+const RESTART_MAX: Duration = Duration::from_secs(30);
+
+/// Runs the task `start` makes until it returns, starting a new one (with an error
+/// log, after a growing wait) each time one panics, so that a bug hit by some data
+/// does not stop the task for good, nor restart it in a tight loop.
+async fn restart_after_panic<F, T>(name: &'static str, mut start: F)
+where
+    F: FnMut() -> T,
+    T: std::future::Future<Output = ()> + Send + 'static,
+{
+    let mut wait = RESTART_FIRST;
+    loop {
+        let started = tokio::time::Instant::now();
+        match tokio::spawn(start()).await {
+            Err(e) if e.is_panic() => {
+                tracing::error!(task = name, error = %e, "task panicked; restarting in {wait:?}");
+                tokio::time::sleep(wait).await;
+                // A task that ran a good while before its panic starts over from the
+                // first wait.
+                wait = if started.elapsed() > 10 * RESTART_MAX {
+                    RESTART_FIRST
+                } else {
+                    (wait * 2).min(RESTART_MAX)
+                };
+            }
+            // Returned (it was cancelled), or the runtime is shutting down.
+            _ => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_task_that_panics_is_started_again_after_a_growing_wait_until_it_returns() {
+        let starts = Arc::new(AtomicUsize::new(0));
+        let times = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (counted, at) = (starts.clone(), times.clone());
+        let began = tokio::time::Instant::now();
+        restart_after_panic("test", move || {
+            let n = counted.fetch_add(1, Ordering::SeqCst);
+            at.lock().unwrap().push(began.elapsed());
+            async move {
+                if n < 3 {
+                    panic!("bug number {n}");
+                }
+            }
+        })
+        .await;
+        assert_eq!(
+            starts.load(Ordering::SeqCst),
+            4,
+            "three panics, then it returned"
+        );
+        let times = times.lock().unwrap().clone();
+        let waits: Vec<Duration> = times.windows(2).map(|w| w[1] - w[0]).collect();
+        assert_eq!(waits, [RESTART_FIRST, RESTART_FIRST * 2, RESTART_FIRST * 4]);
+    }
+
+    #[test]
+    fn live_viewers_are_held_to_half_the_connections() {
+        assert_eq!(live_max_viewers(1000, 10_000), 1000);
+        assert_eq!(live_max_viewers(1000, 960), 480);
+        assert_eq!(live_max_viewers(1000, 1), 1);
+    }
 }

@@ -66,6 +66,11 @@ pub enum AppError {
     /// A dependency is down or not ready; nothing was reserved.
     #[error("unavailable: {0}")]
     Unavailable(String),
+    /// A 503 that is expected back-pressure, not a fault (too many live pages): the
+    /// same answer as [`AppError::Unavailable`], logged at debug only, since thousands
+    /// of refused viewers retrying would otherwise flood the log like an outage.
+    #[error("busy: {0}")]
+    Busy(String),
     /// The admission script was sent but no answer came (timeout, connection lost): it
     /// may have run, so the order may exist.
     #[error("admission outcome unknown: {0}")]
@@ -178,7 +183,9 @@ impl AppError {
                 "rate_limited",
                 "too many requests, slow down".into(),
             ),
-            Unavailable(what) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable", what.clone()),
+            Unavailable(what) | Busy(what) => {
+                (StatusCode::SERVICE_UNAVAILABLE, "unavailable", what.clone())
+            }
             Database(e) if is_unique_violation(e) => (
                 StatusCode::CONFLICT,
                 "conflict",
@@ -227,6 +234,10 @@ impl IntoResponse for AppError {
             }
             AppError::Internal(_) => Some(Failure::new(&self, None, true)),
             AppError::Unavailable(_) => Some(Failure::new(&self, None, false)),
+            AppError::Busy(why) => {
+                tracing::debug!(reason = %why, "request refused (back-pressure)");
+                None
+            }
             _ => None,
         };
         let order_id = match &self {

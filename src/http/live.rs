@@ -9,7 +9,6 @@ use axum::extract::State;
 use axum::http::header::{self, HeaderValue};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::IntoResponse;
-use futures_util::Stream;
 
 use crate::http::error::AppError;
 use crate::http::state::AppState;
@@ -67,16 +66,16 @@ pub(crate) async fn icon() -> impl IntoResponse {
 #[utoipa::path(get, path = "/live/events", operation_id = "liveEvents", tag = "live",
     responses(
         (status = 200, description = "`text/event-stream`: an event `snapshot` at least every second while the stream is open, \
-            its data one JSON object: `at`, `worker` (`length`, `pending`, `lag`, `dead_letters` of the order streams), \
+            its data one JSON object: `at` (by Postgres's clock), `worker` (`length`, `pending`, `lag` (null when Redis cannot tell it), `dead_letters` of the order streams), \
             `sales` (per sale: `id`, `title`, `state`, `begin_time`, `end_time`, `initial_stock`, `remaining`, `grabs_per_sec`, \
-            `outcomes`, `orders`, `dead_letters`, `releases_owed`) and `unavailable` (stores that did not answer)", content_type = "text/event-stream", body = String),
+            `outcomes`, `orders`, `dead_letters`, `releases_owed`; `state` by Postgres's clock), `open_total` (sales qualifying: open, upcoming, \
+            ended in the last 5 minutes), `truncated` (true when `sales` holds fewer than `open_total`: at most `LIVE_MAX_SALES` are sent) \
+            and `unavailable` (stores that did not answer)", content_type = "text/event-stream", body = String),
         (status = 503, description = "too many pages are watching this instance (`unavailable`)", body = crate::http::error::ErrorBody),
     ))]
-pub(crate) async fn events(
-    State(state): State<AppState>,
-) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, AppError> {
+pub(crate) async fn events(State(state): State<AppState>) -> Result<impl IntoResponse, AppError> {
     let viewer = state.live.watch().ok_or_else(|| {
-        AppError::Unavailable("too many pages are watching this instance; try again".into())
+        AppError::Busy("too many pages are watching this instance; try again".into())
     })?;
     // Waits for the next snapshot (opening the stream woke the producer), then one
     // event per snapshot until the page goes or the process stops.
@@ -92,9 +91,22 @@ pub(crate) async fn events(
                 if first {
                     event = event.retry(RECONNECT);
                 }
-                return Some((Ok(event), (viewer, false)));
+                return Some((Ok::<_, Infallible>(event), (viewer, false)));
             }
         }
     });
-    Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
+    // A proxy must pass each event on at once (nginx buffers responses unless told
+    // not to), and no cache may keep the stream.
+    let headers = [
+        (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
+        (
+            header::HeaderName::from_static("x-accel-buffering"),
+            HeaderValue::from_static("no"),
+        ),
+        (
+            header::X_CONTENT_TYPE_OPTIONS,
+            HeaderValue::from_static("nosniff"),
+        ),
+    ];
+    Ok((headers, Sse::new(stream).keep_alive(KeepAlive::default())))
 }

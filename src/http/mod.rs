@@ -153,7 +153,11 @@ pub fn build_app(state: AppState) -> Router {
                         .and_then(|v| v.to_str().ok())
                         .unwrap_or("");
                     tracing::debug_span!("request", method = %req.method(), uri = %req.uri(), request_id = %id)
-                }))
+                })
+                // Every 5xx at DEBUG here too: `log_failures` logs the real ones with
+                // their cause, and an ERROR per expected 503 (a sale's shedding, pages
+                // refused beyond LIVE_MAX_VIEWERS) would bury them.
+                .on_failure(tower_http::trace::DefaultOnFailure::new().level(tracing::Level::DEBUG)))
                 .layer(middleware::from_fn(observe_requests))
                 .layer(middleware::from_fn(log_failures))
                 .layer(middleware::from_fn(limit_headers)),

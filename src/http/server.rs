@@ -46,6 +46,11 @@ pub(crate) const WRITE_STALL: Duration = Duration::from_secs(30);
 /// The same once shutdown has begun: responses still being sent get this long to make
 /// progress, so a client that stopped reading cannot hold the process.
 const WRITE_STALL_DRAINING: Duration = Duration::from_secs(1);
+/// A peer that vanished without a FIN (a phone that lost its network) is noticed within
+/// about this long, by TCP itself: unacknowledged data (TCP_USER_TIMEOUT, Linux) or
+/// keep-alive probes unanswered. Otherwise an open `/live/events` keeps writing into
+/// the kernel's send buffer for minutes, holding a viewer slot and a connection.
+pub(crate) const DEAD_PEER: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ServerLimits {
@@ -100,6 +105,7 @@ pub(crate) async fn serve(
         };
         // Small responses go out at once instead of waiting on Nagle's algorithm.
         let _ = tcp.set_nodelay(true);
+        detect_dead_peers(&tcp);
         let service = make_service
             .call(remote)
             .await
@@ -117,6 +123,26 @@ pub(crate) async fn serve(
     drop(listener);
     connections.close();
     connections.wait().await;
+}
+
+/// Keep-alive probes after 15 s of silence, every 5 s, 3 of them (so an idle peer that
+/// vanished is gone within [`DEAD_PEER`]), and on Linux a [`DEAD_PEER`] limit on data
+/// left unacknowledged (a busy stream to a vanished peer). Best effort: a socket that
+/// refuses keeps the other limits (write stall, idle timeout).
+fn detect_dead_peers(tcp: &TcpStream) {
+    let sock = socket2::SockRef::from(tcp);
+    let probes = socket2::TcpKeepalive::new()
+        .with_time(Duration::from_secs(15))
+        .with_interval(Duration::from_secs(5));
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    let probes = probes.with_retries(3);
+    if let Err(e) = sock.set_tcp_keepalive(&probes) {
+        tracing::debug!(error = %e, "TCP keep-alive not set");
+    }
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    if let Err(e) = sock.set_tcp_user_timeout(Some(DEAD_PEER)) {
+        tracing::debug!(error = %e, "TCP_USER_TIMEOUT not set");
+    }
 }
 
 async fn accept_error(e: std::io::Error) {
@@ -138,10 +164,7 @@ fn fit_descriptor_limit(wanted: usize) -> usize {
     let Some(limit) = descriptor_limit() else {
         return wanted;
     };
-    let room = limit
-        .saturating_sub(RESERVED_DESCRIPTORS)
-        .max(limit / 2)
-        .max(1) as usize;
+    let room = descriptor_room(limit);
     if wanted > room {
         tracing::warn!(
             wanted,
@@ -152,6 +175,20 @@ fn fit_descriptor_limit(wanted: usize) -> usize {
         return room;
     }
     wanted
+}
+
+/// Connections the descriptor limit `limit` leaves room for.
+fn descriptor_room(limit: u64) -> usize {
+    limit
+        .saturating_sub(RESERVED_DESCRIPTORS)
+        .max(limit / 2)
+        .max(1) as usize
+}
+
+/// The connection cap [`serve`] will use for `wanted` (`HTTP_MAX_CONNECTIONS`), without
+/// its warning: what start-up sizes other limits by.
+pub(crate) fn effective_max_connections(wanted: usize) -> usize {
+    descriptor_limit().map_or(wanted, |limit| wanted.min(descriptor_room(limit)))
 }
 
 /// The soft limit on open files, from `/proc/self/limits` (Linux; `None` elsewhere).
@@ -394,5 +431,33 @@ impl HttpBody for Tracked {
 
     fn size_hint(&self) -> http_body::SizeHint {
         self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn accepted_sockets_give_up_on_a_silent_peer_within_the_dead_peer_limit() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let _client = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (tcp, _) = listener.accept().await.unwrap();
+        detect_dead_peers(&tcp);
+        let sock = socket2::SockRef::from(&tcp);
+        assert!(sock.keepalive().unwrap());
+        assert_eq!(sock.tcp_user_timeout().unwrap(), Some(DEAD_PEER));
+        let (idle, every, probes) = (
+            sock.tcp_keepalive_time().unwrap(),
+            sock.tcp_keepalive_interval().unwrap(),
+            sock.tcp_keepalive_retries().unwrap(),
+        );
+        assert!(
+            idle + every * probes <= DEAD_PEER,
+            "{idle:?} {every:?} {probes}"
+        );
     }
 }

@@ -40,20 +40,37 @@ const LAST_FLUSH_DEADLINE: Duration = Duration::from_secs(2);
 /// What every page receives.
 #[derive(Debug, Clone, Serialize)]
 pub struct Snapshot {
+    /// When it was made, by Postgres's clock (see `Producer::clock_offset`).
     pub at: DateTime<Utc>,
-    /// The order streams, all shards together (`lag`: not yet delivered to a worker;
-    /// `pending`: delivered, not yet written and acknowledged).
-    pub worker: StreamStats,
+    /// The order streams, all shards together.
+    pub worker: Worker,
     pub sales: Vec<SaleView>,
+    /// Sales qualifying for the page (open, upcoming, ended in the last minutes), of
+    /// which `sales` holds at most `LIVE_MAX_SALES`.
+    pub open_total: i64,
+    /// Some qualifying sales were left out of `sales` (more than `LIVE_MAX_SALES`).
+    pub truncated: bool,
     /// Stores that did not answer this time (their figures are the last known).
     pub unavailable: Vec<&'static str>,
+}
+
+/// The order streams as the page shows them: [`StreamStats`], but a lag Redis could
+/// not tell is `None` (shown as unknown), not 0 (which reads as "all delivered").
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Worker {
+    pub length: u64,
+    /// Delivered, not yet written and acknowledged.
+    pub pending: u64,
+    /// Not yet delivered to a worker; `None` unless every shard's is known.
+    pub lag: Option<u64>,
+    pub dead_letters: u64,
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct SaleView {
     pub id: i64,
     pub title: String,
-    /// `upcoming`, `open` or `ended`.
+    /// `upcoming`, `open` or `ended`, by Postgres's clock (one for every instance).
     pub state: &'static str,
     pub begin_time: DateTime<Utc>,
     pub end_time: DateTime<Utc>,
@@ -129,6 +146,8 @@ struct Inner {
     watched: Notify,
     viewers: AtomicUsize,
     max_viewers: usize,
+    /// Sales in a snapshot at most (`LIVE_MAX_SALES`).
+    max_sales: i64,
     cancel: CancellationToken,
 }
 
@@ -147,14 +166,15 @@ impl Drop for Viewer {
 }
 
 impl Live {
-    /// Pages watching at once are at most `max_viewers`; their streams end when
-    /// `cancel` fires.
-    pub fn new(max_viewers: usize, cancel: CancellationToken) -> Self {
+    /// Pages watching at once are at most `max_viewers`, each shown at most `max_sales`
+    /// sales; their streams end when `cancel` fires.
+    pub fn new(max_viewers: usize, max_sales: i64, cancel: CancellationToken) -> Self {
         Self(Arc::new(Inner {
             latest: watch::Sender::new(None),
             watched: Notify::new(),
             viewers: AtomicUsize::new(0),
             max_viewers,
+            max_sales,
             cancel,
         }))
     }
@@ -208,21 +228,22 @@ impl Live {
                 let _ = tokio::time::timeout(LAST_FLUSH_WAIT, served.cancelled()).await;
             }
         };
-        let mut flusher = tokio::spawn(tally.keep_flushing(
+        // Aborted if this producer panics (it is restarted with a flusher of its own).
+        let mut flusher = AbortOnDrop(tokio::spawn(tally.keep_flushing(
             redis.clone(),
             keys.clone(),
             EVERY,
             READ_DEADLINE,
             stop,
             LAST_FLUSH_DEADLINE,
-        ));
+        )));
         let mut every = tokio::time::interval(EVERY);
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let ticked = tokio::select! {
                 _ = cancel.cancelled() => {
                     // The process's last flush: this task ends after it.
-                    let _ = (&mut flusher).await;
+                    let _ = (&mut flusher.0).await;
                     return;
                 }
                 _ = every.tick() => true,
@@ -242,7 +263,9 @@ impl Live {
                 // loop cost at most one extra snapshot a second.
                 continue;
             }
-            let snapshot = producer.snapshot(&db, &redis, &keys).await;
+            let snapshot = producer
+                .snapshot(&db, &redis, &keys, self.0.max_sales)
+                .await;
             metrics::counter!(crate::metrics::LIVE_SNAPSHOTS).increment(1);
             match serde_json::to_string(&snapshot) {
                 Ok(json) => {
@@ -268,23 +291,37 @@ async fn timeout<T, E: std::fmt::Display>(
 /// when a store does not answer) and recent grab totals for the rates.
 #[derive(Default)]
 struct Producer {
-    sales: Vec<SaleRow>,
+    sales: store::Sales,
     redis: HashMap<i64, (Option<i64>, Outcomes)>,
-    worker: StreamStats,
+    worker: Worker,
     totals: HashMap<i64, VecDeque<(Instant, u64)>>,
+    /// Postgres's clock less ours at the last read: a snapshot's `at` is Postgres's
+    /// time, like its sales' states, so that every instance's page counts down alike.
+    clock_offset: chrono::TimeDelta,
 }
 
 impl Producer {
-    async fn snapshot(&mut self, db: &PgPool, redis: &RedisConn, keys: &Keys) -> Snapshot {
+    async fn snapshot(
+        &mut self,
+        db: &PgPool,
+        redis: &RedisConn,
+        keys: &Keys,
+        max_sales: i64,
+    ) -> Snapshot {
         let mut unavailable = Vec::new();
-        match timeout(store::sales(db)).await {
-            Ok(sales) => self.sales = sales,
+        match timeout(store::sales(db, max_sales)).await {
+            Ok(sales) => {
+                if let Some(db_now) = sales.now {
+                    self.clock_offset = db_now - Utc::now();
+                }
+                self.sales = sales;
+            }
             Err(e) => {
                 tracing::debug!(error = %e, "live view: postgres did not answer");
                 unavailable.push("postgres");
             }
         }
-        let ids: Vec<i64> = self.sales.iter().map(|s| s.voucher_id).collect();
+        let ids: Vec<i64> = self.sales.rows.iter().map(|s| s.voucher_id).collect();
         match timeout(read_redis(redis, keys, &ids)).await {
             Ok((figures, worker)) => {
                 self.redis = ids.iter().copied().zip(figures).collect();
@@ -295,12 +332,13 @@ impl Producer {
                 unavailable.push("redis");
             }
         }
-        let now = Utc::now();
+        let now = Utc::now() + self.clock_offset;
         let clock = Instant::now();
         let fresh = unavailable.is_empty();
         self.totals.retain(|id, _| ids.contains(id));
-        let sales = self
+        let sales: Vec<SaleView> = self
             .sales
+            .rows
             .iter()
             .map(|s| {
                 let (remaining, outcomes) =
@@ -310,12 +348,14 @@ impl Producer {
                     clock,
                     outcomes.total(),
                 );
-                view(s, remaining, outcomes, rate, now, fresh)
+                view(s, remaining, outcomes, rate, fresh)
             })
             .collect();
         Snapshot {
             at: now,
             worker: self.worker,
+            open_total: self.sales.total,
+            truncated: self.sales.total > sales.len() as i64,
             sales,
             unavailable,
         }
@@ -327,18 +367,27 @@ async fn read_redis(
     redis: &RedisConn,
     keys: &Keys,
     ids: &[i64],
-) -> redis::RedisResult<(Vec<(Option<i64>, Outcomes)>, StreamStats)> {
+) -> redis::RedisResult<(Vec<(Option<i64>, Outcomes)>, Worker)> {
     let stocks = ids.iter().map(|&id| {
         let mut conn = redis.clone();
         async move { crate::admission::live_stock(&mut conn, keys, id).await }
     });
     let stocks = futures_util::future::try_join_all(stocks).await?;
     let counts = tally::read(redis, keys, ids).await?;
-    let mut worker = StreamStats::default();
+    let mut all = StreamStats::default();
+    let mut lag = Some(0);
     let mut conn = redis.clone();
     for shard in keys.shards() {
-        worker += crate::stream::stats(&mut conn, keys, shard).await?;
+        let (stats, known) = crate::stream::stats_with_known_lag(&mut conn, keys, shard).await?;
+        all += stats;
+        lag = lag.zip(known).map(|(a, b)| a + b);
     }
+    let worker = Worker {
+        length: all.length,
+        pending: all.pending,
+        lag,
+        dead_letters: all.dead_letters,
+    };
     let figures = stocks
         .into_iter()
         .zip(counts)
@@ -370,21 +419,24 @@ fn view(
     remaining: Option<i64>,
     outcomes: Outcomes,
     grabs_per_sec: f64,
-    now: DateTime<Utc>,
     fresh: bool,
 ) -> SaleView {
-    let state = if now < s.begin_time {
-        "upcoming"
-    } else if now < s.end_time {
-        "open"
-    } else {
-        "ended"
+    let state = match s.state.as_str() {
+        "upcoming" => "upcoming",
+        "ended" => "ended",
+        _ => "open",
     };
     // Redis's stock = Postgres's - orders in flight - units whose return to Redis is
     // owed (see `reconcile`).
     let in_flight = remaining
         .filter(|_| fresh)
-        .map(|r| (s.stock as i64 - r - s.releases_owed).max(0));
+        // Saturating: a corrupt stock in Redis must show as such, not overflow.
+        .map(|r| {
+            (s.stock as i64)
+                .saturating_sub(r)
+                .saturating_sub(s.releases_owed)
+                .max(0)
+        });
     SaleView {
         id: s.voucher_id,
         title: s.title.clone(),
@@ -405,6 +457,16 @@ fn view(
         },
         dead_letters: s.dead_letters,
         releases_owed: s.releases_owed,
+    }
+}
+
+/// A task that ends with its handle: dropped (say, by a panic unwinding the task that
+/// holds it), it is aborted rather than left running.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

@@ -4,10 +4,6 @@
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
-/// Sales shown at most: open ones first, then upcoming, then ended; the soonest ending
-/// first within each.
-pub const MAX_SALES: i64 = 100;
-
 /// How long an ended sale stays on the page.
 pub const ENDED_SHOWN_SECS: i64 = 300;
 
@@ -18,6 +14,9 @@ pub const STATEMENT_TIMEOUT: std::time::Duration = std::time::Duration::from_mil
 pub struct SaleRow {
     pub voucher_id: i64,
     pub title: String,
+    /// `upcoming`, `open` or `ended`, by Postgres's clock: one clock for every instance,
+    /// whatever their own clocks say.
+    pub state: String,
     pub initial_stock: i32,
     /// Postgres's stock: units not taken by an order written here.
     pub stock: i32,
@@ -29,28 +28,47 @@ pub struct SaleRow {
     pub expired: i64,
     pub dead_letters: i64,
     pub releases_owed: i64,
+    /// Sales qualifying for the page, however many were returned.
+    #[sqlx(rename = "total")]
+    pub qualifying: i64,
+}
+
+/// The sales on show and how many qualify (more than shown when over the limit).
+#[derive(Debug, Clone, Default)]
+pub struct Sales {
+    pub rows: Vec<SaleRow>,
+    pub total: i64,
+    /// Postgres's clock at the read.
+    pub now: Option<DateTime<Utc>>,
 }
 
 /// The sales on show, with their counts: one statement reading each sale's own row
 /// (its orders by status are counted there by the transactions that move them) and the
 /// few dead letters and owed releases it has. The server gives up on it after
 /// [`STATEMENT_TIMEOUT`], so that a slow Postgres does not gather abandoned reads.
+/// At most `limit` sales: open ones first, then upcoming, then ended; the soonest
+/// ending first within each.
 #[tracing::instrument(level = "debug", skip(db))]
-pub async fn sales(db: &PgPool) -> sqlx::Result<Vec<SaleRow>> {
+pub async fn sales(db: &PgPool, limit: i64) -> sqlx::Result<Sales> {
     let mut tx = db.begin().await?;
-    sqlx::query(&format!(
-        "SET LOCAL statement_timeout = {}",
-        STATEMENT_TIMEOUT.as_millis()
-    ))
-    .execute(&mut *tx)
-    .await?;
+    // The timeout, and Postgres's clock (the one the states below are decided by) in
+    // the same round trip.
+    let (now, _): (DateTime<Utc>, String) =
+        sqlx::query_as("SELECT now(), set_config('statement_timeout', $1, true)")
+            .bind(STATEMENT_TIMEOUT.as_millis().to_string())
+            .fetch_one(&mut *tx)
+            .await?;
     let rows = sqlx::query_as::<_, SaleRow>(
         r#"
-        SELECT s.voucher_id, v.title, s.initial_stock, s.stock, s.begin_time, s.end_time,
+        SELECT s.voucher_id, v.title,
+               CASE WHEN s.end_time <= now() THEN 'ended'
+                    WHEN s.begin_time > now() THEN 'upcoming' ELSE 'open' END AS state,
+               s.initial_stock, s.stock, s.begin_time, s.end_time,
                (s.initial_stock - s.stock - s.paid)::int8 AS created,
                s.paid::int8 AS paid, s.cancelled::int8 AS cancelled, s.expired::int8 AS expired,
                (SELECT count(*) FROM dead_orders d WHERE d.voucher_id = s.voucher_id) AS dead_letters,
-               (SELECT count(*) FROM stock_releases r WHERE r.voucher_id = s.voucher_id) AS releases_owed
+               (SELECT count(*) FROM stock_releases r WHERE r.voucher_id = s.voucher_id) AS releases_owed,
+               count(*) OVER () AS total
         FROM seckill_vouchers s
         JOIN vouchers v ON v.id = s.voucher_id
         WHERE s.end_time > now() - make_interval(secs => $1)
@@ -60,9 +78,15 @@ pub async fn sales(db: &PgPool) -> sqlx::Result<Vec<SaleRow>> {
         "#,
     )
     .bind(ENDED_SHOWN_SECS as f64)
-    .bind(MAX_SALES)
+    .bind(limit)
     .fetch_all(&mut *tx)
     .await?;
     tx.commit().await?;
-    Ok(rows)
+    // Counted before the LIMIT (a window runs first); no row, no sale.
+    let total = rows.first().map_or(0, |r| r.qualifying);
+    Ok(Sales {
+        rows,
+        total,
+        now: Some(now),
+    })
 }

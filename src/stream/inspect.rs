@@ -90,12 +90,25 @@ impl std::ops::AddAssign for StreamStats {
     }
 }
 
-/// The shard's [`StreamStats`] (a missing stream or group counts as empty).
+/// The shard's [`StreamStats`] (a missing stream or group counts as empty; a lag
+/// Redis cannot tell counts as 0: see [`stats_with_known_lag`]).
 pub async fn stats<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: Shard,
 ) -> RedisResult<StreamStats> {
+    Ok(stats_with_known_lag(conn, keys, shard).await?.0)
+}
+
+/// The shard's [`StreamStats`], and its lag only if Redis could tell it: `None` when
+/// `XINFO GROUPS` failed, or gave the group a NULL lag (Redis cannot count it once
+/// entries past the group's last delivery were deleted or trimmed). The live view
+/// shows that as unknown rather than as 0, which would read as "all delivered".
+pub async fn stats_with_known_lag<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    shard: Shard,
+) -> RedisResult<(StreamStats, Option<u64>)> {
     let stream = keys.stream(shard);
     // Separate commands: with one shard the two keys live in different slots.
     let length: u64 = redis::cmd("XLEN").arg(stream).query_async(conn).await?;
@@ -115,23 +128,32 @@ pub async fn stats<C: ConnectionLike + Send>(
         _ => 0,
     };
     // Entries not yet delivered to any worker (Redis 7 keeps the count per group).
-    let groups: Vec<std::collections::HashMap<String, Value>> = redis::cmd("XINFO")
+    let groups: RedisResult<Vec<std::collections::HashMap<String, Value>>> = redis::cmd("XINFO")
         .arg("GROUPS")
         .arg(stream)
         .query_async(conn)
-        .await
-        .unwrap_or_default();
-    let lag = groups
-        .iter()
-        .find_map(|g| {
-            g.get("lag")
-                .and_then(|v| redis::from_redis_value_ref::<u64>(v).ok())
-        })
-        .unwrap_or(0);
-    Ok(StreamStats {
+        .await;
+    let known_lag = match groups {
+        // The one group of the workers; no group yet: nothing to deliver.
+        Ok(groups) => match groups.iter().find(|g| {
+            g.get("name")
+                .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
+                .is_some_and(|name| name == super::GROUP)
+        }) {
+            Some(group) => group
+                .get("lag")
+                .and_then(|v| redis::from_redis_value_ref::<u64>(v).ok()),
+            None => Some(0),
+        },
+        // No stream yet: nothing to deliver.
+        Err(_) if length == 0 => Some(0),
+        Err(_) => None,
+    };
+    let stats = StreamStats {
         length,
         pending,
-        lag,
+        lag: known_lag.unwrap_or(0),
         dead_letters,
-    })
+    };
+    Ok((stats, known_lag))
 }

@@ -665,3 +665,566 @@ async fn a_stalled_flush_delays_no_snapshot(db: PgPool) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+/// `seckill api` on a spare port with `env`, its standard error captured (read on a
+/// thread, so that a chatty log never blocks it): the process, its base URL, and the
+/// log, complete once the process has exited.
+async fn spawn_logged(
+    app: &TestApp,
+    env: &[(&str, String)],
+) -> (
+    crate::common::faults::Process,
+    String,
+    std::thread::JoinHandle<String>,
+) {
+    use crate::common::faults;
+    use std::io::Read;
+    let port = faults::free_port();
+    let mut child = std::process::Command::new(faults::BIN)
+        .arg("api")
+        .env("DATABASE_URL", faults::database_url(&app.db, None))
+        .env("REDIS_URL", &app.redis_url)
+        .env("REDIS_KEY_PREFIX", app.keys.prefix())
+        .env("JWT_SECRET", crate::common::SECRET)
+        .env("BIND", format!("127.0.0.1:{port}"))
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let log = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text);
+        text
+    });
+    let base = format!("http://127.0.0.1:{port}");
+    faults::wait_ready(&base).await;
+    (faults::Process { child }, base, log)
+}
+
+/// Refusing a page for too many viewers is expected back-pressure (thousands of
+/// refused pages retrying must not read like an outage): a debug line each, no warning
+/// and no error (tower_http's trace layer logs its 5xx at debug too).
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn pages_refused_for_too_many_viewers_are_logged_at_debug_not_as_warnings(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let (mut server, base, log) = spawn_logged(
+        &app,
+        &[
+            ("LIVE_MAX_VIEWERS", "1".to_string()),
+            ("RUST_LOG", "warn,seckill::http=debug".to_string()),
+        ],
+    )
+    .await;
+    let client = reqwest::Client::new();
+    let _watching = Events::open(&client, &base).await;
+    for _ in 0..20 {
+        let resp = client
+            .get(format!("{base}/live/events"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(resp.headers().contains_key("retry-after"));
+        let body: Value = resp.json().await.unwrap();
+        assert_eq!(body["error"]["code"], "unavailable", "{body}");
+    }
+    server.sigterm();
+    server.wait_exit(WAIT).await.expect("stopped");
+    let log = log.join().unwrap();
+    let refusals: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("too many pages"))
+        .collect();
+    assert_eq!(refusals.len(), 20, "one line per refusal:\n{log}");
+    assert!(
+        refusals.iter().all(|l| l.contains("DEBUG")),
+        "refusals logged above debug:\n{log}"
+    );
+    assert!(
+        !log.lines()
+            .any(|l| l.contains("WARN") && l.contains("request failed")),
+        "{log}"
+    );
+    assert!(
+        !log.lines().any(|l| l.contains("ERROR")),
+        "an error logged for a refusal:\n{log}"
+    );
+}
+
+/// The page shows at most `LIVE_MAX_SALES` sales, and says so: every snapshot counts
+/// the sales that qualify and marks itself truncated when some were left out.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn sales_beyond_the_limit_are_counted_and_the_snapshot_says_it_is_truncated(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let (_api, base) = app
+        .spawn_server("api", &[("LIVE_MAX_SALES", "2".to_string())])
+        .await;
+    let now = chrono::Utc::now();
+    let mut open = Vec::new();
+    for _ in 0..3 {
+        open.push(app.open_sale(5).await);
+    }
+    let upcoming = app
+        .create_sale(
+            5,
+            now + chrono::Duration::hours(1),
+            now + chrono::Duration::hours(2),
+        )
+        .await;
+    let client = reqwest::Client::new();
+    let mut events = Events::open(&client, &base).await;
+    let snapshot = events.next(WAIT).await;
+    assert_eq!(snapshot["open_total"], 4, "{snapshot}");
+    assert_eq!(snapshot["truncated"], true, "{snapshot}");
+    let shown: Vec<i64> = snapshot["sales"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_i64().unwrap())
+        .collect();
+    assert_eq!(shown.len(), 2, "{snapshot}");
+    assert!(
+        !shown.contains(&upcoming),
+        "open sales come first: {snapshot}"
+    );
+
+    // Within the limit: everything shown, not truncated.
+    let mut events = Events::open(&app.client, &app.base).await;
+    let snapshot = events.next(WAIT).await;
+    assert_eq!(snapshot["open_total"], 4, "{snapshot}");
+    assert_eq!(snapshot["truncated"], false, "{snapshot}");
+    assert_eq!(snapshot["sales"].as_array().unwrap().len(), 4, "{snapshot}");
+
+    // Out of range: refused at start-up, naming the setting.
+    let out = std::process::Command::new(crate::common::faults::BIN)
+        .arg("api")
+        .env("LIVE_MAX_SALES", "0")
+        .env("DATABASE_URL", "postgres://unused")
+        .env("JWT_SECRET", "x")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("live-max-sales"), "{stderr}");
+}
+
+/// Whether a sale is upcoming, open or ended is Postgres's answer (`now()`), one clock
+/// for every instance: an instance whose clock is an hour behind still shows a sale
+/// that began half an hour ago as open. (Postgres's clock is moved here by a `now()` of
+/// the test database's own, found first on its search path.)
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_sales_state_follows_the_database_clock_not_the_instances(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let now = chrono::Utc::now();
+    let sale = app
+        .create_sale(
+            5,
+            now + chrono::Duration::minutes(30),
+            now + chrono::Duration::hours(2),
+        )
+        .await;
+    let name: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    for statement in [
+        "CREATE SCHEMA skew".to_string(),
+        "CREATE FUNCTION skew.now() RETURNS timestamptz LANGUAGE sql STABLE \
+         AS $$ SELECT pg_catalog.now() + interval '1 hour' $$"
+            .to_string(),
+        format!("ALTER DATABASE \"{name}\" SET search_path = public, skew, pg_catalog"),
+    ] {
+        sqlx::query(&statement).execute(&app.db).await.unwrap();
+    }
+    // A new process, so new connections: they see the database an hour ahead. (`public`
+    // stays first on the path: tables, and the migrations' own, are created there.)
+    let (_api, base) = app.spawn_server("api", &[]).await;
+    let mut events = Events::open(&app.client, &base).await;
+    let snapshot = events.next(WAIT).await;
+    let view = sale_in(&snapshot, sale).expect("shown");
+    assert_eq!(view["state"], "open", "{view}");
+    // And the snapshot's time is the database's, so countdowns agree too.
+    let at: chrono::DateTime<chrono::Utc> = snapshot["at"].as_str().unwrap().parse().unwrap();
+    let ahead = (at - chrono::Utc::now()).num_seconds();
+    assert!((3590..=3610).contains(&ahead), "at {at}: {ahead} s ahead");
+}
+
+/// A lag Redis cannot tell (its group's `lag` is NULL once an entry past the group's
+/// last delivery is deleted) is sent as null, shown as unknown, never as 0 (which reads
+/// as "every order delivered").
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_lag_redis_cannot_tell_is_null_not_zero(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    app.worker().ensure_groups().await.unwrap();
+    let voucher = app.open_sale(3).await;
+    for user in 1..=3 {
+        let (status, body) = app.grab(voucher, user).await;
+        assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    }
+    let mut events = Events::open(&app.client, &app.base).await;
+    let known = |s: &Value| s["worker"]["lag"] == 3;
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let snapshot = events.next(WAIT).await;
+        if known(&snapshot) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "lag never 3: {snapshot}");
+    }
+
+    let stream = app.keys.stream(app.keys.shard_of(0));
+    let entries: Vec<(String, Vec<(String, String)>)> = app
+        .redis_cmd(redis::cmd("XRANGE").arg(stream).arg("-").arg("+"))
+        .await;
+    assert_eq!(entries.len(), 3);
+    let _: i64 = app
+        .redis_cmd(redis::cmd("XDEL").arg(stream).arg(&entries[1].0))
+        .await;
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let snapshot = events.next(WAIT).await;
+        if snapshot["worker"]["lag"].is_null() {
+            assert_eq!(snapshot["worker"]["length"], 2, "{snapshot}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "lag never null: {snapshot}");
+    }
+}
+
+/// A page whose phone vanished without a FIN must not hold its viewer slot for minutes:
+/// the server's side of a `/live/events` connection runs TCP keep-alive (and, not
+/// visible to `ss`, TCP_USER_TIMEOUT; see `http::server::detect_dead_peers`).
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn the_servers_side_of_a_live_stream_probes_for_a_vanished_peer(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let port = app.base.rsplit(':').next().unwrap().to_string();
+    let client = reqwest::Client::new();
+    let mut events = Events::open(&client, &app.base).await;
+    events.next(WAIT).await;
+    let out = std::process::Command::new("ss")
+        .args(["-tnoH", "state", "established"])
+        .arg(format!("( sport = :{port} )"))
+        .output()
+        .expect("ss (iproute2)");
+    let sockets = String::from_utf8_lossy(&out.stdout);
+    assert!(!sockets.trim().is_empty(), "no server socket found");
+    assert!(
+        sockets.lines().all(|l| l.contains("timer:(keepalive")),
+        "{sockets}"
+    );
+}
+
+/// Pages watching can never take every connection: `LIVE_MAX_VIEWERS` is lowered to half
+/// the connection cap at start-up, with a warning saying so.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn viewers_are_capped_at_half_the_connections_with_a_warning(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let (mut server, base, log) = spawn_logged(
+        &app,
+        &[
+            ("LIVE_MAX_VIEWERS", "100".to_string()),
+            ("HTTP_MAX_CONNECTIONS", "6".to_string()),
+            ("RUST_LOG", "warn".to_string()),
+        ],
+    )
+    .await;
+    let client = reqwest::Client::new();
+    let mut pages = Vec::new();
+    for _ in 0..3 {
+        pages.push(Events::open(&client, &base).await);
+    }
+    let resp = client
+        .get(format!("{base}/live/events"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+    // Shoppers still get in.
+    let (status, _) = app.send(client.get(format!("{base}/vouchers/1"))).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    drop(resp);
+    drop(pages);
+    server.sigterm();
+    server.wait_exit(WAIT).await.expect("stopped");
+    let log = log.join().unwrap();
+    assert!(
+        log.lines().any(|l| l.contains("WARN")
+            && l.contains("LIVE_MAX_VIEWERS exceeds half the connection cap")
+            && l.contains("using=3")),
+        "{log}"
+    );
+}
+
+/// A corrupt stock in Redis (the most negative integer) is shown as it is, with no
+/// overflow in the in-flight arithmetic (it panicked the producer in debug builds and
+/// wrapped in release), and the stream carries on; once the stock is right again, so
+/// is the page. (Were the producer to panic anyway, it is restarted: see
+/// `startup::tests`.)
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_corrupt_stock_in_redis_neither_stops_the_stream_nor_overflows(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(5).await;
+    let (status, body) = app.grab(voucher, 1).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    let mut events = Events::open(&app.client, &app.base).await;
+    events.until(voucher, WAIT, |v| v["remaining"] == 4).await;
+
+    let key = app.keys.voucher(voucher);
+    let _: i64 = app
+        .redis_cmd(redis::cmd("HSET").arg(&key).arg("stock").arg(i64::MIN))
+        .await;
+    let corrupt = events
+        .until(voucher, WAIT, |v| v["remaining"] == i64::MIN)
+        .await;
+    let in_flight = corrupt["orders"]["in_flight"].as_i64();
+    assert!(in_flight.is_none_or(|n| n >= 0), "{corrupt}");
+    // Snapshots keep coming while it is corrupt.
+    for _ in 0..2 {
+        let snapshot = events.next(WAIT).await;
+        assert_eq!(sale_in(&snapshot, voucher).unwrap()["remaining"], i64::MIN);
+    }
+    let _: i64 = app
+        .redis_cmd(redis::cmd("HSET").arg(&key).arg("stock").arg(4))
+        .await;
+    events.until(voucher, WAIT, |v| v["remaining"] == 4).await;
+}
+
+/// The page, its assets and the stream carry the headers that keep them safe and live:
+/// a strict CSP and nosniff on the page's files; on the stream no caching and no proxy
+/// buffering (nginx holds a response back unless told `X-Accel-Buffering: no`).
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn the_page_and_its_stream_carry_csp_nosniff_and_no_buffering_headers(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    for path in ["/live", "/live/app.js", "/live/app.css"] {
+        let resp = app.client.get(app.url(path)).send().await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK, "{path}");
+        let h = resp.headers();
+        let csp = h["content-security-policy"].to_str().unwrap();
+        assert!(csp.contains("default-src 'none'"), "{path}: {csp}");
+        assert!(csp.contains("script-src 'self'"), "{path}: {csp}");
+        assert_eq!(h["x-content-type-options"], "nosniff", "{path}");
+    }
+    let resp = app
+        .client
+        .get(app.url("/live/events"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let h = resp.headers();
+    assert_eq!(h["content-type"], "text/event-stream");
+    assert_eq!(h["x-accel-buffering"], "no");
+    assert_eq!(h["cache-control"], "no-cache");
+    assert_eq!(h["x-content-type-options"], "nosniff");
+}
+
+/// A sale titled with markup is shown as its literal text in a real browser: nothing in
+/// it runs. The title is isolated for bidirectional text (a right-to-left title does not
+/// reorder the id beside it), and a sale not loaded in Redis gives screen readers the
+/// units the bar shows, not 0.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_hostile_title_is_shown_as_text_in_a_real_browser_and_runs_nothing(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let hostile = r#"<img src=x onerror="window.pwned=1">"#;
+    let now = chrono::Utc::now();
+    let (status, voucher) = app
+        .post_json(
+            "/vouchers",
+            Some(&app.admin_token()),
+            &serde_json::json!({
+                "shop_id": 1, "title": hostile, "pay_value": 5000, "actual_value": 10000,
+                "seckill": {"stock": 5, "begin_time": now - chrono::Duration::minutes(1),
+                            "end_time": now + chrono::Duration::hours(1)},
+            }),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{voucher}");
+    let voucher = voucher["id"].as_i64().unwrap();
+    // Not loaded in Redis: no remaining figure.
+    let _: i64 = app
+        .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(voucher)))
+        .await;
+
+    let browser = Browser::start().await;
+    browser.goto(&app.url("/live")).await;
+    let card = format!("document.querySelector('[data-sale-id=\"{voucher}\"]')");
+    let title = browser
+        .wait_for(
+            &format!("const c = {card}; return c ? c.querySelector('[data-field=\"title\"]').textContent : null;"),
+            WAIT,
+            |v| !v.is_null(),
+        )
+        .await;
+    assert_eq!(title, hostile);
+    let inside = browser
+        .eval(&format!(
+            "const t = {card}.querySelector('[data-field=\"title\"]'); \
+             return [t.children.length, document.querySelectorAll('img').length, \
+                     getComputedStyle(t).unicodeBidi];"
+        ))
+        .await;
+    assert_eq!(inside, serde_json::json!([0, 0, "isolate"]));
+    // Give an error handler every chance to run.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        browser.eval("return typeof window.pwned;").await,
+        "undefined"
+    );
+    let bar = browser
+        .eval(&format!(
+            "return [{card}.querySelector('[data-field=\"remaining\"]').textContent, \
+                     {card}.querySelector('.bar').getAttribute('aria-valuenow')];"
+        ))
+        .await;
+    assert_eq!(bar, serde_json::json!(["–", "5"]));
+}
+
+/// The server restarts (the same address, a new process): the open page reconnects by
+/// itself and shows "live" again, without a reload.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn the_page_shows_live_again_after_the_server_restarts_without_a_reload(db: PgPool) {
+    use crate::common::faults;
+    let app = TestApp::spawn(db).await;
+    let (mut first, base) = app.spawn_server("api", &[]).await;
+    let port = base.rsplit(':').next().unwrap().to_string();
+    let voucher = app.open_sale(5).await;
+    let browser = Browser::start().await;
+    browser.goto(&format!("{base}/live")).await;
+    let status = "return document.getElementById('status').textContent;";
+    browser.wait_for(status, WAIT, |v| v == "live").await;
+    browser
+        .eval("window.seckillMark = 'same page'; return true;")
+        .await;
+
+    first.kill9();
+    browser.wait_for(status, WAIT, |v| v != "live").await;
+    let _second = faults::Process::spawn(
+        "api",
+        &app.redis_url,
+        app.keys.prefix(),
+        &faults::database_url(&app.db, None),
+        &[("BIND", format!("127.0.0.1:{port}"))],
+    );
+    faults::wait_ready(&base).await;
+    browser
+        .wait_for(status, Duration::from_secs(30), |v| v == "live")
+        .await;
+    let remaining = format!(
+        "const el = document.querySelector('[data-sale-id=\"{voucher}\"] [data-field=\"remaining\"]'); \
+         return el ? el.textContent : null;"
+    );
+    browser.wait_for(&remaining, WAIT, |v| v == "5").await;
+    assert_eq!(
+        browser.eval("return window.seckillMark || null;").await,
+        "same page",
+        "no reload"
+    );
+}
+
+/// A page refused because too many watch retries by itself, after a few seconds (not at
+/// once, not never), and once in it says how many sales it leaves out.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_refused_page_retries_after_a_backoff_and_says_how_many_sales_it_leaves_out(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let (_api, base) = app
+        .spawn_server(
+            "api",
+            &[
+                ("LIVE_MAX_VIEWERS", "1".to_string()),
+                ("LIVE_MAX_SALES", "1".to_string()),
+            ],
+        )
+        .await;
+    app.open_sale(5).await;
+    app.open_sale(5).await;
+    let client = reqwest::Client::new();
+    let held = Events::open(&client, &base).await;
+
+    let browser = Browser::start().await;
+    browser.goto(&format!("{base}/live")).await;
+    let status = "return document.getElementById('status').textContent;";
+    let busy = browser
+        .wait_for(status, WAIT, |v| {
+            v.as_str().is_some_and(|s| s.starts_with("busy"))
+        })
+        .await;
+    // The first wait is 3 s ± 50%.
+    let secs: u64 = busy
+        .as_str()
+        .unwrap()
+        .trim_start_matches("busy; retrying in ")
+        .trim_end_matches('s')
+        .parse()
+        .unwrap();
+    assert!((2..=5).contains(&secs), "{busy}");
+    // Then doubling to a minute, each ±50%: (refusals so far, least, most) in ms.
+    for (n, least, most) in [(1, 3_000, 9_000), (2, 6_000, 18_000), (9, 30_000, 90_000)] {
+        for _ in 0..20 {
+            let ms = browser
+                .eval(&format!("return retryDelay({n});"))
+                .await
+                .as_u64()
+                .unwrap();
+            assert!((least..=most).contains(&ms), "after {n} refusals: {ms} ms");
+        }
+    }
+
+    drop(held);
+    browser.wait_for(status, WAIT, |v| v == "live").await;
+    let note = browser
+        .wait_for(
+            "const t = document.getElementById('truncated'); return t.hidden ? null : t.textContent;",
+            WAIT,
+            |v| !v.is_null(),
+        )
+        .await;
+    assert!(
+        note.as_str().unwrap().starts_with("Showing 1 of 2 sales"),
+        "{note}"
+    );
+    let errors: Vec<Value> = browser
+        .console()
+        .await
+        .into_iter()
+        .filter(|e| e["level"] == "SEVERE" && !e["message"].to_string().contains("503"))
+        .collect();
+    assert!(errors.is_empty(), "console: {errors:?}");
+}
+
+/// Snapshots that keep arriving with the same `at` (a producer that stopped while
+/// something keeps sending its last snapshot) mark the page stale, as no snapshot at all
+/// does; once `at` moves again the page is live. (The stream is closed and `render`
+/// fed by hand: the server always sends a new `at`.)
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn the_page_says_stale_when_the_snapshots_time_stops_advancing(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let browser = Browser::start().await;
+    browser.goto(&app.url("/live")).await;
+    let status = "return document.getElementById('status').textContent;";
+    browser.wait_for(status, WAIT, |v| v == "live").await;
+    browser
+        .eval(
+            "source.close(); \
+             const snap = {at: new Date().toISOString(), open_total: 0, truncated: false, \
+                           worker: {length: 0, pending: 0, lag: 0, dead_letters: 0}, \
+                           sales: [], unavailable: []}; \
+             window.feed = setInterval(() => render(snap), 300); return true;",
+        )
+        .await;
+    browser
+        .wait_for(status, WAIT, |v| {
+            v.as_str().is_some_and(|s| s.starts_with("no update for"))
+        })
+        .await;
+    browser
+        .eval(
+            "clearInterval(window.feed); \
+             window.feed = setInterval(() => render({at: new Date().toISOString(), \
+                 open_total: 0, truncated: false, \
+                 worker: {length: 0, pending: 0, lag: 0, dead_letters: 0}, \
+                 sales: [], unavailable: []}), 300); return true;",
+        )
+        .await;
+    browser.wait_for(status, WAIT, |v| v == "live").await;
+}

@@ -7,6 +7,10 @@ const status = document.getElementById("status");
 const salesEl = document.getElementById("sales");
 const cards = new Map();
 let lastSnapshot = 0;
+// The last snapshot's own time, and when it last moved: snapshots that keep arriving
+// with the same `at` (a producer that stopped, a proxy replaying) are stale too.
+let lastAt = null;
+let lastAdvance = 0;
 let source = null;
 
 function setStatus(kind, text) {
@@ -41,9 +45,14 @@ function card(id) {
   return el;
 }
 
+function staleFor(now) {
+  return Math.max(now - lastSnapshot, now - lastAdvance);
+}
+
 function render(snap) {
   lastSnapshot = Date.now();
-  setStatus("live", "live");
+  if (snap.at !== lastAt) { lastAt = snap.at; lastAdvance = lastSnapshot; }
+  if (staleFor(lastSnapshot) <= STALE_AFTER_MS) setStatus("live", "live");
   const w = document.getElementById("worker");
   set(w, "lag", fmt(snap.worker.lag));
   set(w, "pending", fmt(snap.worker.pending));
@@ -52,6 +61,12 @@ function render(snap) {
   const down = document.getElementById("unavailable");
   down.hidden = snap.unavailable.length === 0;
   down.textContent = down.hidden ? "" : "Not answering: " + snap.unavailable.join(", ") + " (figures shown are the last known)";
+
+  // More sales than the server shows (LIVE_MAX_SALES): say so rather than hide it.
+  const cut = document.getElementById("truncated");
+  cut.hidden = snap.truncated !== true;
+  cut.textContent = cut.hidden ? "" : "Showing " + fmt(snap.sales.length) + " of " + fmt(snap.open_total)
+    + " sales (open ones first, then upcoming, then just ended)";
 
   const now = Date.parse(snap.at);
   const seen = new Set();
@@ -70,11 +85,12 @@ function render(snap) {
     set(el, "initial_stock", fmt(s.initial_stock));
     const bar = el.querySelector(".bar");
     bar.setAttribute("aria-valuemax", s.initial_stock);
-    bar.setAttribute("aria-valuenow", remaining === null ? 0 : remaining);
     // Not loaded in Redis yet (it loads on the first grab): Postgres's count of units
     // not taken by a written order, so the bar does not read as sold out.
     const left = remaining !== null ? remaining
       : s.initial_stock - s.orders.created - s.orders.paid;
+    // What the bar shows, for screen readers too.
+    bar.setAttribute("aria-valuenow", Math.max(0, left));
     const pct = s.initial_stock > 0 ? Math.max(0, (100 * left) / s.initial_stock) : 0;
     el.querySelector(".fill").style.width = pct.toFixed(1) + "%";
     set(el, "grabs_per_sec", fmt(s.grabs_per_sec));
@@ -89,21 +105,42 @@ function render(snap) {
   document.getElementById("empty").hidden = snap.sales.length > 0;
 }
 
+// A refused stream (503: too many pages watch this instance) is retried after 3 s,
+// doubling to 60 s, each wait ±50% at random so that refused pages do not come back
+// all at once; the first snapshot resets it.
+const RETRY_FIRST_MS = 3000;
+const RETRY_MAX_MS = 60000;
+let refusals = 0;
+let retryTimer = null;
+
+function retryDelay(n) {
+  const base = Math.min(RETRY_MAX_MS, RETRY_FIRST_MS * Math.pow(2, n));
+  return Math.round(base * (0.5 + Math.random()));
+}
+
 function connect() {
+  retryTimer = null;
   if (source) source.close();
   source = new EventSource("/live/events");
-  source.addEventListener("snapshot", (e) => render(JSON.parse(e.data)));
+  source.addEventListener("snapshot", (e) => {
+    refusals = 0;
+    render(JSON.parse(e.data));
+  });
   source.onerror = () => {
     setStatus("down", "reconnecting…");
-    // The browser retries by itself unless the server refused the stream (a 503 when
-    // too many pages watch): then try again later.
-    if (source.readyState === EventSource.CLOSED) setTimeout(connect, 3000);
+    // The browser retries a dropped stream by itself, but not one the server refused.
+    if (source.readyState === EventSource.CLOSED && retryTimer === null) {
+      const wait = retryDelay(refusals++);
+      setStatus("down", "busy; retrying in " + Math.round(wait / 1000) + "s");
+      retryTimer = setTimeout(connect, wait);
+    }
   };
 }
 
 setInterval(() => {
-  if (lastSnapshot && Date.now() - lastSnapshot > STALE_AFTER_MS && status.classList.contains("live")) {
-    setStatus("stale", "no update for " + Math.round((Date.now() - lastSnapshot) / 1000) + "s");
+  const stale = staleFor(Date.now());
+  if (lastSnapshot && stale > STALE_AFTER_MS && !status.classList.contains("down")) {
+    setStatus("stale", "no update for " + Math.round(stale / 1000) + "s");
   }
 }, 1000);
 

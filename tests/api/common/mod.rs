@@ -139,6 +139,7 @@ impl TestApp {
             sale_state_retention_secs: settings.sale_state_retention.as_secs(),
             cors_allowed_origins: settings.cors_allowed_origins,
             live_max_viewers: seckill::config::defaults::LIVE_MAX_VIEWERS,
+            live_max_sales: seckill::config::defaults::LIVE_MAX_SALES,
             limits: settings.limits,
             server: ServerArgs::default(),
         };
