@@ -185,3 +185,156 @@ fn scripts_dev_starts_private_servers_serves_and_ctrl_c_stops_everything_it_star
     assert!(!std::path::Path::new(dir).exists(), "{dir} left behind");
     let _ = std::fs::remove_file(&stderr_log);
 }
+
+/// A directory of the test's own, the script's `TMPDIR`: its private servers keep their
+/// data (and, for Redis, their working directory) under it.
+fn scratch_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("seckill-dev-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The processes whose working directory or command line names `dir` (a private Redis
+/// runs in its directory; a private Postgres is `postgres -D <dir>/...`).
+fn processes_under(dir: &std::path::Path) -> Vec<String> {
+    let dir = dir.to_string_lossy().to_string();
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let pid = entry.file_name().to_string_lossy().to_string();
+        if !pid.chars().all(|c| c.is_ascii_digit()) {
+            continue;
+        }
+        let cwd = std::fs::read_link(entry.path().join("cwd"))
+            .map(|p| p.to_string_lossy().to_string())
+            .unwrap_or_default();
+        let cmdline = std::fs::read(entry.path().join("cmdline"))
+            .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+            .unwrap_or_default();
+        if cwd.starts_with(&dir) || cmdline.contains(&dir) {
+            found.push(format!("{pid}: {cmdline} (in {cwd})"));
+        }
+    }
+    found
+}
+
+/// The processes under `dir`, once they are gone (a stopping server takes a moment), or
+/// those still there after 10 s.
+fn processes_left_under(dir: &std::path::Path) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = processes_under(dir);
+        if left.is_empty() || Instant::now() > deadline {
+            return left;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Starts the script on `bind` with dead ports as REDIS_URL and DATABASE_URL, `tmp` as
+/// its TMPDIR, standard error to `stderr_log`, in a process group of its own (so that a
+/// test can Ctrl-C it as a terminal would: the whole group).
+fn start_script(bind: &str, tmp: &std::path::Path, stderr_log: &std::path::Path) -> Script {
+    use std::os::unix::process::CommandExt;
+    let (dead_redis, dead_postgres) = (free_port(), free_port());
+    let child = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/dev"))
+        .env("SECKILL_BIN", BIN)
+        .env("REDIS_URL", format!("redis://127.0.0.1:{dead_redis}"))
+        .env(
+            "DATABASE_URL",
+            format!("postgres://postgres@127.0.0.1:{dead_postgres}/postgres"),
+        )
+        .env("BIND", bind)
+        .env("TMPDIR", tmp)
+        .env("RUST_LOG", "warn")
+        .env_remove("REDIS_KEY_PREFIX")
+        .env_remove("JWT_SECRET")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(stderr_log).unwrap())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    Script(child)
+}
+
+/// The exit code, once it exits within `limit`.
+fn exit_code_within(script: &mut Script, limit: Duration, log: &dyn Fn() -> String) -> Option<i32> {
+    assert!(
+        script.exits_within(limit),
+        "still running after {limit:?}:\n{}",
+        log()
+    );
+    script.0.try_wait().unwrap().unwrap().code()
+}
+
+#[test]
+fn scripts_dev_refuses_a_bind_address_already_in_use_and_leaves_nothing_running() {
+    // Something else holds BIND (the compose stack on 8080, say): it accepts connections
+    // and never answers, so a /readyz against it must not pass for ours.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let bind = taken.local_addr().unwrap().to_string();
+    let tmp = scratch_dir("bind-in-use");
+    let stderr_log = tmp.with_extension("log");
+    let log = || std::fs::read_to_string(&stderr_log).unwrap_or_default();
+    let mut script = start_script(&bind, &tmp, &stderr_log);
+
+    let code = exit_code_within(&mut script, Duration::from_secs(60), &log);
+    let said = log();
+    assert_eq!(code, Some(1), "{said}");
+    assert!(said.contains(&format!("BIND {bind} is in use")), "{said}");
+    assert!(!said.contains("starting a private"), "{said}");
+    assert!(!said.contains("panicked"), "{said}");
+    assert_eq!(processes_left_under(&tmp), Vec::<String>::new(), "{said}");
+    let left: Vec<_> = std::fs::read_dir(&tmp).unwrap().flatten().collect();
+    assert!(
+        left.is_empty(),
+        "left behind in {}: {left:?}",
+        tmp.display()
+    );
+    let _ = std::fs::remove_dir_all(&tmp);
+    let _ = std::fs::remove_file(&stderr_log);
+}
+
+#[test]
+fn ctrl_c_while_the_private_postgres_starts_stops_it_and_leaves_nothing_running() {
+    let tmp = scratch_dir("interrupted");
+    let stderr_log = tmp.with_extension("log");
+    let log = || std::fs::read_to_string(&stderr_log).unwrap_or_default();
+    let bind = format!("127.0.0.1:{}", free_port());
+    let mut script = start_script(&bind, &tmp, &stderr_log);
+
+    // SIGINT to the script alone (as `kill -INT` would; a terminal's Ctrl-C also reaches
+    // pg_ctl, and a postmaster in the same group would stop by itself) as soon as the
+    // script says Postgres is starting: pg_ctl is then still waiting for it, and the
+    // postmaster runs in a session of its own.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !log().contains("starting a private Postgres") {
+        assert!(
+            Instant::now() < deadline,
+            "no 'starting a private Postgres' within 120 s:\n{}",
+            log()
+        );
+        assert!(
+            matches!(script.0.try_wait(), Ok(None)),
+            "exited before starting Postgres:\n{}",
+            log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    script.interrupt();
+
+    let code = exit_code_within(&mut script, Duration::from_secs(60), &log);
+    let said = log();
+    assert_eq!(code, Some(130), "{said}");
+    assert!(!said.contains("seckill is up"), "{said}");
+    assert_eq!(processes_left_under(&tmp), Vec::<String>::new(), "{said}");
+    let left: Vec<_> = std::fs::read_dir(&tmp).unwrap().flatten().collect();
+    assert!(
+        left.is_empty(),
+        "left behind in {}: {left:?}",
+        tmp.display()
+    );
+    let _ = std::fs::remove_dir_all(&tmp);
+    let _ = std::fs::remove_file(&stderr_log);
+}
