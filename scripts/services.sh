@@ -128,7 +128,7 @@ start_redis() {
   [ -n "$port" ] || port=$(spare_port 63800) || exit 1
   export REDIS_URL="redis://127.0.0.1:$port"
   # A fixed port may already have this directory's server from an earlier run.
-  if redis_answers; then return 0; fi
+  if [ -n "${1:-}" ] && redis_answers; then return 0; fi
   mkdir -p "$RUN_DIR"
   log "starting a private Redis on 127.0.0.1:$port"
   # Marked before it starts: an interrupt from here on must stop it.
@@ -140,6 +140,14 @@ start_redis() {
       # Ours, not another one that took the port since spare_port looked.
       [ "$(timeout 5 redis-cli -p "$port" config get dir 2>/dev/null | tail -n 1)" = "$(cd "$RUN_DIR" && pwd -P)" ] && return 0
       STARTED_REDIS_PORT=""
+      # A spare port taken meanwhile (another run starting at the same moment): the next
+      # spare one, a few times.
+      if [ -z "${1:-}" ] && [ "${redis_start_tries:-0}" -lt 3 ]; then
+        redis_start_tries=$((${redis_start_tries:-0} + 1))
+        log "127.0.0.1:$port was taken by another Redis while this one started; trying the next port"
+        start_redis
+        return
+      fi
       log "127.0.0.1:$port was taken by another Redis while this one started; try again"
       exit 1
     fi

@@ -235,15 +235,29 @@ fn processes_left_under(dir: &std::path::Path) -> Vec<String> {
 /// its TMPDIR, standard error to `stderr_log`, in a process group of its own (so that a
 /// test can Ctrl-C it as a terminal would: the whole group).
 fn start_script(bind: &str, tmp: &std::path::Path, stderr_log: &std::path::Path) -> Script {
-    use std::os::unix::process::CommandExt;
     let (dead_redis, dead_postgres) = (free_port(), free_port());
+    start_script_with(
+        bind,
+        tmp,
+        stderr_log,
+        &format!("redis://127.0.0.1:{dead_redis}"),
+        &format!("postgres://postgres@127.0.0.1:{dead_postgres}/postgres"),
+    )
+}
+
+/// [`start_script`] with these REDIS_URL and DATABASE_URL.
+fn start_script_with(
+    bind: &str,
+    tmp: &std::path::Path,
+    stderr_log: &std::path::Path,
+    redis_url: &str,
+    database_url: &str,
+) -> Script {
+    use std::os::unix::process::CommandExt;
     let child = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/dev"))
         .env("SECKILL_BIN", BIN)
-        .env("REDIS_URL", format!("redis://127.0.0.1:{dead_redis}"))
-        .env(
-            "DATABASE_URL",
-            format!("postgres://postgres@127.0.0.1:{dead_postgres}/postgres"),
-        )
+        .env("REDIS_URL", redis_url)
+        .env("DATABASE_URL", database_url)
         .env("BIND", bind)
         .env("TMPDIR", tmp)
         .env("RUST_LOG", "warn")
@@ -335,6 +349,97 @@ fn ctrl_c_while_the_private_postgres_starts_stops_it_and_leaves_nothing_running(
         "left behind in {}: {left:?}",
         tmp.display()
     );
+    let _ = std::fs::remove_dir_all(&tmp);
+    let _ = std::fs::remove_file(&stderr_log);
+}
+
+#[test]
+fn scripts_dev_stops_with_the_refusal_when_a_server_you_named_answers_but_refuses_it() {
+    let bind = format!("127.0.0.1:{}", free_port());
+
+    // A Redis that wants a password, named in REDIS_URL without one.
+    let port = free_port();
+    let redis_dir = scratch_dir("redis-password");
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let redis = Command::new("redis-server")
+        .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
+        .args([
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--requirepass",
+            "sekrit",
+        ])
+        .arg("--dir")
+        .arg(&redis_dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("redis-server on PATH");
+    let redis = Killed(redis);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !port_open(port) {
+        assert!(Instant::now() < deadline, "the test's Redis did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let tmp = scratch_dir("redis-refuses");
+    let stderr_log = tmp.with_extension("log");
+    let log = || std::fs::read_to_string(&stderr_log).unwrap_or_default();
+    let dead_postgres = free_port();
+    let mut script = start_script_with(
+        &bind,
+        &tmp,
+        &stderr_log,
+        &format!("redis://127.0.0.1:{port}"),
+        &format!("postgres://postgres@127.0.0.1:{dead_postgres}/postgres"),
+    );
+    let code = exit_code_within(&mut script, Duration::from_secs(60), &log);
+    drop(redis);
+    let _ = std::fs::remove_dir_all(&redis_dir);
+    let said = log();
+    assert_eq!(code, Some(1), "{said}");
+    assert!(said.contains("answers but refuses us: NOAUTH"), "{said}");
+    assert!(said.contains("fix REDIS_URL"), "{said}");
+    assert!(!said.contains("starting a private"), "{said}");
+    assert!(std::fs::read_dir(&tmp).unwrap().next().is_none(), "{said}");
+
+    // A Postgres that refuses the role named in DATABASE_URL (a private Redis is started
+    // first, and must be stopped again).
+    let server = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let host_port = server
+        .split('@')
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or("127.0.0.1:5432")
+        .to_string();
+    let dead_redis = free_port();
+    let mut script = start_script_with(
+        &bind,
+        &tmp,
+        &stderr_log,
+        &format!("redis://127.0.0.1:{dead_redis}"),
+        &format!("postgres://no_such_role_seckill:pw@{host_port}/postgres"),
+    );
+    let code = exit_code_within(&mut script, Duration::from_secs(60), &log);
+    let said = log();
+    assert_eq!(code, Some(1), "{said}");
+    assert!(said.contains("answers but refuses us: "), "{said}");
+    assert!(said.contains("no_such_role_seckill"), "{said}");
+    assert!(said.contains("fix DATABASE_URL"), "{said}");
+    // Its password is not printed.
+    assert!(!said.contains(":pw@"), "{said}");
+    assert!(said.contains("starting a private Redis"), "{said}");
+    assert!(!said.contains("starting a private Postgres"), "{said}");
+    assert_eq!(processes_left_under(&tmp), Vec::<String>::new(), "{said}");
+    assert!(std::fs::read_dir(&tmp).unwrap().next().is_none(), "{said}");
     let _ = std::fs::remove_dir_all(&tmp);
     let _ = std::fs::remove_file(&stderr_log);
 }
