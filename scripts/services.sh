@@ -169,7 +169,7 @@ start_postgres() {
   if [ "$(id -u)" = 0 ]; then run=(runuser -u postgres --); chown postgres "$RUN_DIR"; fi
   export DATABASE_URL="postgres://postgres@127.0.0.1:$port/postgres"
   # A fixed port may already have this directory's cluster from an earlier run.
-  if postgres_answers; then return 0; fi
+  if [ -n "${1:-}" ] && postgres_answers; then return 0; fi
   if [ ! -s "$data/PG_VERSION" ]; then
     log "creating a private Postgres cluster in $data"
     "${run[@]}" "$bin/initdb" -D "$data" -U postgres -A trust >/dev/null
@@ -181,6 +181,15 @@ start_postgres() {
   if ! "${run[@]}" "$bin/pg_ctl" -D "$data" -l "$RUN_DIR/postgres.log" -w \
     -o "-p $port -k $RUN_DIR -c listen_addresses=127.0.0.1 -c max_connections=300 -c fsync=off" start >/dev/null ||
     ! postgres_answers; then
+    # A spare port taken meanwhile (another run starting at the same moment): the next
+    # spare one, a few times.
+    if [ -z "${1:-}" ] && [ "${postgres_start_tries:-0}" -lt 3 ] &&
+      tail -n 20 "$RUN_DIR/postgres.log" 2>/dev/null | grep -q 'Address already in use'; then
+      postgres_start_tries=$((${postgres_start_tries:-0} + 1))
+      log "127.0.0.1:$port was taken while this Postgres started; trying the next port"
+      start_postgres
+      return
+    fi
     log "Postgres did not start; the end of $RUN_DIR/postgres.log:"
     tail -n 20 "$RUN_DIR/postgres.log" >&2 2>/dev/null || true
     exit 1
