@@ -209,3 +209,50 @@ async fn a_server_that_disappears_mid_demo_is_a_failure_exit_1_with_the_table_no
     assert!(stdout.contains("stock_left"), "{stdout}");
     assert!(stderr.contains("is the server still running?"), "{stderr}");
 }
+
+#[sqlx::test(migrations = false)]
+async fn a_demo_whose_every_press_is_rate_limited_warns_and_exits_1(db: PgPool) {
+    let app = TestApp::spawn(db.clone()).await;
+    // One grab a second per shopper, no burst beyond it.
+    let (_server, base) = app
+        .spawn_server(
+            "serve",
+            &[
+                ("RATE_LIMIT_PER_USER", "1".to_string()),
+                ("RATE_LIMIT_PER_USER_BURST", "1".to_string()),
+            ],
+        )
+        .await;
+    let voucher = app.open_sale(10).await;
+    // The demo's three shoppers have each just pressed: their next second's grab is used.
+    for user in 500..503 {
+        let status = app
+            .client
+            .post(format!("{base}/vouchers/{voucher}/seckill"))
+            .bearer_auth(app.token(user))
+            .send()
+            .await
+            .unwrap()
+            .status();
+        assert_eq!(status.as_u16(), 202);
+    }
+    let (code, stdout, stderr) = demo(
+        &base,
+        &[
+            "--voucher",
+            &voucher.to_string(),
+            "--shoppers",
+            "3",
+            "--first-user",
+            "500",
+            "--seconds",
+            "0",
+        ],
+    )
+    .await;
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let (_, t) = parse(&stdout);
+    assert_eq!((t["rate_limited"], t["total"]), (3, 3), "{stdout}");
+    assert!(stderr.contains("every press was rate_limited"), "{stderr}");
+    assert_eq!(code, Some(1), "{stdout}\n{stderr}");
+}
