@@ -242,19 +242,23 @@ fn start_script(bind: &str, tmp: &std::path::Path, stderr_log: &std::path::Path)
         stderr_log,
         &format!("redis://127.0.0.1:{dead_redis}"),
         &format!("postgres://postgres@127.0.0.1:{dead_postgres}/postgres"),
+        &[],
     )
 }
 
-/// [`start_script`] with these REDIS_URL and DATABASE_URL.
+/// [`start_script`] with these REDIS_URL and DATABASE_URL and more variables (its
+/// standard output goes to `stderr_log` too).
 fn start_script_with(
     bind: &str,
     tmp: &std::path::Path,
     stderr_log: &std::path::Path,
     redis_url: &str,
     database_url: &str,
+    more: &[(&str, &str)],
 ) -> Script {
     use std::os::unix::process::CommandExt;
-    let child = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/dev"))
+    let mut child = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/dev"));
+    child
         .env("SECKILL_BIN", BIN)
         .env("REDIS_URL", redis_url)
         .env("DATABASE_URL", database_url)
@@ -263,9 +267,12 @@ fn start_script_with(
         .env("RUST_LOG", "warn")
         .env_remove("REDIS_KEY_PREFIX")
         .env_remove("JWT_SECRET")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(stderr_log).unwrap())
+        .envs(more.iter().copied())
+        .stdin(Stdio::null());
+    let log = std::fs::File::create(stderr_log).unwrap();
+    let child = child
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
         .process_group(0)
         .spawn()
         .unwrap();
@@ -399,6 +406,7 @@ fn scripts_dev_stops_with_the_refusal_when_a_server_you_named_answers_but_refuse
         &stderr_log,
         &format!("redis://127.0.0.1:{port}"),
         &format!("postgres://postgres@127.0.0.1:{dead_postgres}/postgres"),
+        &[],
     );
     let code = exit_code_within(&mut script, Duration::from_secs(60), &log);
     drop(redis);
@@ -427,6 +435,7 @@ fn scripts_dev_stops_with_the_refusal_when_a_server_you_named_answers_but_refuse
         &stderr_log,
         &format!("redis://127.0.0.1:{dead_redis}"),
         &format!("postgres://no_such_role_seckill:pw@{host_port}/postgres"),
+        &[],
     );
     let code = exit_code_within(&mut script, Duration::from_secs(60), &log);
     let said = log();
@@ -440,6 +449,140 @@ fn scripts_dev_stops_with_the_refusal_when_a_server_you_named_answers_but_refuse
     assert!(!said.contains("starting a private Postgres"), "{said}");
     assert_eq!(processes_left_under(&tmp), Vec::<String>::new(), "{said}");
     assert!(std::fs::read_dir(&tmp).unwrap().next().is_none(), "{said}");
+    let _ = std::fs::remove_dir_all(&tmp);
+    let _ = std::fs::remove_file(&stderr_log);
+}
+
+#[test]
+fn scripts_dev_says_to_install_rust_with_rustup_when_cargo_is_missing_or_too_old() {
+    let tmp = scratch_dir("rust-check");
+    let bin = tmp.with_extension("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let stderr_log = tmp.with_extension("log");
+    // Bounded: a script that went on past the check would serve until interrupted.
+    let run = |path: &str| {
+        let child = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/dev"))
+            .env("PATH", path)
+            .env("TMPDIR", &tmp)
+            .env("BIND", format!("127.0.0.1:{}", free_port()))
+            .env_remove("SECKILL_BIN")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&stderr_log).unwrap())
+            .spawn()
+            .unwrap();
+        let mut script = Script(child);
+        let log = || std::fs::read_to_string(&stderr_log).unwrap_or_default();
+        let code = exit_code_within(&mut script, Duration::from_secs(30), &log);
+        (code, log())
+    };
+    let want = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("rust-version = "))
+        .unwrap()
+        .trim_matches('"')
+        .to_string();
+
+    // No cargo at all.
+    let (code, said) = run("/usr/bin:/bin");
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.contains(&format!("install Rust >= {want} with rustup")),
+        "{said}"
+    );
+
+    // A cargo and rustc older than Cargo.toml's rust-version.
+    for tool in ["cargo", "rustc"] {
+        let path = bin.join(tool);
+        std::fs::write(
+            &path,
+            format!("#!/bin/sh\necho '{tool} 1.70.0 (90c541806 2023-05-31)'\n"),
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let (code, said) = run(&format!("{}:/usr/bin:/bin", bin.display()));
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.contains(&format!(
+            "rustc 1.70.0 is older than Cargo.toml's rust-version {want}: rustup update"
+        )),
+        "{said}"
+    );
+    assert!(!said.contains("starting a private"), "{said}");
+    assert!(std::fs::read_dir(&tmp).unwrap().next().is_none(), "{said}");
+    let _ = std::fs::remove_dir_all(&tmp);
+    let _ = std::fs::remove_dir_all(&bin);
+    let _ = std::fs::remove_file(&stderr_log);
+}
+
+#[test]
+fn your_redis_key_prefix_gets_the_runs_own_suffix_beside_a_private_postgres() {
+    // Your Redis (the one the tests use), a private Postgres: REDIS_KEY_PREFIX of yours
+    // still gets this run's suffix, and its keys are deleted at exit.
+    let redis_url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let tmp = scratch_dir("prefix");
+    let stderr_log = tmp.with_extension("log");
+    let log = || std::fs::read_to_string(&stderr_log).unwrap_or_default();
+    let dead_postgres = free_port();
+    let mut script = start_script_with(
+        &format!("127.0.0.1:{}", free_port()),
+        &tmp,
+        &stderr_log,
+        &redis_url,
+        &format!("postgres://postgres@127.0.0.1:{dead_postgres}/postgres"),
+        &[("REDIS_KEY_PREFIX", "devtest-mine:")],
+    );
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !log().contains("Ctrl-C stops") {
+        assert!(
+            Instant::now() < deadline,
+            "no banner within 120 s:\n{}",
+            log()
+        );
+        assert!(
+            matches!(script.0.try_wait(), Ok(None)),
+            "exited:\n{}",
+            log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let said = log();
+    let redis_line = said
+        .lines()
+        .find(|l| l.trim_start().starts_with("Redis "))
+        .unwrap_or_else(|| panic!("no Redis line:\n{said}"));
+    assert!(
+        redis_line.contains("(yours, keys under devtest-mine:dev-"),
+        "{redis_line}"
+    );
+    script.interrupt();
+    let code = exit_code_within(&mut script, Duration::from_secs(60), &log);
+    assert_eq!(code, Some(130), "{}", log());
+    assert_eq!(
+        processes_left_under(&tmp),
+        Vec::<String>::new(),
+        "{}",
+        log()
+    );
+    let left = Command::new("redis-cli")
+        .args([
+            "-u",
+            &redis_url,
+            "--scan",
+            "--pattern",
+            "devtest-mine:dev-*",
+        ])
+        .output()
+        .unwrap();
+    assert!(left.status.success(), "{left:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&left.stdout).trim(),
+        "",
+        "keys left"
+    );
     let _ = std::fs::remove_dir_all(&tmp);
     let _ = std::fs::remove_file(&stderr_log);
 }
