@@ -8,6 +8,9 @@
 #   start_postgres [PORT]    # without PORT: the first spare one from 54340 up
 #   stop_private_services    # stops the private servers this shell started
 
+# Whether the caller chose the servers (a server there that refuses us is then an error).
+REDIS_URL_GIVEN="${REDIS_URL:+1}"
+DATABASE_URL_GIVEN="${DATABASE_URL:+1}"
 export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379}"
 export DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
 export DEBIAN_FRONTEND=noninteractive
@@ -35,8 +38,75 @@ ensure_packages() {
   as_root apt-get install -y -qq "${missing[@]}" >/dev/null
 }
 
-redis_answers() { command -v redis-cli >/dev/null && [ "$(redis-cli -u "$REDIS_URL" ping 2>/dev/null)" = PONG ]; }
-postgres_answers() { command -v psql >/dev/null && psql "$DATABASE_URL" -Atqc 'select 1' >/dev/null 2>&1; }
+# The probes never wait for long (a server that does not answer, or psql asking for a
+# password on the terminal, would hang the script): psql runs with -w (never prompt) and
+# PGCONNECT_TIMEOUT, redis-cli under `timeout`. Only the client tools are installed for
+# them; a server package only when a private server is needed.
+redis_answers() {
+  command -v redis-cli >/dev/null || ensure_packages redis-tools
+  [ "$(timeout 5 redis-cli -u "$REDIS_URL" ping 2>/dev/null)" = PONG ]
+}
+postgres_answers() {
+  command -v psql >/dev/null || ensure_packages postgresql-client
+  PGCONNECT_TIMEOUT=3 timeout 10 psql -w "$DATABASE_URL" -Atqc 'select 1' >/dev/null 2>&1
+}
+
+# Why the server at REDIS_URL / DATABASE_URL is not usable, for the message: "" when
+# nothing answers there, else what it said (it answers but refuses us: a password it
+# wants, a wrong one, an unknown role or database).
+redis_refusal() {
+  local said
+  said=$(timeout 5 redis-cli -u "$REDIS_URL" ping 2>&1 | grep -v '^Warning:' | head -n 1) || true
+  case "$said" in "" | *"Could not connect"* | *"Connection refused"*) echo "" ;; *) echo "$said" ;; esac
+}
+postgres_refusal() {
+  # pg_isready does not log in: it tells a server that answers from none.
+  PGCONNECT_TIMEOUT=3 timeout 10 pg_isready -q -d "$DATABASE_URL" >/dev/null 2>&1 || return 0
+  PGCONNECT_TIMEOUT=3 timeout 10 psql -w "$DATABASE_URL" -Atqc 'select 1' 2>&1 >/dev/null |
+    grep -v '^$' | tail -n 1 || true
+}
+
+# A URL as it may be printed: its password (user:PASSWORD@ or ?password=) masked.
+mask_url() {
+  printf '%s\n' "$1" | sed -e 's#^\([A-Za-z][A-Za-z0-9+.-]*://[^:/@]*\):[^@/]*@#\1:***@#' \
+    -e 's#\([?&]password=\)[^&]*#\1***#g'
+}
+
+# Uses the Redis at REDIS_URL when it answers, else starts a private one (start_redis
+# with these arguments) and sets redis_private=1. A server that answers but refuses us
+# (auth) is not used: a private one is started instead, saying so, unless the caller set
+# REDIS_URL (they asked for that server: a clear error then). Likewise for Postgres.
+redis_private="" postgres_private=""
+use_or_start_redis() {
+  redis_answers && return 0
+  local refused
+  refused=$(redis_refusal)
+  if [ -n "$refused" ]; then
+    if [ -n "$REDIS_URL_GIVEN" ]; then
+      log "the Redis at $(mask_url "$REDIS_URL") answers but refuses us: $refused"
+      log "fix REDIS_URL (its password?), or unset it to use a private Redis"
+      exit 1
+    fi
+    log "the Redis at $(mask_url "$REDIS_URL") answers but refuses us ($refused): starting a private one (set REDIS_URL to use yours)"
+  fi
+  start_redis "$@"
+  redis_private=1
+}
+use_or_start_postgres() {
+  postgres_answers && return 0
+  local refused
+  refused=$(postgres_refusal)
+  if [ -n "$refused" ]; then
+    if [ -n "$DATABASE_URL_GIVEN" ]; then
+      log "the Postgres at $(mask_url "$DATABASE_URL") answers but refuses us: $refused"
+      log "fix DATABASE_URL (its password? PGPASSWORD and ~/.pgpass work too), or unset it to use a private Postgres"
+      exit 1
+    fi
+    log "the Postgres at $(mask_url "$DATABASE_URL") answers but refuses us ($refused): starting a private one (set DATABASE_URL to use yours)"
+  fi
+  start_postgres "$@"
+  postgres_private=1
+}
 
 # Whether something accepts connections on 127.0.0.1:PORT.
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
@@ -58,16 +128,34 @@ start_redis() {
   [ -n "$port" ] || port=$(spare_port 63800) || exit 1
   export REDIS_URL="redis://127.0.0.1:$port"
   # A fixed port may already have this directory's server from an earlier run.
-  if redis_answers; then return 0; fi
+  if [ -n "${1:-}" ] && redis_answers; then return 0; fi
   mkdir -p "$RUN_DIR"
   log "starting a private Redis on 127.0.0.1:$port"
+  # Marked before it starts: an interrupt from here on must stop it.
+  STARTED_REDIS_PORT=$port
   redis-server --daemonize yes --bind 127.0.0.1 --port "$port" --save "" --appendonly no \
     --dir "$RUN_DIR" --logfile "$RUN_DIR/redis-$port.log" --pidfile "$RUN_DIR/redis-$port.pid"
   for _ in $(seq 50); do
-    if redis_answers; then STARTED_REDIS_PORT=$port; return 0; fi
+    if redis_answers; then
+      # Ours, not another one that took the port since spare_port looked.
+      [ "$(timeout 5 redis-cli -p "$port" config get dir 2>/dev/null | tail -n 1)" = "$(cd "$RUN_DIR" && pwd -P)" ] && return 0
+      STARTED_REDIS_PORT=""
+      # A spare port taken meanwhile (another run starting at the same moment): the next
+      # spare one, a few times.
+      if [ -z "${1:-}" ] && [ "${redis_start_tries:-0}" -lt 3 ]; then
+        redis_start_tries=$((${redis_start_tries:-0} + 1))
+        log "127.0.0.1:$port was taken by another Redis while this one started; trying the next port"
+        start_redis
+        return
+      fi
+      log "127.0.0.1:$port was taken by another Redis while this one started; try again"
+      exit 1
+    fi
     sleep 0.1
   done
-  log "Redis did not start; see $RUN_DIR/redis-$port.log"; exit 1
+  log "Redis did not start; the end of $RUN_DIR/redis-$port.log:"
+  tail -n 20 "$RUN_DIR/redis-$port.log" >&2 2>/dev/null || true
+  exit 1
 }
 
 start_postgres() {
@@ -81,29 +169,57 @@ start_postgres() {
   if [ "$(id -u)" = 0 ]; then run=(runuser -u postgres --); chown postgres "$RUN_DIR"; fi
   export DATABASE_URL="postgres://postgres@127.0.0.1:$port/postgres"
   # A fixed port may already have this directory's cluster from an earlier run.
-  if postgres_answers; then return 0; fi
+  if [ -n "${1:-}" ] && postgres_answers; then return 0; fi
   if [ ! -s "$data/PG_VERSION" ]; then
     log "creating a private Postgres cluster in $data"
     "${run[@]}" "$bin/initdb" -D "$data" -U postgres -A trust >/dev/null
   fi
   log "starting a private Postgres on 127.0.0.1:$port"
-  "${run[@]}" "$bin/pg_ctl" -D "$data" -l "$RUN_DIR/postgres.log" -w \
-    -o "-p $port -k $RUN_DIR -c listen_addresses=127.0.0.1 -c max_connections=300 -c fsync=off" start >/dev/null
-  postgres_answers || { log "Postgres did not start; see $RUN_DIR/postgres.log"; exit 1; }
+  # Marked before it starts: an interrupt during pg_ctl's wait must still stop the
+  # postmaster (it runs in a session of its own), whose data directory goes at exit.
   STARTED_POSTGRES_DATA=$data
+  if ! "${run[@]}" "$bin/pg_ctl" -D "$data" -l "$RUN_DIR/postgres.log" -w \
+    -o "-p $port -k $RUN_DIR -c listen_addresses=127.0.0.1 -c max_connections=300 -c fsync=off" start >/dev/null ||
+    ! postgres_answers; then
+    # A spare port taken meanwhile (another run starting at the same moment): the next
+    # spare one, a few times.
+    if [ -z "${1:-}" ] && [ "${postgres_start_tries:-0}" -lt 3 ] &&
+      tail -n 20 "$RUN_DIR/postgres.log" 2>/dev/null | grep -q 'Address already in use'; then
+      postgres_start_tries=$((${postgres_start_tries:-0} + 1))
+      log "127.0.0.1:$port was taken while this Postgres started; trying the next port"
+      start_postgres
+      return
+    fi
+    log "Postgres did not start; the end of $RUN_DIR/postgres.log:"
+    tail -n 20 "$RUN_DIR/postgres.log" >&2 2>/dev/null || true
+    exit 1
+  fi
 }
 
 # Stops the private servers this shell started (not the ones it found running).
 stop_private_services() {
   if [ -n "$STARTED_REDIS_PORT" ]; then
-    redis-cli -p "$STARTED_REDIS_PORT" shutdown nosave >/dev/null 2>&1 || true
+    local pidfile="$RUN_DIR/redis-$STARTED_REDIS_PORT.pid" pid=""
+    timeout 5 redis-cli -p "$STARTED_REDIS_PORT" shutdown nosave >/dev/null 2>&1 || true
+    # Interrupted while it started, it may not have answered yet: its pid file tells.
+    [ -s "$pidfile" ] && pid=$(cat "$pidfile" 2>/dev/null)
+    if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
+      kill -TERM "$pid" 2>/dev/null || true
+      for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    fi
     STARTED_REDIS_PORT=""
   fi
   if [ -n "$STARTED_POSTGRES_DATA" ]; then
     local bin run=()
     bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n 1)
     [ "$(id -u)" = 0 ] && run=(runuser -u postgres --)
-    "${run[@]}" "$bin/pg_ctl" -D "$STARTED_POSTGRES_DATA" -m fast -w stop >/dev/null 2>&1 || true
+    # Not running (interrupted before it started) is fine; just started, it may not
+    # have written its pid file yet: a few tries.
+    for _ in 1 2 3 4 5; do
+      "${run[@]}" "$bin/pg_ctl" -D "$STARTED_POSTGRES_DATA" -m fast -w stop >/dev/null 2>&1 && break
+      [ -e "$STARTED_POSTGRES_DATA/postmaster.pid" ] || sleep 0.2
+      [ -e "$STARTED_POSTGRES_DATA/postmaster.pid" ] || break
+    done
     STARTED_POSTGRES_DATA=""
   fi
 }
@@ -114,9 +230,9 @@ ensure_services() {
   # The TLS tests make their certificates with openssl and start a Postgres of their own
   # (initdb, as the postgres account when run as root) and TLS-only redis-servers.
   ensure_packages openssl postgresql redis-server redis-tools
-  redis_answers || start_redis 63790
-  postgres_answers || start_postgres 54329
+  use_or_start_redis 63790
+  use_or_start_postgres 54329
   # Left running on purpose: scripts/test and load/* reuse them next time.
   STARTED_REDIS_PORT="" STARTED_POSTGRES_DATA=""
-  log "Redis at $REDIS_URL, Postgres at $DATABASE_URL"
+  log "Redis at $(mask_url "$REDIS_URL"), Postgres at $(mask_url "$DATABASE_URL")"
 }

@@ -224,13 +224,24 @@ fn message(status: StatusCode, body: &Value) -> String {
     }
 }
 
-struct Api {
+/// How long each admin token the demo mints lives: one is minted for every admin call,
+/// so a long run (or a long wait for Postgres) never meets an expired one.
+const ADMIN_TOKEN_TTL: u64 = 600;
+
+struct Api<'k> {
     http: Client,
     base: String,
-    admin: String,
+    keys: &'k JwtKeys,
 }
 
-impl Api {
+impl Api<'_> {
+    /// A fresh admin token.
+    fn admin(&self) -> anyhow::Result<String> {
+        self.keys
+            .mint(ADMIN_USER, true, ADMIN_TOKEN_TTL)
+            .context("minting the admin token")
+    }
+
     /// Opens a sale of `stock` now, lasting past the demo, and returns its voucher id.
     async fn open_sale(&self, stock: u64, lasts: Duration) -> anyhow::Result<i64> {
         let now = chrono::Utc::now();
@@ -245,7 +256,7 @@ impl Api {
         let resp = self
             .http
             .post(format!("{}/vouchers", self.base))
-            .bearer_auth(&self.admin)
+            .bearer_auth(self.admin()?)
             .json(&body)
             .send()
             .await
@@ -310,7 +321,7 @@ impl Api {
             let resp = self
                 .http
                 .get(url)
-                .bearer_auth(&self.admin)
+                .bearer_auth(self.admin()?)
                 .send()
                 .await
                 .context("listing the sale's orders")?;
@@ -352,15 +363,15 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         .ok_or_else(|| anyhow::anyhow!("--first-user plus --shoppers overflows a user id"))?;
     let spread = Duration::from_secs_f64(args.seconds);
     let persist_timeout = Duration::from_secs(args.persist_timeout);
-    // Tokens outlive the whole run, waiting included.
-    let ttl = (spread + persist_timeout).as_secs() + 600;
+    // A shopper's token is minted just before its press; it outlives the press's wait.
+    let ttl = 600;
     let concurrency = args.concurrency as usize;
     let api = Api {
         http: Client::builder()
             .timeout(Duration::from_secs(10))
             .pool_max_idle_per_host(concurrency)
             .build()?,
-        admin: keys.mint(ADMIN_USER, true, ttl)?,
+        keys: &keys,
         base,
     };
 
@@ -430,31 +441,51 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
             ids.len()
         );
     }
+    // The listing is retried until the deadline (a 503 while the server is busy, a
+    // timeout, a restart): the grabs are over, so a failure here is the demo's outcome
+    // (exit 1, with what is known), not bad input.
     let deadline = grabbed_at + persist_timeout;
-    let persisted = loop {
-        let found = if ids.is_empty() {
-            0
-        } else {
-            api.persisted(voucher, &ids).await?
-        };
-        if found == ids.len() || Instant::now() >= deadline {
-            break found;
+    let mut persisted = 0;
+    let mut last_error: Option<String> = None;
+    while !ids.is_empty() {
+        match api.persisted(voucher, &ids).await {
+            Ok(found) => {
+                persisted = found;
+                last_error = None;
+            }
+            Err(e) => last_error = Some(format!("{e:#}")),
+        }
+        if persisted == ids.len() || Instant::now() >= deadline {
+            break;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    }
     println!();
     println!(
-        "{:<16} {persisted:>9}   of {} admitted, in Postgres {:.1} s after the last answer",
+        "{:<16} {persisted:>9}   of {} admitted, in Postgres {:.1} s after the last answer{}",
         "persisted",
         ids.len(),
-        grabbed_at.elapsed().as_secs_f64()
+        grabbed_at.elapsed().as_secs_f64(),
+        if last_error.is_some() {
+            " (at least: the last listing failed)"
+        } else {
+            ""
+        }
     );
-    if let Ok(Some(left)) = api.sale_stock(voucher).await {
-        println!("{:<16} {left:>9}", "stock_left");
+    match api.sale_stock(voucher).await {
+        Ok(Some(left)) => println!("{:<16} {left:>9}", "stock_left"),
+        Ok(None) => {}
+        Err(e) => println!("{:<16} {:>9}   ({e:#})", "stock_left", "unknown"),
     }
 
     let mut ok = true;
-    if persisted < ids.len() {
+    if let Some(e) = &last_error {
+        eprintln!(
+            "demo: cannot read the sale's orders back after {} s (the last try: {e}): is the server still running?",
+            args.persist_timeout
+        );
+        ok = false;
+    } else if persisted < ids.len() {
         eprintln!(
             "demo: {} admitted orders are not in Postgres after {} s: is a worker running?",
             ids.len() - persisted,
@@ -466,6 +497,14 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         eprintln!(
             "demo: {} grabs had no expected answer (see the errors above)",
             tally.error_count()
+        );
+        ok = false;
+    }
+    if tally.rate_limited == tally.total() {
+        eprintln!(
+            "demo: every press was rate_limited: the server's per-IP limit (RATE_LIMIT_PER_IP) \
+             or its per-user limit (an earlier run's shoppers: try another --first-user) \
+             refused them all, so this demo showed nothing of the sale"
         );
         ok = false;
     }

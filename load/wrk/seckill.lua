@@ -8,25 +8,40 @@
 -- one address). The per-user limit may stay on: a user comes round again only after the
 -- whole file (100,000 users at 50,000 requests/s: every 2 s, under 5 grabs/s).
 --
--- TOKENS_FILE holds one bearer token per line (`seckill token --user 1 --count 100000`).
--- The last argument repeats wrk's thread count (-t): thread k takes tokens k, k+T, k+2T...,
--- so no two requests share a user until the file wraps.
+-- TOKENS_FILE holds one bearer token per line (`target/debug/seckill token --user 1
+-- --count 100000`; `seckill` is not on PATH after scripts/dev).
+-- The last argument, THREADS, must repeat wrk's thread count (-t): thread k takes tokens
+-- k, k+T, k+2T..., so no two requests share a user until the file wraps. wrk tells a
+-- script neither -t nor, before a thread's init runs, how many threads there will be
+-- (each thread starts before the next one is set up), so the script cannot count them
+-- itself in time; it requires THREADS and, at the end, checks it against the threads
+-- setup() counted: a mismatch (users shared between threads, or tokens never sent) is
+-- reported and wrk exits 1.
 -- wrk reports answers outside 2xx as "Non-2xx or 3xx responses"; every 2xx answer of
 -- this route is a 202. (No response() callback: it would make wrk parse every answer
 -- into Lua, and wrk shares the machine with the service.)
 
+local usage = "usage: wrk -tT ... -s load/wrk/seckill.lua URL -- VOUCHER_ID TOKENS_FILE T"
 local next_id = 0
+local threads = {}
 
 function setup(thread)
   thread:set("thread_id", next_id)
   next_id = next_id + 1
+  threads[#threads + 1] = thread
 end
 
 function init(args)
-  local voucher = args[1] or error("usage: -- VOUCHER_ID TOKENS_FILE THREADS")
-  local path = args[2] or error("usage: -- VOUCHER_ID TOKENS_FILE THREADS")
-  local total_threads = tonumber(args[3] or "1")
+  local voucher = args[1] or error(usage)
+  local path = args[2] or error(usage)
+  total_threads = tonumber(args[3] or "")
+  if not total_threads or total_threads < 1 or total_threads % 1 ~= 0 then
+    error("THREADS (the third argument) must be wrk's -t, a whole number: " .. usage)
+  end
   local me = thread_id or 0
+  if me >= total_threads then
+    error(string.format("THREADS is %d but wrk runs more threads: pass wrk's -t as THREADS", total_threads))
+  end
   local targets = {}
   for id in string.gmatch(voucher, "[^,]+") do
     targets[#targets + 1] = "/vouchers/" .. id .. "/seckill"
@@ -52,4 +67,16 @@ end
 function request()
   position = position % count + 1
   return requests[position]
+end
+
+-- In the main state once every thread has stopped: THREADS against the threads counted.
+function done(summary, latency, requests)
+  local given = threads[1] and threads[1]:get("total_threads")
+  if given ~= #threads then
+    io.stderr:write(string.format(
+      "seckill.lua: THREADS was %s but wrk ran %d threads (-t%d): the users were not split " ..
+      "as intended (shared between threads, or some never sent); pass -- ... %d\n",
+      tostring(given), #threads, #threads, #threads))
+    os.exit(1)
+  end
 end

@@ -161,3 +161,98 @@ fn the_demo_refuses_bad_input_with_a_message_instead_of_a_panic() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("set JWT_SECRET"), "{stderr}");
 }
+
+#[sqlx::test(migrations = false)]
+async fn a_server_that_disappears_mid_demo_is_a_failure_exit_1_with_the_table_not_bad_input(
+    db: PgPool,
+) {
+    let app = TestApp::spawn(db.clone()).await;
+    let (mut server, base) = app
+        .spawn_server("serve", &[("WORKER_BLOCK_MS", "100".to_string())])
+        .await;
+
+    // 40 presses over 4 s; the server is killed after the first second: the later
+    // presses get no answer, and the orders cannot be read back.
+    let demo = tokio::spawn({
+        let base = base.clone();
+        async move {
+            demo(
+                &base,
+                &[
+                    "--shoppers",
+                    "40",
+                    "--stock",
+                    "100",
+                    "--seconds",
+                    "4",
+                    "--persist-timeout",
+                    "2",
+                ],
+            )
+            .await
+        }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    server.kill9();
+    let (code, stdout, stderr) = tokio::time::timeout(std::time::Duration::from_secs(60), demo)
+        .await
+        .expect("the demo ends within 60 s")
+        .unwrap();
+
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(code, Some(1), "{stdout}\n{stderr}");
+    let (_, t) = parse(&stdout);
+    assert_eq!(t["total"], 40, "{stdout}");
+    assert!(t["admitted"] > 0 && t["errors"] > 0, "{stdout}");
+    // What is known is still printed: the table, then the persisted line.
+    assert!(stdout.contains("persisted"), "{stdout}");
+    assert!(stdout.contains("stock_left"), "{stdout}");
+    assert!(stderr.contains("is the server still running?"), "{stderr}");
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_demo_whose_every_press_is_rate_limited_warns_and_exits_1(db: PgPool) {
+    let app = TestApp::spawn(db.clone()).await;
+    // One grab a second per shopper, no burst beyond it.
+    let (_server, base) = app
+        .spawn_server(
+            "serve",
+            &[
+                ("RATE_LIMIT_PER_USER", "1".to_string()),
+                ("RATE_LIMIT_PER_USER_BURST", "1".to_string()),
+            ],
+        )
+        .await;
+    let voucher = app.open_sale(10).await;
+    // The demo's three shoppers have each just pressed: their next second's grab is used.
+    for user in 500..503 {
+        let status = app
+            .client
+            .post(format!("{base}/vouchers/{voucher}/seckill"))
+            .bearer_auth(app.token(user))
+            .send()
+            .await
+            .unwrap()
+            .status();
+        assert_eq!(status.as_u16(), 202);
+    }
+    let (code, stdout, stderr) = demo(
+        &base,
+        &[
+            "--voucher",
+            &voucher.to_string(),
+            "--shoppers",
+            "3",
+            "--first-user",
+            "500",
+            "--seconds",
+            "0",
+        ],
+    )
+    .await;
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let (_, t) = parse(&stdout);
+    assert_eq!((t["rate_limited"], t["total"]), (3, 3), "{stdout}");
+    assert!(stderr.contains("every press was rate_limited"), "{stderr}");
+    assert_eq!(code, Some(1), "{stdout}\n{stderr}");
+}
