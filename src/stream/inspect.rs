@@ -134,7 +134,8 @@ pub async fn stats_with_known_lag<C: ConnectionLike + Send>(
         .query_async(conn)
         .await;
     let known_lag = match groups {
-        // The one group of the workers; no group yet: nothing to deliver.
+        // The one group of the workers; no group yet (no worker ever started): every
+        // entry is still to be delivered.
         Ok(groups) => match groups.iter().find(|g| {
             g.get("name")
                 .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
@@ -143,7 +144,7 @@ pub async fn stats_with_known_lag<C: ConnectionLike + Send>(
             Some(group) => group
                 .get("lag")
                 .and_then(|v| redis::from_redis_value_ref::<u64>(v).ok()),
-            None => Some(0),
+            None => Some(length),
         },
         // No stream yet: nothing to deliver.
         Err(_) if length == 0 => Some(0),

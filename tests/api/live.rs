@@ -892,6 +892,45 @@ async fn a_lag_redis_cannot_tell_is_null_not_zero(db: PgPool) {
     }
 }
 
+/// With no worker ever started there is no consumer group: every entry is still to be
+/// delivered, so the lag is the stream's length, on the page and on `/metrics` (0 would
+/// read as "all delivered" exactly when no worker runs).
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn with_no_worker_ever_started_the_lag_is_the_whole_stream(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(3).await;
+    for user in 1..=3 {
+        let (status, body) = app.grab(voucher, user).await;
+        assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    }
+    let groups: Vec<redis::Value> = app
+        .redis_cmd(
+            redis::cmd("XINFO")
+                .arg("GROUPS")
+                .arg(app.keys.stream(app.keys.shard_of(voucher))),
+        )
+        .await;
+    assert!(groups.is_empty(), "no group yet: {groups:?}");
+    let mut events = Events::open(&app.client, &app.base).await;
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let snapshot = events.next(WAIT).await;
+        if snapshot["worker"]["length"] == 3 {
+            assert_eq!(snapshot["worker"]["lag"], 3, "{snapshot}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "never 3 entries: {snapshot}");
+    }
+    // A process of its own: this test binary's recorder is shared by parallel tests.
+    let (_api, base) = app.spawn_server("api", &[]).await;
+    let text = crate::common::metrics_at(&app.client, &base).await;
+    assert_eq!(
+        crate::common::metric_value(&text, "seckill_stream_lag{shard=\"0\"}"),
+        Some(3.0),
+        "{text}"
+    );
+}
+
 /// A page whose phone vanished without a FIN must not hold its viewer slot for minutes:
 /// the server's side of a `/live/events` connection runs TCP keep-alive (and, not
 /// visible to `ss`, TCP_USER_TIMEOUT; see `http::server::detect_dead_peers`).
