@@ -114,20 +114,24 @@ impl Application {
         // last request has been answered. Restarted if it panics: every page would
         // freeze, and grab counts stop reaching Redis.
         let served = CancellationToken::new();
-        tasks.spawn(restart_after_panic("the live view's producer", {
-            let (live, db, redis, keys) =
-                (state.live.clone(), db.clone(), redis.clone(), keys.clone());
-            let (tally, served) = (state.admissions.tally().clone(), served.clone());
-            move || {
-                live.clone().run(
-                    db.clone(),
-                    redis.clone(),
-                    keys.clone(),
-                    tally.clone(),
-                    served.clone(),
-                )
-            }
-        }));
+        tasks.spawn(restart_after_panic(
+            "the live view's producer",
+            cancel.clone(),
+            {
+                let (live, db, redis, keys) =
+                    (state.live.clone(), db.clone(), redis.clone(), keys.clone());
+                let (tally, served) = (state.admissions.tally().clone(), served.clone());
+                move || {
+                    live.clone().run(
+                        db.clone(),
+                        redis.clone(),
+                        keys.clone(),
+                        tally.clone(),
+                        served.clone(),
+                    )
+                }
+            },
+        ));
         let duties = upkeep::Upkeep {
             db: db.clone(),
             redis: redis.clone(),
@@ -271,8 +275,10 @@ const RESTART_MAX: Duration = Duration::from_secs(30);
 
 /// Runs the task `start` makes until it returns, starting a new one (with an error
 /// log, after a growing wait) each time one panics, so that a bug hit by some data
-/// does not stop the task for good, nor restart it in a tight loop.
-async fn restart_after_panic<F, T>(name: &'static str, mut start: F)
+/// does not stop the task for good, nor restart it in a tight loop. Once `cancel` has
+/// fired it restarts at once: the task's shutdown work (the live view's last flush of
+/// grab counts) must not wait out a backoff past the process's grace period.
+async fn restart_after_panic<F, T>(name: &'static str, cancel: CancellationToken, mut start: F)
 where
     F: FnMut() -> T,
     T: std::future::Future<Output = ()> + Send + 'static,
@@ -282,15 +288,17 @@ where
         let started = tokio::time::Instant::now();
         match tokio::spawn(start()).await {
             Err(e) if e.is_panic() => {
-                tracing::error!(task = name, error = %e, "task panicked; restarting in {wait:?}");
-                tokio::time::sleep(wait).await;
                 // A task that ran a good while before its panic starts over from the
                 // first wait.
-                wait = if started.elapsed() > 10 * RESTART_MAX {
-                    RESTART_FIRST
-                } else {
-                    (wait * 2).min(RESTART_MAX)
-                };
+                if started.elapsed() > 10 * RESTART_MAX {
+                    wait = RESTART_FIRST;
+                }
+                tracing::error!(task = name, error = %e, "task panicked; restarting in {wait:?}");
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = cancel.cancelled() => {}
+                }
+                wait = (wait * 2).min(RESTART_MAX);
             }
             // Returned (it was cancelled), or the runtime is shutting down.
             _ => return,
@@ -310,7 +318,7 @@ mod tests {
         let times = Arc::new(std::sync::Mutex::new(Vec::new()));
         let (counted, at) = (starts.clone(), times.clone());
         let began = tokio::time::Instant::now();
-        restart_after_panic("test", move || {
+        restart_after_panic("test", CancellationToken::new(), move || {
             let n = counted.fetch_add(1, Ordering::SeqCst);
             at.lock().unwrap().push(began.elapsed());
             async move {
@@ -328,6 +336,29 @@ mod tests {
         let times = times.lock().unwrap().clone();
         let waits: Vec<Duration> = times.windows(2).map(|w| w[1] - w[0]).collect();
         assert_eq!(waits, [RESTART_FIRST, RESTART_FIRST * 2, RESTART_FIRST * 4]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn once_cancelled_a_task_that_panics_is_started_again_at_once() {
+        let cancel = CancellationToken::new();
+        let starts = Arc::new(AtomicUsize::new(0));
+        let counted = starts.clone();
+        let began = tokio::time::Instant::now();
+        let stopping = cancel.clone();
+        restart_after_panic("test", cancel.clone(), move || {
+            let n = counted.fetch_add(1, Ordering::SeqCst);
+            let stopping = stopping.clone();
+            async move {
+                if n == 0 {
+                    // Shutdown begins just as the task panics.
+                    stopping.cancel();
+                    panic!("bug");
+                }
+            }
+        })
+        .await;
+        assert_eq!(starts.load(Ordering::SeqCst), 2);
+        assert_eq!(began.elapsed(), Duration::ZERO, "no backoff once cancelled");
     }
 
     #[test]
