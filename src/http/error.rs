@@ -256,6 +256,9 @@ impl IntoResponse for AppError {
         let retry_after = match &self {
             AppError::RateLimited { retry_after_secs } => Some(*retry_after_secs),
             AppError::OrderPending(_) => Some(1),
+            // A page refused for too many viewers: the page itself waits 3 s at first;
+            // other clients that obey the header should not come back sooner.
+            AppError::Busy(_) => Some(3),
             _ if status == StatusCode::SERVICE_UNAVAILABLE => Some(1),
             _ => None,
         };

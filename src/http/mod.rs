@@ -104,12 +104,6 @@ pub fn build_app(state: AppState) -> Router {
         .route("/live/favicon.svg", get(live::icon))
         .route("/live/events", get(live::events))
         .fallback(|| async { AppError::NotFound("no such route".into()) })
-        .method_not_allowed_fallback(|| async {
-            AppError::Validation {
-                status: StatusCode::METHOD_NOT_ALLOWED,
-                message: "method not allowed on this route".into(),
-            }
-        })
         .layer(
             ServiceBuilder::new()
                 // Overload answers 503 at once rather than queueing without end; a
@@ -137,6 +131,13 @@ pub fn build_app(state: AppState) -> Router {
         .timeout(METRICS_TIMEOUT);
     limited
         .route("/metrics", get(health::metrics).layer(scrape))
+        // After every route: it applies only to the routes already there.
+        .method_not_allowed_fallback(|| async {
+            AppError::Validation {
+                status: StatusCode::METHOD_NOT_ALLOWED,
+                message: "method not allowed on this route".into(),
+            }
+        })
         .layer(
             ServiceBuilder::new()
                 // Accept the caller's x-request-id or make a UUID v4 (from the thread's

@@ -725,7 +725,11 @@ async fn pages_refused_for_too_many_viewers_are_logged_at_debug_not_as_warnings(
             .await
             .unwrap();
         assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
-        assert!(resp.headers().contains_key("retry-after"));
+        assert_eq!(
+            resp.headers()["retry-after"],
+            "3",
+            "as long as the page first waits"
+        );
         let body: Value = resp.json().await.unwrap();
         assert_eq!(body["error"]["code"], "unavailable", "{body}");
     }

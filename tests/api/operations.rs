@@ -270,3 +270,30 @@ async fn cors_allows_the_configured_origins_and_nothing_else(db: PgPool) {
     let body: Value = resp.json().await.unwrap();
     assert_eq!(body["error"]["code"], "validation");
 }
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_wrong_method_is_a_405_in_our_json_on_every_route_metrics_included(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    for (method, path) in [
+        (reqwest::Method::POST, "/metrics"),
+        (reqwest::Method::DELETE, "/vouchers/1"),
+        (reqwest::Method::POST, "/healthz"),
+    ] {
+        let resp = app
+            .client
+            .request(method.clone(), app.url(path))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            resp.status(),
+            StatusCode::METHOD_NOT_ALLOWED,
+            "{method} {path}"
+        );
+        let body: Value = resp.json().await.unwrap();
+        assert_eq!(
+            body["error"]["code"], "validation",
+            "{method} {path}: {body}"
+        );
+    }
+}
