@@ -646,9 +646,12 @@ async fn a_stalled_flush_delays_no_snapshot(db: PgPool) {
         }
     }
     assert!(stalled.len() >= 2, "the pause must stall the reads too");
-    let gaps: Vec<Duration> = stalled.windows(2).map(|w| w[1] - w[0]).collect();
+    // The median gap: one slow Postgres read on a busy machine may stretch one gap; a
+    // flush back inline in the producer stretches every one (to about 1.6 s).
+    let mut gaps: Vec<Duration> = stalled.windows(2).map(|w| w[1] - w[0]).collect();
+    gaps.sort();
     assert!(
-        gaps.iter().all(|&gap| gap < Duration::from_millis(1400)),
+        gaps[gaps.len() / 2] < Duration::from_millis(1400),
         "{gaps:?}"
     );
 
@@ -1219,7 +1222,11 @@ async fn a_refused_page_retries_after_a_backoff_and_says_how_many_sales_it_leave
     }
 
     drop(held);
-    browser.wait_for(status, WAIT, |v| v == "live").await;
+    // The page may be well into a doubled wait by now (its second is up to 9 s, its
+    // third up to 18 s on a slow machine): give it a minute.
+    browser
+        .wait_for(status, Duration::from_secs(60), |v| v == "live")
+        .await;
     let note = browser
         .wait_for(
             "const t = document.getElementById('truncated'); return t.hidden ? null : t.textContent;",
