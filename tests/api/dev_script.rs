@@ -220,6 +220,20 @@ fn processes_under(dir: &std::path::Path) -> Vec<String> {
 
 /// The processes under `dir`, once they are gone (a stopping server takes a moment), or
 /// those still there after 10 s.
+/// No process left running under the script's temporary directory `tmp`, and nothing
+/// left in it; then removes it and the script's log.
+fn assert_nothing_left(tmp: &std::path::Path, stderr_log: &std::path::Path, said: &str) {
+    assert_eq!(processes_left_under(tmp), Vec::<String>::new(), "{said}");
+    let left: Vec<_> = std::fs::read_dir(tmp).unwrap().flatten().collect();
+    assert!(
+        left.is_empty(),
+        "left behind in {}: {left:?}\n{said}",
+        tmp.display()
+    );
+    let _ = std::fs::remove_dir_all(tmp);
+    let _ = std::fs::remove_file(stderr_log);
+}
+
 fn processes_left_under(dir: &std::path::Path) -> Vec<String> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -306,15 +320,7 @@ fn scripts_dev_refuses_a_bind_address_already_in_use_and_leaves_nothing_running(
     assert!(said.contains(&format!("BIND {bind} is in use")), "{said}");
     assert!(!said.contains("starting a private"), "{said}");
     assert!(!said.contains("panicked"), "{said}");
-    assert_eq!(processes_left_under(&tmp), Vec::<String>::new(), "{said}");
-    let left: Vec<_> = std::fs::read_dir(&tmp).unwrap().flatten().collect();
-    assert!(
-        left.is_empty(),
-        "left behind in {}: {left:?}",
-        tmp.display()
-    );
-    let _ = std::fs::remove_dir_all(&tmp);
-    let _ = std::fs::remove_file(&stderr_log);
+    assert_nothing_left(&tmp, &stderr_log, &said);
 }
 
 #[test]
@@ -349,15 +355,7 @@ fn ctrl_c_while_the_private_postgres_starts_stops_it_and_leaves_nothing_running(
     let said = log();
     assert_eq!(code, Some(130), "{said}");
     assert!(!said.contains("seckill is up"), "{said}");
-    assert_eq!(processes_left_under(&tmp), Vec::<String>::new(), "{said}");
-    let left: Vec<_> = std::fs::read_dir(&tmp).unwrap().flatten().collect();
-    assert!(
-        left.is_empty(),
-        "left behind in {}: {left:?}",
-        tmp.display()
-    );
-    let _ = std::fs::remove_dir_all(&tmp);
-    let _ = std::fs::remove_file(&stderr_log);
+    assert_nothing_left(&tmp, &stderr_log, &said);
 }
 
 #[test]
@@ -447,10 +445,7 @@ fn scripts_dev_stops_with_the_refusal_when_a_server_you_named_answers_but_refuse
     assert!(!said.contains(":pw@"), "{said}");
     assert!(said.contains("starting a private Redis"), "{said}");
     assert!(!said.contains("starting a private Postgres"), "{said}");
-    assert_eq!(processes_left_under(&tmp), Vec::<String>::new(), "{said}");
-    assert!(std::fs::read_dir(&tmp).unwrap().next().is_none(), "{said}");
-    let _ = std::fs::remove_dir_all(&tmp);
-    let _ = std::fs::remove_file(&stderr_log);
+    assert_nothing_left(&tmp, &stderr_log, &said);
 }
 
 #[test]
