@@ -261,8 +261,7 @@ pub(crate) async fn sample_streams<C: ConnectionLike + Send>(
     let sampled = tokio::time::timeout(SAMPLE_DEADLINE, async {
         let mut all = Vec::new();
         for shard in keys.shards() {
-            let (stats, lag) = crate::stream::stats_with_known_lag(conn, keys, shard).await?;
-            all.push((shard.0, stats, lag));
+            all.push((shard.0, crate::stream::stats(conn, keys, shard).await?));
         }
         Ok::<_, redis::RedisError>(all)
     })
@@ -276,12 +275,12 @@ pub(crate) async fn sample_streams<C: ConnectionLike + Send>(
     };
     match sampled {
         Ok(all) => {
-            for (shard, stats, lag) in all {
+            for (shard, stats) in all {
                 let crate::stream::StreamStats {
                     length,
                     pending,
+                    lag,
                     dead_letters,
-                    ..
                 } = stats;
                 // A lag Redis cannot tell is NaN, not 0 ("all delivered").
                 let lag = lag.map_or(f64::NAN, |n| n as f64);

@@ -87,11 +87,8 @@ pub(crate) async fn serve_metrics(listener: tokio::net::TcpListener, shutdown: C
         .route("/healthz", get(healthz))
         .fallback(|| async { AppError::NotFound("no such route".into()) });
     let limits = super::server::ServerLimits {
-        header_read_timeout: Duration::from_secs(
-            crate::config::defaults::HTTP_HEADER_READ_TIMEOUT_SECS,
-        ),
-        keepalive_idle: Duration::from_secs(crate::config::defaults::HTTP_KEEPALIVE_IDLE_SECS),
         max_connections: 64,
+        ..(&crate::config::ServerArgs::default()).into()
     };
     super::server::serve(listener, app, limits, shutdown).await;
 }

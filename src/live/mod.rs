@@ -42,8 +42,8 @@ const LAST_FLUSH_DEADLINE: Duration = Duration::from_secs(2);
 pub struct Snapshot {
     /// When it was made, by Postgres's clock (see `Producer::clock_offset`).
     pub at: DateTime<Utc>,
-    /// The order streams, all shards together.
-    pub worker: Worker,
+    /// The order streams, all shards together (`lag` null when Redis cannot tell it).
+    pub worker: StreamStats,
     pub sales: Vec<SaleView>,
     /// Sales qualifying for the page (open, upcoming, ended in the last minutes), of
     /// which `sales` holds at most `LIVE_MAX_SALES`.
@@ -52,18 +52,6 @@ pub struct Snapshot {
     pub truncated: bool,
     /// Stores that did not answer this time (their figures are the last known).
     pub unavailable: Vec<&'static str>,
-}
-
-/// The order streams as the page shows them: [`StreamStats`], but a lag Redis could
-/// not tell is `None` (shown as unknown), not 0 (which reads as "all delivered").
-#[derive(Debug, Clone, Copy, Default, Serialize)]
-pub struct Worker {
-    pub length: u64,
-    /// Delivered, not yet written and acknowledged.
-    pub pending: u64,
-    /// Not yet delivered to a worker; `None` unless every shard's is known.
-    pub lag: Option<u64>,
-    pub dead_letters: u64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -293,7 +281,7 @@ async fn timeout<T, E: std::fmt::Display>(
 struct Producer {
     sales: store::Sales,
     redis: HashMap<i64, (Option<i64>, Outcomes)>,
-    worker: Worker,
+    worker: StreamStats,
     totals: HashMap<i64, VecDeque<(Instant, u64)>>,
     /// Postgres's clock less ours at the last read: a snapshot's `at` is Postgres's
     /// time, like its sales' states, so that every instance's page counts down alike.
@@ -314,10 +302,8 @@ impl Producer {
             Ok(sales) => {
                 // Postgres read its clock somewhere within the round trip: take the
                 // middle, so the offset is off by at most half a read, not a whole one.
-                if let Some(db_now) = sales.now {
-                    let answered = Utc::now();
-                    self.clock_offset = db_now - (asked + (answered - asked) / 2);
-                }
+                let answered = Utc::now();
+                self.clock_offset = sales.now - (asked + (answered - asked) / 2);
                 self.sales = sales;
             }
             Err(e) => {
@@ -371,27 +357,22 @@ async fn read_redis(
     redis: &RedisConn,
     keys: &Keys,
     ids: &[i64],
-) -> redis::RedisResult<(Vec<(Option<i64>, Outcomes)>, Worker)> {
+) -> redis::RedisResult<(Vec<(Option<i64>, Outcomes)>, StreamStats)> {
     let stocks = ids.iter().map(|&id| {
         let mut conn = redis.clone();
         async move { crate::admission::live_stock(&mut conn, keys, id).await }
     });
     let stocks = futures_util::future::try_join_all(stocks).await?;
     let counts = tally::read(redis, keys, ids).await?;
-    let mut all = StreamStats::default();
-    let mut lag = Some(0);
+    // Summed from nothing: a lag of 0, known.
+    let mut worker = StreamStats {
+        lag: Some(0),
+        ..StreamStats::default()
+    };
     let mut conn = redis.clone();
     for shard in keys.shards() {
-        let (stats, known) = crate::stream::stats_with_known_lag(&mut conn, keys, shard).await?;
-        all += stats;
-        lag = lag.zip(known).map(|(a, b)| a + b);
+        worker += crate::stream::stats(&mut conn, keys, shard).await?;
     }
-    let worker = Worker {
-        length: all.length,
-        pending: all.pending,
-        lag,
-        dead_letters: all.dead_letters,
-    };
     let figures = stocks
         .into_iter()
         .zip(counts)

@@ -39,7 +39,7 @@ pub struct Sales {
     pub rows: Vec<SaleRow>,
     pub total: i64,
     /// Postgres's clock at the read.
-    pub now: Option<DateTime<Utc>>,
+    pub now: DateTime<Utc>,
 }
 
 /// The sales on show, with their counts: one statement reading each sale's own row
@@ -84,9 +84,5 @@ pub async fn sales(db: &PgPool, limit: i64) -> sqlx::Result<Sales> {
     tx.commit().await?;
     // Counted before the LIMIT (a window runs first); no row, no sale.
     let total = rows.first().map_or(0, |r| r.qualifying);
-    Ok(Sales {
-        rows,
-        total,
-        now: Some(now),
-    })
+    Ok(Sales { rows, total, now })
 }

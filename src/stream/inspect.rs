@@ -75,8 +75,11 @@ pub struct StreamStats {
     pub length: u64,
     /// Delivered to a worker, not yet acknowledged (being written, or to be replayed).
     pub pending: u64,
-    /// Not yet delivered to any worker.
-    pub lag: u64,
+    /// Not yet delivered to any worker; `None` when Redis cannot tell (`XINFO GROUPS`
+    /// failed, or gave the group a NULL lag: Redis cannot count it once entries past
+    /// the group's last delivery were deleted or trimmed). Shown as unknown, never as
+    /// 0, which would read as "all delivered".
+    pub lag: Option<u64>,
     /// Entries in the shard's dead-letter stream.
     pub dead_letters: u64,
 }
@@ -85,30 +88,18 @@ impl std::ops::AddAssign for StreamStats {
     fn add_assign(&mut self, o: Self) {
         self.length += o.length;
         self.pending += o.pending;
-        self.lag += o.lag;
+        // Unknown for one shard, unknown for all.
+        self.lag = self.lag.zip(o.lag).map(|(a, b)| a + b);
         self.dead_letters += o.dead_letters;
     }
 }
 
-/// The shard's [`StreamStats`] (a missing stream or group counts as empty; a lag
-/// Redis cannot tell counts as 0: see [`stats_with_known_lag`]).
+/// The shard's [`StreamStats`] (a missing stream counts as empty).
 pub async fn stats<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: Shard,
 ) -> RedisResult<StreamStats> {
-    Ok(stats_with_known_lag(conn, keys, shard).await?.0)
-}
-
-/// The shard's [`StreamStats`], and its lag only if Redis could tell it: `None` when
-/// `XINFO GROUPS` failed, or gave the group a NULL lag (Redis cannot count it once
-/// entries past the group's last delivery were deleted or trimmed). The live view
-/// shows that as unknown rather than as 0, which would read as "all delivered".
-pub async fn stats_with_known_lag<C: ConnectionLike + Send>(
-    conn: &mut C,
-    keys: &Keys,
-    shard: Shard,
-) -> RedisResult<(StreamStats, Option<u64>)> {
     let stream = keys.stream(shard);
     // Separate commands: with one shard the two keys live in different slots.
     let length: u64 = redis::cmd("XLEN").arg(stream).query_async(conn).await?;
@@ -133,7 +124,7 @@ pub async fn stats_with_known_lag<C: ConnectionLike + Send>(
         .arg(stream)
         .query_async(conn)
         .await;
-    let known_lag = match groups {
+    let lag = match groups {
         // The one group of the workers; no group yet (no worker ever started): every
         // entry is still to be delivered.
         Ok(groups) => match groups.iter().find(|g| {
@@ -150,11 +141,10 @@ pub async fn stats_with_known_lag<C: ConnectionLike + Send>(
         Err(_) if length == 0 => Some(0),
         Err(_) => None,
     };
-    let stats = StreamStats {
+    Ok(StreamStats {
         length,
         pending,
-        lag: known_lag.unwrap_or(0),
+        lag,
         dead_letters,
-    };
-    Ok((stats, known_lag))
+    })
 }

@@ -19,5 +19,5 @@ pub(crate) use group::{
 };
 pub use group::{ReadFrom, GROUP};
 pub(crate) use inspect::{entries, page, range};
-pub use inspect::{stats, stats_with_known_lag, StreamStats};
+pub use inspect::{stats, StreamStats};
 pub(crate) use trim::trim_acknowledged;
