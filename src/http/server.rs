@@ -161,34 +161,29 @@ async fn accept_error(e: std::io::Error) {
 /// The connection cap, lowered to leave [`RESERVED_DESCRIPTORS`] below the process's
 /// descriptor limit: at that limit even `/healthz` could not be accepted.
 fn fit_descriptor_limit(wanted: usize) -> usize {
-    let Some(limit) = descriptor_limit() else {
-        return wanted;
-    };
-    let room = descriptor_room(limit);
-    if wanted > room {
+    let using = effective_max_connections(wanted);
+    if using < wanted {
         tracing::warn!(
             wanted,
-            descriptor_limit = limit,
-            using = room,
+            descriptor_limit = descriptor_limit(),
+            using,
             "HTTP_MAX_CONNECTIONS exceeds what the descriptor limit (ulimit -n) allows; lowered"
         );
-        return room;
     }
-    wanted
-}
-
-/// Connections the descriptor limit `limit` leaves room for.
-fn descriptor_room(limit: u64) -> usize {
-    limit
-        .saturating_sub(RESERVED_DESCRIPTORS)
-        .max(limit / 2)
-        .max(1) as usize
+    using
 }
 
 /// The connection cap [`serve`] will use for `wanted` (`HTTP_MAX_CONNECTIONS`), without
 /// its warning: what start-up sizes other limits by.
 pub(crate) fn effective_max_connections(wanted: usize) -> usize {
-    descriptor_limit().map_or(wanted, |limit| wanted.min(descriptor_room(limit)))
+    let Some(limit) = descriptor_limit() else {
+        return wanted;
+    };
+    let room = limit
+        .saturating_sub(RESERVED_DESCRIPTORS)
+        .max(limit / 2)
+        .max(1) as usize;
+    wanted.min(room)
 }
 
 /// The soft limit on open files, from `/proc/self/limits` (Linux; `None` elsewhere).
