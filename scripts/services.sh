@@ -77,35 +77,29 @@ mask_url() {
 # (auth) is not used: a private one is started instead, saying so, unless the caller set
 # REDIS_URL (they asked for that server: a clear error then). Likewise for Postgres.
 redis_private="" postgres_private=""
-use_or_start_redis() {
-  redis_answers && return 0
-  local refused
-  refused=$(redis_refusal)
-  if [ -n "$refused" ]; then
-    if [ -n "$REDIS_URL_GIVEN" ]; then
-      log "the Redis at $(mask_url "$REDIS_URL") answers but refuses us: $refused"
-      log "fix REDIS_URL (its password?), or unset it to use a private Redis"
-      exit 1
-    fi
-    log "the Redis at $(mask_url "$REDIS_URL") answers but refuses us ($refused): starting a private one (set REDIS_URL to use yours)"
-  fi
-  start_redis "$@"
-  redis_private=1
-}
+use_or_start_redis() { use_or_start redis Redis REDIS_URL "$REDIS_URL_GIVEN" "its password?" "$@"; }
 use_or_start_postgres() {
-  postgres_answers && return 0
-  local refused
-  refused=$(postgres_refusal)
+  use_or_start postgres Postgres DATABASE_URL "$DATABASE_URL_GIVEN" \
+    "its password? PGPASSWORD and ~/.pgpass work too" "$@"
+}
+
+# use_or_start KIND NAME URL_VARIABLE GIVEN HINT [START ARGUMENTS]: the above for the
+# server KIND (redis, postgres), through KIND_answers, KIND_refusal and start_KIND.
+use_or_start() {
+  local kind=$1 name=$2 var=$3 given=$4 hint=$5 refused
+  shift 5
+  "${kind}_answers" && return 0
+  refused=$("${kind}_refusal")
   if [ -n "$refused" ]; then
-    if [ -n "$DATABASE_URL_GIVEN" ]; then
-      log "the Postgres at $(mask_url "$DATABASE_URL") answers but refuses us: $refused"
-      log "fix DATABASE_URL (its password? PGPASSWORD and ~/.pgpass work too), or unset it to use a private Postgres"
+    if [ -n "$given" ]; then
+      log "the $name at $(mask_url "${!var}") answers but refuses us: $refused"
+      log "fix $var ($hint), or unset it to use a private $name"
       exit 1
     fi
-    log "the Postgres at $(mask_url "$DATABASE_URL") answers but refuses us ($refused): starting a private one (set DATABASE_URL to use yours)"
+    log "the $name at $(mask_url "${!var}") answers but refuses us ($refused): starting a private one (set $var to use yours)"
   fi
-  start_postgres "$@"
-  postgres_private=1
+  "start_$kind" "$@"
+  printf -v "${kind}_private" 1
 }
 
 # Whether something accepts connections on 127.0.0.1:PORT.
