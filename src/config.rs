@@ -30,6 +30,8 @@ pub mod defaults {
     pub(crate) const EXPIRY_SWEEP_MS: u64 = 1000;
     pub(crate) const EXPIRY_BATCH: u32 = 500;
     pub(crate) const PAY_WITHIN_SECS: i64 = 900;
+    pub(crate) const REDIS_WAIT_REPLICAS: u32 = 0;
+    pub(crate) const REDIS_WAIT_TIMEOUT_MS: u64 = 500;
 }
 
 #[derive(Debug, Parser)]
@@ -113,6 +115,41 @@ pub struct RedisArgs {
     #[arg(long, env = "STREAM_SHARDS", default_value_t = 1,
           value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub stream_shards: u32,
+    /// Comma-separated Sentinel addresses (`redis://` or `rediss://`); when set, the
+    /// master named by REDIS_SENTINEL_MASTER is found and followed through them, and
+    /// REDIS_URL is not used.
+    #[arg(long, env = "REDIS_SENTINEL_URLS", value_delimiter = ',')]
+    pub redis_sentinel_urls: Vec<String>,
+    /// The master's name in Sentinel (required with REDIS_SENTINEL_URLS).
+    #[arg(long, env = "REDIS_SENTINEL_MASTER")]
+    pub redis_sentinel_master: Option<String>,
+    #[command(flatten)]
+    pub durability: DurabilityArgs,
+}
+
+/// How many replicas must hold a state move before it counts.
+#[derive(Debug, Clone, Copy, Args)]
+pub struct DurabilityArgs {
+    /// Replicas that must acknowledge an admission (and every other state move a
+    /// failover could undo: releases, settles, closes, loads) before it counts; 0: do
+    /// not wait. A grab whose replicas do not answer in time gets 503 with
+    /// `"outcome": "unknown"`.
+    #[arg(long, env = "REDIS_WAIT_REPLICAS", default_value_t = defaults::REDIS_WAIT_REPLICAS,
+          value_parser = clap::value_parser!(u32).range(0..=16))]
+    pub redis_wait_replicas: u32,
+    /// How long to wait for those acknowledgements, in milliseconds.
+    #[arg(long, env = "REDIS_WAIT_TIMEOUT_MS", default_value_t = defaults::REDIS_WAIT_TIMEOUT_MS,
+          value_parser = clap::value_parser!(u64).range(1..=60_000))]
+    pub redis_wait_timeout_ms: u64,
+}
+
+impl Default for DurabilityArgs {
+    fn default() -> Self {
+        Self {
+            redis_wait_replicas: defaults::REDIS_WAIT_REPLICAS,
+            redis_wait_timeout_ms: defaults::REDIS_WAIT_TIMEOUT_MS,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Args)]
