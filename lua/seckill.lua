@@ -1,94 +1,203 @@
--- Flash-sale admission: every check and every write of each "grab" in one atomic step.
+#!lua name=seckill
+-- The service's Redis function library: admission, the term, order-id leases, and (from
+-- lua/load_voucher.lua, appended to this file when the library is loaded) loading a
+-- sale's state. A library rather than plain scripts for one reason: its local variables
+-- live as long as the server's Lua engine does, so it can tell a state written in THIS
+-- life of the server from one that came back from a snapshot, an append-only file or a
+-- replica (Redis acknowledges writes before they are on disk or on a replica, so a
+-- restart or a failover can hand us an older Redis).
+--
+-- The layout (buyer prefix, entry fields) is the one src/keys.rs defines; a unit test
+-- there keeps this file in step.
+
+-- Raised by hand when a function changes what it takes or returns: a process loads the
+-- library only over an older version (see src/scripts.rs).
+local VERSION = 1
+
+-- The term: a token drawn at the first call of this server's life (after a start, a
+-- promotion from replica, a (re)load of this library) or when a process saw the server's
+-- identity change. Every sale's state carries the term it was built in; admission
+-- refuses a state of another term (code 6), and the state is rebuilt from Postgres.
+local term, term_ms
+
+local function clock()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), t
+end
+
+local function current_term()
+  if not term then
+    local ms, t = clock()
+    -- Two servers drawing in the same microsecond still differ by their Lua heap.
+    term = t[1] .. '.' .. t[2] .. '.' .. (string.match(tostring({}), '0x(%x+)') or '0')
+    term_ms = ms
+  end
+  return term
+end
+
+-- A sale's fields that are not buyer records.
+local SALE_FIELDS = {'stock', 'begin_ms', 'end_ms', 'term'}
+
+-- A count as Redis stored it (stock): nil when missing or corrupt.
+local function whole(v)
+  if v and string.match(v, '^%d+$') then
+    return tonumber(v)
+  end
+  return nil
+end
+
+-- Whether a buyer record names an order id (a positive 64-bit integer).
+local function order_like(v)
+  return string.match(v, '^[1-9]%d*$') ~= nil and #v <= 19
+end
+
+-- Flash-sale admission: every check and every write of each grab in one atomic step.
 --
 -- Grabs that arrive together for one shard are decided by one call, one after the
 -- other, each exactly as if it ran alone (a user's second grab in the same call sees the
--- first): coalescing saves Redis the per-call cost (script lookup, argument parsing,
--- reply), which was most of its work per grab. For the same reason each sale is read
--- with ONE HMGET (its state and the buyer records of every user in the call) and
--- written with ONE HSET (stock and the new buyers); only the XADD is per order. The
--- script is atomic, so nobody can change a record between that read and that write.
+-- first): coalescing saves Redis the per-call cost (lookup, argument parsing, reply),
+-- which was most of its work per grab. For the same reason each sale is read with ONE
+-- HMGET (its state and the buyer records of every user in the call) and written with
+-- ONE HSET (stock and the new buyers); only the XADD is per order. The call is atomic,
+-- so nobody can change a record between that read and that write, and every sale is
+-- checked (loaded, of this term, not corrupt) before anything is written.
 --
--- A sale is one hash: `stock`, `begin_ms`, `end_ms`, and a field `u:<user_id>` holding
--- the order id of each buyer (so buyer records expire with the sale). All keys share
--- the shard's hash tag, so this is valid on Redis Cluster.
+-- A sale is one hash: `stock`, `begin_ms`, `end_ms`, `term`, and a field `u:<user_id>`
+-- holding the order id of each buyer (so buyer records expire with the sale). All keys
+-- share the shard's hash tag, so this is valid on Redis Cluster.
 -- KEYS[1] the shard's order stream (stream.orders)  KEYS[2..] the sale hashes
--- ARGV: per grab four values: index of its sale hash in KEYS, voucher_id, user_id,
+-- ARGV[1] '1': write even when nothing is admitted (the caller waits for replicas after
+-- this call: a write makes that wait cover every earlier write, other clients' included,
+-- so an `already ordered` answer never names an order a failover could still undo)
+-- ARGV[2..]: per grab four values: index of its sale hash in KEYS, voucher_id, user_id,
 -- order_id (minted by the API)
 --
 -- Returns, per grab, two values: code, order_id (0 when none):
 --   0 admitted (order_id), 1 not loaded, 2 not started, 3 ended,
---   4 already ordered (the existing order_id), 5 sold out
---
--- The layout (buyer prefix, entry fields) is the one src/keys.rs defines; a unit test
--- there keeps this script in step.
-local t = redis.call('TIME')
--- One clock for every API instance: the Redis server's. Formatted once per call
--- (turning a Lua number into a string goes through printf).
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local now_s = string.format('%d', now)
+--   4 already ordered (the existing order_id), 5 sold out, 6 stale (built in another
+--   term: to be rebuilt from Postgres), 7 corrupt (a field that is not a number: to be
+--   rebuilt from Postgres)
+local function admit(keys, argv)
+  local now, t = clock()
+  local now_s = string.format('%d', now)
+  local this_term = current_term()
 
--- The grabs of each sale, and the fields to read for it.
-local sales = {}
-local order_of_sales = {}
-for i = 1, #ARGV, 4 do
-  local k = ARGV[i]
-  local s = sales[k]
-  if not s then
-    s = {key = KEYS[tonumber(k)], fields = {'stock', 'begin_ms', 'end_ms'}, held = {}, new = {}}
-    sales[k] = s
-    order_of_sales[#order_of_sales + 1] = s
+  -- The grabs of each sale, and the fields to read for it.
+  local sales = {}
+  local order_of_sales = {}
+  for i = 2, #argv, 4 do
+    local k = argv[i]
+    local s = sales[k]
+    if not s then
+      s = {key = keys[tonumber(k)], fields = {'stock', 'begin_ms', 'end_ms', 'term'}, held = {}, new = {}}
+      sales[k] = s
+      order_of_sales[#order_of_sales + 1] = s
+    end
+    s.fields[#s.fields + 1] = 'u:' .. argv[i + 2]
   end
-  s.fields[#s.fields + 1] = 'u:' .. ARGV[i + 2]
-end
-for _, s in ipairs(order_of_sales) do
-  local v = redis.call('HMGET', s.key, unpack(s.fields))
-  -- A missing field means the state is gone (restart, flush, expiry): fail closed,
-  -- never treat a missing stock as "unlimited".
-  if not v[1] or not v[2] or not v[3] then
-    s.closed = 1
-  elseif now < tonumber(v[2]) then
-    s.closed = 2
-  elseif now >= tonumber(v[3]) then
-    s.closed = 3
-  else
-    s.stock = tonumber(v[1])
-  end
-  for j = 4, #s.fields do
-    if v[j] then
-      s.held[s.fields[j]] = v[j]
+  for _, s in ipairs(order_of_sales) do
+    local v = redis.call('HMGET', s.key, unpack(s.fields))
+    local stock, begin_ms, end_ms = whole(v[1]), tonumber(v[2]), tonumber(v[3])
+    -- A missing field means the state is gone (restart, flush, expiry): fail closed,
+    -- never treat a missing stock as "unlimited".
+    if not v[1] or not v[2] or not v[3] then
+      s.closed = 1
+    elseif not stock or not begin_ms or not end_ms then
+      s.closed = 7
+    elseif v[4] ~= this_term then
+      s.closed = 6
+    elseif now < begin_ms then
+      s.closed = 2
+    elseif now >= end_ms then
+      s.closed = 3
+    else
+      s.stock = stock
+    end
+    for j = 5, #s.fields do
+      if v[j] then
+        if not order_like(v[j]) then
+          s.closed = 7
+        end
+        s.held[s.fields[j]] = v[j]
+      end
     end
   end
+
+  local out = {}
+  for i = 2, #argv, 4 do
+    local s = sales[argv[i]]
+    local user, order = argv[i + 2], argv[i + 3]
+    local buyer = 'u:' .. user
+    local held = s.held[buyer]
+    local code, id = 0, 0
+    if s.closed then
+      code = s.closed
+    elseif held then
+      -- Already ordered comes before sold out.
+      code, id = 4, held
+    elseif s.stock <= 0 then
+      code = 5
+    else
+      s.stock = s.stock - 1
+      s.held[buyer] = order
+      s.new[#s.new + 1] = buyer
+      s.new[#s.new + 1] = order
+      redis.call('XADD', keys[1], '*',
+        'order_id', order, 'voucher_id', argv[i + 1], 'user_id', user, 'admitted_ms', now_s)
+      id = order
+    end
+    out[#out + 1] = code
+    out[#out + 1] = id
+  end
+  local wrote = false
+  for _, s in ipairs(order_of_sales) do
+    if #s.new > 0 then
+      redis.call('HSET', s.key, 'stock', s.stock, unpack(s.new))
+      wrote = true
+    end
+  end
+  if argv[1] == '1' and not wrote then
+    for _, s in ipairs(order_of_sales) do
+      if s.stock then
+        redis.call('HSET', s.key, 'stock', s.stock)
+        break
+      end
+    end
+  end
+  return out
 end
 
-local out = {}
-for i = 1, #ARGV, 4 do
-  local s = sales[ARGV[i]]
-  local user, order = ARGV[i + 2], ARGV[i + 3]
-  local buyer = 'u:' .. user
-  local held = s.held[buyer]
-  local code, id = 0, 0
-  if s.closed then
-    code = s.closed
-  elseif held then
-    -- Already ordered comes before sold out.
-    code, id = 4, held
-  elseif s.stock <= 0 then
-    code = 5
-  else
-    s.stock = s.stock - 1
-    s.held[buyer] = order
-    s.new[#s.new + 1] = buyer
-    s.new[#s.new + 1] = order
-    redis.call('XADD', KEYS[1], '*',
-      'order_id', order, 'voucher_id', ARGV[i + 1], 'user_id', user, 'admitted_ms', now_s)
-    id = order
-  end
-  out[#out + 1] = code
-  out[#out + 1] = id
+-- The server's term and how long ago (ms) it was drawn.
+-- KEYS[1] any key of the node asked about (for routing; not read)
+local function term_of(keys, argv)
+  current_term()
+  local now = clock()
+  return {term, now - term_ms}
 end
-for _, s in ipairs(order_of_sales) do
-  if #s.new > 0 then
-    redis.call('HSET', s.key, 'stock', s.stock, unpack(s.new))
-  end
+
+-- Draws a new term (a process saw the server's identity change): every sale's state is
+-- then stale until rebuilt. KEYS[1] as for seckill_term.
+local function new_term(keys, argv)
+  term = nil
+  return term_of(keys, argv)
 end
-return out
+
+-- Claims an order-id node lease if free.
+-- KEYS[1] the lease  ARGV[1] our token  ARGV[2] time to live (ms)
+-- Returns {1 claimed or 0 held by another, age of the term in ms}: a term younger than
+-- a lease's renewal window means this server may have lost a live holder's lease.
+local function claim_lease(keys, argv)
+  local claimed = redis.call('SET', keys[1], argv[1], 'NX', 'PX', argv[2])
+  local t = term_of(keys, argv)
+  return {claimed and 1 or 0, t[2]}
+end
+
+local function version()
+  return VERSION
+end
+
+redis.register_function('seckill_admit', admit)
+redis.register_function('seckill_term', term_of)
+redis.register_function('seckill_new_term', new_term)
+redis.register_function('seckill_claim_lease', claim_lease)
+redis.register_function{function_name = 'seckill_version', callback = version, flags = {'no-writes'}}

@@ -59,11 +59,21 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
             };
             let sweeper = sweeper(&db, &args.redis, keys.clone(), &args.worker, cancel.clone());
             let sweeper = sweeper.await?;
+            let watch = crate::admission::term::Watch {
+                db: db.clone(),
+                redis: redis(&args.redis, redis_conn::COMMAND_TIMEOUT).await?,
+                keys: keys.clone(),
+                retention: Duration::from_secs(args.sale_state_retention_secs),
+                replicas: crate::scripts::Replicas::from_args(&args.redis.durability),
+                wake: Default::default(),
+            };
+            let watching = tokio::spawn(crate::admission::term::watch(watch, cancel.clone()));
             let lanes = crate::config::defaults::WORKER_CONCURRENCY;
             let workers = build_workers(&db, &args.redis, keys, args.worker, lanes).await?;
             let running =
                 futures_util::future::join_all(workers.into_iter().map(|w| w.run(cancel.clone())));
             tokio::join!(sweeper, running);
+            let _ = watching.await;
             if let Some(metrics) = metrics {
                 let _ = metrics.await;
             }
@@ -91,6 +101,7 @@ async fn reconcile(args: crate::config::ReconcileArgs) -> anyhow::Result<ExitCod
         args.voucher,
         args.repair,
         retention,
+        crate::scripts::Replicas::from_args(&args.redis.durability),
         &mut print_out,
     )
     .await?;

@@ -352,6 +352,10 @@ pub(crate) struct WorkerArgs {
     /// Unset: no listener.
     #[arg(long, env = "METRICS_BIND")]
     pub metrics_bind: Option<std::net::SocketAddr>,
+    /// How long a sale's Redis state lives after its end, in seconds (a worker rebuilds
+    /// sales too when Redis lost writes).
+    #[arg(long, env = "SALE_STATE_RETENTION_SECS", default_value_t = defaults::SALE_STATE_RETENTION_SECS)]
+    pub sale_state_retention_secs: u64,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -473,6 +477,8 @@ pub struct Settings {
     pub limits: LimitArgs,
     /// Browser origins allowed by CORS (empty: none).
     pub cors_allowed_origins: Vec<String>,
+    /// Replicas that must hold a state move before it counts.
+    pub replicas: crate::scripts::Replicas,
 }
 
 impl Default for Settings {
@@ -481,6 +487,7 @@ impl Default for Settings {
             sale_state_retention: Duration::from_secs(defaults::SALE_STATE_RETENTION_SECS),
             limits: LimitArgs::default(),
             cors_allowed_origins: Vec::new(),
+            replicas: crate::scripts::Replicas::NONE,
         }
     }
 }

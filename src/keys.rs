@@ -134,10 +134,6 @@ impl Keys {
     pub(crate) fn node_lease(&self, node: u16) -> String {
         format!("{}seckill:node:{node}", self.prefix)
     }
-
-    pub(crate) fn node_counter(&self) -> String {
-        format!("{}seckill:node-counter", self.prefix)
-    }
 }
 
 /// CRC16 hash slot as Redis Cluster computes it (hash tag aware).

@@ -39,6 +39,11 @@ pub(crate) const JWKS_FETCHES: &str = "seckill_jwks_fetches_total";
 pub(crate) const LIVE_SNAPSHOTS: &str = "seckill_live_snapshots_total";
 /// Pages watching `/live/events` now.
 pub(crate) const LIVE_VIEWERS: &str = "seckill_live_viewers";
+/// Times this process saw a Redis server come back in a new term (restarted, failed
+/// over, restored: it may have lost writes) and rebuilt its sales from Postgres.
+pub(crate) const ROLLBACKS_HEALED: &str = "seckill_redis_rollbacks_healed_total";
+/// Sales whose Redis state this process rebuilt because it was stale or missing.
+pub(crate) const SALES_REBUILT: &str = "seckill_sales_rebuilt_total";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
@@ -68,7 +73,7 @@ const fn m(name: &'static str, kind: Kind, unit: Option<Unit>, help: &'static st
 #[rustfmt::skip]
 pub(crate) const DESCRIBED: &[Described] = &[
     m(ADMISSIONS, Kind::Counter, None,
-        "Grab attempts by outcome: admitted, sold_out, already_ordered, not_started, ended, not_loaded, rate_limited, redis_error."),
+        "Grab attempts by outcome: admitted, sold_out, already_ordered, not_started, ended, not_loaded, stale (the sale's state predates the server's term and is being rebuilt), corrupt, rate_limited, redis_error."),
     m(ADMISSION_SECONDS, Kind::Histogram, Some(Unit::Seconds),
         "Time from a grab's turn at admission to the script's answer, per grab: the wait for its shard's call in flight, then the script's round trip in Redis."),
     m(HTTP_REQUESTS, Kind::Counter, None,
@@ -109,6 +114,10 @@ pub(crate) const DESCRIBED: &[Described] = &[
         "Snapshots of all open sales the live view built (one a second while any page watches)."),
     m(LIVE_VIEWERS, Kind::Gauge, None,
         "Pages watching /live/events now."),
+    m(ROLLBACKS_HEALED, Kind::Counter, None,
+        "Times this process saw a Redis server in a new term (restarted, failed over or restored: it may have lost acknowledged writes) and rebuilt the sales on it from Postgres."),
+    m(SALES_REBUILT, Kind::Counter, None,
+        "Sales whose Redis state this process rebuilt from Postgres because it was stale (built in an earlier term of the server) or missing."),
 ];
 
 /// Buckets of the `_seconds` histograms: sub-millisecond Redis round trips up to past
@@ -171,6 +180,8 @@ pub(crate) fn handle() -> PrometheusHandle {
 /// gauges, which appear once sampled: a `0` from a process that never samples them
 /// (`seckill_releases_owed` in `seckill api`) would be a claim, not a count.
 fn register_known_series() {
+    metrics::counter!(ROLLBACKS_HEALED).increment(0);
+    metrics::counter!(SALES_REBUILT).increment(0);
     for outcome in HotPath::OUTCOMES {
         metrics::counter!(ADMISSIONS, "outcome" => outcome).increment(0);
     }
@@ -212,14 +223,16 @@ fn register_known_series() {
 /// atomic add, not a registry lookup.
 pub(crate) struct HotPath {
     pub admission_seconds: metrics::Histogram,
-    outcomes: [metrics::Counter; 8],
+    outcomes: [metrics::Counter; 10],
 }
 
 impl HotPath {
-    pub(crate) const OUTCOMES: [&'static str; 8] = [
+    pub(crate) const OUTCOMES: [&'static str; 10] = [
         "rate_limited",
         "admitted",
         "not_loaded",
+        "stale",
+        "corrupt",
         "not_started",
         "ended",
         "already_ordered",

@@ -28,6 +28,7 @@ use sqlx::PgPool;
 
 use crate::admission::loader::{self, Fenced, Mode};
 use crate::keys::Keys;
+use crate::scripts::Replicas;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct VoucherBooks {
@@ -149,13 +150,17 @@ pub(crate) async fn books<C: ConnectionLike + Send>(
         Some(id) => vec![id],
         None => {
             let since = Utc::now() - chrono::Duration::from_std(retention)?;
-            crate::store::vouchers::sales_ending_after(db, since).await?
+            crate::store::vouchers::sales_ending_after(db, since)
+                .await?
+                .into_iter()
+                .map(|s| s.voucher_id)
+                .collect()
         }
     };
     let dead = crate::store::dead_orders::dead_per_voucher(db).await?;
     let mut out = Vec::with_capacity(ids.len());
     for id in ids {
-        match loader::fenced(db, conn, keys, id, retention, Mode::Check).await? {
+        match loader::fenced(db, conn, keys, id, retention, Mode::Check, Replicas::NONE).await? {
             Some(f) => {
                 let statuses = crate::store::lifecycle::status_counts(db, id).await?;
                 out.push(VoucherBooks::new(
@@ -184,6 +189,7 @@ pub(crate) async fn run<C: ConnectionLike + Send>(
     voucher: Option<i64>,
     repair_them: bool,
     retention: Duration,
+    replicas: Replicas,
     emit: &mut Emit<'_>,
 ) -> anyhow::Result<bool> {
     let out_of_balance = |rows: &[VoucherBooks]| -> Vec<i64> {
@@ -203,7 +209,7 @@ pub(crate) async fn run<C: ConnectionLike + Send>(
             None => bad.clone(),
         };
         for id in targets {
-            let loaded = repair(db, conn, keys, id, retention).await?;
+            let loaded = repair(db, conn, keys, id, retention, replicas).await?;
             emit(&format!(
                 "repaired voucher {id}: redis stock {}, buyers {} ({} in flight)\n",
                 loaded.stock, loaded.buyers, loaded.in_flight
@@ -286,10 +292,19 @@ pub(crate) async fn repair<C: ConnectionLike + Send>(
     keys: &Keys,
     voucher_id: i64,
     retention: Duration,
+    replicas: Replicas,
 ) -> anyhow::Result<loader::Loaded> {
-    loader::load_sale(db, conn, keys, voucher_id, retention, Mode::Repair)
-        .await?
-        .ok_or_else(|| anyhow::anyhow!("voucher {voucher_id} has no flash sale"))
+    loader::load_sale(
+        db,
+        conn,
+        keys,
+        voucher_id,
+        retention,
+        Mode::Repair,
+        replicas,
+    )
+    .await?
+    .ok_or_else(|| anyhow::anyhow!("voucher {voucher_id} has no flash sale"))
 }
 
 /// The table `seckill reconcile` prints.

@@ -9,8 +9,8 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::admission::order_id::{NodeLease, OrderIds};
-use crate::admission::upkeep;
+use crate::admission::order_id::OrderIds;
+use crate::admission::{term, upkeep};
 use crate::auth::Verifier;
 use crate::config::{defaults, ApiArgs, RedisArgs, Settings, WorkerOptions};
 use crate::http::server::ServerLimits;
@@ -18,6 +18,7 @@ use crate::http::state::AppState;
 use crate::keys::Keys;
 use crate::lifecycle::sweeper::{self, SweepConfig};
 use crate::redis_conn::{self, RedisConn};
+use crate::scripts::Replicas;
 use crate::store;
 use crate::worker::{Worker, WorkerConfig};
 
@@ -65,15 +66,21 @@ impl Application {
                 .filter(|o| !o.is_empty())
                 .cloned()
                 .collect(),
+            replicas: Replicas::from_args(&api.redis.durability),
         };
         let ids = Arc::new(OrderIds::default());
+        let heal = Arc::new(tokio::sync::Notify::new());
+        let lease_keeping = upkeep::Upkeep {
+            redis: redis.clone(),
+            keys: keys.clone(),
+            ids: ids.clone(),
+            replicas: settings.replicas,
+            redis_lost_data: heal.clone(),
+        };
         // Lease an order-id node now if Redis answers, so the first grab can be served;
         // otherwise the upkeep keeps trying (the process starts, and reports not ready).
-        let lease = match NodeLease::acquire(&mut redis.clone(), &keys).await {
-            Ok(lease) => {
-                ids.set_node(lease.node);
-                Some(lease)
-            }
+        let lease = match upkeep::claim(&lease_keeping).await {
+            Ok(lease) => Some(lease),
             Err(e) => {
                 tracing::warn!(error = %e, "no order-id node leased yet");
                 None
@@ -108,6 +115,7 @@ impl Application {
                 api.live_max_sales.into(),
                 cancel.clone(),
             ),
+            heal.clone(),
         );
         // The live view's producer, which also adds this process's grab counts to
         // Redis each second (every instance's page shows them), the last time once the
@@ -132,14 +140,18 @@ impl Application {
                 }
             },
         ));
-        let duties = upkeep::Upkeep {
-            db: db.clone(),
-            redis: redis.clone(),
-            keys: keys.clone(),
-            ids,
-            retention: settings.sale_state_retention,
-        };
-        tasks.spawn(upkeep::run(duties, lease, cancel.clone()));
+        tasks.spawn(upkeep::run(lease_keeping, lease, cancel.clone()));
+        tasks.spawn(term::watch(
+            term::Watch {
+                db: db.clone(),
+                redis: redis.clone(),
+                keys: keys.clone(),
+                retention: settings.sale_state_retention,
+                replicas: settings.replicas,
+                wake: heal,
+            },
+            cancel.clone(),
+        ));
         tasks.spawn(state.clone().forget_idle_rate_limits(cancel.clone()));
         if let Some(opts) = worker {
             tasks.spawn(sweeper(&db, &api.redis, keys.clone(), &opts, cancel.clone()).await?);
@@ -209,6 +221,7 @@ pub(crate) async fn sweeper(
     let config = SweepConfig {
         every: Duration::from_millis(opts.expiry_sweep_ms),
         batch: opts.expiry_batch as i64,
+        replicas: Replicas::from_args(&redis.durability),
     };
     Ok(sweeper::run(db.clone(), conn, keys, config, cancel))
 }

@@ -16,6 +16,7 @@ use super::tally::{self, Tally};
 use super::{admit_many, Grab, Outcome};
 use crate::keys::Keys;
 use crate::redis_conn::RedisConn;
+use crate::scripts::Replicas;
 
 /// Grabs per script call, at most.
 /// (The script unpacks every buyer field of a call into one HMGET and one HSET; Lua's
@@ -35,15 +36,21 @@ pub struct Batcher {
 
 impl Batcher {
     /// Starts one task per shard (needs a Tokio runtime). Outcomes are counted in
-    /// the returned batcher's [`Batcher::tally`].
-    pub fn start(conn: RedisConn, keys: Keys, max: usize) -> Self {
+    /// the returned batcher's [`Batcher::tally`]; each call waits for `replicas`.
+    pub fn start(conn: RedisConn, keys: Keys, max: usize, replicas: Replicas) -> Self {
         let tally = Arc::new(Tally::default());
         let shards = keys
             .shards()
             .map(|shard| {
                 let (tx, rx) = mpsc::channel(QUEUE);
                 let (conn, keys, tally) = (conn.clone(), keys.clone(), tally.clone());
-                tokio::spawn(run_shard(rx, conn, keys, tally, shard, max.max(1)));
+                let call = ShardCall {
+                    conn,
+                    keys,
+                    shard,
+                    replicas,
+                };
+                tokio::spawn(run_shard(rx, call, tally, max.max(1)));
                 tx
             })
             .collect();
@@ -83,12 +90,18 @@ fn gone() -> redis::RedisError {
     .into()
 }
 
+/// Where a shard's calls go, and how.
+struct ShardCall {
+    conn: RedisConn,
+    keys: Keys,
+    shard: crate::keys::Shard,
+    replicas: Replicas,
+}
+
 async fn run_shard(
     mut rx: mpsc::Receiver<(Grab, Reply)>,
-    mut conn: RedisConn,
-    keys: Keys,
+    mut call: ShardCall,
     tally: Arc<Tally>,
-    shard: crate::keys::Shard,
     max: usize,
 ) {
     let mut grabs = Vec::with_capacity(max);
@@ -109,7 +122,15 @@ async fn run_shard(
         if grabs.is_empty() {
             continue;
         }
-        match admit_many(&mut conn, &keys, shard, &grabs).await {
+        let decided = admit_many(
+            &mut call.conn,
+            &call.keys,
+            call.shard,
+            &grabs,
+            call.replicas,
+        )
+        .await;
+        match decided {
             Ok(outcomes) => {
                 tally.add_all(
                     grabs

@@ -1,6 +1,6 @@
 //! Loading flash-sale state from Postgres into Redis: at voucher creation, at start-up,
-//! and on line when admission finds a sale's state missing (Redis restarted or lost data).
-//! Live state is never overwritten.
+//! when admission finds a sale's state missing or stale (Redis restarted, failed over,
+//! was restored from an older copy, or lost data), and on `reconcile --repair`.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::LazyLock;
@@ -11,16 +11,14 @@ use redis::Script;
 use sqlx::PgPool;
 
 use crate::keys::Keys;
+use crate::scripts::{Call, Replicas};
 use crate::store;
-
-static LOAD: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../lua/load_voucher.lua")));
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct LoadReport {
-    /// Sales whose state was missing and is now loaded.
+    /// Sales whose state was missing or stale and is now rebuilt.
     pub loaded: usize,
-    /// Sales whose live state was already there (left alone).
+    /// Sales whose state was current (left alone).
     pub live: usize,
 }
 
@@ -29,9 +27,10 @@ pub struct LoadReport {
 pub enum Mode {
     /// A sale just created: load if missing; no order can be in flight yet.
     Create,
-    /// Load if missing, counting the orders in flight (state lost during a sale).
-    Load,
-    /// Overwrite live state (`seckill reconcile --repair`).
+    /// Load if missing, or rebuild if built in an earlier term of the server (it may
+    /// predate writes Redis lost), counting the orders in flight.
+    Heal,
+    /// Overwrite live state (`seckill reconcile --repair`, a corrupt state).
     Repair,
     /// Write nothing: compare live state with what a load would write
     /// (`seckill reconcile`).
@@ -42,7 +41,7 @@ impl Mode {
     fn as_str(self) -> &'static str {
         match self {
             Mode::Create => "create",
-            Mode::Load => "load",
+            Mode::Heal => "heal",
             Mode::Repair => "repair",
             Mode::Check => "check",
         }
@@ -78,17 +77,24 @@ pub(crate) struct Fenced {
     pub owed_held: i64,
 }
 
-/// Stream entries paged per XRANGE, and the most the final script reads itself.
+/// Stream entries paged per XRANGE, and the most the final step reads itself.
 const PAGE: usize = 1000;
-/// How long after its send a load step may still run (below every Redis response
-/// timeout the loader's connections use, so the lock is still held when it runs).
+/// Buyer records or candidates staged per command, and commands per round trip: a
+/// chunk costs Redis a millisecond or so, so other clients never wait long.
+const STAGE_CHUNK: usize = 1000;
+const STAGE_PIPELINE: usize = 16;
+/// How long staged data outlives a loader that died before its last step.
+const STAGE_TTL: Duration = Duration::from_secs(120);
+/// How long after its send the last step may still run (below every Redis response
+/// timeout the loader's connections use, so the lock is still held when it runs). Its
+/// arguments are small (the bulk is staged before), so sending it is quick.
 const STEP_DEADLINE: Duration = Duration::from_millis(500);
 /// Rounds of paging before giving up (the stream grew faster than it could be read).
 const MAX_ROUNDS: usize = 100;
 
 /// Loads one sale (see `lua/load_voucher.lua`): buyers are Postgres's buyers plus the
 /// orders in flight, stock is Postgres's minus those. `None` when live state was left
-/// alone or the voucher has no flash sale.
+/// alone or the voucher has no flash sale. A write waits for `replicas`.
 pub async fn load_sale<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
@@ -96,9 +102,36 @@ pub async fn load_sale<C: ConnectionLike + Send>(
     voucher_id: i64,
     retention: Duration,
     mode: Mode,
+    replicas: Replicas,
 ) -> anyhow::Result<Option<Loaded>> {
-    let done = fenced(db, conn, keys, voucher_id, retention, mode).await?;
+    let done = fenced(db, conn, keys, voucher_id, retention, mode, replicas).await?;
     Ok(done.map(|f| f.expected))
+}
+
+/// Whether the sale's state is there, built in the server's current term, and sound:
+/// then a heal leaves it alone (the last step checks again, atomically).
+async fn current<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    voucher_id: i64,
+) -> anyhow::Result<bool> {
+    let key = keys.voucher(voucher_id);
+    let fields: (
+        Option<String>,
+        Option<String>,
+        Option<String>,
+        Option<String>,
+    ) = redis::cmd("HMGET")
+        .arg(&key)
+        .arg(&["stock", "begin_ms", "end_ms", "term"])
+        .query_async(conn)
+        .await?;
+    let (Some(stock), Some(begin), Some(end), Some(term)) = fields else {
+        return Ok(false);
+    };
+    let sound =
+        stock.parse::<u64>().is_ok() && begin.parse::<i64>().is_ok() && end.parse::<i64>().is_ok();
+    Ok(sound && term == super::term::of(conn, &key).await?.term)
 }
 
 /// The fenced step behind every move of a sale's state from Postgres into Redis, and
@@ -107,17 +140,19 @@ pub async fn load_sale<C: ConnectionLike + Send>(
 /// 1. lock the sale's `seckill_vouchers` row and read stock and buyers: from now until
 ///    the end no worker can commit or bury an order of this sale (both take the lock),
 ///    so Postgres cannot move under the load;
-/// 2. page through the shard's stream (one bounded XRANGE at a time, Redis never
-///    stalls), collecting this sale's orders of users Postgres does not know;
-/// 3. one script reads the short tail since the last page and the group's position,
-///    keeps the candidates still unacknowledged, and writes (or compares) the state;
+/// 2. stage the buyers in Redis, a chunk at a time; page through the shard's stream
+///    (one bounded XRANGE at a time, Redis never stalls), staging this sale's orders of
+///    users Postgres does not know;
+/// 3. one function call reads the short tail since the last page and the group's
+///    position, keeps the candidates still unacknowledged, and writes (or compares) the
+///    state;
 /// 4. release the lock.
 ///
 /// An order committed before step 1 is in Postgres's buyers; one not committed by then
 /// cannot be committed before step 4, so its entry is still unacknowledged in step 3
 /// and counted in flight. Either way it is counted once: no unit is given out twice
 /// and no buyer record is lost.
-#[tracing::instrument(skip(db, conn, keys))]
+#[tracing::instrument(skip(db, conn, keys, replicas))]
 pub(crate) async fn fenced<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
@@ -125,14 +160,17 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
     voucher_id: i64,
     retention: Duration,
     mode: Mode,
+    replicas: Replicas,
 ) -> anyhow::Result<Option<Fenced>> {
     let key = keys.voucher(voucher_id);
-    if matches!(mode, Mode::Create | Mode::Load) {
-        // Live state is never overwritten: spare Postgres the lock when it is there.
-        let exists: bool = redis::cmd("EXISTS").arg(&key).query_async(conn).await?;
-        if exists {
-            return Ok(None);
-        }
+    // Spare Postgres the lock when the state is there (and current) already.
+    let leave_alone = match mode {
+        Mode::Create => redis::cmd("EXISTS").arg(&key).query_async(conn).await?,
+        Mode::Heal => current(conn, keys, voucher_id).await?,
+        Mode::Repair | Mode::Check => false,
+    };
+    if leave_alone {
+        return Ok(None);
     }
     let shard = keys.shard_of(voucher_id);
     let scan = mode != Mode::Create;
@@ -155,9 +193,10 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
     let Some((sale, buyers)) = store::vouchers::lock_sale(&mut tx, voucher_id).await? else {
         return Ok(None);
     };
+    let stage = Stage::new(&key);
+    stage.buyers(conn, &buyers).await?;
     let known: HashMap<i64, i64> = buyers.iter().copied().collect();
     candidates.retain(|c| known.get(&c.user_id) != Some(&c.order_id));
-    let mut settled: HashSet<i64> = HashSet::new();
     // Releases owed to Redis explain a difference only to the comparison; a write
     // rebuilds the records without them (and the release then finds nothing to do).
     let owed = match mode {
@@ -165,6 +204,7 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
         _ => Vec::new(),
     };
     let end_ms = sale.end_time.timestamp_millis();
+    let mut staged = 0;
     let mut rounds = 0;
     let reply: Vec<i64> = loop {
         rounds += 1;
@@ -178,14 +218,23 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
             // Written, whatever its status now, but not yet acknowledged: not in
             // flight. An active one is among Postgres's buyers already; a closed one
             // gave its unit back to Postgres's stock (and its release finds no record).
-            let ids: Vec<i64> = candidates.iter().map(|c| c.order_id).collect();
-            settled.extend(store::orders::written_among(&mut tx, &ids).await?);
+            // Once checked under the lock, a candidate stays as it is.
+            let fresh = &candidates[staged..];
+            let ids: Vec<i64> = fresh.iter().map(|c| c.order_id).collect();
+            let mut settled: HashSet<i64> = store::orders::written_among(&mut tx, &ids)
+                .await?
+                .into_iter()
+                .collect();
             if mode != Mode::Check {
                 // Buried (tombstoned) but not yet settled in Redis: not in flight. Its
                 // settle script will find no record naming it and return nothing.
                 settled.extend(store::dead_orders::buried_among(&mut tx, &ids).await?);
             }
-            candidates.retain(|c| !settled.contains(&c.order_id));
+            let mut kept = candidates.split_off(staged);
+            kept.retain(|c| !settled.contains(&c.order_id));
+            stage.candidates(conn, &kept).await?;
+            candidates.extend(kept);
+            staged = candidates.len();
         }
         // The script may write only while the lock is surely held: the session answers
         // now (so it holds the lock for at least the idle-in-transaction timeout), and
@@ -194,9 +243,11 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
         sqlx::query("SELECT 1").execute(&mut *tx).await?;
         let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(conn).await?;
         let deadline_ms = secs * 1000 + micros / 1000 + STEP_DEADLINE.as_millis() as i64;
-        let mut step = LOAD.prepare_invoke();
+        let mut step = Call::function("seckill_load");
         step.key(&key)
             .key(keys.stream(shard))
+            .key(&stage.buyers)
+            .key(&stage.candidates)
             .arg(mode.as_str())
             .arg(voucher_id)
             .arg(sale.stock)
@@ -208,18 +259,16 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
             .arg(PAGE)
             .arg(if scan { "1" } else { "0" })
             .arg(deadline_ms)
-            .arg(buyers.len());
-        for (user_id, order_id) in &buyers {
-            step.arg(user_id).arg(order_id);
-        }
-        step.arg(owed.len());
+            .arg(buyers.len())
+            .arg(owed.len());
         for (user_id, order_id) in &owed {
             step.arg(user_id).arg(order_id);
         }
-        for c in &candidates {
-            step.arg(&c.entry_id).arg(c.user_id).arg(c.order_id);
-        }
-        let reply: Vec<i64> = step.invoke_async(conn).await?;
+        let waits = match mode {
+            Mode::Check => Replicas::NONE,
+            _ => replicas,
+        };
+        let reply: Vec<i64> = step.invoke_waiting(conn, waits).await?;
         match reply.first() {
             Some(-2) => continue,
             Some(-3) => anyhow::bail!(
@@ -253,6 +302,78 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
         mismatched_buyers: mismatched,
         owed_held,
     }))
+}
+
+/// The keys a load stages its bulk in: beside the sale's hash (its hash tag, so one
+/// slot), unique to this load, expiring if the loader dies.
+struct Stage {
+    buyers: String,
+    candidates: String,
+}
+
+impl Stage {
+    fn new(sale_key: &str) -> Self {
+        let token = format!("{:016x}", rand::random::<u64>());
+        Self {
+            buyers: format!("{sale_key}:stage:{token}:buyers"),
+            candidates: format!("{sale_key}:stage:{token}:candidates"),
+        }
+    }
+
+    /// Postgres's buyers as buyer records (`u:<user>` -> order).
+    async fn buyers<C: ConnectionLike + Send>(
+        &self,
+        conn: &mut C,
+        buyers: &[(i64, i64)],
+    ) -> anyhow::Result<()> {
+        let commands = buyers.chunks(STAGE_CHUNK).map(|chunk| {
+            let mut cmd = redis::cmd("HSET");
+            cmd.arg(&self.buyers);
+            for (user_id, order_id) in chunk {
+                cmd.arg(crate::keys::buyer_field(*user_id)).arg(order_id);
+            }
+            cmd
+        });
+        send_staged(conn, &self.buyers, commands).await
+    }
+
+    /// Candidates, appended in stream order as `entry_id user_id order_id`.
+    async fn candidates<C: ConnectionLike + Send>(
+        &self,
+        conn: &mut C,
+        candidates: &[Candidate],
+    ) -> anyhow::Result<()> {
+        let commands = candidates.chunks(STAGE_CHUNK).map(|chunk| {
+            let mut cmd = redis::cmd("RPUSH");
+            cmd.arg(&self.candidates);
+            for c in chunk {
+                cmd.arg(format!("{} {} {}", c.entry_id, c.user_id, c.order_id));
+            }
+            cmd
+        });
+        send_staged(conn, &self.candidates, commands).await
+    }
+}
+
+/// Sends staging commands a pipeline at a time, each pipeline renewing the key's TTL.
+async fn send_staged<C: ConnectionLike + Send>(
+    conn: &mut C,
+    key: &str,
+    commands: impl Iterator<Item = redis::Cmd>,
+) -> anyhow::Result<()> {
+    let commands: Vec<redis::Cmd> = commands.collect();
+    for group in commands.chunks(STAGE_PIPELINE) {
+        let mut pipe = redis::pipe();
+        for cmd in group {
+            pipe.add_command(cmd.clone()).ignore();
+        }
+        pipe.cmd("PEXPIRE")
+            .arg(key)
+            .arg(STAGE_TTL.as_millis() as u64)
+            .ignore();
+        pipe.query_async::<()>(conn).await?;
+    }
+    Ok(())
 }
 
 /// A stream entry of the sale being loaded whose order Postgres does not hold.
@@ -296,16 +417,18 @@ async fn page_on<C: ConnectionLike + Send>(
     }
 }
 
-/// Loads every sale that has not ended and whose Redis state is missing.
+/// Loads every sale that has not ended whose Redis state is missing or stale.
 pub async fn load_open_sales<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,
     retention: Duration,
+    replicas: Replicas,
 ) -> anyhow::Result<LoadReport> {
     let mut report = LoadReport::default();
     for sale in store::vouchers::open_sales(db).await? {
-        match load_sale(db, conn, keys, sale.voucher_id, retention, Mode::Load).await? {
+        let id = sale.voucher_id;
+        match load_sale(db, conn, keys, id, retention, Mode::Heal, replicas).await? {
             Some(_) => report.loaded += 1,
             None => report.live += 1,
         }
@@ -322,20 +445,24 @@ static CLOSE: LazyLock<Script> =
 /// changed; if its answer is lost, or Postgres fails after it, Redis alone is closed
 /// (a reload keeps the earlier end) and closing again finishes it. `Ok(false)` when the
 /// voucher has no flash sale.
-#[tracing::instrument(skip(db, conn, keys))]
+#[tracing::instrument(skip(db, conn, keys, replicas))]
 pub async fn close_sale<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,
     voucher_id: i64,
+    replicas: Replicas,
 ) -> anyhow::Result<bool> {
     let mut tx = db.begin().await?;
     if store::orders::lock_sales(&mut tx, &[voucher_id]).await? == 0 {
         return Ok(false);
     }
-    let end_ms: i64 = CLOSE
+    // Postgres commits only once the replicas hold the close: a failover cannot reopen
+    // a sale Postgres says is closed (and if it loses the close before that, the
+    // request fails and closing again finishes it).
+    let end_ms: i64 = Call::script(&CLOSE)
         .key(keys.voucher(voucher_id))
-        .invoke_async(conn)
+        .invoke_waiting(conn, replicas)
         .await?;
     store::vouchers::end_sale_at(&mut tx, voucher_id, end_ms).await?;
     tx.commit().await?;

@@ -4,17 +4,14 @@ pub mod batcher;
 pub mod loader;
 pub mod order_id;
 pub mod tally;
+pub mod term;
 pub mod upkeep;
 
-use std::sync::LazyLock;
-
 use redis::aio::ConnectionLike;
-use redis::{RedisResult, Script};
+use redis::RedisResult;
 
 use crate::keys::{self, Keys};
-
-static SECKILL: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../lua/seckill.lua")));
+use crate::scripts::{Call, Replicas};
 
 /// The verdict of the admission script.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,6 +27,12 @@ pub enum Outcome {
         order_id: i64,
     },
     SoldOut,
+    /// The sale's state was built in an earlier term of the server (Redis restarted,
+    /// failed over or was restored since, and may have lost writes): refused until it
+    /// is rebuilt from Postgres.
+    Stale,
+    /// The sale's state holds a field that is not a number: refused until repaired.
+    Corrupt,
 }
 
 impl Outcome {
@@ -42,6 +45,8 @@ impl Outcome {
             Outcome::Ended => "ended",
             Outcome::AlreadyOrdered { .. } => "already_ordered",
             Outcome::SoldOut => "sold_out",
+            Outcome::Stale => "stale",
+            Outcome::Corrupt => "corrupt",
         }
     }
 }
@@ -69,20 +74,24 @@ pub async fn admit<C: ConnectionLike + Send>(
         user_id,
         order_id,
     };
-    let mut outcomes = admit_many(conn, keys, keys.shard_of(voucher_id), &[grab]).await?;
+    let shard = keys.shard_of(voucher_id);
+    let mut outcomes = admit_many(conn, keys, shard, &[grab], Replicas::NONE).await?;
     Ok(outcomes.remove(0))
 }
 
-/// Runs the admission script once for grabs of one shard, deciding them in order:
-/// one EVALSHA (the script is re-sent on `NOSCRIPT`). One outcome per grab.
+/// Runs the admission function once for grabs of one shard, deciding them in order: one
+/// FCALL (and, when `replicas` says so, one WAIT in the same round trip: an answer
+/// that names an order only once that many replicas hold it). One outcome per grab.
 pub async fn admit_many<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: keys::Shard,
     grabs: &[Grab],
+    replicas: Replicas,
 ) -> RedisResult<Vec<Outcome>> {
-    let mut invocation = SECKILL.prepare_invoke();
-    invocation.key(keys.stream(shard));
+    let mut call = Call::function("seckill_admit");
+    call.key(keys.stream(shard))
+        .arg(if replicas.waits() { "1" } else { "0" });
     let mut sales: Vec<i64> = Vec::new();
     for g in grabs {
         debug_assert_eq!(keys.shard_of(g.voucher_id), shard);
@@ -90,18 +99,17 @@ pub async fn admit_many<C: ConnectionLike + Send>(
             Some(i) => i,
             None => {
                 sales.push(g.voucher_id);
-                invocation.key(keys.voucher(g.voucher_id));
+                call.key(keys.voucher(g.voucher_id));
                 sales.len() - 1
             }
         };
         // KEYS[1] is the stream; sale hashes from KEYS[2] (Lua counts from 1).
-        invocation
-            .arg(index + 2)
+        call.arg(index + 2)
             .arg(g.voucher_id)
             .arg(g.user_id)
             .arg(g.order_id);
     }
-    let reply: Vec<redis::Value> = invocation.invoke_async(conn).await?;
+    let reply: Vec<redis::Value> = call.invoke_waiting(conn, replicas).await?;
     let unexpected = || {
         redis::RedisError::from((
             redis::ErrorKind::UnexpectedReturnType,
@@ -123,6 +131,8 @@ pub async fn admit_many<C: ConnectionLike + Send>(
                 (3, _) => Outcome::Ended,
                 (4, order_id) if order_id > 0 => Outcome::AlreadyOrdered { order_id },
                 (5, _) => Outcome::SoldOut,
+                (6, _) => Outcome::Stale,
+                (7, _) => Outcome::Corrupt,
                 _ => return Err(unexpected()),
             })
         })

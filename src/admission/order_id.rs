@@ -2,17 +2,29 @@
 //! in-process (no network round trip on the hot path).
 //!
 //! Layout (a positive i64): 41 bits of milliseconds since 2026-01-01, 10 bits of node
-//! number, 12 bits of sequence. The node number is leased in Redis (see
-//! [`NodeLease`]) so no two live instances share one; a restarted instance only gets a
-//! number after the lease of its previous holder expired, i.e. after every id that
-//! holder minted lies in the past.
+//! number, 12 bits of sequence. The node number is leased in Redis (see [`NodeLease`])
+//! so no two live instances mint with one:
+//! - a process mints only while its lease was confirmed lately: until
+//!   [`LEASE_VALID`] after sending the last renewal Redis answered (a renewal that
+//!   fails, or never comes back, stops the minting);
+//! - Redis can lose a live holder's lease (a restart from an older copy, a failover to
+//!   a replica that never got it). The server's term (see [`super::term`]) is drawn
+//!   anew then, so a claim on a server whose term is younger than [`LEASE_GRACE`] waits
+//!   until it is that old: by then the old holder has either renewed (and the claim
+//!   found the number taken) or stopped minting.
+//!
+//! A restarted instance only gets a number after the lease of its previous holder
+//! expired, i.e. after every id that holder minted lies in the past.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::LazyLock;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use redis::aio::ConnectionLike;
+use tokio::time::Instant;
 
 use crate::keys::Keys;
+use crate::scripts::{Call, Replicas};
 
 /// 2026-01-01T00:00:00Z in Unix milliseconds.
 const EPOCH_MS: u64 = 1_767_225_600_000;
@@ -21,19 +33,29 @@ const SEQ_BITS: u32 = 12;
 pub(crate) const NODES: u16 = 1 << NODE_BITS;
 const NO_NODE: u64 = u64::MAX;
 
-/// Mints order ids once a node number is set.
+/// Mints order ids once a node number is set, while its lease is confirmed.
 #[derive(Debug)]
 pub struct OrderIds {
     node: AtomicU64,
+    /// Milliseconds after [`START`] until which the lease is known good.
+    valid_until: AtomicU64,
     /// `(ms << SEQ_BITS) | seq` of the last id: ids never go backwards, even if the
     /// wall clock does; a sequence overflow borrows the next millisecond.
     last: AtomicU64,
+}
+
+/// The monotonic clock's origin for [`OrderIds`]' validity.
+static START: LazyLock<Instant> = LazyLock::new(Instant::now);
+
+fn mono_ms(at: Instant) -> u64 {
+    at.saturating_duration_since(*START).as_millis() as u64
 }
 
 impl Default for OrderIds {
     fn default() -> Self {
         Self {
             node: AtomicU64::new(NO_NODE),
+            valid_until: AtomicU64::new(0),
             last: AtomicU64::new(0),
         }
     }
@@ -43,13 +65,22 @@ impl OrderIds {
     #[cfg(test)]
     fn with_node(node: u16) -> Self {
         let ids = Self::default();
-        ids.set_node(node);
+        ids.set_node(node, Instant::now() + Duration::from_secs(3600));
         ids
     }
 
-    pub(crate) fn set_node(&self, node: u16) {
+    /// Mints with `node` until `valid_until` (or a later [`OrderIds::confirm`]).
+    pub(crate) fn set_node(&self, node: u16, valid_until: Instant) {
         assert!(node < NODES, "node number out of range");
+        self.valid_until
+            .store(mono_ms(valid_until), Ordering::Release);
         self.node.store(node as u64, Ordering::Release);
+    }
+
+    /// The lease was renewed by a request sent at `sent`.
+    pub(crate) fn confirm(&self, sent: Instant) {
+        self.valid_until
+            .fetch_max(mono_ms(sent + LEASE_VALID), Ordering::AcqRel);
     }
 
     /// Stops minting until a node number is set again.
@@ -57,9 +88,11 @@ impl OrderIds {
         self.node.store(NO_NODE, Ordering::Release);
     }
 
+    /// The node number, while its lease is confirmed.
     pub(crate) fn node(&self) -> Option<u16> {
         match self.node.load(Ordering::Acquire) {
             NO_NODE => None,
+            _ if mono_ms(Instant::now()) >= self.valid_until.load(Ordering::Acquire) => None,
             n => Some(n as u16),
         }
     }
@@ -110,35 +143,51 @@ pub(crate) struct NodeLease {
 }
 
 pub(crate) const LEASE_TTL: Duration = Duration::from_secs(60);
-/// How often a lease is renewed (also how soon an API notices Redis lost its data).
-pub(crate) const LEASE_RENEW_EVERY: Duration = Duration::from_secs(5);
+/// How often a lease is renewed.
+pub(crate) const LEASE_RENEW_EVERY: Duration = Duration::from_secs(1);
+/// How long after sending a renewal (or claim) that Redis confirmed, ids may be minted.
+pub(crate) const LEASE_VALID: Duration = Duration::from_secs(3);
+/// How old the server's term must be before a number claimed on it is used: longer
+/// than any holder whose lease the server lost may still mint.
+pub(crate) const LEASE_GRACE: Duration = Duration::from_secs(4);
+
+/// A claimed lease, and how long to wait before minting with it.
+pub(crate) struct Claimed {
+    pub lease: NodeLease,
+    /// When the claim was sent (the lease is good for [`LEASE_VALID`] after it).
+    pub sent: Instant,
+    pub wait: Duration,
+}
 
 impl NodeLease {
-    /// Claims a free node number, starting from a rotating counter so restarts spread out.
+    /// Claims a free node number, starting from a random one (a restart spreads out,
+    /// and after Redis lost its data two claims rarely meet).
     pub(crate) async fn acquire<C: ConnectionLike + Send>(
         conn: &mut C,
         keys: &Keys,
-    ) -> anyhow::Result<Self> {
+        replicas: Replicas,
+    ) -> anyhow::Result<Claimed> {
         let token = format!("{}-{}", std::process::id(), rand::random::<u64>());
-        let start: u64 = redis::cmd("INCR")
-            .arg(keys.node_counter())
-            .query_async(conn)
-            .await?;
+        let start: u64 = rand::random::<u64>() % NODES as u64;
         for i in 0..NODES as u64 {
             let node = ((start + i) % NODES as u64) as u16;
-            let ok: Option<String> = redis::cmd("SET")
-                .arg(keys.node_lease(node))
+            let sent = Instant::now();
+            let (claimed, term_age_ms): (i64, u64) = Call::function("seckill_claim_lease")
+                .key(keys.node_lease(node))
                 .arg(&token)
-                .arg("NX")
-                .arg("PX")
                 .arg(LEASE_TTL.as_millis() as u64)
-                .query_async(conn)
+                .invoke_waiting(conn, replicas)
                 .await?;
-            if ok.is_some() {
-                return Ok(Self {
-                    keys: keys.clone(),
-                    token,
-                    node,
+            if claimed == 1 {
+                let age = Duration::from_millis(term_age_ms);
+                return Ok(Claimed {
+                    lease: Self {
+                        keys: keys.clone(),
+                        token,
+                        node,
+                    },
+                    sent,
+                    wait: LEASE_GRACE.saturating_sub(age),
                 });
             }
         }
@@ -149,12 +198,13 @@ impl NodeLease {
     pub(crate) async fn renew<C: ConnectionLike + Send>(
         &self,
         conn: &mut C,
+        replicas: Replicas,
     ) -> anyhow::Result<Renewal> {
-        let code: i64 = RENEW
+        let code: i64 = Call::script(&RENEW)
             .key(self.keys.node_lease(self.node))
             .arg(&self.token)
             .arg(LEASE_TTL.as_millis() as u64)
-            .invoke_async(conn)
+            .invoke_waiting(conn, replicas)
             .await?;
         Ok(match code {
             1 => Renewal::Extended,
@@ -205,6 +255,18 @@ mod tests {
             assert!(seen.insert(a.next().unwrap()));
             assert!(seen.insert(b.next().unwrap()));
         }
+    }
+
+    #[test]
+    fn no_id_is_minted_once_the_lease_was_not_confirmed_lately() {
+        let ids = OrderIds::default();
+        let sent = Instant::now();
+        ids.set_node(7, sent + LEASE_VALID);
+        assert!(ids.next().is_some());
+        ids.set_node(7, sent);
+        assert_eq!(ids.next(), None, "past the validity");
+        ids.confirm(Instant::now());
+        assert!(ids.next().is_some(), "a renewal confirmed it again");
     }
 
     #[test]

@@ -61,7 +61,7 @@ pub fn index(outcome: &Outcome, minted: i64) -> Option<usize> {
         Outcome::AlreadyOrdered { .. } => 2,
         Outcome::NotStarted => 4,
         Outcome::Ended => 5,
-        Outcome::NotLoaded => return None,
+        Outcome::NotLoaded | Outcome::Stale | Outcome::Corrupt => return None,
     })
 }
 

@@ -1,71 +1,88 @@
-//! Background duties of every API process.
+//! Keeping an API process's order-id node lease (see [`super::order_id`]).
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::Notify;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::loader;
-use super::order_id::{NodeLease, Renewal, LEASE_RENEW_EVERY};
-use std::sync::Arc;
-
-use sqlx::PgPool;
-
-use super::order_id::OrderIds;
+use super::order_id::{Claimed, NodeLease, OrderIds, Renewal, LEASE_RENEW_EVERY};
 use crate::backoff::Backoff;
 use crate::keys::Keys;
 use crate::redis_conn::RedisConn;
+use crate::scripts::Replicas;
 
-/// What the background duties work with.
+/// What keeping the lease works with.
 #[derive(Clone)]
 pub(crate) struct Upkeep {
-    pub db: PgPool,
     pub redis: RedisConn,
     pub keys: Keys,
-    /// Told the leased node number (and told to stop minting when the lease is lost).
+    /// Told the leased node number, and how long it is good for.
     pub ids: Arc<OrderIds>,
-    /// How long a sale's Redis state outlives its end.
-    pub retention: Duration,
+    pub replicas: Replicas,
+    /// Woken when the lease's key was gone (Redis lost its data): the term watcher
+    /// rebuilds what else went with it.
+    pub redis_lost_data: Arc<Notify>,
 }
 
-/// Holds an order-id node lease, and loads every open sale whose Redis state is missing:
-/// at start, and again whenever the lease shows that Redis lost its data (restart
-/// without persistence, FLUSHALL, failover).
-/// `lease`: one already acquired at start-up, if any.
-pub(crate) async fn run(state: Upkeep, lease: Option<NodeLease>, cancel: CancellationToken) {
-    let mut conn: RedisConn = state.redis.clone();
-    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+/// Claims a node number and waits out its grace (see [`super::order_id::LEASE_GRACE`]),
+/// then tells `ids` to mint with it.
+pub(crate) async fn claim(u: &Upkeep) -> anyhow::Result<NodeLease> {
+    let Claimed { lease, sent, wait } =
+        NodeLease::acquire(&mut u.redis.clone(), &u.keys, u.replicas).await?;
+    if !wait.is_zero() {
+        tracing::info!(
+            node = lease.node,
+            ?wait,
+            "the redis server's term is young (it may have lost a live lease): \
+             waiting before minting order ids"
+        );
+        tokio::time::sleep(wait).await;
+    }
+    // The grace ran past the claim's own validity: confirm it again before minting.
+    let renewed = Instant::now();
+    let good_from = match wait.is_zero() {
+        true => sent,
+        false => match lease.renew(&mut u.redis.clone(), u.replicas).await? {
+            Renewal::Extended => renewed,
+            _ => anyhow::bail!("order-id node {} was taken during its grace", lease.node),
+        },
+    };
+    u.ids
+        .set_node(lease.node, good_from + super::order_id::LEASE_VALID);
+    tracing::info!(node = lease.node, "order-id node leased");
+    Ok(lease)
+}
+
+/// Holds the lease until `cancel`: renews it every [`LEASE_RENEW_EVERY`] (each renewal
+/// Redis confirms extends the minting), claims a new one when it was lost.
+/// `lease`: one claimed at start-up, if any.
+pub(crate) async fn run(u: Upkeep, lease: Option<NodeLease>, cancel: CancellationToken) {
+    let mut conn = u.redis.clone();
+    let mut backoff = Backoff::new(Duration::from_millis(200), LEASE_RENEW_EVERY);
     let mut lease = lease;
-    // Cleared only once a load of the open sales has succeeded (Postgres may be down).
-    let mut reload = true;
     while !cancel.is_cancelled() {
         let step = async {
-            if let Some(l) = &lease {
-                match l.renew(&mut conn).await? {
-                    Renewal::Extended => {}
-                    Renewal::Recreated => {
-                        tracing::warn!("redis lost its data: reloading open sales");
-                        reload = true;
-                    }
-                    Renewal::Lost => {
-                        // Stop minting with a number somebody else holds.
-                        state.ids.clear_node();
-                        lease = None;
-                        reload = true;
+            match &lease {
+                Some(l) => {
+                    let sent = Instant::now();
+                    match l.renew(&mut conn, u.replicas).await? {
+                        Renewal::Extended => u.ids.confirm(sent),
+                        Renewal::Recreated => {
+                            tracing::warn!("redis lost the order-id lease: it lost its data");
+                            u.ids.confirm(sent);
+                            u.redis_lost_data.notify_one();
+                        }
+                        Renewal::Lost => {
+                            // Stop minting with a number somebody else holds.
+                            u.ids.clear_node();
+                            tracing::warn!(node = l.node, "order-id node lease lost");
+                            lease = None;
+                        }
                     }
                 }
-            }
-            if lease.is_none() {
-                let l = NodeLease::acquire(&mut conn, &state.keys).await?;
-                state.ids.set_node(l.node);
-                tracing::info!(node = l.node, "order-id node leased");
-                lease = Some(l);
-            }
-            if reload {
-                let report =
-                    loader::load_open_sales(&state.db, &mut conn, &state.keys, state.retention)
-                        .await?;
-                tracing::info!(?report, "open sales checked");
-                reload = false;
+                None => lease = Some(claim(&u).await?),
             }
             anyhow::Ok(())
         }
@@ -76,7 +93,7 @@ pub(crate) async fn run(state: Upkeep, lease: Option<NodeLease>, cancel: Cancell
                 LEASE_RENEW_EVERY
             }
             Err(e) => {
-                tracing::warn!(error = %e, "bootstrap step failed, retrying");
+                tracing::warn!(error = %e, "order-id lease step failed, retrying");
                 backoff.next_delay()
             }
         };

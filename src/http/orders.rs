@@ -134,7 +134,11 @@ impl PayOrder {
 async fn recent_sales(state: &AppState) -> AppResult<Vec<i64>> {
     let since = chrono::Utc::now()
         - chrono::Duration::from_std(state.settings.sale_state_retention).unwrap_or_default();
-    Ok(crate::store::vouchers::sales_ending_after(&state.db, since).await?)
+    Ok(crate::store::vouchers::sales_ending_after(&state.db, since)
+        .await?
+        .into_iter()
+        .map(|s| s.voucher_id)
+        .collect())
 }
 
 /// Most stream entries an administrator's lookup of a pending order scans.
@@ -264,6 +268,7 @@ pub(crate) async fn pay(
         &state.db,
         &mut conn,
         &state.keys,
+        state.settings.replicas,
         row.id,
         payment_ref.as_deref(),
     )
@@ -299,7 +304,8 @@ pub(crate) async fn cancel(
 ) -> AppResult<Json<OrderResponse>> {
     let row = own_order(&state, &user, order_id).await?;
     let mut conn = state.redis.clone();
-    match lifecycle::cancel(&state.db, &mut conn, &state.keys, row.id).await? {
+    let replicas = state.settings.replicas;
+    match lifecycle::cancel(&state.db, &mut conn, &state.keys, replicas, row.id).await? {
         Transition::Moved(row) | Transition::Unchanged(row) if row.status == "cancelled" => {
             Ok(Json(row.into()))
         }

@@ -107,8 +107,21 @@ pub(crate) async fn grab(
         Err(_) => "redis_error",
     };
     hot.outcome(label).increment(1);
-    if let Ok(Outcome::NotLoaded) = outcome {
-        return Err(not_loaded(&state, voucher_id).await);
+    match outcome {
+        Ok(Outcome::NotLoaded) => return Err(not_loaded(&state, voucher_id).await),
+        Ok(Outcome::Stale) => {
+            // Redis came back in a new term: the watcher heals every sale on it.
+            state.heal.notify_one();
+            reload_in_background(&state, voucher_id, loader::Mode::Heal);
+        }
+        Ok(Outcome::Corrupt) => {
+            tracing::error!(
+                voucher_id,
+                "the sale's redis state is corrupt: repairing it"
+            );
+            reload_in_background(&state, voucher_id, loader::Mode::Repair);
+        }
+        _ => {}
     }
     let admitted = answer(outcome, order_id)?;
     Ok((
@@ -134,6 +147,11 @@ pub fn answer(outcome: redis::RedisResult<Outcome>, minted: i64) -> AppResult<i6
         Ok(Outcome::SoldOut) => Err(AppError::SoldOut),
         Ok(Outcome::NotLoaded) => Err(AppError::Unavailable(
             "the sale is being loaded, try again shortly; nothing was reserved".into(),
+        )),
+        Ok(Outcome::Stale | Outcome::Corrupt) => Err(AppError::Unavailable(
+            "the sale is being rebuilt from the database, try again shortly; nothing was \
+             reserved"
+                .into(),
         )),
         Err(e) if never_ran(&e) => Err(AppError::Unavailable(
             "the admission store is unavailable, try again; nothing was reserved".into(),
@@ -168,7 +186,7 @@ async fn not_loaded(state: &AppState, voucher_id: i64) -> AppError {
         Ok(None) => AppError::NotFound(format!("voucher {voucher_id} has no flash sale")),
         Ok(Some(sale)) if sale.end_time <= Utc::now() => AppError::Ended,
         Ok(Some(_)) => {
-            reload_in_background(state, voucher_id);
+            reload_in_background(state, voucher_id, loader::Mode::Heal);
             AppError::Unavailable(
                 "the sale is being loaded, try again shortly; nothing was reserved".into(),
             )
@@ -178,7 +196,7 @@ async fn not_loaded(state: &AppState, voucher_id: i64) -> AppError {
 }
 
 /// Starts a reload of one sale in the background unless one is already running.
-fn reload_in_background(state: &AppState, voucher_id: i64) {
+fn reload_in_background(state: &AppState, voucher_id: i64, mode: loader::Mode) {
     if !state.reloading.lock().expect("poisoned").insert(voucher_id) {
         return;
     }
@@ -191,7 +209,8 @@ fn reload_in_background(state: &AppState, voucher_id: i64) {
             &state.keys,
             voucher_id,
             state.settings.sale_state_retention,
-            loader::Mode::Load,
+            mode,
+            state.settings.replicas,
         )
         .await;
         if let Err(e) = result {

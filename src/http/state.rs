@@ -34,6 +34,8 @@ pub struct Shared {
     pub(crate) admissions: Batcher,
     /// The live view's snapshots (`/live/events`).
     pub(crate) live: crate::live::Live,
+    /// Wakes the term watcher (a grab met a sale built in an earlier term of Redis).
+    pub(crate) heal: Arc<tokio::sync::Notify>,
 }
 
 impl AppState {
@@ -45,12 +47,18 @@ impl AppState {
         ids: Arc<OrderIds>,
         settings: Settings,
         live: crate::live::Live,
+        heal: Arc<tokio::sync::Notify>,
     ) -> Self {
         let limits = &settings.limits;
         let per_user =
             RateLimiter::new(limits.rate_limit_per_user, limits.rate_limit_per_user_burst);
         let per_ip = RateLimiter::new(limits.rate_limit_per_ip, limits.rate_limit_per_ip_burst);
-        let admissions = Batcher::start(redis.clone(), keys.clone(), batcher::MAX_BATCH);
+        let admissions = Batcher::start(
+            redis.clone(),
+            keys.clone(),
+            batcher::MAX_BATCH,
+            settings.replicas,
+        );
         Self(Arc::new(Shared {
             db,
             redis,
@@ -63,6 +71,7 @@ impl AppState {
             per_ip,
             admissions,
             live,
+            heal,
         }))
     }
 }

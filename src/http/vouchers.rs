@@ -278,6 +278,7 @@ pub(crate) async fn create(
             row.id,
             state.settings.sale_state_retention,
             loader::Mode::Create,
+            state.settings.replicas,
         )
         .await
         {
@@ -484,7 +485,8 @@ pub(crate) async fn close(
     PathId(id): PathId,
 ) -> AppResult<(HeaderMap, Json<VoucherResponse>)> {
     let mut conn = state.redis.clone();
-    match loader::close_sale(&state.db, &mut conn, &state.keys, id).await {
+    let replicas = state.settings.replicas;
+    match loader::close_sale(&state.db, &mut conn, &state.keys, id, replicas).await {
         Ok(true) => {}
         Ok(false) => {
             return Err(AppError::NotFound(format!(

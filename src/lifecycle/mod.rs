@@ -19,6 +19,7 @@ use sqlx::PgPool;
 
 use crate::keys::{self, Keys};
 use crate::metrics::{TRANSITIONS, UNITS_RETURNED};
+use crate::scripts::{Call, Replicas};
 use crate::store::lifecycle::{self as transitions, Close, Release, Transition};
 use crate::store::orders::OrderRow;
 
@@ -30,17 +31,20 @@ static RELEASE: LazyLock<Script> =
 const RELEASE_DEADLINE: Duration = Duration::from_millis(1000);
 
 /// Makes one release in Redis: `true` when the unit went back now, `false` when there
-/// was nothing to release (made before, or the sale's state was rebuilt since).
+/// was nothing to release (made before, or the sale's state was rebuilt since). With
+/// `replicas`, `Ok` only once they hold it: the release's outbox row may go then (a
+/// failover that lost it would otherwise lose the unit in Redis for good).
 pub async fn release<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     r: &Release,
+    replicas: Replicas,
 ) -> redis::RedisResult<bool> {
-    let done: i64 = RELEASE
+    let done: i64 = Call::script(&RELEASE)
         .key(keys.voucher(r.voucher_id))
         .arg(keys::buyer_field(r.user_id))
         .arg(r.order_id)
-        .invoke_async(conn)
+        .invoke_waiting(conn, replicas)
         .await?;
     if done == 1 {
         metrics::counter!(UNITS_RETURNED, "store" => "redis").increment(1);
@@ -62,6 +66,7 @@ async fn release_now<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,
+    replicas: Replicas,
     row: &OrderRow,
 ) {
     let r = Release {
@@ -70,7 +75,7 @@ async fn release_now<C: ConnectionLike + Send>(
         user_id: row.user_id,
     };
     let settle = async {
-        release(conn, keys, &r).await?;
+        release(conn, keys, &r, replicas).await?;
         transitions::released(db, &[r.order_id]).await?;
         anyhow::Ok(())
     };
@@ -95,6 +100,7 @@ pub async fn pay<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,
+    replicas: Replicas,
     order_id: i64,
     payment_ref: Option<&str>,
 ) -> anyhow::Result<Transition> {
@@ -109,7 +115,7 @@ pub async fn pay<C: ConnectionLike + Send>(
             match transitions::close(db, order_id, Close::ExpireIfDue).await? {
                 Transition::Moved(row) => {
                     count(&row);
-                    release_now(db, conn, keys, &row).await;
+                    release_now(db, conn, keys, replicas, &row).await;
                     Ok(Transition::Unchanged(row))
                 }
                 other => Ok(other),
@@ -125,12 +131,13 @@ pub async fn cancel<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,
+    replicas: Replicas,
     order_id: i64,
 ) -> anyhow::Result<Transition> {
     let done = transitions::close(db, order_id, Close::Cancel).await?;
     if let Transition::Moved(row) = &done {
         count(row);
-        release_now(db, conn, keys, row).await;
+        release_now(db, conn, keys, replicas, row).await;
     }
     Ok(done)
 }

@@ -16,6 +16,7 @@ use crate::backoff::Backoff;
 use crate::keys::Keys;
 use crate::metrics::{RELEASES_OWED, TRANSITIONS, UNITS_RETURNED};
 use crate::redis_conn::RedisConn;
+use crate::scripts::Replicas;
 use crate::store::lifecycle as transitions;
 
 #[derive(Debug, Clone, Copy)]
@@ -25,6 +26,8 @@ pub struct SweepConfig {
     pub every: Duration,
     /// Orders expired (and releases made) per transaction.
     pub batch: i64,
+    /// Replicas that must hold a release before its outbox row goes.
+    pub replicas: Replicas,
 }
 
 /// What a pass did.
@@ -63,6 +66,7 @@ pub async fn release_owed(
     conn: &mut RedisConn,
     keys: &Keys,
     batch: i64,
+    replicas: Replicas,
 ) -> anyhow::Result<SweepReport> {
     let mut report = SweepReport::default();
     let mut failed = HashSet::new();
@@ -76,7 +80,7 @@ pub async fn release_owed(
             if failed.contains(&shard) {
                 continue;
             }
-            match super::release(conn, keys, r).await {
+            match super::release(conn, keys, r, replicas).await {
                 Ok(returned) => {
                     report.returned += u64::from(returned);
                     made.push(r.order_id);
@@ -109,9 +113,10 @@ pub async fn sweep_once(
     conn: &mut RedisConn,
     keys: &Keys,
     batch: i64,
+    replicas: Replicas,
 ) -> anyhow::Result<SweepReport> {
     let expired = expire_all_due(db, batch).await?;
-    let report = release_owed(db, conn, keys, batch).await?;
+    let report = release_owed(db, conn, keys, batch, replicas).await?;
     Ok(SweepReport { expired, ..report })
 }
 
@@ -137,7 +142,7 @@ pub async fn run(
     let releases = every(&cancel, config.every, "release", || {
         let (db, mut conn, keys) = (db.clone(), conn.clone(), keys.clone());
         async move {
-            let report = release_owed(&db, &mut conn, &keys, config.batch).await?;
+            let report = release_owed(&db, &mut conn, &keys, config.batch, config.replicas).await?;
             tracing::debug!(?report, "owed releases made");
             Ok(())
         }

@@ -122,14 +122,14 @@ pub(crate) async fn open_sales(db: &PgPool) -> Result<Vec<SeckillState>, sqlx::E
     .await
 }
 
-/// Ids of the sales that ended after `since` (or have not ended).
+/// The sales that ended after `since` (or have not ended).
 #[tracing::instrument(skip(db))]
 pub(crate) async fn sales_ending_after(
     db: &PgPool,
     since: DateTime<Utc>,
-) -> Result<Vec<i64>, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT voucher_id FROM seckill_vouchers WHERE end_time > $1 ORDER BY voucher_id",
+) -> Result<Vec<SeckillState>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT voucher_id, end_time FROM seckill_vouchers WHERE end_time > $1 ORDER BY voucher_id",
     )
     .bind(since)
     .fetch_all(db)

@@ -300,7 +300,8 @@ async fn start_up_loading_fills_missing_sales_and_leaves_live_ones_alone(db: PgP
         .await;
 
     let retention = std::time::Duration::from_secs(60);
-    let report = load_open_sales(&app.db, &mut app.redis.clone(), &app.keys, retention)
+    let none = seckill::scripts::Replicas::NONE;
+    let report = load_open_sales(&app.db, &mut app.redis.clone(), &app.keys, retention, none)
         .await
         .unwrap();
     assert_eq!(report, LoadReport { loaded: 1, live: 1 });
@@ -338,6 +339,7 @@ async fn grabs_coalesced_into_one_script_call_are_decided_in_order_each_as_if_al
             grab(voucher, 2, 1003), // the unit is gone
             grab(other, 2, 1004),   // another sale of the shard
         ],
+        seckill::scripts::Replicas::NONE,
     )
     .await
     .unwrap();

@@ -558,7 +558,12 @@ async fn a_grab_abandoned_while_queued_behind_a_slow_call_is_never_sent(db: PgPo
     // Loads the script into this new Redis.
     assert_eq!(app.grab(voucher, 6).await.0, StatusCode::ACCEPTED);
     let conn = seckill::redis_conn::connect(&redis.url, Duration::from_secs(5)).unwrap();
-    let batcher = std::sync::Arc::new(Batcher::start(conn, app.keys.clone(), 128));
+    let batcher = std::sync::Arc::new(Batcher::start(
+        conn,
+        app.keys.clone(),
+        128,
+        seckill::scripts::Replicas::NONE,
+    ));
 
     let blocked = block_redis(&redis.url, 1_000).await;
     let in_flight = {

@@ -470,7 +470,8 @@ async fn a_batch_whose_entries_redis_lost_is_not_written(db: PgPool) {
         &app.keys,
         voucher,
         std::time::Duration::from_secs(60),
-        seckill::admission::loader::Mode::Load,
+        seckill::admission::loader::Mode::Heal,
+        seckill::scripts::Replicas::NONE,
     )
     .await
     .unwrap();

@@ -364,9 +364,15 @@ impl TestApp {
     /// One pass of the expiry sweeper, in this process.
     pub async fn sweep(&self) -> seckill::lifecycle::sweeper::SweepReport {
         let mut conn = self.redis.clone();
-        seckill::lifecycle::sweeper::sweep_once(&self.db, &mut conn, &self.keys, 100)
-            .await
-            .unwrap()
+        seckill::lifecycle::sweeper::sweep_once(
+            &self.db,
+            &mut conn,
+            &self.keys,
+            100,
+            seckill::scripts::Replicas::NONE,
+        )
+        .await
+        .unwrap()
     }
 
     /// Runs `seckill <args>` against the test's database and key space; returns the

@@ -1,0 +1,237 @@
+//! Noticing that Redis lost writes, and healing by itself.
+//!
+//! Redis acknowledges a write before it is on disk or on a replica, so a restart, a
+//! failover or a restore can hand us an OLDER Redis: more stock than Postgres has, a
+//! cancelled buyer still blocked, a closed sale open again. Nothing in the data tells:
+//! an old copy is consistent with itself. What does tell is the server's term (see
+//! `lua/seckill.lua`): drawn at the first call of each life of the server, held only in
+//! its memory. Every sale's state carries the term it was built in, and admission
+//! refuses a state of another term, so from the first grab after a restart or failover
+//! no unit is sold on old state. Meanwhile every process watches the term (and the
+//! server's run and replication ids, for the rare change a term survives) once a second,
+//! and rebuilds each sale of a new term from Postgres through the fence, as
+//! `reconcile --repair` does: what Redis lost is redone from Postgres (units returned by
+//! cancels and expiries, buried orders settled, admin closes, orders in flight counted).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::Utc;
+use redis::aio::ConnectionLike;
+use redis::RedisResult;
+use sqlx::PgPool;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use super::loader::{self, Mode};
+use crate::keys::{Keys, Shard};
+use crate::redis_conn::RedisConn;
+use crate::scripts::{Call, Replicas};
+
+/// A server's term and how long ago it was drawn.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Term {
+    pub term: String,
+    pub age: Duration,
+}
+
+/// The term of the server holding `route_key` (drawn now if this is its first call).
+pub(crate) async fn of<C: ConnectionLike + Send>(
+    conn: &mut C,
+    route_key: &str,
+) -> RedisResult<Term> {
+    ask(conn, "seckill_term", route_key).await
+}
+
+/// Draws a new term on the server holding `route_key`: every sale on it is stale.
+async fn draw_new<C: ConnectionLike + Send>(conn: &mut C, route_key: &str) -> RedisResult<Term> {
+    ask(conn, "seckill_new_term", route_key).await
+}
+
+async fn ask<C: ConnectionLike + Send>(
+    conn: &mut C,
+    function: &'static str,
+    route_key: &str,
+) -> RedisResult<Term> {
+    let (term, age_ms): (String, u64) =
+        Call::function(function).key(route_key).invoke(conn).await?;
+    Ok(Term {
+        term,
+        age: Duration::from_millis(age_ms),
+    })
+}
+
+/// A server's run id and replication id: a restart changes the first, a promotion the
+/// second.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Identity {
+    run_id: String,
+    replid: String,
+}
+
+/// The identity of the server holding `route_key`; `None` when INFO is not allowed
+/// (some managed services rename it): the term alone then tells.
+async fn identity(conn: &mut RedisConn, route_key: &str) -> Option<Identity> {
+    let mut info = redis::cmd("INFO");
+    info.arg("server").arg("replication");
+    let text: String = match conn {
+        RedisConn::Cluster(c) => {
+            use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+            let route = Route::new(crate::keys::slot(route_key), SlotAddr::Master);
+            let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
+            let value = c.route_command(info, routing).await.ok()?;
+            redis::from_redis_value(value).ok()?
+        }
+        other => info.query_async(other).await.ok()?,
+    };
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .map(|v| v.trim().to_string())
+    };
+    Some(Identity {
+        run_id: field("run_id")?,
+        replid: field("master_replid")?,
+    })
+}
+
+/// What the watcher needs.
+#[derive(Clone)]
+pub(crate) struct Watch {
+    pub db: PgPool,
+    pub redis: RedisConn,
+    pub keys: Keys,
+    pub retention: Duration,
+    pub replicas: Replicas,
+    /// Wakes the watcher before its next tick (admission met a stale sale; a lease
+    /// found its key gone).
+    pub wake: Arc<Notify>,
+}
+
+/// How often every process looks at the terms.
+const EVERY: Duration = Duration::from_secs(1);
+
+/// What the watcher remembers of one server.
+#[derive(Debug, Clone, Default)]
+struct Seen {
+    term: Option<String>,
+    identity: Option<Identity>,
+}
+
+/// Watches the terms until `cancel`, healing what each new term makes stale (and, at
+/// the first pass, every sale whose state is missing or stale).
+pub(crate) async fn watch(w: Watch, cancel: CancellationToken) {
+    let mut seen: HashMap<Shard, Seen> = HashMap::new();
+    let mut failing = false;
+    while !cancel.is_cancelled() {
+        match pass(&w, &mut seen).await {
+            Ok(()) if failing => {
+                tracing::info!("term watch recovered");
+                failing = false;
+            }
+            Ok(()) => {}
+            Err(e) => {
+                if !failing {
+                    tracing::warn!(error = format!("{e:#}"), "term watch failing, retrying");
+                }
+                failing = true;
+            }
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => break,
+            _ = tokio::time::sleep(EVERY) => {}
+            _ = w.wake.notified() => {}
+        }
+    }
+}
+
+/// The shards to ask, each with the shards on the same server: one server holds every
+/// shard unless this is a cluster.
+fn servers(w: &Watch) -> Vec<(Shard, Vec<Shard>)> {
+    match w.redis {
+        RedisConn::Cluster(_) => w.keys.shards().map(|s| (s, vec![s])).collect(),
+        _ => vec![(Shard(0), w.keys.shards().collect())],
+    }
+}
+
+/// One look at every server: a changed identity draws a new term; a new term (or the
+/// first look) heals the server's shards.
+async fn pass(w: &Watch, seen: &mut HashMap<Shard, Seen>) -> anyhow::Result<()> {
+    let mut conn = w.redis.clone();
+    for (asked, shards) in servers(w) {
+        let key = w.keys.stream(asked).to_string();
+        let was = seen.get(&asked).cloned().unwrap_or_default();
+        let now = identity(&mut conn, &key).await;
+        let term = match (&was.identity, &now) {
+            (Some(before), Some(after)) if before != after => {
+                tracing::warn!(
+                    ?before,
+                    ?after,
+                    "redis server changed identity: drawing a new term"
+                );
+                draw_new(&mut conn, &key).await?
+            }
+            _ => of(&mut conn, &key).await?,
+        };
+        if was.term.as_ref() != Some(&term.term) {
+            let rebuilt = heal(w, &shards).await?;
+            if was.term.is_some() || !rebuilt.is_empty() {
+                metrics::counter!(crate::metrics::ROLLBACKS_HEALED).increment(1);
+                tracing::warn!(
+                    term = %term.term,
+                    rebuilt = ?rebuilt,
+                    "redis may have lost writes (new term): sales rebuilt from postgres"
+                );
+            }
+        }
+        seen.insert(
+            asked,
+            Seen {
+                term: Some(term.term),
+                identity: now.or(was.identity),
+            },
+        );
+    }
+    Ok(())
+}
+
+/// Rebuilds, through the fence, every sale of `shards` whose state is stale (built in
+/// another term) or missing while the sale is open; returns the sales rebuilt. An ended
+/// sale whose state is gone stays so (admission answers `ended` from Postgres).
+async fn heal(w: &Watch, shards: &[Shard]) -> anyhow::Result<Vec<i64>> {
+    let since = Utc::now() - chrono::Duration::from_std(w.retention)?;
+    let now = Utc::now();
+    let mut conn = w.redis.clone();
+    let mut rebuilt = Vec::new();
+    for sale in crate::store::vouchers::sales_ending_after(&w.db, since).await? {
+        if !shards.contains(&w.keys.shard_of(sale.voucher_id)) {
+            continue;
+        }
+        if sale.end_time <= now {
+            let exists: bool = redis::cmd("EXISTS")
+                .arg(w.keys.voucher(sale.voucher_id))
+                .query_async(&mut conn)
+                .await?;
+            if !exists {
+                continue;
+            }
+        }
+        let id = sale.voucher_id;
+        let loaded = loader::load_sale(
+            &w.db,
+            &mut conn,
+            &w.keys,
+            id,
+            w.retention,
+            Mode::Heal,
+            w.replicas,
+        )
+        .await?;
+        if loaded.is_some() {
+            metrics::counter!(crate::metrics::SALES_REBUILT).increment(1);
+            rebuilt.push(id);
+        }
+    }
+    Ok(rebuilt)
+}
