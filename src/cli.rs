@@ -99,9 +99,9 @@ async fn reconcile(args: crate::config::ReconcileArgs) -> anyhow::Result<ExitCod
         &mut conn,
         &keys,
         args.voucher,
-        args.repair,
+        args.repair
+            .then(|| crate::scripts::Replicas::from_args(&args.redis.durability)),
         retention,
-        crate::scripts::Replicas::from_args(&args.redis.durability),
         &mut print_out,
     )
     .await?;

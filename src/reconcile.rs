@@ -181,15 +181,15 @@ pub(crate) async fn books<C: ConnectionLike + Send>(
 pub(crate) type Emit<'a> = dyn FnMut(&str) -> anyhow::Result<()> + 'a;
 
 /// `seckill reconcile [--voucher ID] [--repair]`: prints the books, repairs what is out
-/// of balance (or the given voucher) when asked, and says whether the books balance.
+/// of balance (or the given voucher) when asked (each repair waiting for the given
+/// replicas), and says whether the books balance.
 pub(crate) async fn run<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,
     voucher: Option<i64>,
-    repair_them: bool,
+    repair_waiting_for: Option<Replicas>,
     retention: Duration,
-    replicas: Replicas,
     emit: &mut Emit<'_>,
 ) -> anyhow::Result<bool> {
     let out_of_balance = |rows: &[VoucherBooks]| -> Vec<i64> {
@@ -203,7 +203,7 @@ pub(crate) async fn run<C: ConnectionLike + Send>(
     let mut rows = books(db, conn, keys, voucher, retention).await?;
     emit(&render(&rows))?;
     let mut bad = out_of_balance(&rows);
-    if repair_them {
+    if let Some(replicas) = repair_waiting_for {
         let targets = match voucher {
             Some(id) => vec![id],
             None => bad.clone(),

@@ -69,23 +69,6 @@ impl Application {
             replicas: Replicas::from_args(&api.redis.durability),
         };
         let ids = Arc::new(OrderIds::default());
-        let heal = Arc::new(tokio::sync::Notify::new());
-        let lease_keeping = upkeep::Upkeep {
-            redis: redis.clone(),
-            keys: keys.clone(),
-            ids: ids.clone(),
-            replicas: settings.replicas,
-            redis_lost_data: heal.clone(),
-        };
-        // Lease an order-id node now if Redis answers, so the first grab can be served;
-        // otherwise the upkeep keeps trying (the process starts, and reports not ready).
-        let lease = match upkeep::claim(&lease_keeping).await {
-            Ok(lease) => Some(lease),
-            Err(e) => {
-                tracing::warn!(error = %e, "no order-id node leased yet");
-                None
-            }
-        };
         let tasks = TaskTracker::new();
         if let Some(jwks) = auth.jwks() {
             // One attempt (at most the fetch timeout) before serving; if the provider
@@ -115,8 +98,23 @@ impl Application {
                 api.live_max_sales.into(),
                 cancel.clone(),
             ),
-            heal.clone(),
         );
+        let lease_keeping = upkeep::Upkeep {
+            redis: redis.clone(),
+            keys: keys.clone(),
+            ids: ids.clone(),
+            replicas: settings.replicas,
+            redis_lost_data: state.heal.clone(),
+        };
+        // Lease an order-id node now if Redis answers, so the first grab can be served;
+        // otherwise the upkeep keeps trying (the process starts, and reports not ready).
+        let lease = match upkeep::claim(&lease_keeping).await {
+            Ok(lease) => Some(lease),
+            Err(e) => {
+                tracing::warn!(error = %e, "no order-id node leased yet");
+                None
+            }
+        };
         // The live view's producer, which also adds this process's grab counts to
         // Redis each second (every instance's page shows them), the last time once the
         // last request has been answered. Restarted if it panics: every page would
@@ -148,7 +146,7 @@ impl Application {
                 keys: keys.clone(),
                 retention: settings.sale_state_retention,
                 replicas: settings.replicas,
-                wake: heal,
+                wake: state.heal.clone(),
             },
             cancel.clone(),
         ));

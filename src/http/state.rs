@@ -47,7 +47,6 @@ impl AppState {
         ids: Arc<OrderIds>,
         settings: Settings,
         live: crate::live::Live,
-        heal: Arc<tokio::sync::Notify>,
     ) -> Self {
         let limits = &settings.limits;
         let per_user =
@@ -71,7 +70,7 @@ impl AppState {
             per_ip,
             admissions,
             live,
-            heal,
+            heal: Arc::default(),
         }))
     }
 }
