@@ -21,5 +21,6 @@ mod observability;
 mod operations;
 mod reconcile;
 mod recovery;
+mod rollback;
 mod tls;
 mod worker;

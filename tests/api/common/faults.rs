@@ -79,10 +79,13 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-/// A Redis server of the test's own (so FLUSHALL hurts nobody else), without persistence.
+/// A Redis server of the test's own (so FLUSHALL hurts nobody else), without persistence
+/// unless asked for (`save`): it can be killed and started again on the same port from
+/// its last snapshot, as an operator's restart from an older copy would.
 pub struct PrivateRedis {
     child: Child,
     pub url: String,
+    port: u16,
     dir: std::path::PathBuf,
 }
 
@@ -91,36 +94,62 @@ impl PrivateRedis {
         let port = free_port();
         let dir = std::env::temp_dir().join(format!("seckill-redis-{port}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
+        let url = format!("redis://127.0.0.1:{port}");
+        let child = Self::run(port, &dir, &url);
+        Self {
+            child,
+            url,
+            port,
+            dir,
+        }
+    }
+
+    fn run(port: u16, dir: &std::path::Path, url: &str) -> Child {
         let child = Command::new("redis-server")
             .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
             .args(["--save", "", "--appendonly", "no"])
             .arg("--dir")
-            .arg(&dir)
+            .arg(dir)
             .stdout(Stdio::null())
             .spawn()
             .expect("redis-server on PATH");
-        let url = format!("redis://127.0.0.1:{port}");
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let ok = redis::Client::open(url.as_str())
+            let ok = redis::Client::open(url)
                 .and_then(|c| c.get_connection())
                 .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
                 .is_ok();
             if ok {
-                break;
+                return child;
             }
             assert!(Instant::now() < deadline, "private redis did not start");
             std::thread::sleep(Duration::from_millis(20));
         }
-        Self { child, url, dir }
     }
 
-    pub fn flushall(&self) {
+    fn command<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> T {
         let mut conn = redis::Client::open(self.url.as_str())
             .unwrap()
             .get_connection()
             .unwrap();
-        let _: () = redis::cmd("FLUSHALL").query(&mut conn).unwrap();
+        cmd.query(&mut conn).unwrap()
+    }
+
+    pub fn flushall(&self) {
+        self.command::<()>(&redis::cmd("FLUSHALL"));
+    }
+
+    /// Writes a snapshot (`dump.rdb` in its directory) now.
+    pub fn save(&self) {
+        self.command::<()>(&redis::cmd("SAVE"));
+    }
+
+    /// Kills the server (SIGKILL) and starts it again on the same port: it loads its
+    /// last snapshot, losing every write since.
+    pub fn restart_from_snapshot(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.child = Self::run(self.port, &self.dir, &self.url);
     }
 }
 

@@ -1,0 +1,179 @@
+//! Redis handing the service an OLDER copy of itself: a restart from an older snapshot
+//! (or, in `sentinel.rs` and `cluster.rs`, a failover to a replica that lagged). Nobody
+//! runs anything; within seconds every promise holds again.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use reqwest::StatusCode;
+use serde_json::Value;
+use sqlx::PgPool;
+
+use crate::common::faults::PrivateRedis;
+use crate::common::{metric_value, metrics_at, open_sale_at, TestApp};
+
+/// Presses "grab" once per user against `base`, pressing again while the answer is 503
+/// (the sale being rebuilt), for at most a minute each. Each user's final answer.
+async fn press_through_503s(
+    app: &TestApp,
+    base: &str,
+    voucher: i64,
+    users: impl IntoIterator<Item = i64>,
+) -> HashMap<i64, (StatusCode, Value)> {
+    futures::stream::iter(users)
+        .map(|user| async move {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            loop {
+                let resp = app
+                    .client
+                    .post(format!("{base}/vouchers/{voucher}/seckill"))
+                    .bearer_auth(app.token(user))
+                    .send()
+                    .await
+                    .unwrap();
+                let status = resp.status();
+                let body: Value = resp.json().await.unwrap();
+                if status != StatusCode::SERVICE_UNAVAILABLE {
+                    return (user, (status, body));
+                }
+                assert_eq!(body["error"]["code"], "unavailable", "{body}");
+                assert!(Instant::now() < deadline, "user {user}: 503 for a minute");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .buffer_unordered(32)
+        .collect()
+        .await
+}
+
+/// The order ids of the 202s among `answers`.
+fn won(answers: &HashMap<i64, (StatusCode, Value)>) -> HashMap<i64, i64> {
+    answers
+        .iter()
+        .filter(|(_, (status, _))| *status == StatusCode::ACCEPTED)
+        .map(|(user, (_, body))| (*user, body["order_id"].as_str().unwrap().parse().unwrap()))
+        .collect()
+}
+
+/// `seckill reconcile` (compare only) until it says the books balance; how long it took.
+async fn until_reconcile_is_clean(app: &TestApp, limit: Duration) -> Duration {
+    let started = Instant::now();
+    loop {
+        let (code, out) = app.cli(&["reconcile"]);
+        if code == 0 {
+            assert!(out.contains("books balance"), "{out}");
+            return started.elapsed();
+        }
+        assert!(
+            started.elapsed() < limit,
+            "reconcile still out of balance after {limit:?}:\n{out}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_restart_from_an_older_snapshot_mid_sale_heals_itself_and_sells_exactly_the_units_left(
+    db: PgPool,
+) {
+    let mut redis = PrivateRedis::start();
+    let app = TestApp::spawn_with(db, redis.url.clone(), true).await;
+    // A real `seckill serve` (API and worker) on the Redis that will come back older.
+    let (_server, base) = app.spawn_server("serve", &[]).await;
+    let stock = 500;
+    let sale = open_sale_at(&app.client, &base, stock).await;
+    let closing = open_sale_at(&app.client, &base, 100).await;
+
+    // 300 winners, written to Postgres; then the snapshot.
+    let first = won(&press_through_503s(&app, &base, sale, 1..=300).await);
+    assert_eq!(first.len(), 300);
+    let early = won(&press_through_503s(&app, &base, closing, 1..=10).await);
+    assert_eq!(early.len(), 10);
+    assert_eq!(app.wait_for_orders(sale, 300, Duration::from_secs(30)).await, 300);
+    assert_eq!(app.wait_for_orders(closing, 10, Duration::from_secs(30)).await, 10);
+    redis.save();
+
+    // After the snapshot, all of it in Postgres: 150 winners, 5 cancels, a close.
+    let second = won(&press_through_503s(&app, &base, sale, 301..=450).await);
+    assert_eq!(second.len(), 150);
+    assert_eq!(app.wait_for_orders(sale, 450, Duration::from_secs(30)).await, 450);
+    for user in 1..=5 {
+        let (status, body) = app.cancel(&first[&user].to_string(), user).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+    }
+    let close = app
+        .client
+        .post(app.url(&format!("/vouchers/{closing}/close")))
+        .bearer_auth(app.admin_token());
+    let (status, body) = app.send(close).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(app.owed_releases().await, 0, "releases made in Redis");
+
+    // The bad night: Redis killed and started again from the snapshot. Nobody runs
+    // anything; shoppers keep pressing.
+    redis.restart_from_snapshot();
+    let restarted = Instant::now();
+    let again = press_through_503s(&app, &base, sale, 1..=450).await;
+    let healed_in = restarted.elapsed();
+    let crowd = press_through_503s(&app, &base, sale, 1001..=1200).await;
+    let closed = press_through_503s(&app, &base, closing, 11..=20).await;
+
+    // Earlier winners still hold their orders, the cancelled ones could grab again.
+    let mut cancelled_won = HashMap::new();
+    for (user, (status, body)) in &again {
+        let held = first.get(user).or(second.get(user)).unwrap();
+        if *user <= 5 {
+            assert_eq!(*status, StatusCode::ACCEPTED, "cancelled buyer {user}: {body}");
+            cancelled_won.insert(*user, body["order_id"].as_str().unwrap().parse::<i64>().unwrap());
+        } else {
+            assert_eq!(*status, StatusCode::CONFLICT, "user {user}: {body}");
+            assert_eq!(body["error"]["code"], "already_ordered");
+            assert_eq!(body["error"]["order_id"], held.to_string(), "user {user}");
+        }
+    }
+    // Exactly the units Postgres had left were sold: 500 - 445 active - 5 again.
+    let fresh = won(&crowd);
+    assert_eq!(fresh.len(), 50, "the units left, no more");
+    for (status, body) in crowd.values() {
+        if *status != StatusCode::ACCEPTED {
+            assert_eq!(body["error"]["code"], "sold_out", "{body}");
+        }
+    }
+    // The close held.
+    for (status, body) in closed.values() {
+        assert_eq!(*status, StatusCode::CONFLICT, "{body}");
+        assert_eq!(body["error"]["code"], "ended", "{body}");
+    }
+
+    // No id handed out twice, every 202 in Postgres, no unit sold twice.
+    let all: Vec<i64> = [&first, &second, &cancelled_won, &fresh]
+        .iter()
+        .flat_map(|m| m.values().copied())
+        .collect();
+    let distinct: HashSet<i64> = all.iter().copied().collect();
+    assert_eq!(distinct.len(), all.len(), "an order id was handed out twice");
+    assert_eq!(app.wait_for_orders(sale, 500, Duration::from_secs(30)).await, 500);
+    let stored = app.assert_consistent(sale, stock).await;
+    let active: HashSet<i64> = all
+        .iter()
+        .copied()
+        .filter(|id| !(1..=5).any(|u| first[&u] == *id))
+        .collect();
+    assert_eq!(stored, active, "the active orders are exactly the 202s not cancelled");
+    let reconciled_in = until_reconcile_is_clean(&app, Duration::from_secs(30)).await;
+
+    let metrics = metrics_at(&app.client, &base).await;
+    let healed = metric_value(&metrics, "seckill_redis_rollbacks_healed_total").unwrap();
+    let no_stock = metric_value(&metrics, "seckill_dead_lettered_total{kind=\"no_stock\"}");
+    assert!(healed >= 1.0, "the rollback was counted: {healed}");
+    assert_eq!(no_stock, Some(0.0), "no 202 beyond the stock");
+    println!(
+        "restart from an older snapshot: 202s {} for {stock} units, 202s lost 0, oversold 0; \
+         first answers again after {:.1} s, reconcile clean {:.1} s later; \
+         rollbacks healed counted {healed}",
+        all.len(),
+        healed_in.as_secs_f64(),
+        reconciled_in.as_secs_f64(),
+    );
+}
