@@ -134,9 +134,8 @@ async fn a_payment_meeting_a_batch_with_a_second_order_of_the_payer_under_the_sa
     };
     let batch = persist_batch(&app.db, &orders, &live).await;
     let paid = payment
-        .lock()
+        .into_inner()
         .unwrap()
-        .take()
         .expect("the payment started")
         .await
         .unwrap();
