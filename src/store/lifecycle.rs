@@ -5,13 +5,19 @@
 //! records the release owed to Redis (`stock_releases`) in the same transaction, so a
 //! unit comes back to Postgres exactly once, and the Redis side can never be forgotten.
 //!
-//! Locks are always taken in one order: order rows first (`FOR UPDATE`, the sweeper with
-//! `SKIP LOCKED`), then sale rows in voucher order. The worker inserts its rows first and
-//! then locks sale rows; its inserts never wait for a row that is only locked (they may
-//! wait for a row being closed, whose transaction waits for no insert), so no cycle
-//! forms with these transactions. Two worker batches holding two users' orders in
-//! opposite order can deadlock on the one-active-order index (only with orders Redis
-//! admitted twice after losing data); Postgres aborts one, and it is retried.
+//! Locks: a transaction that writes an order row and a sale row (pay, cancel, expiry)
+//! locks the order rows first (`FOR UPDATE`; the sweeper skips locked ones), then the
+//! sale rows in voucher order ([`lock_sales`]), and writes only then. The worker is why:
+//! it holds sale locks while its inserts may wait for an order row another transaction
+//! is writing (the one-active-order index waits for an update in progress, not for a
+//! row that is only locked). So nobody may write an order row and then wait for a sale
+//! lock; these transactions, once they write, wait for nothing (a paid row's entry in
+//! that index meets no insert in progress: inserts skip while the user holds an active
+//! order), so no cycle passes through them. Burials and sale loads take sale locks but
+//! write no order row; making releases touches only `stock_releases`. Worker batches
+//! holding orders of the same users can still deadlock each other on that index (only
+//! with orders Redis admitted twice after losing data): Postgres aborts one, and it is
+//! retried.
 
 use sqlx::{FromRow, PgPool, Postgres, Transaction};
 
@@ -46,8 +52,8 @@ pub enum Transition {
 }
 
 /// Pays a `created` order whose deadline has not passed (by Postgres's clock), and
-/// counts it on its sale's row (the order's lock first, then the sale's, as closing
-/// takes them).
+/// counts it on its sale's row: the order's lock, then the sale's, then the writes (the
+/// module's lock order).
 #[tracing::instrument(skip(db))]
 pub(crate) async fn pay(
     db: &PgPool,
@@ -55,21 +61,33 @@ pub(crate) async fn pay(
     payment_ref: Option<&str>,
 ) -> Result<Transition, sqlx::Error> {
     let mut tx = db.begin().await?;
-    let paid: Option<OrderRow> = sqlx::query_as(&format!(
-        "UPDATE voucher_orders SET status = 'paid', paid_at = now(), payment_ref = $2 \
-         WHERE id = $1 AND status = 'created' AND pay_before > now() \
-         RETURNING {ORDER_COLUMNS}"
-    ))
+    let payable: Option<i64> = sqlx::query_scalar(
+        "SELECT voucher_id FROM voucher_orders \
+         WHERE id = $1 AND status = 'created' AND pay_before > now() FOR UPDATE",
+    )
     .bind(order_id)
-    .bind(payment_ref)
     .fetch_optional(&mut *tx)
     .await?;
-    if let Some(row) = &paid {
-        sqlx::query("UPDATE seckill_vouchers SET paid = paid + 1 WHERE voucher_id = $1")
-            .bind(row.voucher_id)
-            .execute(&mut *tx)
+    let paid: Option<OrderRow> = match payable {
+        None => None,
+        Some(voucher_id) => {
+            lock_sales(&mut tx, &[voucher_id]).await?;
+            // Still payable: locked since the check, and now() is the transaction's.
+            let row: OrderRow = sqlx::query_as(&format!(
+                "UPDATE voucher_orders SET status = 'paid', paid_at = now(), payment_ref = $2 \
+                 WHERE id = $1 RETURNING {ORDER_COLUMNS}"
+            ))
+            .bind(order_id)
+            .bind(payment_ref)
+            .fetch_one(&mut *tx)
             .await?;
-    }
+            sqlx::query("UPDATE seckill_vouchers SET paid = paid + 1 WHERE voucher_id = $1")
+                .bind(voucher_id)
+                .execute(&mut *tx)
+                .await?;
+            Some(row)
+        }
+    };
     tx.commit().await?;
     Ok(match paid {
         Some(row) => Transition::Moved(row),

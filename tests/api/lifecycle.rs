@@ -71,6 +71,124 @@ async fn paying_a_created_order_makes_it_paid_and_paying_again_changes_nothing(d
     assert_eq!(app.pg_statuses(voucher).await.get("paid"), Some(&1));
 }
 
+/// Redis forgot that user 7 holds an order and admitted them again. The batch holding
+/// that second order skips it (the first is active), locks the sale's row, and asks
+/// again for what it skipped; the user pays the first order just then, and the payment
+/// waits for the batch's lock. Neither may wait for the other: the payment is made,
+/// the batch refuses the second order as it refuses any order of a user holding
+/// another, and Postgres finds no deadlock.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_payment_meeting_a_batch_with_a_second_order_of_the_payer_under_the_sale_lock_does_not_deadlock(
+    db: PgPool,
+) {
+    use futures::FutureExt;
+    use seckill::store::lifecycle::Transition;
+    use seckill::store::orders::{persist_batch, NewOrder, Persisted, Rejection};
+    use seckill::stream::ReadFrom;
+
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(5).await;
+    let first: i64 = grab_id(&app, voucher, 7).await.parse().unwrap();
+    app.drain().await;
+    let _: () = app
+        .redis_cmd(redis::cmd("HDEL").arg(app.keys.voucher(voucher)).arg("u:7"))
+        .await;
+    let second: i64 = grab_id(&app, voucher, 7).await.parse().unwrap();
+    let reader = app.worker_named("worker-holding");
+    reader.ensure_groups().await.unwrap();
+    let held = reader
+        .read_batch(app.keys.shard_of(voucher), ReadFrom::New { block_ms: 1 })
+        .await
+        .unwrap();
+    let orders: Vec<NewOrder> = held.iter().filter_map(|e| e.order().copied()).collect();
+    assert_eq!(
+        orders.iter().map(|o| (o.id, o.user_id)).collect::<Vec<_>>(),
+        [(second, 7)]
+    );
+
+    // The live check runs under the batch's sale lock, just before the skipped order is
+    // inserted again: the payment starts there (the app's own pool, the very call its
+    // handler makes), and the check returns once it waits for a sale's row.
+    let payment = std::sync::Mutex::new(None);
+    let (app_ref, payment_ref) = (&app, &payment);
+    let live = move |ids: Vec<i64>| {
+        async move {
+            let started = {
+                let mut slot = payment_ref.lock().unwrap();
+                let first_call = slot.is_none();
+                slot.get_or_insert_with(|| {
+                    let (db, mut conn) = (app_ref.state.db.clone(), app_ref.redis.clone());
+                    let keys = app_ref.keys.clone();
+                    tokio::spawn(async move {
+                        seckill::lifecycle::pay(&db, &mut conn, &keys, first, Some("psp-7")).await
+                    })
+                });
+                first_call
+            };
+            if started {
+                waiting_for_a_sale_lock(&app_ref.db).await?;
+            }
+            Ok(ids.into_iter().collect())
+        }
+        .boxed()
+    };
+    let batch = persist_batch(&app.db, &orders, &live).await;
+    let paid = payment
+        .into_inner()
+        .unwrap()
+        .expect("the payment started")
+        .await
+        .unwrap();
+    let batch = batch.map_err(|e| format!("{e:#}"));
+    let paid = paid.map_err(|e| format!("{e:#}"));
+    println!("batch: {batch:?}\npayment: {paid:?}");
+    assert_eq!(
+        batch,
+        Ok(vec![Persisted::Rejected(Rejection::UserHoldsOther)]),
+        "the batch"
+    );
+    match paid {
+        Ok(Transition::Moved(row)) => {
+            assert_eq!((row.id, row.status.as_str()), (first, "paid"));
+            assert_eq!(row.payment_ref.as_deref(), Some("psp-7"));
+        }
+        other => panic!("the payment: {other:?}"),
+    }
+    let deadlocks: i64 = sqlx::query_scalar(
+        "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(deadlocks, 0);
+    assert_eq!(app.pg_status(&second.to_string()).await, None);
+    assert_eq!(app.pg_stock(voucher).await, 4, "one unit sold, once");
+    // (Checked against the sale row's counts: the payment counted there too.)
+    assert_eq!(app.pg_statuses(voucher).await.get("paid"), Some(&1));
+}
+
+/// Waits (up to 10 s) until a session of the test's database waits for a lock on a
+/// sale's row.
+async fn waiting_for_a_sale_lock(db: &PgPool) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND wait_event_type = 'Lock' AND query LIKE '%seckill_vouchers%'",
+        )
+        .fetch_one(db)
+        .await?;
+        if n > 0 {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "nobody waited for the sale's row lock"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn cancelling_returns_the_unit_to_both_stores_once_and_the_buyer_may_grab_again(db: PgPool) {
     let app = TestApp::spawn(db).await;
