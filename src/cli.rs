@@ -67,7 +67,9 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
                 replicas: crate::scripts::Replicas::from_args(&args.redis.durability),
                 wake: Default::default(),
             };
-            let watching = tokio::spawn(crate::admission::term::watch(watch, cancel.clone()));
+            let mut watcher = crate::admission::term::Watcher::new(watch);
+            watcher.look().await;
+            let watching = tokio::spawn(watcher.run(cancel.clone()));
             let lanes = crate::config::defaults::WORKER_CONCURRENCY;
             let workers = build_workers(&db, &args.redis, keys, args.worker, lanes).await?;
             let running =

@@ -139,17 +139,18 @@ impl Application {
             },
         ));
         tasks.spawn(upkeep::run(lease_keeping, lease, cancel.clone()));
-        tasks.spawn(term::watch(
-            term::Watch {
-                db: db.clone(),
-                redis: redis.clone(),
-                keys: keys.clone(),
-                retention: settings.sale_state_retention,
-                replicas: settings.replicas,
-                wake: state.heal.clone(),
-            },
-            cancel.clone(),
-        ));
+        // The first look before serving: a sale left stale or missing while no process
+        // ran is rebuilt before the first grab can meet it.
+        let mut watcher = term::Watcher::new(term::Watch {
+            db: db.clone(),
+            redis: redis.clone(),
+            keys: keys.clone(),
+            retention: settings.sale_state_retention,
+            replicas: settings.replicas,
+            wake: state.heal.clone(),
+        });
+        watcher.look().await;
+        tasks.spawn(watcher.run(cancel.clone()));
         tasks.spawn(state.clone().forget_idle_rate_limits(cancel.clone()));
         if let Some(opts) = worker {
             tasks.spawn(sweeper(&db, &api.redis, keys.clone(), &opts, cancel.clone()).await?);

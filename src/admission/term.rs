@@ -119,29 +119,49 @@ struct Seen {
     identity: Option<Identity>,
 }
 
-/// Watches the terms until `cancel`, healing what each new term makes stale (and, at
-/// the first pass, every sale whose state is missing or stale).
-pub(crate) async fn watch(w: Watch, cancel: CancellationToken) {
-    let mut seen: HashMap<Shard, Seen> = HashMap::new();
-    let mut failing = false;
-    while !cancel.is_cancelled() {
-        match pass(&w, &mut seen).await {
-            Ok(()) if failing => {
+/// Watches the terms: every sale whose state is missing or stale is healed at the first
+/// look, then what each new term makes stale.
+pub(crate) struct Watcher {
+    w: Watch,
+    seen: HashMap<Shard, Seen>,
+    failing: bool,
+}
+
+impl Watcher {
+    pub(crate) fn new(w: Watch) -> Self {
+        Self {
+            w,
+            seen: HashMap::new(),
+            failing: false,
+        }
+    }
+
+    /// One look at every server (a failure is logged once, and the next look retries).
+    pub(crate) async fn look(&mut self) {
+        match pass(&self.w, &mut self.seen).await {
+            Ok(()) if self.failing => {
                 tracing::info!("term watch recovered");
-                failing = false;
+                self.failing = false;
             }
             Ok(()) => {}
             Err(e) => {
-                if !failing {
+                if !self.failing {
                     tracing::warn!(error = format!("{e:#}"), "term watch failing, retrying");
                 }
-                failing = true;
+                self.failing = true;
             }
         }
-        tokio::select! {
-            _ = cancel.cancelled() => break,
-            _ = tokio::time::sleep(EVERY) => {}
-            _ = w.wake.notified() => {}
+    }
+
+    /// Looks every [`EVERY`] (or when woken) until `cancel`.
+    pub(crate) async fn run(mut self, cancel: CancellationToken) {
+        while !cancel.is_cancelled() {
+            tokio::select! {
+                _ = cancel.cancelled() => break,
+                _ = tokio::time::sleep(EVERY) => {}
+                _ = self.w.wake.notified() => {}
+            }
+            self.look().await;
         }
     }
 }
@@ -163,16 +183,21 @@ async fn pass(w: &Watch, seen: &mut HashMap<Shard, Seen>) -> anyhow::Result<()> 
         let key = w.keys.stream(asked).to_string();
         let was = seen.get(&asked).cloned().unwrap_or_default();
         let now = identity(&mut conn, &key).await;
+        let term = of(&mut conn, &key).await?;
+        // A restart or a promotion draws a term by itself; a term that outlived a change
+        // of identity (a replica promoted again after a partial resync keeps its Lua
+        // state) is drawn anew here.
+        let kept = was.term.as_ref() == Some(&term.term);
         let term = match (&was.identity, &now) {
-            (Some(before), Some(after)) if before != after => {
+            (Some(before), Some(after)) if before != after && kept => {
                 tracing::warn!(
                     ?before,
                     ?after,
-                    "redis server changed identity: drawing a new term"
+                    "redis server changed identity under the same term: drawing a new one"
                 );
                 draw_new(&mut conn, &key).await?
             }
-            _ => of(&mut conn, &key).await?,
+            _ => term,
         };
         if was.term.as_ref() != Some(&term.term) {
             let rebuilt = heal(w, &shards).await?;

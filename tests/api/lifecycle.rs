@@ -120,7 +120,15 @@ async fn a_payment_meeting_a_batch_with_a_second_order_of_the_payer_under_the_sa
                     let (db, mut conn) = (app_ref.state.db.clone(), app_ref.redis.clone());
                     let keys = app_ref.keys.clone();
                     tokio::spawn(async move {
-                        seckill::lifecycle::pay(&db, &mut conn, &keys, first, Some("psp-7")).await
+                        seckill::lifecycle::pay(
+                            &db,
+                            &mut conn,
+                            &keys,
+                            Default::default(),
+                            first,
+                            Some("psp-7"),
+                        )
+                        .await
                     })
                 });
                 first_call

@@ -90,14 +90,26 @@ async fn a_restart_from_an_older_snapshot_mid_sale_heals_itself_and_sells_exactl
     assert_eq!(first.len(), 300);
     let early = won(&press_through_503s(&app, &base, closing, 1..=10).await);
     assert_eq!(early.len(), 10);
-    assert_eq!(app.wait_for_orders(sale, 300, Duration::from_secs(30)).await, 300);
-    assert_eq!(app.wait_for_orders(closing, 10, Duration::from_secs(30)).await, 10);
+    assert_eq!(
+        app.wait_for_orders(sale, 300, Duration::from_secs(30))
+            .await,
+        300
+    );
+    assert_eq!(
+        app.wait_for_orders(closing, 10, Duration::from_secs(30))
+            .await,
+        10
+    );
     redis.save();
 
     // After the snapshot, all of it in Postgres: 150 winners, 5 cancels, a close.
     let second = won(&press_through_503s(&app, &base, sale, 301..=450).await);
     assert_eq!(second.len(), 150);
-    assert_eq!(app.wait_for_orders(sale, 450, Duration::from_secs(30)).await, 450);
+    assert_eq!(
+        app.wait_for_orders(sale, 450, Duration::from_secs(30))
+            .await,
+        450
+    );
     for user in 1..=5 {
         let (status, body) = app.cancel(&first[&user].to_string(), user).await;
         assert_eq!(status, StatusCode::OK, "{body}");
@@ -124,8 +136,15 @@ async fn a_restart_from_an_older_snapshot_mid_sale_heals_itself_and_sells_exactl
     for (user, (status, body)) in &again {
         let held = first.get(user).or(second.get(user)).unwrap();
         if *user <= 5 {
-            assert_eq!(*status, StatusCode::ACCEPTED, "cancelled buyer {user}: {body}");
-            cancelled_won.insert(*user, body["order_id"].as_str().unwrap().parse::<i64>().unwrap());
+            assert_eq!(
+                *status,
+                StatusCode::ACCEPTED,
+                "cancelled buyer {user}: {body}"
+            );
+            cancelled_won.insert(
+                *user,
+                body["order_id"].as_str().unwrap().parse::<i64>().unwrap(),
+            );
         } else {
             assert_eq!(*status, StatusCode::CONFLICT, "user {user}: {body}");
             assert_eq!(body["error"]["code"], "already_ordered");
@@ -152,15 +171,26 @@ async fn a_restart_from_an_older_snapshot_mid_sale_heals_itself_and_sells_exactl
         .flat_map(|m| m.values().copied())
         .collect();
     let distinct: HashSet<i64> = all.iter().copied().collect();
-    assert_eq!(distinct.len(), all.len(), "an order id was handed out twice");
-    assert_eq!(app.wait_for_orders(sale, 500, Duration::from_secs(30)).await, 500);
+    assert_eq!(
+        distinct.len(),
+        all.len(),
+        "an order id was handed out twice"
+    );
+    assert_eq!(
+        app.wait_for_orders(sale, 500, Duration::from_secs(30))
+            .await,
+        500
+    );
     let stored = app.assert_consistent(sale, stock).await;
     let active: HashSet<i64> = all
         .iter()
         .copied()
         .filter(|id| !(1..=5).any(|u| first[&u] == *id))
         .collect();
-    assert_eq!(stored, active, "the active orders are exactly the 202s not cancelled");
+    assert_eq!(
+        stored, active,
+        "the active orders are exactly the 202s not cancelled"
+    );
     let reconciled_in = until_reconcile_is_clean(&app, Duration::from_secs(30)).await;
 
     let metrics = metrics_at(&app.client, &base).await;
