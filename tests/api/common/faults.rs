@@ -105,7 +105,7 @@ impl PrivateRedis {
     }
 
     fn run(port: u16, dir: &std::path::Path, url: &str) -> Child {
-        let child = Command::new("redis-server")
+        let mut child = Command::new("redis-server")
             .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
             .args(["--save", "", "--appendonly", "no"])
             .arg("--dir")
@@ -122,7 +122,11 @@ impl PrivateRedis {
             if ok {
                 return child;
             }
-            assert!(Instant::now() < deadline, "private redis did not start");
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("private redis did not start");
+            }
             std::thread::sleep(Duration::from_millis(20));
         }
     }
