@@ -113,22 +113,12 @@ impl PrivateRedis {
             .stdout(Stdio::null())
             .spawn()
             .expect("redis-server on PATH");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let ok = redis::Client::open(url)
-                .and_then(|c| c.get_connection())
-                .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
-                .is_ok();
-            if ok {
-                return child;
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("private redis did not start");
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        if !answers_within(url, Duration::from_secs(10)) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("private redis did not start");
         }
+        child
     }
 
     fn command<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> T {
@@ -163,6 +153,22 @@ impl Drop for PrivateRedis {
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Whether the Redis at `url` answers PING within `limit`.
+pub fn answers_within(url: &str, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        let ok = redis::Client::open(url)
+            .and_then(|c| c.get_connection())
+            .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
+            .is_ok();
+        if ok {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
 }
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_seckill");
