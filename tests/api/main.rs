@@ -11,6 +11,7 @@ mod binary;
 mod cluster;
 mod demo;
 mod dev_script;
+mod durability;
 mod faults;
 mod flash_sale;
 mod http_limits;

@@ -103,6 +103,12 @@ impl TestApp {
         Self::spawn_full(db, redis_url(), false, settings, hs256_only()).await
     }
 
+    /// The app against the Redis at `redis_url`, with its own settings (replicas to
+    /// wait for, limits, retention).
+    pub async fn spawn_on(db: PgPool, redis_url: String, settings: Settings) -> Self {
+        Self::spawn_full(db, redis_url, true, settings, hs256_only()).await
+    }
+
     /// The app verifying tokens as `jwt` says (JWKS, issuer, audience; [`SECRET`] or
     /// no secret at all). [`TestApp::token`] mints with [`SECRET`], without `iss`/`aud`.
     pub async fn spawn_with_jwt(db: PgPool, jwt: JwtArgs) -> Self {
@@ -134,7 +140,10 @@ impl TestApp {
                 stream_shards: 1,
                 redis_sentinel_urls: Vec::new(),
                 redis_sentinel_master: None,
-                durability: Default::default(),
+                durability: seckill::config::DurabilityArgs {
+                    redis_wait_replicas: settings.replicas.n,
+                    redis_wait_timeout_ms: settings.replicas.timeout.as_millis() as u64,
+                },
             },
             jwt,
             bind: "127.0.0.1:0".parse().unwrap(),
@@ -378,16 +387,34 @@ impl TestApp {
     /// Runs `seckill <args>` against the test's database and key space; returns the
     /// exit code and standard output.
     pub fn cli(&self, args: &[&str]) -> (i32, String) {
-        let out = std::process::Command::new(faults::BIN)
-            .args(args)
+        let out = self.cli_command(args).output().unwrap();
+        Self::cli_output(args, out)
+    }
+
+    /// [`TestApp::cli`] without blocking the test's runtime (whose tasks, a proxy say,
+    /// the command may need).
+    pub async fn cli_async(&self, args: &[&str]) -> (i32, String) {
+        let out = tokio::process::Command::from(self.cli_command(args))
+            .output()
+            .await
+            .unwrap();
+        Self::cli_output(args, out)
+    }
+
+    fn cli_command(&self, args: &[&str]) -> std::process::Command {
+        let mut cmd = std::process::Command::new(faults::BIN);
+        cmd.args(args)
             .env("DATABASE_URL", faults::database_url(&self.db, None))
             .env("REDIS_URL", &self.redis_url)
             .env("REDIS_KEY_PREFIX", self.keys.prefix())
-            .env("RUST_LOG", "warn")
-            .output()
-            .unwrap();
+            .env("RUST_LOG", "warn");
+        cmd
+    }
+
+    fn cli_output(args: &[&str], out: std::process::Output) -> (i32, String) {
         let stdout = String::from_utf8(out.stdout).unwrap();
-        println!("$ seckill {}\n{stdout}", args.join(" "));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        println!("$ seckill {}\n{stdout}{stderr}", args.join(" "));
         (out.status.code().unwrap(), stdout)
     }
 
@@ -554,7 +581,9 @@ impl Drop for TestApp {
         let Ok(client) = redis::Client::open(self.redis_url.as_str()) else {
             return;
         };
-        let Ok(mut conn) = client.get_connection() else {
+        // Bounded: the Redis may sit behind a proxy of this test's runtime, which a
+        // blocking drop keeps from running.
+        let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_secs(2)) else {
             return;
         };
         let keys: Vec<String> = redis::cmd("KEYS")

@@ -1,0 +1,282 @@
+//! Replica acknowledgements (`REDIS_WAIT_REPLICAS`) and failovers to a replica that
+//! lagged behind: what a 202 survives, measured.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use reqwest::StatusCode;
+use serde_json::Value;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use crate::common::faults::{self, PrivateRedis, Proxy};
+use crate::common::{metric_value, metrics_at, open_sale_at, TestApp};
+use seckill::config::Settings;
+use seckill::scripts::Replicas;
+
+fn waiting_for(n: u32) -> Settings {
+    Settings {
+        replicas: Replicas {
+            n,
+            timeout: Duration::from_millis(500),
+        },
+        ..Settings::default()
+    }
+}
+
+/// Where the test's Postgres listens.
+fn postgres_addr(db: &PgPool) -> std::net::SocketAddr {
+    let opts = db.connect_options();
+    let host = match opts.get_host() {
+        "localhost" => "127.0.0.1",
+        other => other,
+    };
+    format!("{host}:{}", opts.get_port()).parse().unwrap()
+}
+
+/// Makes `replica` a replica of the server at `master` and waits until it is in sync.
+async fn replicate(replica: &PrivateRedis, master: std::net::SocketAddr) {
+    replica.run_command::<()>(
+        redis::cmd("REPLICAOF")
+            .arg(master.ip().to_string())
+            .arg(master.port()),
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let info: String = replica.run_command(redis::cmd("INFO").arg("replication"));
+        if info.contains("master_link_status:up") {
+            return;
+        }
+        assert!(Instant::now() < deadline, "replica never synced:\n{info}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_grab_is_answered_202_only_once_a_replica_holds_it_and_unknown_when_none_answers(
+    db: PgPool,
+) {
+    let primary = PrivateRedis::start();
+    let mut replica = Some(PrivateRedis::start());
+    replicate(replica.as_ref().unwrap(), primary.addr()).await;
+    let app = TestApp::spawn_on(db, primary.url.clone(), waiting_for(1)).await;
+    let voucher = app.open_sale(10).await;
+
+    let (status, body) = app.grab(voucher, 1).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    let order = body["order_id"].as_str().unwrap().to_string();
+    // The answer came after the replica held the order: read it there.
+    let on_replica: Option<String> = replica
+        .as_ref()
+        .unwrap()
+        .run_command(redis::cmd("HGET").arg(app.keys.voucher(voucher)).arg("u:1"));
+    assert_eq!(on_replica.as_deref(), Some(order.as_str()));
+
+    // No replica answers: the grab ran on the master, but a failover could undo it.
+    drop(replica.take());
+    let started = Instant::now();
+    let (status, body) = app.grab(voucher, 2).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert_eq!(body["error"]["outcome"], "unknown", "{body}");
+    println!(
+        "no replica: 503 unknown after {} ms",
+        started.elapsed().as_millis()
+    );
+    // A replica again: the retry tells (the grab had gone through on the master). Until
+    // the order-id lease is confirmed on a replica again, grabs are refused.
+    let replica = PrivateRedis::start();
+    replicate(&replica, primary.addr()).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (status, body) = loop {
+        let (status, body) = app.grab(voucher, 2).await;
+        if status != StatusCode::SERVICE_UNAVAILABLE || Instant::now() > deadline {
+            break (status, body);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    assert_eq!(body["error"]["code"], "already_ordered");
+    let held = body["error"]["order_id"].as_str().unwrap().to_string();
+    app.drain().await;
+    assert_eq!(app.pg_status(&held).await.as_deref(), Some("created"));
+    assert_eq!(app.pg_status(&order).await.as_deref(), Some("created"));
+}
+
+/// What a failover mid-storm cost.
+#[derive(Debug)]
+struct Failover {
+    admitted: usize,
+    units: i64,
+    lost: usize,
+    oversold: i64,
+    healed_in: Duration,
+}
+
+/// A primary and a replica whose link goes through a proxy, the service behind a
+/// stable endpoint (a proxy, as a managed Redis's DNS name). Mid-storm Postgres becomes
+/// unreachable for the worker (its backlog waits in the stream), the link is cut (the
+/// replica lags), the primary is killed, the replica promoted and the endpoint moved
+/// to it, Postgres comes back. Counts what the 202s given before and after became.
+async fn failover_mid_storm(db: PgPool, wait_replicas: u32) -> Failover {
+    let primary = PrivateRedis::start();
+    let replica = PrivateRedis::start();
+    let link = Proxy::start(primary.addr()).await;
+    replicate(&replica, link.addr).await;
+    let spare = PrivateRedis::start();
+    let endpoint = Proxy::start(primary.addr()).await;
+    let url = format!("redis://{}", endpoint.addr);
+    // The worker reaches Postgres through a proxy: cut, its backlog waits in Redis.
+    let postgres = Proxy::start(postgres_addr(&db)).await;
+    let env = [
+        ("REDIS_WAIT_REPLICAS", wait_replicas.to_string()),
+        (
+            "DATABASE_URL",
+            faults::database_url(&db, Some(postgres.addr)),
+        ),
+    ];
+    let app = TestApp::spawn_on(db, url, waiting_for(wait_replicas)).await;
+    let (_server, base) = app.spawn_server("serve", &env).await;
+    let units = 5000;
+    let voucher = open_sale_at(&app.client, &base, units).await;
+
+    let stop = CancellationToken::new();
+    let storm = {
+        let (app, base, stop) = (&app, base.clone(), stop.clone());
+        async move {
+            let mut answers: HashMap<i64, (StatusCode, Value)> = HashMap::new();
+            let mut next = 1;
+            while !stop.is_cancelled() {
+                let batch: Vec<i64> = (next..next + 16).collect();
+                next += 16;
+                let got: Vec<_> = futures::stream::iter(batch)
+                    .map(|user| {
+                        let req = app
+                            .client
+                            .post(format!("{base}/vouchers/{voucher}/seckill"))
+                            .bearer_auth(app.token(user))
+                            .timeout(Duration::from_secs(10));
+                        async move {
+                            let resp = req.send().await.ok()?;
+                            let status = resp.status();
+                            Some((user, (status, resp.json::<Value>().await.ok()?)))
+                        }
+                    })
+                    .buffer_unordered(16)
+                    .filter_map(|a| async move { a })
+                    .collect()
+                    .await;
+                answers.extend(got);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            answers
+        }
+    };
+    let fault = async {
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        postgres.cut();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        link.cut();
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        drop(primary);
+        replica.run_command::<()>(redis::cmd("REPLICAOF").arg("NO").arg("ONE"));
+        endpoint.retarget(replica.addr());
+        let promoted = Instant::now();
+        // The promoted replica gets a replica of its own (as the old primary would
+        // rejoin): without one, no grab can be acknowledged any more.
+        replicate(&spare, replica.addr()).await;
+        postgres.heal();
+        // Until a grab is admitted on the promoted replica again.
+        loop {
+            let (status, body) = app.grab(voucher, 1_000_000).await;
+            if status == StatusCode::ACCEPTED
+                || body["error"]["code"] == "already_ordered"
+                || body["error"]["code"] == "sold_out"
+            {
+                break;
+            }
+            assert!(promoted.elapsed() < Duration::from_secs(60), "{body}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let healed_in = promoted.elapsed();
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        stop.cancel();
+        healed_in
+    };
+    let (mut answers, healed_in) = tokio::join!(storm, fault);
+    let probe = app.grab(voucher, 1_000_000).await;
+    answers.insert(1_000_000, probe);
+
+    let given: HashSet<i64> = answers
+        .values()
+        .filter(|(status, _)| *status == StatusCode::ACCEPTED)
+        .map(|(_, body)| body["order_id"].as_str().unwrap().parse().unwrap())
+        .collect();
+    for (status, body) in answers.values() {
+        assert!(
+            !status.is_server_error() || body["error"]["code"] == "unavailable",
+            "{status} {body}"
+        );
+    }
+    // Whatever the workers can write, written.
+    let settle = Instant::now() + Duration::from_secs(30);
+    let stored: HashSet<i64> = loop {
+        let stored: HashSet<i64> = app
+            .pg_orders(voucher)
+            .await
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
+        if given.is_subset(&stored) || Instant::now() > settle {
+            break stored;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    app.assert_consistent(voucher, units).await;
+    assert!(given.len() as i64 <= units, "more 202s than units");
+    let lost = given.difference(&stored).count();
+    let metrics = metrics_at(&app.client, &base).await;
+    assert_eq!(
+        metric_value(&metrics, "seckill_dead_lettered_total{kind=\"no_stock\"}"),
+        Some(0.0),
+        "a 202 beyond the stock"
+    );
+    // Healed by itself: nobody runs --repair.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (code, out) = app.cli_async(&["reconcile"]).await;
+        if code == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never balanced:\n{out}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    Failover {
+        admitted: given.len(),
+        units,
+        lost,
+        oversold: (stored.len() as i64 - units).max(0),
+        healed_in,
+    }
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_failover_to_a_lagging_replica_loses_no_202_when_a_replica_must_acknowledge(db: PgPool) {
+    let f = failover_mid_storm(db, 1).await;
+    println!("failover, REDIS_WAIT_REPLICAS=1: {f:?}");
+    assert!(f.admitted > 0);
+    assert_eq!(f.lost, 0, "every 202 in Postgres");
+    assert_eq!(f.oversold, 0);
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_failover_to_a_lagging_replica_without_acknowledgements_loses_202s_but_never_oversells(
+    db: PgPool,
+) {
+    let f = failover_mid_storm(db, 0).await;
+    println!("failover, REDIS_WAIT_REPLICAS=0: {f:?}");
+    assert!(f.admitted > 0);
+    // The worker's backlog the replica never got: answered 202, gone with the primary.
+    assert!(f.lost > 0, "the scenario lost nothing: {f:?}");
+    assert_eq!(f.oversold, 0);
+}
