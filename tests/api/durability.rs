@@ -113,6 +113,21 @@ struct Failover {
     healed_in: Duration,
 }
 
+impl std::fmt::Display for Failover {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "202s {}, units {}, 202s lost {}, oversold {}, first admission after the \
+             promotion {:.1} s",
+            self.admitted,
+            self.units,
+            self.lost,
+            self.oversold,
+            self.healed_in.as_secs_f64()
+        )
+    }
+}
+
 /// A primary and a replica whose link goes through a proxy, the service behind a
 /// stable endpoint (a proxy, as a managed Redis's DNS name). Mid-storm Postgres becomes
 /// unreachable for the worker (its backlog waits in the stream), the link is cut (the
@@ -263,7 +278,7 @@ async fn failover_mid_storm(db: PgPool, wait_replicas: u32) -> Failover {
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn a_failover_to_a_lagging_replica_loses_no_202_when_a_replica_must_acknowledge(db: PgPool) {
     let f = failover_mid_storm(db, 1).await;
-    println!("failover, REDIS_WAIT_REPLICAS=1: {f:?}");
+    println!("failover, REDIS_WAIT_REPLICAS=1: {f}");
     assert!(f.admitted > 0);
     assert_eq!(f.lost, 0, "every 202 in Postgres");
     assert_eq!(f.oversold, 0);
@@ -274,7 +289,7 @@ async fn a_failover_to_a_lagging_replica_without_acknowledgements_loses_202s_but
     db: PgPool,
 ) {
     let f = failover_mid_storm(db, 0).await;
-    println!("failover, REDIS_WAIT_REPLICAS=0: {f:?}");
+    println!("failover, REDIS_WAIT_REPLICAS=0: {f}");
     assert!(f.admitted > 0);
     // The worker's backlog the replica never got: answered 202, gone with the primary.
     assert!(f.lost > 0, "the scenario lost nothing: {f:?}");
