@@ -6,12 +6,19 @@
 //! by asking the sentinels again whenever it shows the master may have moved: the
 //! connection drops or times out, or the node answers `READONLY` (demoted) or `MASTERDOWN`.
 //! A node is used only once it says `ROLE` master itself: a sentinel's answer can be stale.
+//!
+//! Errors do not show every failover: after a handover (`SENTINEL FAILOVER`, or a
+//! partition that heals) the old master accepts writes until Sentinel demotes it, seconds
+//! later, and its resync then discards them. So a watcher also asks the sentinels each
+//! second, and moves to the master most of them name as soon as it is another one.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::future::{BoxFuture, FutureExt, Shared};
-use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::aio::{
+    ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection,
+};
 use redis::{AsyncConnectionConfig, Cmd, Pipeline, RedisError, RedisFuture, RedisResult, Value};
 use tokio::time::Instant;
 
@@ -20,6 +27,11 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// The first pause between two lookups that found no master; doubled up to the cap.
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// How often the watcher asks the sentinels which node is the master.
+const WATCH_EVERY: Duration = Duration::from_secs(1);
+
+/// A master's address as Sentinel gives it.
+type Addr = (String, u16);
 
 /// The master named `master` in the sentinels at `sentinels`; cheap to clone, every clone
 /// pipelines onto the same connection.
@@ -28,7 +40,8 @@ pub struct SentinelConn(Arc<Follower>);
 
 /// What a lookup needs (kept apart from [`State`], which holds lookups in flight).
 struct Resolver {
-    sentinels: Vec<redis::Client>,
+    /// One self-reconnecting connection per sentinel (their addresses do not move).
+    sentinels: Vec<ConnectionManager>,
     name: String,
     /// A sentinel's URL (scheme, credentials, database), for the master's address.
     template: url::Url,
@@ -43,7 +56,7 @@ struct Follower {
     state: Mutex<State>,
 }
 
-type Link = Shared<BoxFuture<'static, RedisResult<MultiplexedConnection>>>;
+type Link = Shared<BoxFuture<'static, RedisResult<(MultiplexedConnection, Addr)>>>;
 
 struct State {
     /// Which link this is: an error on an older one must not replace a newer one.
@@ -65,6 +78,10 @@ impl SentinelConn {
         response_timeout: Duration,
         tls_hint: String,
     ) -> anyhow::Result<Self> {
+        let to_sentinels = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(CONNECT_TIMEOUT))
+            .set_response_timeout(Some(CONNECT_TIMEOUT))
+            .set_number_of_retries(0);
         let clients = sentinels
             .iter()
             .map(|url| {
@@ -72,7 +89,9 @@ impl SentinelConn {
                     Some(c) => redis::Client::build_with_tls(url.as_str(), c.clone()),
                     None => redis::Client::open(url.as_str()),
                 };
-                client.map_err(|e| anyhow::anyhow!("REDIS_SENTINEL_URLS: {e}"))
+                client
+                    .and_then(|c| ConnectionManager::new_lazy_with_config(c, to_sentinels.clone()))
+                    .map_err(|e| anyhow::anyhow!("REDIS_SENTINEL_URLS: {e}"))
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         let template = url::Url::parse(&sentinels[0])
@@ -89,7 +108,7 @@ impl SentinelConn {
         });
         let now = Instant::now();
         let link = lookup(resolver.clone(), now);
-        Ok(Self(Arc::new(Follower {
+        let follower = Arc::new(Follower {
             resolver,
             state: Mutex::new(State {
                 generation: 0,
@@ -97,7 +116,9 @@ impl SentinelConn {
                 started: now,
                 failures: 0,
             }),
-        })))
+        });
+        tokio::spawn(watch(Arc::downgrade(&follower)));
+        Ok(Self(follower))
     }
 
     /// The current link to the master, and its generation. While the last lookup's
@@ -132,7 +153,40 @@ impl SentinelConn {
 
     async fn master(&self) -> RedisResult<(u64, MultiplexedConnection)> {
         let (generation, link) = self.link()?;
-        Ok((generation, link.await?))
+        Ok((generation, link.await?.0))
+    }
+}
+
+/// Each second, while any clone of the connection lives: retries a failed lookup once
+/// its backoff is over (so a process turns ready without waiting for a request), and
+/// moves to the master the sentinels name when that is not the node in use.
+async fn watch(follower: std::sync::Weak<Follower>) {
+    loop {
+        tokio::time::sleep(WATCH_EVERY).await;
+        let Some(follower) = follower.upgrade() else {
+            return;
+        };
+        let Ok((generation, link)) = SentinelConn(follower.clone()).link() else {
+            continue;
+        };
+        let Some(Ok((_, used))) = link.peek().cloned() else {
+            continue;
+        };
+        let (named, _) = follower.resolver.ask_all().await;
+        // Only a clear plurality: a tie (one sentinel behind) is no reason to move.
+        let clear = match named.as_slice() {
+            [(addr, _)] => Some(addr),
+            [(addr, first), (_, second), ..] if first > second => Some(addr),
+            _ => None,
+        };
+        if let Some(addr) = clear.filter(|addr| **addr != used) {
+            let mut state = follower.state.lock().unwrap_or_else(|e| e.into_inner());
+            if state.generation == generation {
+                tracing::warn!(master = %follower.resolver.name, from = ?used, to = ?addr,
+                    "Sentinel names another redis master; moving to it");
+                state.renew(&follower.resolver);
+            }
+        }
     }
 }
 
@@ -195,12 +249,42 @@ fn no_master(detail: String) -> RedisError {
 }
 
 impl Resolver {
-    /// Asks every sentinel at once, then tries the addresses named, the most named first,
-    /// until one node says it is the master.
-    async fn connect(&self) -> RedisResult<MultiplexedConnection> {
-        let answers =
-            futures_util::future::join_all(self.sentinels.iter().map(|s| self.ask(s))).await;
-        let mut named: Vec<((String, u16), usize)> = Vec::new();
+    /// Tries the addresses the sentinels name, the most named first, until one node says
+    /// it is the master.
+    async fn connect(&self) -> RedisResult<(MultiplexedConnection, Addr)> {
+        let (named, mut errors) = self.ask_all().await;
+        for ((host, port), _) in named {
+            match self.connect_master(&host, port).await {
+                Ok(conn) => {
+                    tracing::info!(master = %self.name, %host, port, "following the redis master");
+                    return Ok((conn, (host, port)));
+                }
+                Err(e) => errors.push(format!("{host}:{port}: {e}")),
+            }
+        }
+        Err(no_master(format!(
+            "no redis master {:?} found through Sentinel: {}",
+            self.name,
+            errors.join("; ")
+        )))
+    }
+
+    /// Asks every sentinel at once for the master's address: the addresses named, the
+    /// most named first (a sentinel cut off from the others may name an old one), and
+    /// what the others said instead.
+    async fn ask_all(&self) -> (Vec<(Addr, usize)>, Vec<String>) {
+        let ask = |sentinel: &ConnectionManager| {
+            let mut conn = sentinel.clone();
+            async move {
+                redis::cmd("SENTINEL")
+                    .arg("get-master-addr-by-name")
+                    .arg(&self.name)
+                    .query_async::<Option<Addr>>(&mut conn)
+                    .await
+            }
+        };
+        let answers = futures_util::future::join_all(self.sentinels.iter().map(ask)).await;
+        let mut named: Vec<(Addr, usize)> = Vec::new();
         let mut errors = Vec::new();
         for answer in answers {
             match answer {
@@ -213,35 +297,7 @@ impl Resolver {
             }
         }
         named.sort_by_key(|(_, votes)| std::cmp::Reverse(*votes));
-        for ((host, port), _) in named {
-            match self.connect_master(&host, port).await {
-                Ok(conn) => {
-                    tracing::info!(master = %self.name, %host, port, "following the redis master");
-                    return Ok(conn);
-                }
-                Err(e) => errors.push(format!("{host}:{port}: {e}")),
-            }
-        }
-        Err(no_master(format!(
-            "no redis master {:?} found through Sentinel: {}",
-            self.name,
-            errors.join("; ")
-        )))
-    }
-
-    /// The address a sentinel gives for the master (`None`: it monitors no such name).
-    async fn ask(&self, sentinel: &redis::Client) -> RedisResult<Option<(String, u16)>> {
-        let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(CONNECT_TIMEOUT))
-            .set_response_timeout(Some(CONNECT_TIMEOUT));
-        let mut conn = sentinel
-            .get_multiplexed_async_connection_with_config(&config)
-            .await?;
-        redis::cmd("SENTINEL")
-            .arg("get-master-addr-by-name")
-            .arg(&self.name)
-            .query_async(&mut conn)
-            .await
+        (named, errors)
     }
 
     /// A connection to `host:port`, kept only if the node says it is the master.

@@ -21,5 +21,6 @@ mod observability;
 mod operations;
 mod reconcile;
 mod recovery;
+mod sentinel;
 mod tls;
 mod worker;
