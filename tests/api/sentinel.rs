@@ -164,6 +164,7 @@ async fn failover_mid_sale(
     let settled_at = match how {
         Failover::Kill => failed_at + promoted,
         Failover::Handover => {
+            assert_left_before_demotion(redis).await;
             redis.wait_role(redis.primary_port, "slave").await;
             Instant::now()
         }
@@ -201,6 +202,31 @@ async fn failover_mid_sale(
         (steady - failed_at).as_secs_f64(),
         presses.len()
     )
+}
+
+/// The server closes its connections to the old primary while that still says it is
+/// the master: it follows what the sentinels say, not only errors (the demotion, seconds
+/// later, would otherwise be the first error it sees).
+async fn assert_left_before_demotion(redis: &PrivateSentinel) {
+    let port = redis.primary_port;
+    let deadline = Instant::now() + RECOVERY;
+    loop {
+        let left = redis.unnamed_clients(port).await == Some(0);
+        // Read after the count: a demotion (which closes every client) came after it.
+        let master = redis.role(port).await.as_deref() == Some("master");
+        assert!(
+            master,
+            "Sentinel demoted the old primary before the server left it"
+        );
+        if left {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the server stayed on the old primary"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Every grab was answered, 202 or 503: a failover never shows as a 5xx of another kind

@@ -143,7 +143,30 @@ impl PrivateSentinel {
             .client(port)
             .get_multiplexed_async_connection_with_config(&config)
             .await?;
+        // Named, to tell the test's connections from the server's in CLIENT LIST.
+        redis::cmd("CLIENT")
+            .arg("SETNAME")
+            .arg("seckill-test")
+            .exec_async(&mut conn)
+            .await?;
         cmd.query_async(&mut conn).await
+    }
+
+    /// Clients of the node on `port` that are neither the test's, nor sentinels, nor
+    /// replicas (which all name themselves or are of another type): the server's.
+    pub async fn unnamed_clients(&self, port: u16) -> Option<usize> {
+        let list: String = self
+            .query(
+                port,
+                redis::cmd("CLIENT").arg("LIST").arg("TYPE").arg("normal"),
+            )
+            .await
+            .ok()?;
+        Some(
+            list.lines()
+                .filter(|l| l.split(' ').any(|f| f == "name="))
+                .count(),
+        )
     }
 
     /// `ROLE`'s first word on the node on `port`: `master` or `slave`.
