@@ -44,6 +44,18 @@ async fn a_server_on_tls_sentinels_follows_a_killed_primary_to_the_tls_replica(d
     let certs = Certs::make();
     let mut redis = PrivateSentinel::start_tls(&certs).await;
     let ca = ("REDIS_TLS_CA_FILE", certs.ca.display().to_string());
+    // Sentinels whose certificate the CA file does not vouch for: the start stops at
+    // once, naming the settings.
+    let other = ("REDIS_TLS_CA_FILE", certs.other_ca.display().to_string());
+    let (code, err) = crate::tls::cli(&["dead-letters"], &sentinel_env(&redis, other)).await;
+    assert_eq!(code, Some(2), "{err}");
+    for needle in [
+        "TLS with Redis failed",
+        "REDIS_SENTINEL_URLS",
+        "REDIS_TLS_CA_FILE",
+    ] {
+        assert!(err.contains(needle), "{needle:?} not in {err}");
+    }
     let (server, base) = serve(&db, &redis, &[ca]).await;
     let timings = failover_mid_sale(&db, &mut redis, &base, Failover::Kill).await;
     println!("TLS, primary killed -9: {timings}");
@@ -96,6 +108,63 @@ async fn the_replicas_link_can_be_cut_to_make_it_lag_and_healed(db: PgPool) {
     assert_eq!(stock(redis.replica_port).await, Some(10 - sold));
 }
 
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn sentinel_settings_that_cannot_work_stop_every_redis_command_naming_them(db: PgPool) {
+    let (urls, master) = ("REDIS_SENTINEL_URLS", "REDIS_SENTINEL_MASTER");
+    let cases: [(&[(&str, &str)], &str); 4] = [
+        (
+            &[(urls, "redis://127.0.0.1:1")],
+            "REDIS_SENTINEL_URLS is set but REDIS_SENTINEL_MASTER is not",
+        ),
+        (
+            &[(master, "seckill")],
+            "REDIS_SENTINEL_MASTER is set but REDIS_SENTINEL_URLS is not",
+        ),
+        (
+            &[
+                (urls, "redis://127.0.0.1:1"),
+                (master, "seckill"),
+                ("REDIS_CLUSTER_URLS", "redis://127.0.0.1:2"),
+            ],
+            "REDIS_SENTINEL_URLS and REDIS_CLUSTER_URLS are both set",
+        ),
+        (
+            &[
+                (urls, "redis://127.0.0.1:1,rediss://127.0.0.1:2"),
+                (master, "seckill"),
+            ],
+            "REDIS_SENTINEL_URLS: either every URL is rediss:// (TLS) or none is",
+        ),
+    ];
+    for (settings, expected) in cases {
+        for command in [&["dead-letters"][..], &["worker"], &["serve"]] {
+            let mut env = vec![
+                ("DATABASE_URL", faults::database_url(&db, None)),
+                ("BIND", format!("127.0.0.1:{}", faults::free_port())),
+            ];
+            env.extend(settings.iter().map(|(k, v)| (*k, v.to_string())));
+            let (code, err) = crate::tls::cli(command, &env).await;
+            assert_eq!(code, Some(2), "{command:?} {settings:?}: {err}");
+            assert!(
+                err.contains(expected),
+                "{command:?}: {expected:?} not in {err}"
+            );
+        }
+    }
+}
+
+/// The environment that points a command at the sentinels, plus `extra`.
+fn sentinel_env(
+    redis: &PrivateSentinel,
+    extra: (&'static str, String),
+) -> Vec<(&'static str, String)> {
+    vec![
+        ("REDIS_SENTINEL_URLS", redis.sentinel_urls()),
+        ("REDIS_SENTINEL_MASTER", MASTER.to_string()),
+        extra,
+    ]
+}
+
 /// Starts `seckill serve` (API and worker) on a spare port, finding Redis through the
 /// sentinels only, and waits until it is ready.
 async fn serve(
@@ -104,12 +173,8 @@ async fn serve(
     extra: &[(&str, String)],
 ) -> (Process, String) {
     let port = faults::free_port();
-    let mut env = vec![
-        ("BIND", format!("127.0.0.1:{port}")),
-        ("REDIS_SENTINEL_URLS", redis.sentinel_urls()),
-        ("REDIS_SENTINEL_MASTER", MASTER.to_string()),
-        ("WORKER_BLOCK_MS", "300".to_string()),
-    ];
+    let mut env = sentinel_env(redis, ("BIND", format!("127.0.0.1:{port}")));
+    env.push(("WORKER_BLOCK_MS", "300".to_string()));
     env.extend(extra.iter().cloned());
     let url = faults::database_url(db, None);
     // REDIS_URL left at its default: it is not used with Sentinel.
