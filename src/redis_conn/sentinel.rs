@@ -56,7 +56,9 @@ struct Follower {
     state: Mutex<State>,
 }
 
-type Link = Shared<BoxFuture<'static, RedisResult<(MultiplexedConnection, Addr)>>>;
+/// A lookup's outcome: the master's connection and address (shared: every command
+/// clones it).
+type Link = Shared<BoxFuture<'static, RedisResult<(MultiplexedConnection, Arc<Addr>)>>>;
 
 struct State {
     /// Which link this is: an error on an older one must not replace a newer one.
@@ -130,8 +132,8 @@ impl SentinelConn {
             Some(Ok(_)) => state.failures = 0,
             Some(Err(e)) if Instant::now() < state.retry_at() => return Err(e.clone()),
             Some(Err(_)) => {
-                state.failures = state.failures.saturating_add(1);
                 state.renew(&self.0.resolver);
+                state.failures = state.failures.saturating_add(1);
             }
             None => {}
         }
@@ -179,7 +181,7 @@ async fn watch(follower: std::sync::Weak<Follower>) {
             [(addr, first), (_, second), ..] if first > second => Some(addr),
             _ => None,
         };
-        if let Some(addr) = clear.filter(|addr| **addr != used) {
+        if let Some(addr) = clear.filter(|addr| *addr != used.as_ref()) {
             let mut state = follower.state.lock().unwrap_or_else(|e| e.into_inner());
             if state.generation == generation {
                 tracing::warn!(master = %follower.resolver.name, from = ?used, to = ?addr,
@@ -230,8 +232,8 @@ fn lookup(resolver: Arc<Resolver>, start: Instant) -> Link {
 }
 
 /// Errors after which the node may no longer be the master, or the connection no longer
-/// usable: a dropped or timed-out connection, a demoted node, a master cut off from its
-/// replicas (a replica answering `MASTERDOWN`).
+/// usable: a dropped or timed-out connection, a node demoted to replica (`READONLY`, or
+/// `MASTERDOWN` once it has lost its new master too).
 fn master_may_have_moved(e: &RedisError) -> bool {
     use redis::{ErrorKind, ServerErrorKind};
     e.is_io_error()
@@ -251,13 +253,13 @@ fn no_master(detail: String) -> RedisError {
 impl Resolver {
     /// Tries the addresses the sentinels name, the most named first, until one node says
     /// it is the master.
-    async fn connect(&self) -> RedisResult<(MultiplexedConnection, Addr)> {
+    async fn connect(&self) -> RedisResult<(MultiplexedConnection, Arc<Addr>)> {
         let (named, mut errors) = self.ask_all().await;
         for ((host, port), _) in named {
             match self.connect_master(&host, port).await {
                 Ok(conn) => {
                     tracing::info!(master = %self.name, %host, port, "following the redis master");
-                    return Ok((conn, (host, port)));
+                    return Ok((conn, Arc::new((host, port))));
                 }
                 Err(e) => errors.push(format!("{host}:{port}: {e}")),
             }
