@@ -226,12 +226,16 @@ async fn failover_mid_sale(
     // From when only the new master can admit: the old one is dead, or demoted (a
     // replica refuses writes). Until Sentinel demotes a live old master, a client may
     // still write to it, and those writes are lost in its resync.
-    let settled_at = match how {
-        Failover::Kill => failed_at + promoted,
+    let (settled_at, left) = match how {
+        Failover::Kill => (failed_at + promoted, String::new()),
         Failover::Handover => {
-            assert_left_before_demotion(redis).await;
+            let left = assert_left_before_demotion(redis).await - failed_at;
             redis.wait_role(redis.primary_port, "slave").await;
-            Instant::now()
+            let left = format!(
+                "; the server left the old primary at {:.1} s",
+                left.as_secs_f64()
+            );
+            (Instant::now(), left)
         }
     };
     let steady = shoppers
@@ -239,6 +243,7 @@ async fn failover_mid_sale(
         .await;
     let presses = shoppers.stop().await;
 
+    // (After a handover the old primary admits until the server leaves it.)
     let first = presses
         .iter()
         .filter(|p| p.sent > failed_at && p.status == Some(StatusCode::ACCEPTED))
@@ -259,8 +264,8 @@ async fn failover_mid_sale(
         .count();
     format!(
         "sentinels agreed on the replica {:.1} s after the failover began; first 202 after \
-         it {:.1} s; only the new master could admit from {:.1} s; {STEADY} in a row by \
-         {:.1} s; {} grabs, {refused} refused (503)",
+         it {:.1} s{left}; only the new master could admit from {:.1} s; {STEADY} in a row \
+         by {:.1} s; {} grabs, {refused} refused (503)",
         promoted.as_secs_f64(),
         first.as_secs_f64(),
         (settled_at - failed_at).as_secs_f64(),
@@ -272,7 +277,7 @@ async fn failover_mid_sale(
 /// The server closes its connections to the old primary while that still says it is
 /// the master: it follows what the sentinels say, not only errors (the demotion, seconds
 /// later, would otherwise be the first error it sees).
-async fn assert_left_before_demotion(redis: &PrivateSentinel) {
+async fn assert_left_before_demotion(redis: &PrivateSentinel) -> Instant {
     let port = redis.primary_port;
     let deadline = Instant::now() + RECOVERY;
     loop {
@@ -284,7 +289,7 @@ async fn assert_left_before_demotion(redis: &PrivateSentinel) {
             "Sentinel demoted the old primary before the server left it"
         );
         if left {
-            return;
+            return Instant::now();
         }
         assert!(
             Instant::now() < deadline,
