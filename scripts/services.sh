@@ -222,7 +222,8 @@ stop_private_services() {
 # fixed ports in $RUN_DIR, left running for the next run to reuse.
 ensure_services() {
   # The TLS tests make their certificates with openssl and start a Postgres of their own
-  # (initdb, as the postgres account when run as root) and TLS-only redis-servers.
+  # (initdb, as the postgres account when run as root) and TLS-only redis-servers; the
+  # Sentinel tests run `redis-server --sentinel` (redis-server's own mode: no package).
   ensure_packages openssl postgresql redis-server redis-tools
   use_or_start_redis 63790
   use_or_start_postgres 54329

@@ -1,10 +1,14 @@
-//! Redis connections: one node, or a Redis Cluster.
+//! Redis connections: one node, a Redis Cluster, or the master Redis Sentinel names.
 //!
 //! The API shares one multiplexed, self-reconnecting connection: every request's
 //! EVALSHA is pipelined onto it, which beats a pool of checked-out connections. A
 //! worker gets a connection of its own, because its blocking XREADGROUP would stall
 //! every command queued behind it. In cluster mode the same holds per node: the cluster
 //! client keeps one multiplexed connection per node and routes each command by its key.
+//! With Sentinel, one multiplexed connection to the master, replaced when it fails over
+//! (see [`sentinel`]).
+
+mod sentinel;
 
 use std::time::Duration;
 
@@ -13,8 +17,11 @@ use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Value};
 
-/// Where Redis is: `REDIS_URL`, or `REDIS_CLUSTER_URLS` when set; `rediss://` URLs
-/// speak TLS, verified against `REDIS_TLS_CA_FILE` or else the system's roots.
+pub use sentinel::SentinelConn;
+
+/// Where Redis is: `REDIS_URL`, or `REDIS_CLUSTER_URLS` or `REDIS_SENTINEL_URLS` when
+/// set; `rediss://` URLs speak TLS, verified against `REDIS_TLS_CA_FILE` or else the
+/// system's roots (with Sentinel, to the sentinels and to the master alike).
 #[derive(Debug, Clone)]
 pub(crate) struct RedisTarget {
     pub nodes: RedisNodes,
@@ -26,6 +33,25 @@ pub(crate) struct RedisTarget {
 pub(crate) enum RedisNodes {
     Single(String),
     Cluster(Vec<String>),
+    /// The sentinels' URLs and the name of the master they monitor.
+    Sentinel {
+        sentinels: Vec<String>,
+        master: String,
+    },
+}
+
+/// The Sentinel settings: `REDIS_SENTINEL_URLS` and `REDIS_SENTINEL_MASTER`.
+pub(crate) struct SentinelArgs<'a> {
+    pub urls: &'a [String],
+    pub master: Option<&'a str>,
+}
+
+/// The non-empty, trimmed entries of a comma-separated list setting.
+fn listed(urls: &[String]) -> Vec<String> {
+    urls.iter()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect()
 }
 
 impl RedisTarget {
@@ -33,25 +59,21 @@ impl RedisTarget {
     pub(crate) fn new(
         url: &str,
         cluster_urls: &[String],
+        sentinel: SentinelArgs<'_>,
         tls_ca_file: Option<&std::path::Path>,
     ) -> anyhow::Result<Self> {
-        let seeds: Vec<String> = cluster_urls
-            .iter()
-            .map(|s| s.trim().to_string())
-            .filter(|s| !s.is_empty())
-            .collect();
-        let (nodes, setting) = if seeds.is_empty() {
-            (RedisNodes::Single(url.to_string()), "REDIS_URL")
-        } else {
-            if url != crate::config::DEFAULT_REDIS_URL {
-                tracing::warn!("REDIS_URL is ignored: REDIS_CLUSTER_URLS is set (cluster mode)");
+        let nodes = Self::nodes(url, listed(cluster_urls), sentinel)?;
+        let setting = nodes.setting();
+        let urls = nodes.urls();
+        if let RedisNodes::Sentinel { sentinels, .. } = &nodes {
+            for u in sentinels {
+                anyhow::ensure!(
+                    u.starts_with("redis://") || u.starts_with("rediss://"),
+                    "{setting}: {} is not a redis:// or rediss:// URL",
+                    redacted(u)
+                );
             }
-            (RedisNodes::Cluster(seeds), "REDIS_CLUSTER_URLS")
-        };
-        let urls = match &nodes {
-            RedisNodes::Single(u) => std::slice::from_ref(u),
-            RedisNodes::Cluster(s) => s.as_slice(),
-        };
+        }
         let tls = urls.iter().filter(|u| u.starts_with("rediss://")).count();
         anyhow::ensure!(
             tls == 0 || tls == urls.len(),
@@ -82,6 +104,48 @@ impl RedisTarget {
         Ok(Self { nodes, tls_ca })
     }
 
+    /// Which deployment the settings name; Sentinel's settings come as a pair, and
+    /// exclude a cluster.
+    fn nodes(
+        url: &str,
+        seeds: Vec<String>,
+        sentinel: SentinelArgs<'_>,
+    ) -> anyhow::Result<RedisNodes> {
+        let sentinels = listed(sentinel.urls);
+        let master = sentinel.master.map(str::trim).filter(|m| !m.is_empty());
+        let ignored = |by: &str| {
+            if url != crate::config::DEFAULT_REDIS_URL {
+                tracing::warn!("REDIS_URL is ignored: {by} is set");
+            }
+        };
+        match (sentinels.is_empty(), master) {
+            (true, None) if seeds.is_empty() => Ok(RedisNodes::Single(url.to_string())),
+            (true, None) => {
+                ignored("REDIS_CLUSTER_URLS");
+                Ok(RedisNodes::Cluster(seeds))
+            }
+            (true, Some(_)) => anyhow::bail!(
+                "REDIS_SENTINEL_MASTER is set but REDIS_SENTINEL_URLS is not: name the \
+                 sentinels to ask for the master (or unset REDIS_SENTINEL_MASTER)"
+            ),
+            (false, None) => anyhow::bail!(
+                "REDIS_SENTINEL_URLS is set but REDIS_SENTINEL_MASTER is not: name the \
+                 master the sentinels monitor (its name in `sentinel monitor NAME ...`)"
+            ),
+            (false, Some(_)) if !seeds.is_empty() => anyhow::bail!(
+                "REDIS_SENTINEL_URLS and REDIS_CLUSTER_URLS are both set: Sentinel and \
+                 Redis Cluster are different deployments, set only one"
+            ),
+            (false, Some(master)) => {
+                ignored("REDIS_SENTINEL_URLS");
+                Ok(RedisNodes::Sentinel {
+                    sentinels,
+                    master: master.to_string(),
+                })
+            }
+        }
+    }
+
     /// A target as the tests and tools name one: a single node, system roots.
     pub(crate) fn single(url: &str) -> Self {
         Self {
@@ -99,10 +163,7 @@ impl RedisTarget {
 
     /// The setting the nodes came from.
     fn setting(&self) -> &'static str {
-        match self.nodes {
-            RedisNodes::Single(_) => "REDIS_URL",
-            RedisNodes::Cluster(_) => "REDIS_CLUSTER_URLS",
-        }
+        self.nodes.setting()
     }
 
     /// What to check when TLS fails, naming the settings.
@@ -123,11 +184,31 @@ impl RedisTarget {
     }
 }
 
-/// A connection to either kind of deployment; cheap to clone.
+impl RedisNodes {
+    fn setting(&self) -> &'static str {
+        match self {
+            RedisNodes::Single(_) => "REDIS_URL",
+            RedisNodes::Cluster(_) => "REDIS_CLUSTER_URLS",
+            RedisNodes::Sentinel { .. } => "REDIS_SENTINEL_URLS",
+        }
+    }
+
+    /// The URLs configured: the node, the seeds, or the sentinels.
+    fn urls(&self) -> &[String] {
+        match self {
+            RedisNodes::Single(u) => std::slice::from_ref(u),
+            RedisNodes::Cluster(s) => s,
+            RedisNodes::Sentinel { sentinels, .. } => sentinels,
+        }
+    }
+}
+
+/// A connection to any kind of deployment; cheap to clone.
 #[derive(Clone)]
 pub enum RedisConn {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
+    Sentinel(SentinelConn),
 }
 
 /// Response timeout for ordinary commands (the API's hot path).
@@ -160,9 +241,10 @@ fn connect_single(
 }
 
 /// Connects to `target`. A cluster must answer (its slot map is read at once): this
-/// waits up to `patience` for it. A single node is not waited for (a process starts
-/// while Redis is down). Either way one node is probed first (see [`probe`]), so that a
-/// TLS failure stops the start with an error that names the setting to fix.
+/// waits up to `patience` for it. A single node or Sentinel's master is not waited for
+/// (a process starts while Redis is down). Either way one node (or sentinel) is probed
+/// first (see [`probe`]), so that a TLS failure stops the start with an error that names
+/// the setting to fix.
 pub(crate) async fn connect_to(
     target: &RedisTarget,
     response_timeout: Duration,
@@ -171,6 +253,16 @@ pub(crate) async fn connect_to(
     probe(target).await?;
     match &target.nodes {
         RedisNodes::Single(url) => connect_single(target, url, response_timeout),
+        RedisNodes::Sentinel { sentinels, master } => {
+            crate::tls::install_crypto();
+            Ok(RedisConn::Sentinel(SentinelConn::new(
+                sentinels,
+                master,
+                target.certificates(),
+                response_timeout,
+                target.tls_hint(),
+            )?))
+        }
         RedisNodes::Cluster(seeds) => {
             crate::tls::install_crypto();
             let mut builder = ClusterClient::builder(seeds.clone())
@@ -201,19 +293,16 @@ pub(crate) async fn connect_to(
 /// How long the probe waits for a node's PONG.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Asks the first node that answers (the URL, or each seed in turn) for a PING, with
-/// the target's TLS settings: a failed handshake or certificate check is an error naming
-/// the setting; a node that is down is only logged. Each URL is probed once per process
+/// Asks the first node that answers (the URL, or each seed or sentinel in turn) for a
+/// PING, with the target's TLS settings: a failed handshake or certificate check is an
+/// error naming the setting; a node that is down is only logged. Each URL is probed once per process
 /// (a worker's lanes and sweeper connect one after another), again only after a failure.
 async fn probe(target: &RedisTarget) -> anyhow::Result<()> {
     use std::collections::HashSet;
     use std::sync::{Mutex, OnceLock};
     static PROBED: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
     let probed = PROBED.get_or_init(Mutex::default);
-    let urls = match &target.nodes {
-        RedisNodes::Single(url) => std::slice::from_ref(url),
-        RedisNodes::Cluster(seeds) => seeds.as_slice(),
-    };
+    let urls = target.nodes.urls();
     let known = |url: &String| {
         probed
             .lock()
@@ -308,6 +397,7 @@ impl ConnectionLike for RedisConn {
         match self {
             RedisConn::Single(c) => c.req_packed_command(cmd),
             RedisConn::Cluster(c) => c.req_packed_command(cmd),
+            RedisConn::Sentinel(c) => c.req_packed_command(cmd),
         }
     }
 
@@ -320,6 +410,7 @@ impl ConnectionLike for RedisConn {
         match self {
             RedisConn::Single(c) => c.req_packed_commands(cmd, offset, count),
             RedisConn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+            RedisConn::Sentinel(c) => c.req_packed_commands(cmd, offset, count),
         }
     }
 
@@ -327,6 +418,123 @@ impl ConnectionLike for RedisConn {
         match self {
             RedisConn::Single(c) => c.get_db(),
             RedisConn::Cluster(c) => c.get_db(),
+            RedisConn::Sentinel(c) => c.get_db(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target(
+        cluster: &[&str],
+        sentinels: &[&str],
+        master: Option<&str>,
+    ) -> anyhow::Result<RedisTarget> {
+        let owned = |l: &[&str]| l.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        RedisTarget::new(
+            crate::config::DEFAULT_REDIS_URL,
+            &owned(cluster),
+            SentinelArgs {
+                urls: &owned(sentinels),
+                master,
+            },
+            None,
+        )
+    }
+
+    fn error(result: anyhow::Result<RedisTarget>) -> String {
+        result.map(|_| ()).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn sentinels_and_a_master_name_make_a_sentinel_target() {
+        let t = target(
+            &[],
+            &["redis://127.0.0.1:26379", " redis://h:26380 ", ""],
+            Some("m"),
+        )
+        .unwrap();
+        match t.nodes {
+            RedisNodes::Sentinel { sentinels, master } => {
+                assert_eq!(sentinels, ["redis://127.0.0.1:26379", "redis://h:26380"]);
+                assert_eq!(master, "m");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn sentinel_urls_without_a_master_name_are_refused_naming_both_settings() {
+        let e = error(target(&[], &["redis://127.0.0.1:26379"], None));
+        assert!(
+            e.contains("REDIS_SENTINEL_URLS is set but REDIS_SENTINEL_MASTER is not"),
+            "{e}"
+        );
+        let e = error(target(&[], &["redis://127.0.0.1:26379"], Some("  ")));
+        assert!(e.contains("REDIS_SENTINEL_MASTER is not"), "{e}");
+    }
+
+    #[test]
+    fn a_master_name_without_sentinel_urls_is_refused() {
+        let e = error(target(&[], &[], Some("mymaster")));
+        assert!(
+            e.contains("REDIS_SENTINEL_MASTER is set but REDIS_SENTINEL_URLS is not"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn sentinel_and_cluster_together_are_refused() {
+        let e = error(target(
+            &["redis://127.0.0.1:7000"],
+            &["redis://127.0.0.1:26379"],
+            Some("m"),
+        ));
+        assert!(
+            e.contains("REDIS_SENTINEL_URLS and REDIS_CLUSTER_URLS are both set"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn sentinel_urls_must_all_speak_tls_or_none() {
+        let e = error(target(
+            &[],
+            &["redis://127.0.0.1:1", "rediss://127.0.0.1:2"],
+            Some("m"),
+        ));
+        assert!(
+            e.contains("REDIS_SENTINEL_URLS: either every URL is rediss:// (TLS) or none is"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_sentinel_url_must_be_a_redis_url() {
+        let e = error(target(&[], &["http://user:secret@127.0.0.1:1"], Some("m")));
+        assert!(
+            e.contains("REDIS_SENTINEL_URLS: http://user:***@127.0.0.1:1/ is not a redis://"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_ca_file_without_tls_names_the_sentinel_setting() {
+        let owned = vec!["redis://127.0.0.1:26379".to_string()];
+        let e = error(RedisTarget::new(
+            crate::config::DEFAULT_REDIS_URL,
+            &[],
+            SentinelArgs {
+                urls: &owned,
+                master: Some("m"),
+            },
+            Some(std::path::Path::new("/nonexistent.pem")),
+        ));
+        assert!(
+            e.contains("REDIS_SENTINEL_URLS is not a rediss:// URL"),
+            "{e}"
+        );
     }
 }

@@ -194,7 +194,8 @@ pub(crate) fn keys(redis: &RedisArgs) -> anyhow::Result<Keys> {
     Keys::with_shards(redis.redis_key_prefix.clone(), redis.stream_shards)
 }
 
-/// A connection to the configured Redis (a cluster must answer within a minute).
+/// A connection to the configured Redis: one node, a cluster (which must answer within a
+/// minute), or the master Sentinel names, followed across failovers.
 pub(crate) async fn redis(
     args: &RedisArgs,
     response_timeout: Duration,
@@ -202,6 +203,10 @@ pub(crate) async fn redis(
     let target = redis_conn::RedisTarget::new(
         &args.redis_url,
         &args.redis_cluster_urls,
+        redis_conn::SentinelArgs {
+            urls: &args.redis_sentinel_urls,
+            master: args.redis_sentinel_master.as_deref(),
+        },
         args.redis_tls_ca_file.as_deref(),
     )?;
     redis_conn::connect_to(&target, response_timeout, Duration::from_secs(60)).await

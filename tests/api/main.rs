@@ -23,5 +23,6 @@ mod operations;
 mod reconcile;
 mod recovery;
 mod rollback;
+mod sentinel;
 mod tls;
 mod worker;

@@ -15,7 +15,7 @@ use crate::common::tls::{Certs, TlsPostgres, TlsRedis};
 use seckill::auth::JwtKeys;
 
 /// Runs `seckill <args>` to its end (at most 60 s): exit code and standard error.
-async fn cli(args: &[&str], env: &[(&str, String)]) -> (Option<i32>, String) {
+pub(crate) async fn cli(args: &[&str], env: &[(&str, String)]) -> (Option<i32>, String) {
     let mut cmd = tokio::process::Command::new(BIN);
     cmd.args(args)
         .env("JWT_SECRET", crate::common::SECRET)

@@ -5,6 +5,7 @@
 pub mod browser;
 pub mod cluster;
 pub mod faults;
+pub mod sentinel;
 pub mod tls;
 
 use std::time::Duration;
