@@ -88,7 +88,7 @@ pub(crate) const DESCRIBED: &[Described] = &[
     m(DEPENDENCY_ERRORS, Kind::Counter, None,
         "Errors of a dependency (redis, postgres, other) seen in the api or the worker."),
     m(DEAD_LETTERED, Kind::Counter, None,
-        "Stream entries dead-lettered, by kind: malformed, poison, rejected (their units go back on sale), no_stock (Postgres had no unit: an admitted order not written, nothing returned)."),
+        "Stream entries dead-lettered, by kind: malformed, poison, rejected (their units go back on sale), no_stock (Postgres had no unit: an admitted order not written, nothing returned), duplicate_id (its order id belongs to another order: an admitted order not written, its unit goes back on sale)."),
     m(DEAD_LETTERS, Kind::Gauge, None,
         "Entries in the dead-letter stream, per shard, sampled at scrape time."),
     m(STREAM_LENGTH, Kind::Gauge, None,
@@ -177,7 +177,13 @@ fn register_known_series() {
     for result in ["inserted", "already_there", "dead_lettered"] {
         metrics::counter!(WORKER_ORDERS, "result" => result).increment(0);
     }
-    for kind in ["malformed", "poison", "rejected", "no_stock"] {
+    for kind in [
+        "malformed",
+        "poison",
+        "rejected",
+        "no_stock",
+        "duplicate_id",
+    ] {
         metrics::counter!(DEAD_LETTERED, "kind" => kind).increment(0);
     }
     for (dependency, within) in [
@@ -360,6 +366,7 @@ mod tests {
             "seckill_dead_lettered_total{kind=\"malformed\"} ",
             "seckill_dead_lettered_total{kind=\"rejected\"} ",
             "seckill_dead_lettered_total{kind=\"no_stock\"} ",
+            "seckill_dead_lettered_total{kind=\"duplicate_id\"} ",
             "seckill_worker_batch_errors_total ",
             "seckill_admissions_total{outcome=\"sold_out\"} ",
             "seckill_dependency_errors_total{dependency=\"postgres\",in=\"worker\"} ",

@@ -61,8 +61,24 @@ impl Worker {
         shard: Shard,
         entries: &[Entry],
     ) -> anyhow::Result<BatchReport> {
-        self.heartbeat(shard, entries, self.process_batch_inner(shard, entries))
+        self.heartbeat(shard, entries, self.process_rounds(shard, entries))
             .await
+    }
+
+    /// An order id twice in one batch (minted twice, or an entry added twice): the batch
+    /// goes in rounds in which no id repeats, each finished before the next, which then
+    /// finds the id taken (a duplicate, buried) or its own order written (a replay).
+    async fn process_rounds(&self, shard: Shard, entries: &[Entry]) -> anyhow::Result<BatchReport> {
+        let rounds = orders::rounds_of_unique_ids(entries.iter().map(|e| e.order().map(|o| o.id)));
+        if rounds.len() <= 1 {
+            return self.process_batch_inner(shard, entries).await;
+        }
+        let mut report = BatchReport::default();
+        for round in rounds {
+            let part: Vec<Entry> = round.into_iter().map(|i| entries[i].clone()).collect();
+            report.add(self.process_batch_inner(shard, &part).await?);
+        }
+        Ok(report)
     }
 
     async fn process_batch_inner(
@@ -207,7 +223,12 @@ impl Worker {
                 newly,
                 holder,
                 returns_unit,
+                duplicate,
             } => {
+                let (why, reason) = match duplicate {
+                    true => (&Rejection::IdTaken, Rejection::IdTaken.reason()),
+                    false => (why, reason),
+                };
                 if newly {
                     tracing::warn!(entry_id = entry.entry_id(), order_id = order.id, %reason, "dead-lettering order");
                     let dead = entry.clone().into_dead_letter(DeadReason::Refused(reason));

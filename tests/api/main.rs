@@ -23,3 +23,4 @@ mod reconcile;
 mod recovery;
 mod tls;
 mod worker;
+mod worker_faults;

@@ -1,0 +1,249 @@
+//! The worker when the world is not what it expects: an order id minted twice.
+
+use std::collections::HashSet;
+
+use sqlx::PgPool;
+
+use crate::common::{metric_value, TestApp};
+use crate::worker::{admit, read_new, redis_sale};
+
+/// Appends an order entry to the sale's shard, as admission writes it (and nothing else:
+/// no unit taken, no buyer record), as a replay of an entry would look.
+async fn add_entry(app: &TestApp, voucher: i64, user: i64, order_id: i64) -> String {
+    app.redis_cmd(
+        redis::cmd("XADD")
+            .arg(app.keys.stream(app.keys.shard_of(voucher)))
+            .arg("*")
+            .arg("order_id")
+            .arg(order_id)
+            .arg("voucher_id")
+            .arg(voucher)
+            .arg("user_id")
+            .arg(user)
+            .arg("admitted_ms")
+            .arg(chrono::Utc::now().timestamp_millis()),
+    )
+    .await
+}
+
+/// What another API process minting `order_id` again does: admits it for `user`, taking
+/// a unit of the sale and setting the user's buyer record to it.
+async fn admit_minted_again(app: &TestApp, voucher: i64, user: i64, order_id: i64) {
+    add_entry(app, voucher, user, order_id).await;
+    let sale = app.keys.voucher(voucher);
+    let _: i64 = app
+        .redis_cmd(redis::cmd("HINCRBY").arg(&sale).arg("stock").arg(-1))
+        .await;
+    let _: i64 = app
+        .redis_cmd(
+            redis::cmd("HSET")
+                .arg(&sale)
+                .arg(format!("u:{user}"))
+                .arg(order_id),
+        )
+        .await;
+}
+
+/// The reasons of the dead letters of the voucher's shard, oldest first.
+async fn dead_letter_reasons(app: &TestApp, voucher: i64) -> Vec<String> {
+    let letters: Vec<(String, Vec<(String, String)>)> = app
+        .redis_cmd(
+            redis::cmd("XRANGE")
+                .arg(app.keys.dead_letters(app.keys.shard_of(voucher)))
+                .arg("-")
+                .arg("+"),
+        )
+        .await;
+    letters
+        .into_iter()
+        .map(|(_, fields)| {
+            fields
+                .into_iter()
+                .find_map(|(k, v)| (k == "reason").then_some(v))
+                .unwrap_or_default()
+        })
+        .collect()
+}
+
+/// `(id, user_id, voucher_id)` of every buried order.
+async fn buried(app: &TestApp) -> HashSet<(i64, i64, i64)> {
+    sqlx::query_as("SELECT id, user_id, voucher_id FROM dead_orders")
+        .fetch_all(&app.db)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect()
+}
+
+/// Duplicate order ids dead-lettered so far, by this process's recorder (shared by the
+/// tests of this binary, so compare before and after).
+async fn duplicates_counted(app: &TestApp) -> f64 {
+    let text = app.metrics_text().await;
+    metric_value(&text, "seckill_dead_lettered_total{kind=\"duplicate_id\"}").unwrap_or(0.0)
+}
+
+const DUPLICATE: &str = "order id already used by another order";
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn an_order_whose_id_another_order_holds_is_dead_lettered_and_gives_back_its_unit_and_buyer(
+    db: PgPool,
+) {
+    let app = TestApp::spawn(db).await;
+    let (sale, other_sale) = (app.open_sale(10).await, app.open_sale(5).await);
+    let id = *admit(&app, sale, 1..=1).await.iter().next().unwrap();
+    app.drain().await;
+    // Another API process minted the same id: for another buyer of the sale, and for a
+    // buyer of another sale.
+    admit_minted_again(&app, sale, 2, id).await;
+    admit_minted_again(&app, other_sale, 3, id).await;
+    assert_eq!(
+        redis_sale(&app, sale, 2).await,
+        (Some(8), Some(id.to_string()))
+    );
+    let counted = duplicates_counted(&app).await;
+
+    let report = app.drain().await;
+    println!("duplicates: {report:?}");
+    assert_eq!(
+        (report.inserted, report.already_there, report.dead_lettered),
+        (0, 0, 2),
+        "{report:?}"
+    );
+    assert_eq!(
+        app.pg_orders(sale).await,
+        vec![(id, 1)],
+        "the id stays user 1's"
+    );
+    assert!(app.pg_orders(other_sale).await.is_empty());
+    assert_eq!(
+        (app.pg_stock(sale).await, app.pg_stock(other_sale).await),
+        (9, 5)
+    );
+    assert_eq!(
+        redis_sale(&app, sale, 2).await,
+        (Some(9), None),
+        "unit back, buyer record gone"
+    );
+    assert_eq!(redis_sale(&app, other_sale, 3).await, (Some(5), None));
+    assert_eq!(redis_sale(&app, sale, 1).await.1, Some(id.to_string()));
+    assert_eq!(
+        dead_letter_reasons(&app, sale).await,
+        [DUPLICATE, DUPLICATE]
+    );
+    assert!(duplicates_counted(&app).await >= counted + 2.0);
+    let tombstones = HashSet::from([(id, 2, sale), (id, 3, other_sale)]);
+    assert_eq!(buried(&app).await, tombstones);
+
+    // Replayed: the order that owns the id is already there; the duplicate is settled
+    // again without a second dead letter or a second unit back.
+    add_entry(&app, sale, 1, id).await;
+    add_entry(&app, sale, 2, id).await;
+    let report = app.drain().await;
+    println!("replays: {report:?}");
+    assert_eq!(
+        (report.inserted, report.already_there),
+        (0, 1),
+        "{report:?}"
+    );
+    assert_eq!(redis_sale(&app, sale, 2).await, (Some(9), None));
+    assert_eq!(dead_letter_reasons(&app, sale).await.len(), 2);
+    assert_eq!(buried(&app).await, tombstones);
+    assert_eq!(app.pg_stock(sale).await, 9);
+    assert_eq!(app.pending_count().await, 0);
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn one_order_id_twice_in_one_batch_takes_one_unit_and_the_other_buyers_order_is_dead_lettered(
+    db: PgPool,
+) {
+    let app = TestApp::spawn(db).await;
+    let sale = app.open_sale(10).await;
+    let id = *admit(&app, sale, 1..=1).await.iter().next().unwrap();
+    // The same id minted again for user 2, and user 1's entry once more (a replay).
+    admit_minted_again(&app, sale, 2, id).await;
+    add_entry(&app, sale, 1, id).await;
+    let (worker, shard, held) = read_new(&app, sale, "worker-one-batch").await;
+    assert_eq!(held.len(), 3);
+
+    let report = worker.process_batch(shard, &held).await.unwrap();
+    println!("one batch: {report:?}");
+    assert_eq!(
+        (report.inserted, report.already_there, report.dead_lettered),
+        (1, 1, 1),
+        "{report:?}"
+    );
+    assert_eq!(app.pg_orders(sale).await, vec![(id, 1)]);
+    assert_eq!(app.pg_stock(sale).await, 9, "one unit for one row");
+    assert_eq!(redis_sale(&app, sale, 2).await, (Some(9), None));
+    assert_eq!(redis_sale(&app, sale, 1).await.1, Some(id.to_string()));
+    assert_eq!(dead_letter_reasons(&app, sale).await, [DUPLICATE]);
+    assert_eq!(buried(&app).await, HashSet::from([(id, 2, sale)]));
+    assert_eq!(app.pending_count().await, 0);
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn persisting_one_order_id_twice_writes_one_row_and_takes_one_unit(db: PgPool) {
+    use seckill::store::orders::{self, NewOrder, Persisted, Rejection};
+    let app = TestApp::spawn(db).await;
+    let sale = app.open_sale(10).await;
+    let first = NewOrder {
+        id: 4242,
+        user_id: 1,
+        voucher_id: sale,
+        admitted_at: chrono::Utc::now(),
+    };
+    let other_buyer = NewOrder {
+        user_id: 2,
+        ..first
+    };
+    let outcomes = orders::persist_batch(
+        &app.db,
+        &[first, other_buyer, first],
+        &crate::common::all_live,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        outcomes,
+        [
+            Persisted::Inserted,
+            Persisted::Rejected(Rejection::IdTaken),
+            Persisted::AlreadyThere
+        ]
+    );
+    assert_eq!(app.pg_orders(sale).await, vec![(4242, 1)]);
+    assert_eq!(app.pg_stock(sale).await, 9);
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn an_order_whose_id_a_buried_order_holds_is_dead_lettered_as_a_duplicate(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let sale = app.open_sale(10).await;
+    // Order 4242 of user 1 was buried (say, as poison) and settled.
+    let first = seckill::store::orders::NewOrder {
+        id: 4242,
+        user_id: 1,
+        voucher_id: sale,
+        admitted_at: chrono::Utc::now(),
+    };
+    seckill::store::dead_orders::bury(&app.db, &first, "poison: test", true)
+        .await
+        .unwrap();
+    admit_minted_again(&app, sale, 2, 4242).await;
+    let counted = duplicates_counted(&app).await;
+
+    let report = app.drain().await;
+    assert_eq!(
+        (report.inserted, report.dead_lettered),
+        (0, 1),
+        "{report:?}"
+    );
+    assert_eq!(dead_letter_reasons(&app, sale).await, [DUPLICATE]);
+    assert!(duplicates_counted(&app).await > counted);
+    assert_eq!(redis_sale(&app, sale, 2).await, (Some(10), None));
+    assert_eq!(
+        buried(&app).await,
+        HashSet::from([(4242, 1, sale), (4242, 2, sale)])
+    );
+    assert!(app.pg_orders(sale).await.is_empty());
+}
