@@ -1,4 +1,5 @@
-//! The worker when the world is not what it expects: an order id minted twice.
+//! The worker when the world is not what it expects: an order id minted twice, a
+//! pending list shared with other workers, an entry id Redis gave to another order.
 
 use std::collections::HashSet;
 
@@ -245,5 +246,161 @@ async fn an_order_whose_id_a_buried_order_holds_is_dead_lettered_as_a_duplicate(
         buried(&app).await,
         HashSet::from([(4242, 1, sale), (4242, 2, sale)])
     );
+    assert!(app.pg_orders(sale).await.is_empty());
+}
+
+/// Appends `n` entries to the voucher's shard and delivers them to `consumer`, which
+/// keeps them pending: another worker's batches, or what a dead one left behind.
+async fn pending_elsewhere(app: &TestApp, voucher: i64, consumer: &str, n: usize) {
+    let stream = app.keys.stream(app.keys.shard_of(voucher));
+    let mut pipe = redis::pipe();
+    for i in 0..n {
+        pipe.cmd("XADD")
+            .arg(stream)
+            .arg("*")
+            .arg("filler")
+            .arg(i)
+            .ignore();
+    }
+    let () = pipe.query_async(&mut app.redis.clone()).await.unwrap();
+    let delivered: redis::Value = app
+        .redis_cmd(
+            redis::cmd("XREADGROUP")
+                .arg("GROUP")
+                .arg(seckill::stream::GROUP)
+                .arg(consumer)
+                .arg("COUNT")
+                .arg(n)
+                .arg("STREAMS")
+                .arg(stream)
+                .arg(">"),
+        )
+        .await;
+    assert!(matches!(
+        delivered,
+        redis::Value::Array(_) | redis::Value::Map(_)
+    ));
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_batch_whose_entries_lie_far_apart_in_a_long_pending_list_is_written_whole(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let sale = app.open_sale(10).await;
+    admit(&app, sale, 1..=1).await;
+    let (worker, shard, mut held) = read_new(&app, sale, "worker-spread").await;
+    // Between the batch's two entries, 12,000 entries another worker holds: more than
+    // a page of pending entries for a batch of two.
+    pending_elsewhere(&app, sale, "worker-other", 12_000).await;
+    admit(&app, sale, 2..=2).await;
+    held.extend(read_new(&app, sale, "worker-spread").await.2);
+    assert_eq!(held.len(), 2);
+
+    let report = worker.process_batch(shard, &held).await.unwrap();
+    println!("far apart: {report:?}");
+    assert_eq!((report.inserted, report.vanished), (2, 0), "{report:?}");
+    assert_eq!(app.pg_orders(sale).await.len(), 2);
+    assert_eq!(app.pg_stock(sale).await, 8);
+    assert_eq!(
+        app.pending_count().await,
+        12_000,
+        "only the batch acknowledged"
+    );
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn an_entry_id_redis_gave_to_another_order_is_not_written_for_the_lost_one_nor_acknowledged(
+    db: PgPool,
+) {
+    let app = TestApp::spawn(db).await;
+    let sale = app.open_sale(10).await;
+    let first = *admit(&app, sale, 1..=1).await.iter().next().unwrap();
+    admit(&app, sale, 2..=2).await;
+    let (worker, shard, held) = read_new(&app, sale, "worker-held").await;
+    assert_eq!(held.len(), 2);
+    // Redis loses the second entry and, its clock behind, gives that entry id to a new
+    // order (a restart from an older copy, a failover): the id is pending, its order
+    // is another.
+    let entry_id = |e: &seckill::stream::Entry| match e {
+        seckill::stream::Entry::Order { entry_id, .. } => entry_id.clone(),
+        other => panic!("not an order: {other:?}"),
+    };
+    let reused = entry_id(&held[1]);
+    let stream = app.keys.stream(shard);
+    let _: i64 = app
+        .redis_cmd(redis::cmd("XDEL").arg(stream).arg(&reused))
+        .await;
+    let _: () = app
+        .redis_cmd(redis::cmd("XSETID").arg(stream).arg(entry_id(&held[0])))
+        .await;
+    let newcomer = 900_003_i64;
+    let _: String = app
+        .redis_cmd(
+            redis::cmd("XADD")
+                .arg(stream)
+                .arg(&reused)
+                .arg("order_id")
+                .arg(newcomer)
+                .arg("voucher_id")
+                .arg(sale)
+                .arg("user_id")
+                .arg(3)
+                .arg("admitted_ms")
+                .arg(chrono::Utc::now().timestamp_millis()),
+        )
+        .await;
+
+    let report = worker.process_batch(shard, &held).await.unwrap();
+    println!("reused id: {report:?}");
+    assert_eq!((report.inserted, report.vanished), (1, 1), "{report:?}");
+    let ids =
+        |orders: Vec<(i64, i64)>| orders.into_iter().map(|(id, _)| id).collect::<HashSet<_>>();
+    assert_eq!(ids(app.pg_orders(sale).await), HashSet::from([first]));
+    assert_eq!(
+        app.pending_count().await,
+        1,
+        "the newcomer's entry stays pending"
+    );
+
+    // A worker takes it over once idle, and writes the order it holds now.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let report = app.worker_named("worker-next").reclaim().await.unwrap();
+    assert_eq!(report.inserted, 1, "{report:?}");
+    assert_eq!(
+        ids(app.pg_orders(sale).await),
+        HashSet::from([first, newcomer])
+    );
+    assert_eq!(app.pending_count().await, 0);
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn entries_delivered_too_often_are_found_however_far_apart_they_lie_in_the_pending_list(
+    db: PgPool,
+) {
+    use seckill::stream::ReadFrom;
+    let app = TestApp::spawn(db).await;
+    let sale = app.open_sale(10).await;
+    admit(&app, sale, 1..=1).await;
+    let (crashing, shard, _) = read_new(&app, sale, "worker-crashloop").await;
+    pending_elsewhere(&app, sale, "worker-other", 12_000).await;
+    admit(&app, sale, 2..=2).await;
+    read_new(&app, sale, "worker-crashloop").await;
+    // Re-read six more times by a consumer that keeps dying: 7 deliveries each, past
+    // twice the harness's bound of 3.
+    for _ in 0..6 {
+        let again = crashing
+            .read_batch(shard, ReadFrom::OwnPending)
+            .await
+            .unwrap();
+        assert_eq!(again.len(), 2);
+    }
+    // (The drain takes over the other worker's idle entries too: malformed ones.)
+    let report = crashing.drain().await.unwrap();
+    println!("poison far apart: {report:?}");
+    assert_eq!(report.inserted, 0, "{report:?}");
+    let reasons = dead_letter_reasons(&app, sale).await;
+    let poison = reasons
+        .iter()
+        .filter(|r| r.starts_with("poison: delivered 8 times"));
+    assert_eq!(poison.count(), 2);
     assert!(app.pg_orders(sale).await.is_empty());
 }
