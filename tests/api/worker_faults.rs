@@ -1,5 +1,6 @@
 //! The worker when the world is not what it expects: an order id minted twice, a
-//! pending list shared with other workers, an entry id Redis gave to another order.
+//! pending list shared with other workers, an entry id Redis gave to another order, a
+//! database schema of another release.
 
 use std::collections::HashSet;
 
@@ -403,4 +404,73 @@ async fn entries_delivered_too_often_are_found_however_far_apart_they_lie_in_the
         .filter(|r| r.starts_with("poison: delivered 8 times"));
     assert_eq!(poison.count(), 2);
     assert!(app.pg_orders(sale).await.is_empty());
+}
+
+/// Worker turns refused by the schema so far, by this process's recorder.
+async fn schema_errors_counted(app: &TestApp) -> f64 {
+    let text = app.metrics_text().await;
+    metric_value(&text, "seckill_worker_schema_errors_total").unwrap_or(0.0)
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_schema_this_worker_does_not_expect_holds_its_batch_instead_of_burying_it(db: PgPool) {
+    use std::time::{Duration, Instant};
+    let app = TestApp::spawn(db).await;
+    let sale = app.open_sale(10).await;
+    let admitted = admit(&app, sale, 1..=3).await;
+    // A later release's migration: a column every writer must fill, without a default.
+    sqlx::raw_sql(
+        "ALTER TABLE voucher_orders ADD COLUMN channel text NOT NULL DEFAULT 'web'; \
+         ALTER TABLE voucher_orders ALTER COLUMN channel DROP DEFAULT",
+    )
+    .execute(&app.db)
+    .await
+    .unwrap();
+    let counted = schema_errors_counted(&app).await;
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let running = tokio::spawn(app.worker_named("worker-previous").run(cancel.clone()));
+
+    // The worker retries with backoff: wait for a few refused turns.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while schema_errors_counted(&app).await < counted + 3.0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let dlq: usize = app
+        .redis_cmd(redis::cmd("XLEN").arg(app.keys.dead_letters(app.keys.shard_of(sale))))
+        .await;
+    assert_eq!(dlq, 0, "nothing dead-lettered");
+    assert!(buried(&app).await.is_empty(), "nothing tombstoned");
+    assert_eq!(app.pending_count().await, 3, "the batch stays pending");
+    assert_eq!(
+        redis_sale(&app, sale, 1).await.0,
+        Some(7),
+        "no unit given back"
+    );
+    let refused = schema_errors_counted(&app).await - counted;
+    println!("turns refused by the schema: {refused}");
+    assert!(refused >= 3.0, "{refused}");
+
+    // The schema is this worker's again: the batch it held is written.
+    sqlx::raw_sql("ALTER TABLE voucher_orders DROP COLUMN channel")
+        .execute(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(
+        app.wait_for_orders(sale, 3, Duration::from_secs(20)).await,
+        3
+    );
+    let stored: HashSet<i64> = app
+        .pg_orders(sale)
+        .await
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    assert_eq!(stored, admitted);
+    assert_eq!(app.pg_stock(sale).await, 7);
+    cancel.cancel();
+    tokio::time::timeout(Duration::from_secs(5), running)
+        .await
+        .expect("the worker stops")
+        .unwrap();
+    assert_eq!(app.pending_count().await, 0);
 }
