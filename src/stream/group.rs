@@ -128,8 +128,8 @@ pub(crate) async fn ack<C: ConnectionLike + Send>(
     }
 }
 
-/// Looks up entries by id (`ids` in id order) with one ranged command from the first
-/// to the last (`ranged(first, last, count)`, items in id order, `id_of` each), and,
+/// Looks up entries by id with one ranged command from the first id to the last
+/// (`ranged(first, last, count)`, items in id order, `id_of` each), and,
 /// when other entries in that range fill its page, the ids past the page one command
 /// each (`ranged(id, id, 1)`), pipelined: at most two round trips, and a cost bounded
 /// by the batch, however long the range.
@@ -143,6 +143,8 @@ async fn look_up<C, T>(
 where
     C: ConnectionLike + Send,
 {
+    let mut ids = ids.to_vec();
+    ids.sort_by_key(|id| parse_id(id));
     let (Some(first), Some(last)) = (ids.first(), ids.last()) else {
         return Ok(Vec::new());
     };
@@ -170,8 +172,8 @@ where
     Ok(found)
 }
 
-/// How often each of `ids` (in id order) pending in the group, whoever holds it, has
-/// been delivered; ids not pending are left out.
+/// How often each of `ids` pending in the group, whoever holds it, has been delivered;
+/// ids not pending are left out.
 async fn pending_among<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
@@ -195,8 +197,8 @@ async fn pending_among<C: ConnectionLike + Send>(
         .collect())
 }
 
-/// The order id each of `ids` (in id order) holds in the stream now (`None`: an entry
-/// without one); ids no longer in the stream are left out.
+/// The order id each of `ids` holds in the stream now (`None`: an entry without one);
+/// ids no longer in the stream are left out.
 async fn orders_among<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
@@ -224,8 +226,7 @@ async fn orders_among<C: ConnectionLike + Send>(
         .collect())
 }
 
-/// How often each of `entries` (in id order) has been delivered; entries not pending
-/// are left out.
+/// How often each of `entries` has been delivered; entries not pending are left out.
 pub(crate) async fn delivery_counts<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
@@ -246,10 +247,9 @@ pub(crate) struct StillPending {
     pub reused: HashSet<String>,
 }
 
-/// Which of `wanted` (entry id, order id; in id order) are still pending in the group,
-/// whoever holds them, and still hold that order. The pending list and the entries are
-/// read side by side (the connection is multiplexed): one round trip for a batch read
-/// in one piece.
+/// Which of `wanted` (entry id, order id) are still pending in the group, whoever holds
+/// them, and still hold that order. The pending list and the entries are read side by
+/// side (the connection is multiplexed): one round trip for a batch read in one piece.
 pub(crate) async fn still_pending<C: ConnectionLike + Clone + Send>(
     conn: &C,
     keys: &Keys,

@@ -127,11 +127,10 @@ impl Worker {
         let live = |ids: Vec<i64>| -> BoxFuture<'_, anyhow::Result<HashSet<i64>>> {
             let (entry_of, reused) = (&entry_of, &reused);
             Box::pin(async move {
-                let mut wanted: Vec<(&str, i64)> = ids
+                let wanted: Vec<(&str, i64)> = ids
                     .iter()
                     .filter_map(|id| Some((*entry_of.get(id)?, *id)))
                     .collect();
-                wanted.sort_by_key(|(entry, _)| stream::parse_id(entry));
                 let now = stream::still_pending(&self.redis, &self.keys, shard, &wanted).await?;
                 reused.lock().expect("not poisoned").extend(now.reused);
                 Ok(ids
