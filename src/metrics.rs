@@ -17,6 +17,8 @@ pub(crate) const ADMISSIONS: &str = "seckill_admissions_total";
 pub(crate) const ADMISSION_SECONDS: &str = "seckill_admission_duration_seconds";
 pub(crate) const WORKER_ORDERS: &str = "seckill_worker_orders_total";
 pub(crate) const WORKER_BATCH_ERRORS: &str = "seckill_worker_batch_errors_total";
+/// Worker turns Postgres refused because its schema is not the one the binary expects.
+pub(crate) const WORKER_SCHEMA_ERRORS: &str = "seckill_worker_schema_errors_total";
 pub(crate) const DEAD_LETTERED: &str = "seckill_dead_lettered_total";
 pub(crate) const STREAM_LENGTH: &str = "seckill_stream_length";
 pub(crate) const STREAM_PENDING: &str = "seckill_stream_pending";
@@ -90,10 +92,12 @@ pub(crate) const DESCRIBED: &[Described] = &[
         "Time to write one batch of orders to Postgres, commit included."),
     m(WORKER_BATCH_ERRORS, Kind::Counter, None,
         "Worker turns that failed (the batch stays pending and is retried)."),
+    m(WORKER_SCHEMA_ERRORS, Kind::Counter, None,
+        "Worker turns that failed because the database schema is newer or older than the worker expects (a NOT NULL column it does not fill, a column or table it names missing): the batch stays pending and is retried, nothing is dead-lettered."),
     m(DEPENDENCY_ERRORS, Kind::Counter, None,
         "Errors of a dependency (redis, postgres, other) seen in the api or the worker."),
     m(DEAD_LETTERED, Kind::Counter, None,
-        "Stream entries dead-lettered, by kind: malformed, poison, rejected (their units go back on sale), no_stock (Postgres had no unit: an admitted order not written, nothing returned)."),
+        "Stream entries dead-lettered, by kind: malformed, poison, rejected (their units go back on sale), no_stock (Postgres had no unit: an admitted order not written, nothing returned), duplicate_id (its order id belongs to another order: an admitted order not written, its unit goes back on sale)."),
     m(DEAD_LETTERS, Kind::Gauge, None,
         "Entries in the dead-letter stream, per shard, sampled at scrape time."),
     m(STREAM_LENGTH, Kind::Gauge, None,
@@ -188,7 +192,13 @@ fn register_known_series() {
     for result in ["inserted", "already_there", "dead_lettered"] {
         metrics::counter!(WORKER_ORDERS, "result" => result).increment(0);
     }
-    for kind in ["malformed", "poison", "rejected", "no_stock"] {
+    for kind in [
+        "malformed",
+        "poison",
+        "rejected",
+        "no_stock",
+        "duplicate_id",
+    ] {
         metrics::counter!(DEAD_LETTERED, "kind" => kind).increment(0);
     }
     for (dependency, within) in [
@@ -211,6 +221,7 @@ fn register_known_series() {
         metrics::counter!(JWKS_FETCHES, "outcome" => outcome).increment(0);
     }
     metrics::counter!(WORKER_BATCH_ERRORS).increment(0);
+    metrics::counter!(WORKER_SCHEMA_ERRORS).increment(0);
     metrics::counter!(SHED).increment(0);
     metrics::counter!(LIVE_SNAPSHOTS).increment(0);
     metrics::gauge!(LIVE_VIEWERS).increment(0.0);
@@ -373,7 +384,9 @@ mod tests {
             "seckill_dead_lettered_total{kind=\"malformed\"} ",
             "seckill_dead_lettered_total{kind=\"rejected\"} ",
             "seckill_dead_lettered_total{kind=\"no_stock\"} ",
+            "seckill_dead_lettered_total{kind=\"duplicate_id\"} ",
             "seckill_worker_batch_errors_total ",
+            "seckill_worker_schema_errors_total ",
             "seckill_admissions_total{outcome=\"sold_out\"} ",
             "seckill_dependency_errors_total{dependency=\"postgres\",in=\"worker\"} ",
             "seckill_order_transitions_total{to=\"expired\"} ",

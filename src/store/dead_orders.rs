@@ -2,12 +2,16 @@
 //! `voucher_orders` afterwards: the worker's inserts skip tombstoned ids, and a batch
 //! checks again under the sale's row lock (which every burial takes) for tombstones
 //! laid since it inserted, deleting those rows before it commits.
+//!
+//! An id belongs to the first order that claims it, by its row or its tombstone; an
+//! order of another user or voucher minted with the same id is a duplicate, buried here
+//! beside it (the key is the whole order).
 
 use std::collections::HashMap;
 
 use sqlx::{PgPool, Postgres, Transaction};
 
-use super::orders::{lock_sales, NewOrder};
+use super::orders::{lock_sales, NewOrder, Rejection};
 
 /// The end of an order that will not be written, decided under the sale's row lock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -16,11 +20,14 @@ pub enum Burial {
     Written,
     /// Tombstoned in `dead_orders` (`newly`: by this call). `holder` is the order the
     /// user holds for the voucher instead, if any; `returns_unit` whether settling it
-    /// gives its unit back to Redis, as decided by the burial that laid the tombstone.
+    /// gives its unit back to Redis, as decided by the burial that laid the tombstone;
+    /// `duplicate` that its id belongs to another order (so it was buried as
+    /// [`Rejection::IdTaken`], whatever the caller's reason).
     Dead {
         newly: bool,
         holder: Option<i64>,
         returns_unit: bool,
+        duplicate: bool,
     },
 }
 
@@ -36,22 +43,28 @@ pub async fn bury(
 ) -> Result<Burial, sqlx::Error> {
     let mut tx = db.begin().await?;
     lock_sales(&mut tx, &[order.voucher_id]).await?;
-    let written: Option<i64> = sqlx::query_scalar("SELECT id FROM voucher_orders WHERE id = $1")
-        .bind(order.id)
-        .fetch_optional(&mut *tx)
-        .await?;
-    if written.is_some() {
-        tx.commit().await?;
-        return Ok(Burial::Written);
-    }
+    let duplicate = match owner(&mut tx, order).await? {
+        Owner::This => {
+            tx.commit().await?;
+            return Ok(Burial::Written);
+        }
+        Owner::Another => true,
+        Owner::Nobody => false,
+    };
+    // A duplicate never took a unit in Postgres: the one Redis gave it goes back.
+    let (reason, returns_unit) = match duplicate {
+        true => (Rejection::IdTaken.reason(), true),
+        false => (reason.to_string(), returns_unit),
+    };
     let newly: Option<i64> = sqlx::query_scalar(
         "INSERT INTO dead_orders (id, user_id, voucher_id, reason, returns_unit) \
-         VALUES ($1, $2, $3, $4, $5) ON CONFLICT (id) DO NOTHING RETURNING id",
+         VALUES ($1, $2, $3, $4, $5) \
+         ON CONFLICT (id, user_id, voucher_id) DO NOTHING RETURNING id",
     )
     .bind(order.id)
     .bind(order.user_id)
     .bind(order.voucher_id)
-    .bind(reason)
+    .bind(&reason)
     .bind(returns_unit)
     .fetch_optional(&mut *tx)
     .await?;
@@ -59,10 +72,15 @@ pub async fn bury(
     let returns_unit = match newly {
         Some(_) => returns_unit,
         None => {
-            sqlx::query_scalar("SELECT returns_unit FROM dead_orders WHERE id = $1")
-                .bind(order.id)
-                .fetch_one(&mut *tx)
-                .await?
+            sqlx::query_scalar(
+                "SELECT returns_unit FROM dead_orders \
+                 WHERE id = $1 AND user_id = $2 AND voucher_id = $3",
+            )
+            .bind(order.id)
+            .bind(order.user_id)
+            .bind(order.voucher_id)
+            .fetch_one(&mut *tx)
+            .await?
         }
     };
     let holder: Option<i64> = sqlx::query_scalar(&format!(
@@ -78,10 +96,45 @@ pub async fn bury(
         newly: newly.is_some(),
         holder,
         returns_unit,
+        duplicate,
     })
 }
 
-/// Which of these order ids are buried (in `dead_orders`).
+/// Whom an order's id belongs to.
+enum Owner {
+    /// Written: this very order.
+    This,
+    /// Another order (another user or voucher), written or buried.
+    Another,
+    Nobody,
+}
+
+async fn owner(tx: &mut Transaction<'_, Postgres>, order: &NewOrder) -> sqlx::Result<Owner> {
+    let written: Option<(i64, i64)> =
+        sqlx::query_as("SELECT user_id, voucher_id FROM voucher_orders WHERE id = $1")
+            .bind(order.id)
+            .fetch_optional(&mut **tx)
+            .await?;
+    let mine = (order.user_id, order.voucher_id);
+    Ok(match written {
+        Some(theirs) if theirs == mine => Owner::This,
+        Some(_) => Owner::Another,
+        None => {
+            let buried: Vec<(i64, i64)> =
+                sqlx::query_as("SELECT user_id, voucher_id FROM dead_orders WHERE id = $1")
+                    .bind(order.id)
+                    .fetch_all(&mut **tx)
+                    .await?;
+            match buried.iter().any(|b| *b != mine) {
+                true => Owner::Another,
+                false => Owner::Nobody,
+            }
+        }
+    })
+}
+
+/// Which of these order ids are tombstoned (in `dead_orders`): whatever order claims
+/// such an id, it is never written.
 pub(crate) async fn buried_among(
     tx: &mut Transaction<'_, Postgres>,
     ids: &[i64],
@@ -89,7 +142,21 @@ pub(crate) async fn buried_among(
     if ids.is_empty() {
         return Ok(Vec::new());
     }
-    sqlx::query_scalar("SELECT id FROM dead_orders WHERE id = ANY($1)")
+    sqlx::query_scalar("SELECT DISTINCT id FROM dead_orders WHERE id = ANY($1)")
+        .bind(ids)
+        .fetch_all(&mut **tx)
+        .await
+}
+
+/// `(id, user_id, voucher_id)` of the orders buried under these ids.
+pub(crate) async fn orders_among(
+    tx: &mut Transaction<'_, Postgres>,
+    ids: &[i64],
+) -> Result<Vec<(i64, i64, i64)>, sqlx::Error> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    sqlx::query_as("SELECT id, user_id, voucher_id FROM dead_orders WHERE id = ANY($1)")
         .bind(ids)
         .fetch_all(&mut **tx)
         .await

@@ -104,12 +104,40 @@ pub(crate) async fn migrate(db: &PgPool, patience: Duration) -> anyhow::Result<(
 }
 
 /// SQLSTATE classes that say "this data can never be written" (data exceptions and
-/// integrity violations), as opposed to a fault worth retrying.
+/// integrity violations), as opposed to a fault worth retrying. A schema mismatch is
+/// not one: no order is at fault, every order would be refused alike.
 pub(crate) fn is_data_error(e: &sqlx::Error) -> bool {
     match e {
-        sqlx::Error::Database(db) => db
-            .code()
-            .is_some_and(|c| c.starts_with("22") || c.starts_with("23")),
+        sqlx::Error::Database(db) => {
+            db.code()
+                .is_some_and(|c| c.starts_with("22") || c.starts_with("23"))
+                && !is_schema_mismatch(e)
+        }
+        _ => false,
+    }
+}
+
+/// SQLSTATEs that say the schema is not the one this binary was built for: a column it
+/// does not fill that has no default (not_null_violation: every value it writes is set,
+/// so the column is one it does not know), or a column, table, function, type or
+/// conflict target it names that is missing or different.
+const SCHEMA_MISMATCH: [&str; 7] = [
+    "23502", // not_null_violation
+    "42703", // undefined_column
+    "42P01", // undefined_table
+    "42883", // undefined_function
+    "42704", // undefined_object
+    "42804", // datatype_mismatch
+    "42P10", // invalid_column_reference
+];
+
+/// Whether Postgres refused a statement because its schema is newer or older than this
+/// binary expects: a fault to retry (the batch waits for a matching schema or worker),
+/// never a reason to bury an order.
+pub(crate) fn is_schema_mismatch(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => db.code().is_some_and(|c| SCHEMA_MISMATCH.contains(&&*c)),
+        sqlx::Error::ColumnNotFound(_) | sqlx::Error::TypeNotFound { .. } => true,
         _ => false,
     }
 }

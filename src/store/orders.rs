@@ -44,7 +44,8 @@ pub enum Rejection {
     /// Postgres has no unit left for it.
     NoStock,
     UnknownVoucher,
-    /// Its id names another order.
+    /// Its id belongs to another order (another user or voucher, written or buried
+    /// first): the id was minted twice.
     IdTaken,
     /// Dead-lettered earlier (tombstoned in `dead_orders`).
     AlreadyDead,
@@ -75,6 +76,8 @@ impl Rejection {
             // Redis admitted an order Postgres had no unit for: a 202 broken, the one
             // dead letter worth paging someone for, so apart from the other refusals.
             Rejection::NoStock => "no_stock",
+            // Two 202s with one id: the order ids minted are not unique.
+            Rejection::IdTaken => "duplicate_id",
             _ => "rejected",
         }
     }
@@ -125,8 +128,57 @@ pub(crate) const ACTIVE: &str = "status IN ('created', 'paid')";
 /// worth retrying (Postgres unreachable, lock timeout, a deadlock with a batch holding
 /// the same users): nothing was committed for the orders concerned, and the caller keeps
 /// them pending.
+///
+/// An id twice in `orders` (minted twice, or an entry added twice) is written in rounds
+/// in which no id repeats, each committed before the next: the later round finds the
+/// id taken (a duplicate) or its own order written (a replay), so one row takes one unit.
 #[tracing::instrument(skip_all, fields(orders = orders.len()))]
 pub async fn persist_batch(
+    db: &PgPool,
+    orders: &[NewOrder],
+    live: LiveCheck<'_>,
+) -> anyhow::Result<Vec<Persisted>> {
+    let rounds = rounds_of_unique_ids(orders.iter().map(|o| Some(o.id)));
+    if rounds.len() <= 1 {
+        return persist_unique(db, orders, live).await;
+    }
+    let mut outcomes = vec![None; orders.len()];
+    for round in rounds {
+        let part: Vec<NewOrder> = round.iter().map(|&i| orders[i]).collect();
+        for (i, outcome) in round
+            .into_iter()
+            .zip(persist_unique(db, &part, live).await?)
+        {
+            outcomes[i] = Some(outcome);
+        }
+    }
+    Ok(outcomes
+        .into_iter()
+        .map(|o| o.expect("every order is in a round"))
+        .collect())
+}
+
+/// Splits a batch into rounds in which no order id repeats: the n-th occurrence of an
+/// id goes to the n-th round, items without an id to the first. Indices, in order.
+pub(crate) fn rounds_of_unique_ids(ids: impl IntoIterator<Item = Option<i64>>) -> Vec<Vec<usize>> {
+    let mut seen: HashMap<i64, usize> = HashMap::new();
+    let mut rounds: Vec<Vec<usize>> = Vec::new();
+    for (i, id) in ids.into_iter().enumerate() {
+        let round = id.map_or(0, |id| {
+            let n = seen.entry(id).or_insert(0);
+            *n += 1;
+            *n - 1
+        });
+        if rounds.len() <= round {
+            rounds.resize_with(round + 1, Vec::new);
+        }
+        rounds[round].push(i);
+    }
+    rounds
+}
+
+/// [`persist_batch`] of orders whose ids are all different.
+async fn persist_unique(
     db: &PgPool,
     orders: &[NewOrder],
     live: LiveCheck<'_>,
@@ -369,23 +421,25 @@ async fn classify(
         .map(|(id, u, v)| (id, (u, v)))
         .collect()
     };
-    let dead: HashSet<i64> = super::dead_orders::buried_among(tx, &skipped)
-        .await?
-        .into_iter()
-        .collect();
+    let mut dead: HashMap<i64, Vec<(i64, i64)>> = HashMap::new();
+    for (id, u, v) in super::dead_orders::orders_among(tx, &skipped).await? {
+        dead.entry(id).or_default().push((u, v));
+    }
     Ok(orders
         .iter()
         .map(|o| {
+            let this = (o.user_id, o.voucher_id);
             if inserted.contains(&o.id) {
-                Persisted::Inserted
-            } else if dead.contains(&o.id) {
-                Persisted::Rejected(Rejection::AlreadyDead)
-            } else {
-                match stored.get(&o.id) {
-                    Some(&(u, v)) if (u, v) == (o.user_id, o.voucher_id) => Persisted::AlreadyThere,
-                    Some(_) => Persisted::Rejected(Rejection::IdTaken),
-                    None => Persisted::Rejected(Rejection::UserHoldsOther),
+                return Persisted::Inserted;
+            }
+            match (stored.get(&o.id), dead.get(&o.id)) {
+                (Some(&row), _) if row == this => Persisted::AlreadyThere,
+                (Some(_), _) => Persisted::Rejected(Rejection::IdTaken),
+                (None, Some(buried)) if buried.contains(&this) => {
+                    Persisted::Rejected(Rejection::AlreadyDead)
                 }
+                (None, Some(_)) => Persisted::Rejected(Rejection::IdTaken),
+                (None, None) => Persisted::Rejected(Rejection::UserHoldsOther),
             }
         })
         .collect())

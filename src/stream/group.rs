@@ -1,12 +1,14 @@
 //! The consumer group: reading, claiming, acknowledging, keeping entries fresh.
 
+use std::collections::{HashMap, HashSet};
+
 use redis::aio::ConnectionLike;
 use redis::streams::StreamPendingCountReply;
 use redis::{RedisResult, Value};
 
 use crate::keys::{Keys, Shard};
 
-use super::entry::{parse_entries, parse_read_reply, unexpected, Entry};
+use super::entry::{parse_entries, parse_id, parse_raw, parse_read_reply, unexpected, Entry};
 
 pub const GROUP: &str = "seckill-workers";
 
@@ -126,63 +128,158 @@ pub(crate) async fn ack<C: ConnectionLike + Send>(
     }
 }
 
-/// The pending entries (whoever holds them) with ids from `first` to `last`, for `n`
-/// entries of ours in that range: one XPENDING.
-async fn pending_range<C: ConnectionLike + Send>(
+/// Looks up entries by id with one ranged command from the first id to the last
+/// (`ranged(first, last, count)`, items in id order, `id_of` each), and,
+/// when other entries in that range fill its page, the ids past the page one command
+/// each (`ranged(id, id, 1)`), pipelined: at most two round trips, and a cost bounded
+/// by the batch, however long the range.
+async fn look_up<C, T>(
     conn: &mut C,
-    keys: &Keys,
-    shard: Shard,
-    (first, last): (&str, &str),
-    n: usize,
-) -> RedisResult<StreamPendingCountReply> {
-    redis::cmd("XPENDING")
-        .arg(keys.stream(shard))
-        .arg(GROUP)
-        .arg(first)
-        .arg(last)
-        // The range may hold other consumers' entries too; the pending list is what the
-        // workers hold right now, so this stays small.
-        .arg(n.max(1) * 16 + 10_000)
-        .query_async(conn)
-        .await
+    ids: &[&str],
+    ranged: impl Fn(&str, &str, usize) -> redis::Cmd,
+    parse: impl Fn(Value) -> RedisResult<Vec<T>>,
+    id_of: impl Fn(&T) -> &str,
+) -> RedisResult<Vec<T>>
+where
+    C: ConnectionLike + Send,
+{
+    let mut ids = ids.to_vec();
+    ids.sort_by_key(|id| parse_id(id));
+    let (Some(first), Some(last)) = (ids.first(), ids.last()) else {
+        return Ok(Vec::new());
+    };
+    let page = ids.len() * 2 + 100;
+    let mut found = parse(ranged(first, last, page).query_async(conn).await?)?;
+    let reached = match found.len() < page {
+        true => None,
+        false => found.last().and_then(|t| parse_id(id_of(t))),
+    };
+    let past: Vec<&str> = ids
+        .iter()
+        .copied()
+        .filter(|id| reached.is_some_and(|r| parse_id(id).is_some_and(|i| i > r)))
+        .collect();
+    if !past.is_empty() {
+        let mut pipe = redis::pipe();
+        for id in &past {
+            pipe.add_command(ranged(id, id, 1));
+        }
+        let replies: Vec<Value> = pipe.query_async(conn).await?;
+        for reply in replies {
+            found.extend(parse(reply)?);
+        }
+    }
+    Ok(found)
 }
 
-/// How often each of `entries` (in id order) has been delivered; entries not pending
-/// are left out.
-pub(crate) async fn delivery_counts<C: ConnectionLike + Send>(
+/// How often each of `ids` pending in the group, whoever holds it, has been delivered;
+/// ids not pending are left out.
+async fn pending_among<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: Shard,
-    entries: &[Entry],
-) -> RedisResult<std::collections::HashMap<String, u64>> {
-    let (Some(first), Some(last)) = (entries.first(), entries.last()) else {
-        return Ok(Default::default());
+    ids: &[&str],
+) -> RedisResult<HashMap<String, u64>> {
+    let xpending = |first: &str, last: &str, count: usize| {
+        let mut cmd = redis::cmd("XPENDING");
+        cmd.arg(keys.stream(shard))
+            .arg(GROUP)
+            .arg(first)
+            .arg(last)
+            .arg(count);
+        cmd
     };
-    let range = (first.entry_id(), last.entry_id());
-    let reply = pending_range(conn, keys, shard, range, entries.len()).await?;
-    Ok(reply
-        .ids
+    let parse = |v: Value| Ok(redis::from_redis_value::<StreamPendingCountReply>(v)?.ids);
+    let found = look_up(conn, ids, xpending, parse, |p| p.id.as_str()).await?;
+    Ok(found
         .into_iter()
         .map(|p| (p.id, p.times_delivered as u64))
         .collect())
 }
 
-/// Which of `entry_ids` (in id order) are pending in the group, whoever holds them.
-pub(crate) async fn still_pending<C: ConnectionLike + Send>(
+/// The order id each of `ids` holds in the stream now (`None`: an entry without one);
+/// ids no longer in the stream are left out.
+async fn orders_among<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: Shard,
-    entry_ids: &[&str],
-) -> RedisResult<std::collections::HashSet<String>> {
-    let (Some(first), Some(last)) = (entry_ids.first(), entry_ids.last()) else {
-        return Ok(Default::default());
+    ids: &[&str],
+) -> RedisResult<HashMap<String, Option<i64>>> {
+    let xrange = |first: &str, last: &str, count: usize| {
+        let mut cmd = redis::cmd("XRANGE");
+        cmd.arg(keys.stream(shard))
+            .arg(first)
+            .arg(last)
+            .arg("COUNT")
+            .arg(count);
+        cmd
     };
-    match pending_range(conn, keys, shard, (first, last), entry_ids.len()).await {
-        Ok(reply) => Ok(reply.ids.into_iter().map(|p| p.id).collect()),
+    let found = look_up(conn, ids, xrange, parse_raw, |e| e.0.as_str()).await?;
+    Ok(found
+        .into_iter()
+        .map(|(id, fields)| {
+            let order = fields.into_iter().flatten().find_map(|(k, v)| {
+                (k == crate::keys::entry_field::ORDER_ID).then(|| v.parse().ok())?
+            });
+            (id, order)
+        })
+        .collect())
+}
+
+/// How often each of `entries` has been delivered; entries not pending are left out.
+pub(crate) async fn delivery_counts<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    shard: Shard,
+    entries: &[Entry],
+) -> RedisResult<HashMap<String, u64>> {
+    let ids: Vec<&str> = entries.iter().map(Entry::entry_id).collect();
+    pending_among(conn, keys, shard, &ids).await
+}
+
+/// A batch's entries as Redis has them now.
+#[derive(Debug, Default)]
+pub(crate) struct StillPending {
+    /// Pending in the group (whoever holds them) and still holding the batch's order.
+    pub alive: HashSet<String>,
+    /// Holding another order now: Redis lost the batch's entry and gave its id to a new
+    /// one (a restart from an older copy, a failover). Not the batch's to acknowledge.
+    pub reused: HashSet<String>,
+}
+
+/// Which of `wanted` (entry id, order id) are still pending in the group, whoever holds
+/// them, and still hold that order. The pending list and the entries are read side by
+/// side (the connection is multiplexed): one round trip for a batch read in one piece.
+pub(crate) async fn still_pending<C: ConnectionLike + Clone + Send>(
+    conn: &C,
+    keys: &Keys,
+    shard: Shard,
+    wanted: &[(&str, i64)],
+) -> RedisResult<StillPending> {
+    let ids: Vec<&str> = wanted.iter().map(|(id, _)| *id).collect();
+    let (mut pending_conn, mut orders_conn) = (conn.clone(), conn.clone());
+    let (pending, orders) = futures_util::join!(
+        pending_among(&mut pending_conn, keys, shard, &ids),
+        orders_among(&mut orders_conn, keys, shard, &ids),
+    );
+    let pending = match pending {
         // The group is gone with Redis's data: nothing is pending.
-        Err(e) if e.code() == Some("NOGROUP") => Ok(Default::default()),
-        Err(e) => Err(e),
+        Err(e) if e.code() == Some("NOGROUP") => return Ok(StillPending::default()),
+        other => other?,
+    };
+    let orders = orders?;
+    let mut out = StillPending::default();
+    for &(id, order) in wanted {
+        let set = match orders.get(id) {
+            Some(&Some(now)) if now == order && pending.contains_key(id) => &mut out.alive,
+            Some(&Some(now)) if now == order => continue,
+            Some(_) => &mut out.reused,
+            // Deleted, or trimmed once acknowledged: gone.
+            None => continue,
+        };
+        set.insert(id.to_string());
     }
+    Ok(out)
 }
 
 /// Resets the idle time of entries this consumer holds without counting a delivery, so

@@ -12,7 +12,6 @@ mod inspect;
 mod trim;
 
 pub(crate) use dead::{dead_letter, settle_dead};
-pub(crate) use entry::parse_id;
 pub use entry::{DeadReason, Entry};
 pub(crate) use group::{
     ack, claim, delivery_counts, ensure_group, forget_idle_consumers, read, still_pending, touch,

@@ -2,6 +2,7 @@
 //! written, acknowledge; entries kept fresh in the pending list meanwhile.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
@@ -61,8 +62,24 @@ impl Worker {
         shard: Shard,
         entries: &[Entry],
     ) -> anyhow::Result<BatchReport> {
-        self.heartbeat(shard, entries, self.process_batch_inner(shard, entries))
+        self.heartbeat(shard, entries, self.process_rounds(shard, entries))
             .await
+    }
+
+    /// An order id twice in one batch (minted twice, or an entry added twice): the batch
+    /// goes in rounds in which no id repeats, each finished before the next, which then
+    /// finds the id taken (a duplicate, buried) or its own order written (a replay).
+    async fn process_rounds(&self, shard: Shard, entries: &[Entry]) -> anyhow::Result<BatchReport> {
+        let rounds = orders::rounds_of_unique_ids(entries.iter().map(|e| e.order().map(|o| o.id)));
+        if rounds.len() <= 1 {
+            return self.process_batch_inner(shard, entries).await;
+        }
+        let mut report = BatchReport::default();
+        for round in rounds {
+            let part: Vec<Entry> = round.into_iter().map(|i| entries[i].clone()).collect();
+            report.add(self.process_batch_inner(shard, &part).await?);
+        }
+        Ok(report)
     }
 
     async fn process_batch_inner(
@@ -105,19 +122,20 @@ impl Worker {
             .iter()
             .filter_map(|e| Some((e.order()?.id, e.entry_id())))
             .collect();
+        // Entries whose id Redis gave to another order: that order's, not ours to ack.
+        let reused: Mutex<HashSet<String>> = Mutex::default();
         let live = |ids: Vec<i64>| -> BoxFuture<'_, anyhow::Result<HashSet<i64>>> {
-            let mut conn = self.redis.clone();
-            let entry_of = &entry_of;
+            let (entry_of, reused) = (&entry_of, &reused);
             Box::pin(async move {
-                let mut wanted: Vec<&str> = ids
+                let wanted: Vec<(&str, i64)> = ids
                     .iter()
-                    .filter_map(|id| entry_of.get(id).copied())
+                    .filter_map(|id| Some((*entry_of.get(id)?, *id)))
                     .collect();
-                wanted.sort_by_key(|id| stream::parse_id(id));
-                let pending = stream::still_pending(&mut conn, &self.keys, shard, &wanted).await?;
+                let now = stream::still_pending(&self.redis, &self.keys, shard, &wanted).await?;
+                reused.lock().expect("not poisoned").extend(now.reused);
                 Ok(ids
                     .into_iter()
-                    .filter(|id| entry_of.get(id).is_some_and(|e| pending.contains(*e)))
+                    .filter(|id| entry_of.get(id).is_some_and(|e| now.alive.contains(*e)))
                     .collect())
             })
         };
@@ -178,7 +196,8 @@ impl Worker {
                 }
             }
         }
-        stream::ack(&mut conn, &self.keys, shard, entries).await?;
+        self.ack(shard, entries, reused.into_inner().expect("not poisoned"))
+            .await?;
         metrics::counter!(crate::metrics::WORKER_ORDERS, "result" => "inserted")
             .increment(report.inserted as u64);
         metrics::counter!(crate::metrics::WORKER_ORDERS, "result" => "already_there")
@@ -186,6 +205,33 @@ impl Worker {
         metrics::counter!(crate::metrics::WORKER_ORDERS, "result" => "dead_lettered")
             .increment(report.dead_lettered as u64);
         Ok(report)
+    }
+
+    /// Acknowledges the batch, but for entries whose id now holds another order: that
+    /// order is still to be written (a worker takes it over once it is idle).
+    async fn ack(
+        &self,
+        shard: Shard,
+        entries: &[Entry],
+        reused: HashSet<String>,
+    ) -> anyhow::Result<()> {
+        let mut conn = self.redis.clone();
+        if reused.is_empty() {
+            stream::ack(&mut conn, &self.keys, shard, entries).await?;
+            return Ok(());
+        }
+        tracing::warn!(
+            entry_ids = ?reused,
+            "redis gave these entry ids to other orders (it lost the batch's entries): \
+             not acknowledging them"
+        );
+        let ours: Vec<Entry> = entries
+            .iter()
+            .filter(|e| !reused.contains(e.entry_id()))
+            .cloned()
+            .collect();
+        stream::ack(&mut conn, &self.keys, shard, &ours).await?;
+        Ok(())
     }
 
     /// Buries an order that will not be written: Postgres first (under the sale's row
@@ -207,7 +253,12 @@ impl Worker {
                 newly,
                 holder,
                 returns_unit,
+                duplicate,
             } => {
+                let (why, reason) = match duplicate {
+                    true => (&Rejection::IdTaken, Rejection::IdTaken.reason()),
+                    false => (why, reason),
+                };
                 if newly {
                     tracing::warn!(entry_id = entry.entry_id(), order_id = order.id, %reason, "dead-lettering order");
                     let dead = entry.clone().into_dead_letter(DeadReason::Refused(reason));

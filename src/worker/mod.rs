@@ -199,23 +199,21 @@ impl Worker {
         crate::metrics::handle();
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         let mut state = LoopState::new(self.round(), &self.config);
-        let mut failing = false;
+        // While failing: whether because of the schema (logged again when that changes).
+        let mut failing: Option<bool> = None;
         while !cancel.is_cancelled() {
             match self.step(&mut state).await {
                 Ok(()) => {
-                    if failing {
+                    if failing.take().is_some() {
                         tracing::info!("worker recovered");
-                        failing = false;
                     }
                     backoff.reset();
                 }
                 Err(e) => {
-                    if !failing {
-                        tracing::warn!(
-                            error = format!("{e:#}"),
-                            "worker failing, retrying with backoff"
-                        );
-                        failing = true;
+                    let schema = is_schema_mismatch(&e);
+                    if failing != Some(schema) {
+                        log_failure(&e, schema);
+                        failing = Some(schema);
                     }
                     self.count_failure(&e, &mut state);
                     // The held batch stays ours through the pause: keep it fresh so live
@@ -295,9 +293,32 @@ impl Worker {
         };
         metrics::counter!(crate::metrics::DEPENDENCY_ERRORS, "dependency" => dependency, "in" => "worker")
             .increment(1);
+        if is_schema_mismatch(e) {
+            metrics::counter!(crate::metrics::WORKER_SCHEMA_ERRORS).increment(1);
+        }
         if redis_error.is_some_and(|r| r.code() == Some("NOGROUP")) {
             st.groups_ready = false;
         }
+    }
+}
+
+fn is_schema_mismatch(e: &anyhow::Error) -> bool {
+    e.downcast_ref::<sqlx::Error>()
+        .is_some_and(crate::store::is_schema_mismatch)
+}
+
+fn log_failure(e: &anyhow::Error, schema: bool) {
+    let error = format!("{e:#}");
+    if schema {
+        // Burying would break every 202 this worker holds; waiting breaks none.
+        tracing::error!(
+            error,
+            "the database schema is newer or older than this worker expects: its batch \
+             stays pending and is retried with backoff, nothing is dead-lettered; run the \
+             worker of the release that matches the schema"
+        );
+    } else {
+        tracing::warn!(error, "worker failing, retrying with backoff");
     }
 }
 

@@ -26,3 +26,4 @@ mod rollback;
 mod sentinel;
 mod tls;
 mod worker;
+mod worker_faults;

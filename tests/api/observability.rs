@@ -354,7 +354,9 @@ async fn every_metric_the_dashboard_queries_is_on_a_live_metrics_page_with_its_h
         "seckill_dead_lettered_total{kind=\"poison\"} 0",
         "seckill_dead_lettered_total{kind=\"rejected\"} 0",
         "seckill_dead_lettered_total{kind=\"no_stock\"} 0",
+        "seckill_dead_lettered_total{kind=\"duplicate_id\"} 0",
         "seckill_worker_batch_errors_total 0",
+        "seckill_worker_schema_errors_total 0",
         "seckill_dependency_errors_total{dependency=\"postgres\",in=\"worker\"} 0",
     ] {
         assert!(

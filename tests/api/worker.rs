@@ -8,9 +8,12 @@ use seckill::store::orders::{self, NewOrder};
 use seckill::stream::{Entry, ReadFrom};
 use sqlx::PgPool;
 
-/// A live check that finds every entry still pending (the worker asks Redis).
 /// Admits `n` users and returns their order ids.
-async fn admit(app: &TestApp, voucher: i64, users: std::ops::RangeInclusive<i64>) -> HashSet<i64> {
+pub(crate) async fn admit(
+    app: &TestApp,
+    voucher: i64,
+    users: std::ops::RangeInclusive<i64>,
+) -> HashSet<i64> {
     let mut ids = HashSet::new();
     for user in users {
         let (status, body) = app.grab(voucher, user).await;
@@ -343,7 +346,7 @@ async fn a_dead_lettered_order_releases_its_buyer_who_may_try_again(db: PgPool) 
 
 /// A worker named `consumer` that has read (and holds, unacknowledged) the new entries
 /// of the voucher's shard.
-async fn read_new(
+pub(crate) async fn read_new(
     app: &TestApp,
     voucher: i64,
     consumer: &str,
@@ -359,7 +362,11 @@ async fn read_new(
 }
 
 /// Reads the sale's live stock and a user's buyer record straight from Redis.
-async fn redis_sale(app: &TestApp, voucher: i64, user: i64) -> (Option<i64>, Option<String>) {
+pub(crate) async fn redis_sale(
+    app: &TestApp,
+    voucher: i64,
+    user: i64,
+) -> (Option<i64>, Option<String>) {
     let key = app.keys.voucher(voucher);
     let stock: Option<i64> = app
         .redis_cmd(redis::cmd("HGET").arg(&key).arg("stock"))
