@@ -357,3 +357,58 @@ async fn grabs_coalesced_into_one_script_call_are_decided_in_order_each_as_if_al
     assert_eq!(app.live_stock(voucher).await, Some(0));
     assert_eq!(app.live_stock(other).await, Some(4));
 }
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_corrupt_sale_in_a_coalesced_call_reserves_nothing_for_itself_and_spoils_no_other(
+    db: PgPool,
+) {
+    use seckill::admission::{admit_many, Grab, Outcome};
+    let app = TestApp::spawn(db).await;
+    let sound = app.open_sale(5).await;
+    let corrupt = app.open_sale(5).await;
+    let _: () = app
+        .redis_cmd(
+            redis::cmd("HSET")
+                .arg(app.keys.voucher(corrupt))
+                .arg("stock")
+                .arg("five"),
+        )
+        .await;
+    let grab = |voucher_id, user_id, order_id| Grab {
+        voucher_id,
+        user_id,
+        order_id,
+    };
+    // The sound sale's grab comes first: its XADD must not be followed by a failure
+    // that tells its caller nothing was reserved.
+    let outcomes = admit_many(
+        &mut app.redis.clone(),
+        &app.keys,
+        app.keys.shard_of(sound),
+        &[grab(sound, 1, 2001), grab(corrupt, 2, 2002)],
+        seckill::scripts::Replicas::NONE,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        outcomes,
+        [Outcome::Admitted { order_id: 2001 }, Outcome::Corrupt]
+    );
+    assert_eq!(app.drain().await.inserted, 1, "the sound sale's order only");
+
+    // Through the API: refused (nothing reserved), the sale repaired from Postgres,
+    // then sold as usual.
+    let (status, body) = app.grab(corrupt, 3).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let (status, body) = app.grab(corrupt, 3).await;
+        if status == StatusCode::ACCEPTED {
+            break;
+        }
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        assert!(std::time::Instant::now() < deadline, "never repaired");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(app.live_stock(corrupt).await, Some(4));
+}

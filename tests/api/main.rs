@@ -20,6 +20,7 @@ mod lifecycle;
 mod live;
 mod observability;
 mod operations;
+mod order_ids;
 mod reconcile;
 mod recovery;
 mod rollback;

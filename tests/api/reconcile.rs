@@ -180,3 +180,55 @@ async fn reconcile_into_a_closed_pipe_exits_quietly_instead_of_panicking(db: PgP
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert_eq!(out.status.code(), Some(0), "{stderr}");
 }
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_sale_with_three_hundred_thousand_buyers_is_repaired_in_chunks(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let buyers: i64 = 300_000;
+    let voucher = app.open_sale(buyers + 5).await;
+    // The orders of a huge sale, written straight into Postgres.
+    sqlx::query(
+        "INSERT INTO voucher_orders (id, user_id, voucher_id, status, created_at, pay_before) \
+         SELECT 1000000 + g, g, $1, 'created', now(), now() + interval '1 hour' \
+         FROM generate_series(1, $2) g",
+    )
+    .bind(voucher)
+    .bind(buyers)
+    .execute(&app.db)
+    .await
+    .unwrap();
+    sqlx::query("UPDATE seckill_vouchers SET stock = stock - $2 WHERE voucher_id = $1")
+        .bind(voucher)
+        .bind(buyers as i32)
+        .execute(&app.db)
+        .await
+        .unwrap();
+    let _: () = app
+        .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(voucher)))
+        .await;
+
+    let started = std::time::Instant::now();
+    let (code, out) = seckill(
+        &app,
+        &["reconcile", "--voucher", &voucher.to_string(), "--repair"],
+    );
+    println!(
+        "repair of {buyers} buyers: {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(app.live_stock(voucher).await, Some(5));
+    let fields: i64 = app
+        .redis_cmd(redis::cmd("HLEN").arg(app.keys.voucher(voucher)))
+        .await;
+    assert_eq!(
+        fields,
+        buyers + 4,
+        "every buyer, and stock, begin, end, term"
+    );
+    assert_eq!(
+        app.grab(voucher, 123_456).await.1["error"]["order_id"],
+        (1_000_000 + 123_456).to_string()
+    );
+    assert_eq!(app.grab(voucher, buyers + 1).await.0, StatusCode::ACCEPTED);
+}

@@ -377,13 +377,16 @@ fn sentinel_process(
         ),
     };
     let conf = own.join("sentinel.conf");
+    // A long failover-timeout: a sentinel "fixes" a replica replicating from another
+    // address than the master's (ours goes through the cuttable proxy) once that long
+    // has passed, which would route it around the proxy and leave it in a resync.
     std::fs::write(
         &conf,
         format!(
             "bind 127.0.0.1\n{listen}dir {dir}\n\
              sentinel monitor {MASTER} 127.0.0.1 {primary} 2\n\
              sentinel down-after-milliseconds {MASTER} 1000\n\
-             sentinel failover-timeout {MASTER} 3000\n\
+             sentinel failover-timeout {MASTER} 60000\n\
              sentinel parallel-syncs {MASTER} 1\n",
             dir = own.display()
         ),
