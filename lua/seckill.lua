@@ -10,9 +10,12 @@
 -- The layout (buyer prefix, entry fields) is the one src/keys.rs defines; a unit test
 -- there keeps this file in step.
 
--- Raised by hand when a function changes what it takes or returns: a process loads the
--- library only over an older version (see src/scripts.rs).
+-- Raised with every change of this library (a unit test in src/scripts.rs holds it to
+-- the code): a process replaces a loaded library only if it is older, or of the same
+-- version with other code, so two releases never take turns replacing each other.
 local VERSION = 1
+-- A hash of this code, filled in when it is loaded.
+local CODE = '__CODE__'
 
 -- The term: a token drawn at the first call of this server's life (after a start, a
 -- promotion from replica, a (re)load of this library) or when a process saw the server's
@@ -193,7 +196,7 @@ local function claim_lease(keys, argv)
 end
 
 local function version()
-  return VERSION
+  return {VERSION, CODE}
 end
 
 redis.register_function('seckill_admit', admit)

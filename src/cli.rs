@@ -95,6 +95,10 @@ async fn reconcile(args: crate::config::ReconcileArgs) -> anyhow::Result<ExitCod
     let keys = keys(&args.redis)?;
     let db = store::connect(&args.database.database_url, 4).await?;
     let mut conn = redis(&args.redis, Duration::from_secs(30)).await?;
+    for shard in keys.shards() {
+        let route = keys.stream(shard).as_bytes().to_vec();
+        crate::scripts::install_library(&mut conn, Some(&route)).await?;
+    }
     let retention = Duration::from_secs(args.sale_state_retention_secs);
     let balanced = crate::reconcile::run(
         &db,

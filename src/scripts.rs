@@ -12,14 +12,29 @@ use std::time::Duration;
 use redis::aio::ConnectionLike;
 use redis::{Cmd, FromRedisValue, RedisError, RedisResult, Script, ToRedisArgs, Value};
 
-/// The library's code, as loaded with `FUNCTION LOAD`.
-pub(crate) static LIBRARY: LazyLock<String> = LazyLock::new(|| {
+/// The library's source: `lua/seckill.lua` with `lua/load_voucher.lua` appended.
+fn library_source() -> String {
     format!(
         "{}\n{}",
         include_str!("../lua/seckill.lua"),
         include_str!("../lua/load_voucher.lua")
     )
+}
+
+/// A stable hash of the library's source (FNV-1a, 64 bits, hex): the same code gives the
+/// same hash whatever built the binary.
+pub(crate) static LIBRARY_CODE: LazyLock<String> = LazyLock::new(|| {
+    let hash = library_source()
+        .bytes()
+        .fold(0xcbf29ce484222325u64, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x100000001b3)
+        });
+    format!("{hash:016x}")
 });
+
+/// The library's code, as loaded with `FUNCTION LOAD` (its hash filled in).
+pub(crate) static LIBRARY: LazyLock<String> =
+    LazyLock::new(|| library_source().replacen("__CODE__", &LIBRARY_CODE, 1));
 
 /// The library version this binary carries (`local VERSION = N` in `lua/seckill.lua`).
 pub(crate) static LIBRARY_VERSION: LazyLock<i64> = LazyLock::new(|| {
@@ -188,6 +203,15 @@ impl Call {
     }
 }
 
+/// What `seckill_version` answered: the version and the code's hash (an earlier library
+/// gave the version alone).
+fn loaded_version(value: Value) -> (i64, String) {
+    match redis::from_redis_value::<(i64, String)>(value.clone()) {
+        Ok(both) => both,
+        Err(_) => (redis::from_redis_value(value).unwrap_or(0), String::new()),
+    }
+}
+
 /// `WAIT n timeout`: how many replicas hold every write this connection made so far.
 fn wait_cmd(replicas: Replicas) -> Cmd {
     let mut cmd = redis::cmd("WAIT");
@@ -210,18 +234,23 @@ pub(crate) async fn install_library<C: ConnectionLike + Send>(
         Some(key) => version.arg(1).arg(key),
         None => version.arg(0),
     };
-    let loaded: RedisResult<i64> = version.query_async(conn).await;
+    let loaded = match version.query_async::<Value>(conn).await {
+        Ok(value) => Ok(loaded_version(value)),
+        Err(e) => Err(e),
+    };
     let replace = match loaded {
-        Ok(v) if v >= *LIBRARY_VERSION => return Ok(()),
-        Ok(v) => {
+        Ok((v, _)) if v > *LIBRARY_VERSION => return Ok(()),
+        Ok((v, code)) if v == *LIBRARY_VERSION && code == *LIBRARY_CODE => return Ok(()),
+        Ok((v, _)) => {
             tracing::warn!(
                 loaded = v,
                 ours = *LIBRARY_VERSION,
-                "replacing an older seckill function library in redis"
+                "replacing the seckill function library in redis (older, or other code)"
             );
             true
         }
-        Err(_) => false,
+        Err(e) if e.to_string().contains("Function not found") => false,
+        Err(e) => return Err(e),
     };
     let mut load = redis::cmd("FUNCTION");
     load.arg("LOAD");
@@ -238,6 +267,20 @@ pub(crate) async fn install_library<C: ConnectionLike + Send>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every change of the library's code comes with a new VERSION: a server runs one
+    /// library, and two releases with one version and different code would replace each
+    /// other in turns (each time drawing a new term: every sale rebuilt).
+    #[test]
+    fn the_library_code_is_pinned_to_its_version() {
+        let pinned = (1, "202287e2c061b381");
+        assert_eq!(
+            (*LIBRARY_VERSION, LIBRARY_CODE.as_str()),
+            pinned,
+            "lua/seckill.lua or lua/load_voucher.lua changed: raise VERSION in \
+             lua/seckill.lua and pin the new version and hash here"
+        );
+    }
 
     #[test]
     fn the_library_declares_its_version_and_name() {

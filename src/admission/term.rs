@@ -182,6 +182,10 @@ async fn pass(w: &Watch, seen: &mut HashMap<Shard, Seen>) -> anyhow::Result<()> 
     for (asked, shards) in servers(w) {
         let key = w.keys.stream(asked).to_string();
         let was = seen.get(&asked).cloned().unwrap_or_default();
+        if was.term.is_none() {
+            // Once per process and server: the library this binary carries, or newer.
+            crate::scripts::install_library(&mut conn, Some(&key.as_bytes().to_vec())).await?;
+        }
         let now = identity(&mut conn, &key).await;
         let term = of(&mut conn, &key).await?;
         // A restart or a promotion draws a term by itself; a term that outlived a change
