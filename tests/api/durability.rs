@@ -11,6 +11,7 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use crate::common::faults::{self, PrivateRedis, Proxy};
+use crate::common::sentinel::{PrivateSentinel, MASTER};
 use crate::common::{metric_value, metrics_at, open_sale_at, TestApp};
 use seckill::config::Settings;
 use seckill::scripts::Replicas;
@@ -128,33 +129,33 @@ impl std::fmt::Display for Failover {
     }
 }
 
-/// A primary and a replica whose link goes through a proxy, the service behind a
-/// stable endpoint (a proxy, as a managed Redis's DNS name). Mid-storm Postgres becomes
-/// unreachable for the worker (its backlog waits in the stream), the link is cut (the
-/// replica lags), the primary is killed, the replica promoted and the endpoint moved
-/// to it, Postgres comes back. Counts what the 202s given before and after became.
+/// A Sentinel deployment (three sentinels, a primary, a replica replicating through a
+/// cuttable proxy) and a real `seckill serve` finding Redis through the sentinels.
+/// Mid-storm Postgres becomes unreachable for the worker (its backlog waits in the
+/// stream), the replica's link is cut (it lags), the primary is killed -9 and the
+/// sentinels promote the lagging replica; a spare replica joins it (as the old primary
+/// would on rejoining), Postgres comes back. Counts what the 202s became.
 async fn failover_mid_storm(db: PgPool, wait_replicas: u32) -> Failover {
-    let primary = PrivateRedis::start();
-    let replica = PrivateRedis::start();
-    let link = Proxy::start(primary.addr()).await;
-    replicate(&replica, link.addr).await;
+    let mut redis = PrivateSentinel::start().await;
     let spare = PrivateRedis::start();
-    let endpoint = Proxy::start(primary.addr()).await;
-    let url = format!("redis://{}", endpoint.addr);
-    // The worker reaches Postgres through a proxy: cut, its backlog waits in Redis.
+    // The harness's own app (database, tokens, reconcile) on a Redis of its own.
+    let scratch = PrivateRedis::start();
     let postgres = Proxy::start(postgres_addr(&db)).await;
-    let env = [
+    let app = TestApp::spawn_on(db.clone(), scratch.url.clone(), Settings::default()).await;
+    let sentinels = [
+        ("REDIS_SENTINEL_URLS", redis.sentinel_urls()),
+        ("REDIS_SENTINEL_MASTER", MASTER.to_string()),
         ("REDIS_WAIT_REPLICAS", wait_replicas.to_string()),
-        (
-            "DATABASE_URL",
-            faults::database_url(&db, Some(postgres.addr)),
-        ),
     ];
-    let app = TestApp::spawn_on(db, url, waiting_for(wait_replicas)).await;
+    let mut env = sentinels.to_vec();
+    // The worker reaches Postgres through a proxy: cut, its backlog waits in Redis.
+    env.push((
+        "DATABASE_URL",
+        faults::database_url(&db, Some(postgres.addr)),
+    ));
     let (_server, base) = app.spawn_server("serve", &env).await;
     let units = 5000;
     let voucher = open_sale_at(&app.client, &base, units).await;
-
     let stop = CancellationToken::new();
     let storm = {
         let (app, base, stop) = (&app, base.clone(), stop.clone());
@@ -191,15 +192,14 @@ async fn failover_mid_storm(db: PgPool, wait_replicas: u32) -> Failover {
         tokio::time::sleep(Duration::from_millis(1000)).await;
         postgres.cut();
         tokio::time::sleep(Duration::from_millis(500)).await;
-        link.cut();
+        redis.cut_replica_link();
         tokio::time::sleep(Duration::from_millis(700)).await;
-        drop(primary);
-        replica.run_command::<()>(redis::cmd("REPLICAOF").arg("NO").arg("ONE"));
-        endpoint.retarget(replica.addr());
+        redis.kill_primary();
+        redis.wait_replica_promoted().await;
         let promoted = Instant::now();
-        // The promoted replica gets a replica of its own (as the old primary would
-        // rejoin): without one, no grab can be acknowledged any more.
-        replicate(&spare, replica.addr()).await;
+        // The promoted replica gets a replica of its own: without one, no grab can be
+        // acknowledged any more.
+        replicate(&spare, ([127, 0, 0, 1], redis.replica_port).into()).await;
         postgres.heal();
         // Until a grab is admitted on the promoted replica again.
         loop {
@@ -259,7 +259,7 @@ async fn failover_mid_storm(db: PgPool, wait_replicas: u32) -> Failover {
     // Healed by itself: nobody runs --repair.
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let (code, out) = app.cli_async(&["reconcile"]).await;
+        let (code, out) = app.cli_async(&["reconcile"], &sentinels).await;
         if code == 0 {
             break;
         }

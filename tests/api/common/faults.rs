@@ -15,7 +15,6 @@ use tokio::task::AbortHandle;
 pub struct Proxy {
     pub addr: SocketAddr,
     up: Arc<AtomicBool>,
-    target: Arc<Mutex<SocketAddr>>,
     conns: Arc<Mutex<Vec<AbortHandle>>>,
     accept: AbortHandle,
 }
@@ -25,9 +24,8 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let up = Arc::new(AtomicBool::new(true));
-        let target = Arc::new(Mutex::new(target));
         let conns: Arc<Mutex<Vec<AbortHandle>>> = Arc::default();
-        let (up2, conns2, target2) = (up.clone(), conns.clone(), target.clone());
+        let (up2, conns2) = (up.clone(), conns.clone());
         let accept = tokio::spawn(async move {
             loop {
                 let Ok((mut inbound, _)) = listener.accept().await else {
@@ -37,7 +35,6 @@ impl Proxy {
                     drop(inbound);
                     continue;
                 }
-                let target = *target2.lock().unwrap();
                 let task = tokio::spawn(async move {
                     if let Ok(mut outbound) = TcpStream::connect(target).await {
                         let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
@@ -50,18 +47,8 @@ impl Proxy {
         Self {
             addr,
             up,
-            target,
             conns,
             accept,
-        }
-    }
-
-    /// From now on, connects to `target` instead (a managed service's endpoint moving
-    /// to a promoted replica); connections open now are dropped.
-    pub fn retarget(&self, target: SocketAddr) {
-        *self.target.lock().unwrap() = target;
-        for c in self.conns.lock().unwrap().drain(..) {
-            c.abort();
         }
     }
 

@@ -392,13 +392,14 @@ impl TestApp {
         Self::cli_output(args, out)
     }
 
-    /// [`TestApp::cli`] without blocking the test's runtime (whose tasks, a proxy say,
-    /// the command may need).
-    pub async fn cli_async(&self, args: &[&str]) -> (i32, String) {
-        let out = tokio::process::Command::from(self.cli_command(args))
-            .output()
-            .await
-            .unwrap();
+    /// [`TestApp::cli`] with more environment (Sentinel, say), without blocking the
+    /// test's runtime (whose tasks, a proxy say, the command may need).
+    pub async fn cli_async(&self, args: &[&str], env: &[(&str, String)]) -> (i32, String) {
+        let mut cmd = self.cli_command(args);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let out = tokio::process::Command::from(cmd).output().await.unwrap();
         Self::cli_output(args, out)
     }
 
