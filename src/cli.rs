@@ -59,9 +59,11 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
             };
             let sweeper = sweeper(&db, &args.redis, keys.clone(), &args.worker, cancel.clone());
             let sweeper = sweeper.await?;
+            let watched = redis(&args.redis, redis_conn::COMMAND_TIMEOUT).await?;
+            crate::admission::term::refuse_eviction(&mut watched.clone(), &keys).await?;
             let watch = crate::admission::term::Watch {
                 db: db.clone(),
-                redis: redis(&args.redis, redis_conn::COMMAND_TIMEOUT).await?,
+                redis: watched,
                 keys: keys.clone(),
                 retention: Duration::from_secs(args.sale_state_retention_secs),
                 replicas: crate::scripts::Replicas::from_args(&args.redis.durability),

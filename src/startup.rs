@@ -57,6 +57,7 @@ impl Application {
             store::migrate(&db, Duration::from_secs(60)).await?;
         }
         let redis = redis(&api.redis, redis_conn::COMMAND_TIMEOUT).await?;
+        term::refuse_eviction(&mut redis.clone(), &keys).await?;
         let settings = Settings {
             sale_state_retention: Duration::from_secs(api.sale_state_retention_secs),
             limits: api.limits.clone(),
@@ -260,6 +261,7 @@ pub(crate) async fn build_workers(
             block,
             claim_idle: Duration::from_millis(opts.worker_claim_idle_ms),
             max_deliveries: opts.worker_max_deliveries,
+            replicas: Replicas::from_args(&redis.durability),
             ..WorkerConfig::default()
         };
         workers.push(Worker::new(db.clone(), conn, keys.clone(), config));

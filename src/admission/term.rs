@@ -62,6 +62,66 @@ async fn ask<C: ConnectionLike + Send>(
     })
 }
 
+/// Refuses a Redis that may evict keys (`maxmemory-policy` other than `noeviction`):
+/// every key of ours is state a promise rests on (a sale's stock and buyers, a lease),
+/// and the `volatile-*` policies evict exactly ours, which expire. A server whose
+/// policy cannot be read (CONFIG disabled, as on some managed services) is allowed
+/// with a warning; one that does not answer is checked at the next start.
+pub(crate) async fn refuse_eviction(conn: &mut RedisConn, keys: &Keys) -> anyhow::Result<()> {
+    let servers: Vec<Shard> = match conn {
+        RedisConn::Cluster(_) => keys.shards().collect(),
+        _ => vec![Shard(0)],
+    };
+    for shard in servers {
+        let mut get = redis::cmd("CONFIG");
+        get.arg("GET").arg("maxmemory-policy");
+        let reply = on_node_of(conn, keys.stream(shard), get).await;
+        let policy = match reply.and_then(|v| Ok(redis::from_redis_value::<Vec<String>>(v)?)) {
+            Ok(pair) => pair.get(1).cloned().unwrap_or_default(),
+            Err(e) if e.is_io_error() || e.is_connection_refusal() => {
+                tracing::warn!(error = %e, "redis not reachable: maxmemory-policy not checked");
+                return Ok(());
+            }
+            Err(e) => {
+                tracing::warn!(
+                    error = %e,
+                    "cannot read redis's maxmemory-policy: make sure it is noeviction \
+                     (an evicted sale or lease breaks the service's promises)"
+                );
+                continue;
+            }
+        };
+        anyhow::ensure!(
+            policy == "noeviction",
+            "redis's maxmemory-policy is {policy}: it may evict a sale's stock and buyers or \
+             an order-id lease, and a 202 would no longer be a promise; set \
+             maxmemory-policy noeviction (a full Redis then refuses writes, and grabs get 503)"
+        );
+    }
+    Ok(())
+}
+
+/// Runs `cmd` on the server holding `route_key` (a cluster routes a command without a
+/// key anywhere).
+async fn on_node_of(
+    conn: &mut RedisConn,
+    route_key: &str,
+    cmd: redis::Cmd,
+) -> RedisResult<redis::Value> {
+    match conn {
+        RedisConn::Cluster(c) => {
+            use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+            let route = Route::new(crate::keys::slot(route_key), SlotAddr::Master);
+            c.route_command(
+                cmd,
+                RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
+            )
+            .await
+        }
+        other => cmd.query_async(other).await,
+    }
+}
+
 /// A server's run id and replication id: a restart changes the first, a promotion the
 /// second.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -75,16 +135,8 @@ struct Identity {
 async fn identity(conn: &mut RedisConn, route_key: &str) -> Option<Identity> {
     let mut info = redis::cmd("INFO");
     info.arg("server").arg("replication");
-    let text: String = match conn {
-        RedisConn::Cluster(c) => {
-            use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
-            let route = Route::new(crate::keys::slot(route_key), SlotAddr::Master);
-            let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
-            let value = c.route_command(info, routing).await.ok()?;
-            redis::from_redis_value(value).ok()?
-        }
-        other => info.query_async(other).await.ok()?,
-    };
+    let value = on_node_of(conn, route_key, info).await.ok()?;
+    let text: String = redis::from_redis_value(value).ok()?;
     let field = |name: &str| {
         text.lines()
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))

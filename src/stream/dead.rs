@@ -5,6 +5,7 @@ use redis::aio::ConnectionLike;
 use redis::RedisResult;
 
 use crate::keys::{Keys, Shard};
+use crate::scripts::{Call, Replicas};
 
 use super::entry::Entry;
 use super::group::GROUP;
@@ -59,8 +60,9 @@ pub(crate) async fn settle_dead<C: ConnectionLike + Send>(
     order_id: i64,
     holder: Option<i64>,
     return_unit: bool,
+    replicas: Replicas,
 ) -> RedisResult<bool> {
-    let settled: i64 = SETTLE_DEAD
+    let settled: i64 = Call::script(&SETTLE_DEAD)
         .key(keys.voucher(voucher_id))
         .key(keys.stream(keys.shard_of(voucher_id)))
         .arg(GROUP)
@@ -69,7 +71,7 @@ pub(crate) async fn settle_dead<C: ConnectionLike + Send>(
         .arg(order_id)
         .arg(holder.map(|h| h.to_string()).unwrap_or_default())
         .arg(if return_unit { "1" } else { "0" })
-        .invoke_async(conn)
+        .invoke_waiting(conn, replicas)
         .await?;
     Ok(settled == 1)
 }

@@ -275,6 +275,7 @@ impl Worker {
                     order.id,
                     holder,
                     returns_unit,
+                    self.config.replicas,
                 )
                 .await?;
                 Ok(true)

@@ -41,6 +41,8 @@ pub struct WorkerConfig {
     pub max_deliveries: u64,
     /// How often acknowledged entries are trimmed from the stream.
     pub trim_every: Duration,
+    /// Replicas that must hold a buried order's settlement before it counts.
+    pub replicas: crate::scripts::Replicas,
 }
 
 impl WorkerConfig {
@@ -66,6 +68,7 @@ impl Default for WorkerConfig {
             claim_idle: Duration::from_millis(defaults::WORKER_CLAIM_IDLE_MS),
             max_deliveries: defaults::WORKER_MAX_DELIVERIES,
             trim_every: Duration::from_secs(1),
+            replicas: crate::scripts::Replicas::NONE,
         }
     }
 }

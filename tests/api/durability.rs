@@ -295,3 +295,28 @@ async fn a_failover_to_a_lagging_replica_without_acknowledgements_loses_202s_but
     assert!(f.lost > 0, "the scenario lost nothing: {f:?}");
     assert_eq!(f.oversold, 0);
 }
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_redis_that_may_evict_keys_is_refused_at_start_naming_the_setting(db: PgPool) {
+    let redis = PrivateRedis::start();
+    redis.run_command::<()>(
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxmemory-policy")
+            .arg("volatile-lru"),
+    );
+    let env = [
+        ("DATABASE_URL", faults::database_url(&db, None)),
+        ("REDIS_URL", redis.url.clone()),
+        ("BIND", format!("127.0.0.1:{}", faults::free_port())),
+    ];
+    for command in ["api", "worker"] {
+        let (code, stderr) = crate::tls::cli(&[command], &env).await;
+        assert_eq!(code, Some(2), "{command}: {stderr}");
+        assert!(
+            stderr.contains("maxmemory-policy is volatile-lru")
+                && stderr.contains("set maxmemory-policy noeviction"),
+            "{command}: {stderr}"
+        );
+    }
+}

@@ -457,6 +457,7 @@ impl TestApp {
                 claim_idle: Duration::from_millis(200),
                 max_deliveries: 3,
                 trim_every: Duration::from_millis(100),
+                replicas: seckill::scripts::Replicas::NONE,
             },
         )
     }
