@@ -104,9 +104,9 @@ async fn a_grab_is_answered_202_only_once_a_replica_holds_it_and_unknown_when_no
     assert_eq!(app.pg_status(&order).await.as_deref(), Some("created"));
 }
 
-/// What a failover mid-storm cost.
+/// What a fault mid-storm cost.
 #[derive(Debug)]
-struct Failover {
+struct Loss {
     admitted: usize,
     units: i64,
     lost: usize,
@@ -114,12 +114,12 @@ struct Failover {
     healed_in: Duration,
 }
 
-impl std::fmt::Display for Failover {
+impl std::fmt::Display for Loss {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "202s {}, units {}, 202s lost {}, oversold {}, first admission after the \
-             promotion {:.1} s",
+            "202s {}, units {}, 202s lost {}, oversold {}, first admission {:.1} s after \
+             Redis was back",
             self.admitted,
             self.units,
             self.lost,
@@ -135,59 +135,19 @@ impl std::fmt::Display for Failover {
 /// stream), the replica's link is cut (it lags), the primary is killed -9 and the
 /// sentinels promote the lagging replica; a spare replica joins it (as the old primary
 /// would on rejoining), Postgres comes back. Counts what the 202s became.
-async fn failover_mid_storm(db: PgPool, wait_replicas: u32) -> Failover {
+async fn failover_mid_storm(db: PgPool, wait_replicas: u32) -> Loss {
     let mut redis = PrivateSentinel::start().await;
     let spare = PrivateRedis::start();
     // The harness's own app (database, tokens, reconcile) on a Redis of its own.
     let scratch = PrivateRedis::start();
     let postgres = Proxy::start(postgres_addr(&db)).await;
     let app = TestApp::spawn_on(db.clone(), scratch.url.clone(), Settings::default()).await;
-    let sentinels = [
+    let sentinels = vec![
         ("REDIS_SENTINEL_URLS", redis.sentinel_urls()),
         ("REDIS_SENTINEL_MASTER", MASTER.to_string()),
         ("REDIS_WAIT_REPLICAS", wait_replicas.to_string()),
     ];
-    let mut env = sentinels.to_vec();
-    // The worker reaches Postgres through a proxy: cut, its backlog waits in Redis.
-    env.push((
-        "DATABASE_URL",
-        faults::database_url(&db, Some(postgres.addr)),
-    ));
-    let (_server, base) = app.spawn_server("serve", &env).await;
-    let units = 5000;
-    let voucher = open_sale_at(&app.client, &base, units).await;
-    let stop = CancellationToken::new();
-    let storm = {
-        let (app, base, stop) = (&app, base.clone(), stop.clone());
-        async move {
-            let mut answers: HashMap<i64, (StatusCode, Value)> = HashMap::new();
-            let mut next = 1;
-            while !stop.is_cancelled() {
-                let batch: Vec<i64> = (next..next + 16).collect();
-                next += 16;
-                let got: Vec<_> = futures::stream::iter(batch)
-                    .map(|user| {
-                        let req = app
-                            .client
-                            .post(format!("{base}/vouchers/{voucher}/seckill"))
-                            .bearer_auth(app.token(user))
-                            .timeout(Duration::from_secs(10));
-                        async move {
-                            let resp = req.send().await.ok()?;
-                            let status = resp.status();
-                            Some((user, (status, resp.json::<Value>().await.ok()?)))
-                        }
-                    })
-                    .buffer_unordered(16)
-                    .filter_map(|a| async move { a })
-                    .collect()
-                    .await;
-                answers.extend(got);
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            answers
-        }
-    };
+    let sale = Sale::open(&app, &postgres, sentinels).await;
     let fault = async {
         tokio::time::sleep(Duration::from_millis(1000)).await;
         postgres.cut();
@@ -201,77 +161,154 @@ async fn failover_mid_storm(db: PgPool, wait_replicas: u32) -> Failover {
         // acknowledged any more.
         replicate(&spare, ([127, 0, 0, 1], redis.replica_port).into()).await;
         postgres.heal();
-        // Until a grab is admitted on the promoted replica again.
+        promoted
+    };
+    sale.through(fault).await
+}
+
+/// A real `seckill serve` whose worker reaches Postgres through `postgres` (cut, its
+/// backlog waits in Redis), and a sale on it with more units than the storm takes.
+struct Sale<'a> {
+    app: &'a TestApp,
+    redis_env: Vec<(&'static str, String)>,
+    _server: faults::Process,
+    base: String,
+    voucher: i64,
+    units: i64,
+}
+
+impl<'a> Sale<'a> {
+    async fn open(
+        app: &'a TestApp,
+        postgres: &Proxy,
+        redis_env: Vec<(&'static str, String)>,
+    ) -> Sale<'a> {
+        let mut env = redis_env.clone();
+        env.push((
+            "DATABASE_URL",
+            faults::database_url(&app.db, Some(postgres.addr)),
+        ));
+        let (server, base) = app.spawn_server("serve", &env).await;
+        let units = 5000;
+        let voucher = open_sale_at(&app.client, &base, units).await;
+        Sale {
+            app,
+            redis_env,
+            _server: server,
+            base,
+            voucher,
+            units,
+        }
+    }
+
+    /// Storms the sale while `fault` runs (it answers when Redis is back), until a grab
+    /// is admitted again and a moment longer; then counts what the 202s became, checks
+    /// no unit was sold twice, and that the books balance without anyone's repair.
+    async fn through(self, fault: impl std::future::Future<Output = Instant>) -> Loss {
+        let stop = CancellationToken::new();
+        let fault = async {
+            let back = fault.await;
+            loop {
+                let (status, body) = self.app.grab(self.voucher, 1_000_000).await;
+                let code = &body["error"]["code"];
+                if status == StatusCode::ACCEPTED || code == "already_ordered" {
+                    break;
+                }
+                assert!(back.elapsed() < Duration::from_secs(60), "{body}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let healed_in = back.elapsed();
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            stop.cancel();
+            healed_in
+        };
+        let (mut answers, healed_in) = tokio::join!(self.storm(&stop), fault);
+        answers.insert(1_000_000, self.app.grab(self.voucher, 1_000_000).await);
+        self.tally(answers, healed_in).await
+    }
+
+    /// Distinct shoppers, 16 at a time, until `stop`.
+    async fn storm(&self, stop: &CancellationToken) -> HashMap<i64, (StatusCode, Value)> {
+        let mut answers = HashMap::new();
+        let mut next = 1;
+        while !stop.is_cancelled() {
+            let got: Vec<_> = futures::stream::iter(next..next + 16)
+                .map(|user| {
+                    let req = self
+                        .app
+                        .client
+                        .post(format!("{}/vouchers/{}/seckill", self.base, self.voucher))
+                        .bearer_auth(self.app.token(user))
+                        .timeout(Duration::from_secs(10));
+                    async move {
+                        let resp = req.send().await.ok()?;
+                        let status = resp.status();
+                        Some((user, (status, resp.json::<Value>().await.ok()?)))
+                    }
+                })
+                .buffer_unordered(16)
+                .filter_map(|a| async move { a })
+                .collect()
+                .await;
+            next += 16;
+            answers.extend(got);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        answers
+    }
+
+    async fn tally(&self, answers: HashMap<i64, (StatusCode, Value)>, healed_in: Duration) -> Loss {
+        let (app, voucher, units) = (self.app, self.voucher, self.units);
+        let given: HashSet<i64> = answers
+            .values()
+            .filter(|(status, _)| *status == StatusCode::ACCEPTED)
+            .map(|(_, body)| body["order_id"].as_str().unwrap().parse().unwrap())
+            .collect();
+        for (status, body) in answers.values() {
+            assert!(
+                !status.is_server_error() || body["error"]["code"] == "unavailable",
+                "{status} {body}"
+            );
+        }
+        // Whatever the workers can write, written.
+        let settle = Instant::now() + Duration::from_secs(30);
+        let stored: HashSet<i64> = loop {
+            let stored: HashSet<i64> = app
+                .pg_orders(voucher)
+                .await
+                .into_iter()
+                .map(|(id, _)| id)
+                .collect();
+            if given.is_subset(&stored) || Instant::now() > settle {
+                break stored;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        app.assert_consistent(voucher, units).await;
+        assert!(given.len() as i64 <= units, "more 202s than units");
+        let metrics = metrics_at(&app.client, &self.base).await;
+        assert_eq!(
+            metric_value(&metrics, "seckill_dead_lettered_total{kind=\"no_stock\"}"),
+            Some(0.0),
+            "a 202 beyond the stock"
+        );
+        // Healed by itself: nobody runs --repair.
+        let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let (status, body) = app.grab(voucher, 1_000_000).await;
-            if status == StatusCode::ACCEPTED
-                || body["error"]["code"] == "already_ordered"
-                || body["error"]["code"] == "sold_out"
-            {
+            let (code, out) = app.cli_async(&["reconcile"], &self.redis_env).await;
+            if code == 0 {
                 break;
             }
-            assert!(promoted.elapsed() < Duration::from_secs(60), "{body}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            assert!(Instant::now() < deadline, "never balanced:\n{out}");
+            tokio::time::sleep(Duration::from_millis(300)).await;
         }
-        let healed_in = promoted.elapsed();
-        tokio::time::sleep(Duration::from_millis(1500)).await;
-        stop.cancel();
-        healed_in
-    };
-    let (mut answers, healed_in) = tokio::join!(storm, fault);
-    let probe = app.grab(voucher, 1_000_000).await;
-    answers.insert(1_000_000, probe);
-
-    let given: HashSet<i64> = answers
-        .values()
-        .filter(|(status, _)| *status == StatusCode::ACCEPTED)
-        .map(|(_, body)| body["order_id"].as_str().unwrap().parse().unwrap())
-        .collect();
-    for (status, body) in answers.values() {
-        assert!(
-            !status.is_server_error() || body["error"]["code"] == "unavailable",
-            "{status} {body}"
-        );
-    }
-    // Whatever the workers can write, written.
-    let settle = Instant::now() + Duration::from_secs(30);
-    let stored: HashSet<i64> = loop {
-        let stored: HashSet<i64> = app
-            .pg_orders(voucher)
-            .await
-            .into_iter()
-            .map(|(id, _)| id)
-            .collect();
-        if given.is_subset(&stored) || Instant::now() > settle {
-            break stored;
+        Loss {
+            admitted: given.len(),
+            units,
+            lost: given.difference(&stored).count(),
+            oversold: (stored.len() as i64 - units).max(0),
+            healed_in,
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
-    app.assert_consistent(voucher, units).await;
-    assert!(given.len() as i64 <= units, "more 202s than units");
-    let lost = given.difference(&stored).count();
-    let metrics = metrics_at(&app.client, &base).await;
-    assert_eq!(
-        metric_value(&metrics, "seckill_dead_lettered_total{kind=\"no_stock\"}"),
-        Some(0.0),
-        "a 202 beyond the stock"
-    );
-    // Healed by itself: nobody runs --repair.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let (code, out) = app.cli_async(&["reconcile"], &sentinels).await;
-        if code == 0 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "never balanced:\n{out}");
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
-    Failover {
-        admitted: given.len(),
-        units,
-        lost,
-        oversold: (stored.len() as i64 - units).max(0),
-        healed_in,
     }
 }
 
@@ -319,4 +356,45 @@ async fn a_redis_that_may_evict_keys_is_refused_at_start_naming_the_setting(db: 
             "{command}: {stderr}"
         );
     }
+}
+
+/// Redis killed -9 mid-storm and started again from its append-only file, the worker cut
+/// from Postgres (its backlog only in Redis): a process crash, with the file synced as
+/// `appendfsync` says.
+async fn crash_mid_storm(db: PgPool, appendfsync: &str) -> Loss {
+    let mut redis = PrivateRedis::with_aof(appendfsync);
+    let postgres = Proxy::start(postgres_addr(&db)).await;
+    let app = TestApp::spawn_on(db, redis.url.clone(), Settings::default()).await;
+    let sale = Sale::open(&app, &postgres, vec![]).await;
+    let fault = async {
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        postgres.cut();
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        redis.crash_and_restart();
+        let back = Instant::now();
+        postgres.heal();
+        back
+    };
+    sale.through(fault).await
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_redis_process_crash_with_appendfsync_everysec_loses_no_202(db: PgPool) {
+    let loss = crash_mid_storm(db, "everysec").await;
+    println!("process crash, appendfsync everysec, REDIS_WAIT_REPLICAS=0: {loss}");
+    assert!(loss.admitted > 0);
+    assert_eq!(
+        loss.lost, 0,
+        "what Redis wrote is in the kernel's page cache"
+    );
+    assert_eq!(loss.oversold, 0);
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_redis_process_crash_with_appendfsync_always_loses_no_202(db: PgPool) {
+    let loss = crash_mid_storm(db, "always").await;
+    println!("process crash, appendfsync always, REDIS_WAIT_REPLICAS=0: {loss}");
+    assert!(loss.admitted > 0);
+    assert_eq!(loss.lost, 0);
+    assert_eq!(loss.oversold, 0);
 }

@@ -70,7 +70,7 @@ async fn a_lease_redis_forgot_is_not_minted_with_by_a_new_holder_until_the_old_o
         }
         last
     });
-    redis.restart_from_snapshot();
+    redis.crash_and_restart();
     // Every number but the old holder's is taken: a new process can only claim that one.
     let mut fill = redis::pipe();
     for n in (0..1024).filter(|&n| n != node) {

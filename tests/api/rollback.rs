@@ -124,7 +124,7 @@ async fn a_restart_from_an_older_snapshot_mid_sale_heals_itself_and_sells_exactl
 
     // The bad night: Redis killed and started again from the snapshot. Nobody runs
     // anything; shoppers keep pressing.
-    redis.restart_from_snapshot();
+    redis.crash_and_restart();
     let restarted = Instant::now();
     let again = press_through_503s(&app, &base, sale, 1..=450).await;
     let healed_in = restarted.elapsed();

@@ -80,13 +80,15 @@ pub fn free_port() -> u16 {
 }
 
 /// A Redis server of the test's own (so FLUSHALL hurts nobody else), without persistence
-/// unless asked for (`save`): it can be killed and started again on the same port from
-/// its last snapshot, as an operator's restart from an older copy would.
+/// unless asked for (`save`, or `with_aof`): it can be killed and started again on the
+/// same port, loading what it persisted, as after a crash or a restart from an older copy.
 pub struct PrivateRedis {
     child: Child,
     pub url: String,
     port: u16,
     dir: std::path::PathBuf,
+    /// How it persists (`--appendonly ...`), again on a restart.
+    persistence: Vec<String>,
 }
 
 impl PrivateRedis {
@@ -101,23 +103,36 @@ impl PrivateRedis {
     }
 
     pub fn start() -> Self {
+        Self::start_persisting(&["--appendonly", "no"])
+    }
+
+    /// A server with an append-only file synced as `appendfsync` says (`everysec`,
+    /// `always`).
+    pub fn with_aof(appendfsync: &str) -> Self {
+        Self::start_persisting(&["--appendonly", "yes", "--appendfsync", appendfsync])
+    }
+
+    fn start_persisting(persistence: &[&str]) -> Self {
         let port = free_port();
         let dir = std::env::temp_dir().join(format!("seckill-redis-{port}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let url = format!("redis://127.0.0.1:{port}");
-        let child = Self::run(port, &dir, &url);
+        let persistence: Vec<String> = persistence.iter().map(|s| s.to_string()).collect();
+        let child = Self::run(port, &dir, &url, &persistence);
         Self {
             child,
             url,
             port,
             dir,
+            persistence,
         }
     }
 
-    fn run(port: u16, dir: &std::path::Path, url: &str) -> Child {
+    fn run(port: u16, dir: &std::path::Path, url: &str, persistence: &[String]) -> Child {
         let mut child = Command::new("redis-server")
             .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--save", "", "--appendonly", "no"])
+            .args(["--save", ""])
+            .args(persistence)
             .arg("--dir")
             .arg(dir)
             .stdout(Stdio::null())
@@ -148,12 +163,13 @@ impl PrivateRedis {
         self.command::<()>(&redis::cmd("SAVE"));
     }
 
-    /// Kills the server (SIGKILL) and starts it again on the same port: it loads its
-    /// last snapshot, losing every write since.
-    pub fn restart_from_snapshot(&mut self) {
+    /// Kills the server (SIGKILL) and starts it again on the same port: it loads what it
+    /// persisted (its append-only file, else its last snapshot), losing every write
+    /// since.
+    pub fn crash_and_restart(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        self.child = Self::run(self.port, &self.dir, &self.url);
+        self.child = Self::run(self.port, &self.dir, &self.url, &self.persistence);
     }
 }
 
