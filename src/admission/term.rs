@@ -190,6 +190,17 @@ impl Watcher {
 
     /// One look at every server (a failure is logged once, and the next look retries).
     pub(crate) async fn look(&mut self) {
+        self.look_healing(false).await
+    }
+
+    /// A look that heals every server, new term or not (`everything`), or only those
+    /// in a new term.
+    async fn look_healing(&mut self, everything: bool) {
+        if everything {
+            for seen in self.seen.values_mut() {
+                seen.term = None;
+            }
+        }
         match pass(&self.w, &mut self.seen).await {
             Ok(()) if self.failing => {
                 tracing::info!("term watch recovered");
@@ -205,15 +216,17 @@ impl Watcher {
         }
     }
 
-    /// Looks every [`EVERY`] (or when woken) until `cancel`.
+    /// Looks every [`EVERY`] until `cancel`; when woken (a grab met a stale sale, a
+    /// lease found its key gone: Redis lost data without a new term, say a FLUSHALL),
+    /// heals every server at once.
     pub(crate) async fn run(mut self, cancel: CancellationToken) {
         while !cancel.is_cancelled() {
-            tokio::select! {
+            let woken = tokio::select! {
                 _ = cancel.cancelled() => break,
-                _ = tokio::time::sleep(EVERY) => {}
-                _ = self.w.wake.notified() => {}
-            }
-            self.look().await;
+                _ = tokio::time::sleep(EVERY) => false,
+                _ = self.w.wake.notified() => true,
+            };
+            self.look_healing(woken).await;
         }
     }
 }
