@@ -68,11 +68,7 @@ async fn ask<C: ConnectionLike + Send>(
 /// policy cannot be read (CONFIG disabled, as on some managed services) is allowed
 /// with a warning; one that does not answer is checked at the next start.
 pub(crate) async fn refuse_eviction(conn: &mut RedisConn, keys: &Keys) -> anyhow::Result<()> {
-    let servers: Vec<Shard> = match conn {
-        RedisConn::Cluster(_) => keys.shards().collect(),
-        _ => vec![Shard(0)],
-    };
-    for shard in servers {
+    for (shard, _) in servers(conn, keys) {
         let mut get = redis::cmd("CONFIG");
         get.arg("GET").arg("maxmemory-policy");
         let reply = on_node_of(conn, keys.stream(shard), get).await;
@@ -233,10 +229,10 @@ impl Watcher {
 
 /// The shards to ask, each with the shards on the same server: one server holds every
 /// shard unless this is a cluster.
-fn servers(w: &Watch) -> Vec<(Shard, Vec<Shard>)> {
-    match w.redis {
-        RedisConn::Cluster(_) => w.keys.shards().map(|s| (s, vec![s])).collect(),
-        _ => vec![(Shard(0), w.keys.shards().collect())],
+fn servers(conn: &RedisConn, keys: &Keys) -> Vec<(Shard, Vec<Shard>)> {
+    match conn {
+        RedisConn::Cluster(_) => keys.shards().map(|s| (s, vec![s])).collect(),
+        _ => vec![(Shard(0), keys.shards().collect())],
     }
 }
 
@@ -244,7 +240,7 @@ fn servers(w: &Watch) -> Vec<(Shard, Vec<Shard>)> {
 /// first look) heals the server's shards.
 async fn pass(w: &Watch, seen: &mut HashMap<Shard, Seen>) -> anyhow::Result<()> {
     let mut conn = w.redis.clone();
-    for (asked, shards) in servers(w) {
+    for (asked, shards) in servers(&w.redis, &w.keys) {
         let key = w.keys.stream(asked).to_string();
         let was = seen.get(&asked).cloned().unwrap_or_default();
         if was.term.is_none() {
