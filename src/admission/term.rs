@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use chrono::Utc;
 use redis::aio::ConnectionLike;
-use redis::RedisResult;
+use redis::{RedisResult, Value};
 use sqlx::PgPool;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -126,18 +126,68 @@ struct Identity {
     replid: String,
 }
 
-/// The identity of the server holding `route_key`; `None` when INFO is not allowed
-/// (some managed services rename it): the term alone then tells.
-async fn identity(conn: &mut RedisConn, route_key: &str) -> Option<Identity> {
-    let mut info = redis::cmd("INFO");
-    info.arg("server").arg("replication");
-    let value = on_node_of(conn, route_key, info).await.ok()?;
-    let text: String = redis::from_redis_value(value).ok()?;
+/// The term of the server holding `route_key`, and that server's identity, from one
+/// round trip on one connection. An INFO sent alone may describe ANOTHER server: while
+/// the connection to a slot's master is down (a failover), the cluster client sends a
+/// command routed to that master to a random node instead, and an identity recorded
+/// from there makes the next look see a "change" under the same term (a needless new
+/// term: every sale on the server rebuilt twice). Behind the term's call, which only
+/// the slot's master runs (any other node redirects it, and the client then sends both
+/// again to the node named), the INFO is that master's. The identity is `None` when INFO
+/// is not allowed (some managed services rename it: the term alone then tells), when
+/// the server says it is no master, or when the call failed there (then the term is
+/// asked alone, which installs the library if missing).
+async fn term_and_identity(
+    conn: &mut RedisConn,
+    route_key: &str,
+) -> RedisResult<(Term, Option<Identity>)> {
+    let mut pipe = redis::pipe();
+    pipe.cmd("FCALL")
+        .arg("seckill_term")
+        .arg(1)
+        .arg(route_key)
+        .cmd("INFO")
+        .arg("server")
+        .arg("replication");
+    let replies: Vec<Value> = match &mut *conn {
+        RedisConn::Cluster(c) => {
+            use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
+            let route = Route::new(crate::keys::slot(route_key), SlotAddr::Master);
+            c.route_pipeline(pipe, 0, 2, SingleNodeRoutingInfo::SpecificNode(route))
+                .await?
+        }
+        other => pipe.ignore_errors().query_async(other).await?,
+    };
+    let mut replies = replies.into_iter();
+    let (Some(term), Some(info)) = (replies.next(), replies.next()) else {
+        return Ok((of(conn, route_key).await?, None));
+    };
+    let Ok(term) = term.extract_error() else {
+        return Ok((of(conn, route_key).await?, None));
+    };
+    let (term, age_ms): (String, u64) = redis::from_redis_value(term)?;
+    let term = Term {
+        term,
+        age: Duration::from_millis(age_ms),
+    };
+    let identity = info
+        .extract_error()
+        .ok()
+        .and_then(|v| redis::from_redis_value::<String>(v).ok())
+        .and_then(|text| identity_in(&text));
+    Ok((term, identity))
+}
+
+/// A master's identity in its `INFO server replication` text.
+fn identity_in(text: &str) -> Option<Identity> {
     let field = |name: &str| {
         text.lines()
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
             .map(|v| v.trim().to_string())
     };
+    if field("role")? != "master" {
+        return None;
+    }
     Some(Identity {
         run_id: field("run_id")?,
         replid: field("master_replid")?,
@@ -247,8 +297,7 @@ async fn pass(w: &Watch, seen: &mut HashMap<Shard, Seen>) -> anyhow::Result<()> 
             // Once per process and server: the library this binary carries, or newer.
             crate::scripts::install_library(&mut conn, Some(&key.as_bytes().to_vec())).await?;
         }
-        let now = identity(&mut conn, &key).await;
-        let term = of(&mut conn, &key).await?;
+        let (term, now) = term_and_identity(&mut conn, &key).await?;
         // A restart or a promotion draws a term by itself; a term that outlived a change
         // of identity (a replica promoted again after a partial resync keeps its Lua
         // state) is drawn anew here.
@@ -264,7 +313,8 @@ async fn pass(w: &Watch, seen: &mut HashMap<Shard, Seen>) -> anyhow::Result<()> 
             }
             _ => term,
         };
-        if was.term.as_ref() != Some(&term.term) {
+        let changed = was.term.as_ref() != Some(&term.term);
+        if changed {
             let rebuilt = heal(w, &shards).await?;
             if was.term.is_some() || !rebuilt.is_empty() {
                 metrics::counter!(crate::metrics::ROLLBACKS_HEALED).increment(1);
@@ -279,7 +329,9 @@ async fn pass(w: &Watch, seen: &mut HashMap<Shard, Seen>) -> anyhow::Result<()> 
             asked,
             Seen {
                 term: Some(term.term),
-                identity: now.or(was.identity),
+                // An identity from before a new term would look like a change under
+                // the next look's (same) term.
+                identity: if changed { now } else { now.or(was.identity) },
             },
         );
     }

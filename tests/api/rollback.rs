@@ -207,3 +207,49 @@ async fn a_restart_from_an_older_snapshot_mid_sale_heals_itself_and_sells_exactl
         reconciled_in.as_secs_f64(),
     );
 }
+
+/// A server that was a replica for a moment and is a master again (as after a partial
+/// resync and a second promotion) keeps its Lua state, so its term, while it may have
+/// taken another master's data meanwhile. Its identity changed: the watch draws a new
+/// term, and the sale is rebuilt from Postgres and sells on.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_server_promoted_again_under_the_same_term_gets_a_new_one_and_its_sales_are_rebuilt(
+    db: PgPool,
+) {
+    let redis = PrivateRedis::start();
+    let app = TestApp::spawn_with(db, redis.url.clone(), true).await;
+    let sale = app.open_sale(10).await;
+    let (status, body) = app.grab(sale, 1).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    let term_of_sale = || {
+        let cmd = redis::cmd("HGET")
+            .arg(app.keys.voucher(sale))
+            .arg("term")
+            .clone();
+        let app = &app;
+        async move { app.redis_cmd::<Option<String>>(&cmd).await }
+    };
+    let built_in = term_of_sale().await.unwrap();
+
+    // A replica of a master it never reaches (its data and Lua state stay as they
+    // were), then a master again: a new replication id under the same term.
+    redis.run_command::<()>(redis::cmd("REPLICAOF").arg("127.0.0.1").arg(1));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    redis.run_command::<()>(redis::cmd("REPLICAOF").arg("NO").arg("ONE"));
+
+    let began = Instant::now();
+    while term_of_sale().await.as_deref() == Some(built_in.as_str()) {
+        assert!(
+            began.elapsed() < Duration::from_secs(30),
+            "the sale was not rebuilt in a new term"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let answers = press_through_503s(&app, &app.base, sale, [1, 2]).await;
+    assert_eq!(answers[&1].0, StatusCode::CONFLICT, "{:?}", answers[&1]);
+    assert_eq!(answers[&2].0, StatusCode::ACCEPTED, "{:?}", answers[&2]);
+    println!(
+        "promoted again under the same term: the sale rebuilt in a new term {:.1} s later",
+        began.elapsed().as_secs_f64()
+    );
+}
