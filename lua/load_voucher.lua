@@ -243,8 +243,13 @@ local function load_sale(keys, argv)
       fields = {}
     end
   end
+  -- A new gen, above the old one and unlike any an earlier state of this sale had
+  -- (the state may be gone, its gen with it): the clock in microseconds.
+  local t = redis.call('TIME')
+  local gen = math.max((tonumber(now_fields[5]) or 0) + 1, tonumber(t[1]) * 1000000 + tonumber(t[2]))
   redis.call('HSET', staged, 'stock', stock, 'begin_ms', string.format('%d', begin_ms),
-    'end_ms', string.format('%d', end_ms), 'term', this_term, unpack(fields))
+    'end_ms', string.format('%d', end_ms), 'term', this_term,
+    'gen', string.format('%d', gen), unpack(fields))
   -- UNLINK frees a large old state in the background.
   redis.call('UNLINK', sale)
   redis.call('RENAME', staged, sale)

@@ -16,5 +16,7 @@ end
 redis.call('HDEL', KEYS[1], ARGV[1])
 if redis.call('HEXISTS', KEYS[1], 'stock') == 1 then
   redis.call('HINCRBY', KEYS[1], 'stock', 1)
+  -- A unit came back: API instances that remember the sale sold out must look again.
+  redis.call('HINCRBY', KEYS[1], 'gen', 1)
 end
 return 1

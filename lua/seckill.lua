@@ -13,7 +13,7 @@
 -- Raised with every change of this library (a unit test in src/scripts.rs holds it to
 -- the code): a process replaces a loaded library only if it is older, or of the same
 -- version with other code, so two releases never take turns replacing each other.
-local VERSION = 1
+local VERSION = 2
 -- A hash of this code, filled in when it is loaded.
 local CODE = '__CODE__'
 
@@ -38,8 +38,10 @@ local function current_term()
   return term
 end
 
--- A sale's fields that are not buyer records.
-local SALE_FIELDS = {'stock', 'begin_ms', 'end_ms', 'term'}
+-- A sale's fields that are not buyer records. `gen` changes with every move that can
+-- bring a unit back (a release, a settle, a load): while it stays, no buyer can have
+-- joined a sold-out sale (see seckill_peek).
+local SALE_FIELDS = {'stock', 'begin_ms', 'end_ms', 'term', 'gen'}
 
 -- A count as Redis stored it (stock): nil when missing or corrupt.
 local function whole(v)
@@ -195,6 +197,25 @@ local function claim_lease(keys, argv)
   return {claimed and 1 or 0, t[2]}
 end
 
+-- What a sale's state says now, for an API instance that remembers sold-out, not yet
+-- open and ended sales and answers their grabs itself (src/admission/edge.rs).
+-- KEYS[1] the sale hash
+-- Returns {code}: 1 not loaded, 6 stale, 7 corrupt (as seckill_admit); or
+-- {0, now_ms, begin_ms, end_ms, stock, gen ('' when none), term}, the clock being the
+-- one admission reads.
+local function peek(keys, argv)
+  local now = clock()
+  local v = redis.call('HMGET', keys[1], 'stock', 'begin_ms', 'end_ms', 'term', 'gen')
+  if not v[1] or not v[2] or not v[3] then
+    return {1}
+  elseif not whole(v[1]) or not tonumber(v[2]) or not tonumber(v[3]) then
+    return {7}
+  elseif v[4] ~= current_term() then
+    return {6}
+  end
+  return {0, string.format('%d', now), v[2], v[3], v[1], v[5] or '', v[4]}
+end
+
 local function version()
   return {VERSION, CODE}
 end
@@ -203,4 +224,5 @@ redis.register_function('seckill_admit', admit)
 redis.register_function('seckill_term', term_of)
 redis.register_function('seckill_new_term', new_term)
 redis.register_function('seckill_claim_lease', claim_lease)
+redis.register_function{function_name = 'seckill_peek', callback = peek, flags = {'no-writes'}}
 redis.register_function{function_name = 'seckill_version', callback = version, flags = {'no-writes'}}

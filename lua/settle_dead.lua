@@ -23,5 +23,7 @@ else
 end
 if ARGV[6] == '1' and redis.call('HEXISTS', KEYS[1], 'stock') == 1 then
   redis.call('HINCRBY', KEYS[1], 'stock', 1)
+  -- A unit came back: API instances that remember the sale sold out must look again.
+  redis.call('HINCRBY', KEYS[1], 'gen', 1)
 end
 return 1

@@ -12,6 +12,7 @@ pub mod defaults {
     pub(crate) const RATE_LIMIT_PER_IP: u32 = 0;
     pub(crate) const RATE_LIMIT_PER_IP_BURST: u32 = 200;
     pub(crate) const MAX_CONCURRENT_REQUESTS: u32 = 10_000;
+    pub(crate) const EDGE_VERDICT_TTL_MS: u64 = 500;
     pub const LIVE_MAX_VIEWERS: u32 = 1_000;
     pub const LIVE_MAX_SALES: u32 = 100;
     pub(crate) const REQUEST_TIMEOUT_SECS: u64 = 10;
@@ -192,6 +193,35 @@ pub struct ApiArgs {
     pub limits: LimitArgs,
     #[command(flatten)]
     pub server: ServerArgs,
+    #[command(flatten)]
+    pub edge: EdgeArgs,
+}
+
+/// The edge: sales an instance answers by itself (sold out, not yet open, ended, no
+/// such sale), from what Redis last told it.
+#[derive(Debug, Clone, Args)]
+pub struct EdgeArgs {
+    /// How long an instance believes what it last read of a sale, in ms, when no
+    /// announcement of a change reached it (0: no edge, every grab goes to Redis). A
+    /// unit that comes back is grabbable through every instance within this even if the
+    /// announcement is lost.
+    #[arg(long, env = "EDGE_VERDICT_TTL_MS", default_value_t = defaults::EDGE_VERDICT_TTL_MS,
+          value_parser = clap::value_parser!(u64).range(0..=10_000))]
+    pub edge_verdict_ttl_ms: u64,
+    /// The Redis node this instance listens to for announcements of sale changes
+    /// (default: REDIS_URL's node, a cluster's first reachable node, or the master
+    /// Sentinel names). Any node of a cluster hears them all, a replica its master's.
+    #[arg(long, env = "REDIS_PUBSUB_URL")]
+    pub redis_pubsub_url: Option<String>,
+}
+
+impl Default for EdgeArgs {
+    fn default() -> Self {
+        Self {
+            edge_verdict_ttl_ms: defaults::EDGE_VERDICT_TTL_MS,
+            redis_pubsub_url: None,
+        }
+    }
 }
 
 /// How bearer tokens are verified: HS256 with a shared secret, an identity provider's
@@ -479,6 +509,8 @@ pub struct Settings {
     pub cors_allowed_origins: Vec<String>,
     /// Replicas that must hold a state move before it counts.
     pub replicas: crate::scripts::Replicas,
+    /// What the instance answers by itself.
+    pub edge: EdgeArgs,
 }
 
 impl Default for Settings {
@@ -488,6 +520,7 @@ impl Default for Settings {
             limits: LimitArgs::default(),
             cors_allowed_origins: Vec::new(),
             replicas: crate::scripts::Replicas::NONE,
+            edge: EdgeArgs::default(),
         }
     }
 }

@@ -130,6 +130,12 @@ impl Keys {
         format!("{}seckill:live:{voucher_id}", self.prefix)
     }
 
+    /// The pub/sub channel announcing that a sale's state changed (see
+    /// `admission::edge`); the message is the voucher id.
+    pub fn sale_changes(&self) -> String {
+        format!("{}seckill:sale-changes", self.prefix)
+    }
+
     /// Lease of an order-id node number (not tied to a shard).
     pub(crate) fn node_lease(&self, node: u16) -> String {
         format!("{}seckill:node:{node}", self.prefix)

@@ -18,6 +18,7 @@ pub mod live;
 pub mod metrics;
 pub mod reconcile;
 pub mod redis_conn;
+pub mod sale_changes;
 pub mod scripts;
 pub mod startup;
 pub mod store;

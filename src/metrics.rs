@@ -46,6 +46,10 @@ pub(crate) const LIVE_VIEWERS: &str = "seckill_live_viewers";
 pub(crate) const ROLLBACKS_HEALED: &str = "seckill_redis_rollbacks_healed_total";
 /// Sales whose Redis state this process rebuilt because it was stale or missing.
 pub(crate) const SALES_REBUILT: &str = "seckill_sales_rebuilt_total";
+/// Grabs this instance answered by itself, without Redis (see `admission::edge`).
+pub(crate) const EDGE_ANSWERS: &str = "seckill_edge_answers_total";
+/// Announcements of sale changes this instance heard (see `sale_changes`).
+pub(crate) const SALE_CHANGES_HEARD: &str = "seckill_sale_changes_heard_total";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
@@ -75,7 +79,11 @@ const fn m(name: &'static str, kind: Kind, unit: Option<Unit>, help: &'static st
 #[rustfmt::skip]
 pub(crate) const DESCRIBED: &[Described] = &[
     m(ADMISSIONS, Kind::Counter, None,
-        "Grab attempts by outcome: admitted, sold_out, already_ordered, not_started, ended, not_loaded, stale (the sale's state predates the server's term and is being rebuilt), corrupt, rate_limited, redis_error."),
+        "Grab attempts by outcome: admitted, sold_out, already_ordered, not_started, ended, not_loaded, not_found (no such sale, answered from the instance's memory), stale (the sale's state predates the server's term and is being rebuilt), corrupt, rate_limited, redis_error. Those answered at the edge are counted here too."),
+    m(EDGE_ANSWERS, Kind::Counter, None,
+        "Grabs this instance answered by itself from what Redis last told it, without asking Redis, by outcome: sold_out, not_started, ended, not_found."),
+    m(SALE_CHANGES_HEARD, Kind::Counter, None,
+        "Announcements that a sale's state changed (a unit came back, a load, a close) this instance heard; each makes it forget what it remembered of the sale. Flat while units come back means the subscription is not hearing them."),
     m(ADMISSION_SECONDS, Kind::Histogram, Some(Unit::Seconds),
         "Time from a grab's turn at admission to the script's answer, per grab: the wait for its shard's call in flight, then the script's round trip in Redis."),
     m(HTTP_REQUESTS, Kind::Counter, None,
@@ -185,9 +193,13 @@ pub(crate) fn handle() -> PrometheusHandle {
 /// (`seckill_releases_owed` in `seckill api`) would be a claim, not a count.
 fn register_known_series() {
     metrics::counter!(ROLLBACKS_HEALED).increment(0);
+    metrics::counter!(SALE_CHANGES_HEARD).increment(0);
     metrics::counter!(SALES_REBUILT).increment(0);
     for outcome in HotPath::OUTCOMES {
         metrics::counter!(ADMISSIONS, "outcome" => outcome).increment(0);
+    }
+    for outcome in HotPath::EDGE_OUTCOMES {
+        metrics::counter!(EDGE_ANSWERS, "outcome" => outcome).increment(0);
     }
     for result in ["inserted", "already_there", "dead_lettered"] {
         metrics::counter!(WORKER_ORDERS, "result" => result).increment(0);
@@ -234,14 +246,16 @@ fn register_known_series() {
 /// atomic add, not a registry lookup.
 pub(crate) struct HotPath {
     pub admission_seconds: metrics::Histogram,
-    outcomes: [metrics::Counter; 10],
+    outcomes: [metrics::Counter; 11],
+    edge: [metrics::Counter; 4],
 }
 
 impl HotPath {
-    pub(crate) const OUTCOMES: [&'static str; 10] = [
+    pub(crate) const OUTCOMES: [&'static str; 11] = [
         "rate_limited",
         "admitted",
         "not_loaded",
+        "not_found",
         "stale",
         "corrupt",
         "not_started",
@@ -251,6 +265,9 @@ impl HotPath {
         "redis_error",
     ];
 
+    pub(crate) const EDGE_OUTCOMES: [&'static str; 4] =
+        ["sold_out", "not_started", "ended", "not_found"];
+
     pub(crate) fn get() -> &'static HotPath {
         static HOT: OnceLock<HotPath> = OnceLock::new();
         HOT.get_or_init(|| {
@@ -258,6 +275,7 @@ impl HotPath {
             HotPath {
                 admission_seconds: metrics::histogram!(ADMISSION_SECONDS),
                 outcomes: Self::OUTCOMES.map(|o| metrics::counter!(ADMISSIONS, "outcome" => o)),
+                edge: Self::EDGE_OUTCOMES.map(|o| metrics::counter!(EDGE_ANSWERS, "outcome" => o)),
             }
         })
     }
@@ -268,6 +286,14 @@ impl HotPath {
             .position(|o| *o == label)
             .unwrap_or(Self::OUTCOMES.len() - 1);
         &self.outcomes[i]
+    }
+
+    /// A grab answered at the edge with `label` (one of [`Self::EDGE_OUTCOMES`]).
+    pub(crate) fn at_edge(&self, label: &str) {
+        self.outcome(label).increment(1);
+        if let Some(i) = Self::EDGE_OUTCOMES.iter().position(|o| *o == label) {
+            self.edge[i].increment(1);
+        }
     }
 }
 

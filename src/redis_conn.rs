@@ -203,6 +203,72 @@ impl RedisNodes {
     }
 }
 
+/// Where an API instance subscribes to announcements (see `admission::edge`): one node
+/// at a time. A single node's URL; in a cluster any node (every node hears every
+/// PUBLISH), the next seed after a failure; with Sentinel, the master it names.
+/// `REDIS_PUBSUB_URL` names a node of its own (a replica hears its master's PUBLISHes).
+pub struct Subscriber {
+    urls: Vec<String>,
+    sentinel: Option<SentinelConn>,
+    certs: Option<redis::TlsCertificates>,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl Subscriber {
+    pub(crate) fn new(target: &RedisTarget, conn: &RedisConn, url: Option<&str>) -> Self {
+        let (urls, sentinel) = match (url, &target.nodes, conn) {
+            (Some(url), _, _) => (vec![url.to_string()], None),
+            (None, RedisNodes::Sentinel { .. }, RedisConn::Sentinel(s)) => {
+                (Vec::new(), Some(s.clone()))
+            }
+            (None, nodes, _) => (nodes.urls().to_vec(), None),
+        };
+        Self {
+            urls,
+            sentinel,
+            certs: target.certificates(),
+            next: Default::default(),
+        }
+    }
+
+    /// A subscriber to the node `url` names (tests).
+    pub fn single(url: &str) -> Self {
+        Self::new(
+            &RedisTarget::single(url),
+            &connect(url, COMMAND_TIMEOUT).expect("a redis URL"),
+            None,
+        )
+    }
+
+    /// A pub/sub connection to the current node.
+    pub(crate) async fn connect(&self) -> redis::RedisResult<redis::aio::PubSub> {
+        let url = match &self.sentinel {
+            Some(s) => s.master_url().await?,
+            None => {
+                let i = self.next.load(std::sync::atomic::Ordering::Relaxed);
+                self.urls[i % self.urls.len().max(1)].clone()
+            }
+        };
+        let client = match &self.certs {
+            Some(c) => redis::Client::build_with_tls(url, c.clone())?,
+            None => redis::Client::open(url)?,
+        };
+        tokio::time::timeout(Duration::from_secs(2), client.get_async_pubsub())
+            .await
+            .map_err(|_| {
+                redis::RedisError::from(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "connecting for pub/sub timed out",
+                ))
+            })?
+    }
+
+    /// Moves on to the next node (after a failure).
+    pub(crate) fn next_node(&self) {
+        self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// A connection to any kind of deployment; cheap to clone.
 #[derive(Clone)]
 pub enum RedisConn {

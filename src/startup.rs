@@ -56,8 +56,10 @@ impl Application {
         if !api.skip_migrations {
             store::migrate(&db, Duration::from_secs(60)).await?;
         }
-        let redis = redis(&api.redis, redis_conn::COMMAND_TIMEOUT).await?;
+        let (redis, target) = redis_and_target(&api.redis, redis_conn::COMMAND_TIMEOUT).await?;
         term::refuse_eviction(&mut redis.clone(), &keys).await?;
+        let subscriber =
+            redis_conn::Subscriber::new(&target, &redis, api.edge.redis_pubsub_url.as_deref());
         let settings = Settings {
             sale_state_retention: Duration::from_secs(api.sale_state_retention_secs),
             limits: api.limits.clone(),
@@ -68,6 +70,7 @@ impl Application {
                 .cloned()
                 .collect(),
             replicas: Replicas::from_args(&api.redis.durability),
+            edge: api.edge.clone(),
         };
         let ids = Arc::new(OrderIds::default());
         let tasks = TaskTracker::new();
@@ -153,6 +156,15 @@ impl Application {
         watcher.look().await;
         tasks.spawn(watcher.run(cancel.clone()));
         tasks.spawn(state.clone().forget_idle_rate_limits(cancel.clone()));
+        if state.edge.enabled() {
+            let channel = keys.sale_changes();
+            tasks.spawn(
+                state
+                    .edge
+                    .clone()
+                    .listen(subscriber, channel, cancel.clone()),
+            );
+        }
         if let Some(opts) = worker {
             tasks.spawn(sweeper(&db, &api.redis, keys.clone(), &opts, cancel.clone()).await?);
             let lanes = defaults::SERVE_WORKER_CONCURRENCY;
@@ -201,6 +213,14 @@ pub(crate) async fn redis(
     args: &RedisArgs,
     response_timeout: Duration,
 ) -> anyhow::Result<RedisConn> {
+    Ok(redis_and_target(args, response_timeout).await?.0)
+}
+
+/// [`redis`], and where it is.
+async fn redis_and_target(
+    args: &RedisArgs,
+    response_timeout: Duration,
+) -> anyhow::Result<(RedisConn, redis_conn::RedisTarget)> {
     let target = redis_conn::RedisTarget::new(
         &args.redis_url,
         &args.redis_cluster_urls,
@@ -210,7 +230,8 @@ pub(crate) async fn redis(
         },
         args.redis_tls_ca_file.as_deref(),
     )?;
-    redis_conn::connect_to(&target, response_timeout, Duration::from_secs(60)).await
+    let conn = redis_conn::connect_to(&target, response_timeout, Duration::from_secs(60)).await?;
+    Ok((conn, target))
 }
 
 /// The expiry sweeper that runs beside each worker, on a Redis connection of its own

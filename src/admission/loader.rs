@@ -290,6 +290,7 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
     };
     if mode != Mode::Check {
         tracing::info!(voucher_id, ?expected, ?mode, "sale state loaded into redis");
+        crate::sale_changes::announce(conn, keys, voucher_id).await;
     }
     Ok(Some(Fenced {
         initial_stock: sale.initial_stock as i64,
@@ -464,6 +465,7 @@ pub async fn close_sale<C: ConnectionLike + Send>(
         .key(keys.voucher(voucher_id))
         .invoke_waiting(conn, replicas)
         .await?;
+    crate::sale_changes::announce(conn, keys, voucher_id).await;
     store::vouchers::end_sale_at(&mut tx, voucher_id, end_ms).await?;
     tx.commit().await?;
     Ok(true)

@@ -1,6 +1,7 @@
 //! Admission: the one atomic Redis step that decides who gets an order.
 
 pub mod batcher;
+pub mod edge;
 pub mod loader;
 pub mod order_id;
 pub mod tally;

@@ -28,17 +28,21 @@ use redis::Script;
 use super::Outcome;
 use crate::keys::Keys;
 
-/// The outcomes counted, in the order of [`Counts`].
-pub const OUTCOMES: [&str; 6] = [
+/// The outcomes counted, in the order of [`Counts`]; and last, how many of them an
+/// instance answered at the edge, without Redis (a subset of the others, not an outcome).
+pub const OUTCOMES: [&str; 7] = [
     "admitted",
     "sold_out",
     "already_ordered",
     "rate_limited",
     "not_started",
     "ended",
+    "at_edge",
 ];
 
 pub const RATE_LIMITED: usize = 3;
+/// The count of grabs answered at the edge (see [`OUTCOMES`]).
+pub const AT_EDGE: usize = 6;
 
 /// Counts per outcome, indexed as [`OUTCOMES`].
 pub type Counts = [u64; OUTCOMES.len()];
@@ -148,6 +152,11 @@ impl Tally {
     /// Adds one to `voucher_id`'s count of outcome `index`.
     pub fn add(&self, voucher_id: i64, index: usize) {
         self.add_all(std::iter::once((voucher_id, index)));
+    }
+
+    /// Adds one to `voucher_id`'s count of outcome `index`, answered at the edge.
+    pub fn add_at_edge(&self, voucher_id: i64, index: usize) {
+        self.add_all([(voucher_id, index), (voucher_id, AT_EDGE)]);
     }
 
     /// Adds each `(voucher_id, outcome index)`, under one lock.

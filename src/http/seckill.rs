@@ -8,6 +8,9 @@ use chrono::Utc;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+use std::time::Instant;
+
+use crate::admission::edge::EdgeAnswer;
 use crate::admission::{self, loader, Outcome};
 use crate::auth::AuthUser;
 use crate::http::error::{AppError, AppResult, ErrorBody};
@@ -88,10 +91,15 @@ pub(crate) async fn grab(
             .check(&user.user_id)
             .map_err(|wait| limited(&state, voucher_id, wait))?;
     }
+    // Most presses of a flash sale can win nothing: this instance answers those itself
+    // when Redis told it lately (sold out, not open yet, ended, no such sale).
+    if let Some(known) = state.edge.answer(voucher_id, user.user_id, Instant::now()) {
+        return Err(at_edge(&state, voucher_id, known));
+    }
     let order_id = state.ids.next().ok_or_else(|| {
         AppError::Unavailable("order ids are not ready yet (waiting for redis)".into())
     })?;
-    let started = std::time::Instant::now();
+    let started = Instant::now();
     let grab = admission::Grab {
         voucher_id,
         user_id: user.user_id,
@@ -108,6 +116,11 @@ pub(crate) async fn grab(
     };
     hot.outcome(label).increment(1);
     match outcome {
+        Ok(Outcome::NotStarted | Outcome::Ended | Outcome::SoldOut) => {
+            state
+                .edge
+                .learn_in_background(&state.redis, &state.keys, voucher_id);
+        }
         Ok(Outcome::NotLoaded) => return Err(not_loaded(&state, voucher_id).await),
         Ok(Outcome::Stale) => {
             // Redis came back in a new term: the watcher heals every sale on it.
@@ -131,6 +144,28 @@ pub(crate) async fn grab(
             status: "pending".into(),
         }),
     ))
+}
+
+/// A grab answered from the instance's memory of the sale: counted, and the same error
+/// Redis's verdict would have given.
+fn at_edge(state: &AppState, voucher_id: i64, known: EdgeAnswer) -> AppError {
+    crate::metrics::HotPath::get().at_edge(known.label());
+    let counted = admission::tally::OUTCOMES
+        .iter()
+        .position(|o| *o == known.label());
+    if let Some(i) = counted {
+        state.admissions.tally().add_at_edge(voucher_id, i);
+    }
+    match known {
+        EdgeAnswer::NotStarted => AppError::NotStarted,
+        EdgeAnswer::Ended => AppError::Ended,
+        EdgeAnswer::SoldOut => AppError::SoldOut,
+        EdgeAnswer::NotFound => no_sale(voucher_id),
+    }
+}
+
+fn no_sale(voucher_id: i64) -> AppError {
+    AppError::NotFound(format!("voucher {voucher_id} has no flash sale"))
 }
 
 /// The answer to a grab, from the script's verdict and the order id minted for this
@@ -182,8 +217,19 @@ async fn not_loaded(state: &AppState, voucher_id: i64) -> AppError {
             "the sale is being loaded, try again shortly; nothing was reserved".into(),
         );
     }
-    match vouchers::sale(&state.db, voucher_id).await {
-        Ok(None) => AppError::NotFound(format!("voucher {voucher_id} has no flash sale")),
+    // Drawn before Postgres is asked: a sale created meanwhile is announced, and then
+    // its absence is not remembered.
+    let ticket = state.edge.ticket_for_lookup(voucher_id);
+    let asked_at = Instant::now();
+    let sale = vouchers::sale(&state.db, voucher_id).await;
+    if let Some(ticket) = ticket {
+        match &sale {
+            Ok(None) => state.edge.remember_not_found(voucher_id, ticket, asked_at),
+            _ => state.edge.lookup_found_a_sale(voucher_id, ticket),
+        }
+    }
+    match sale {
+        Ok(None) => no_sale(voucher_id),
         Ok(Some(sale)) if sale.end_time <= Utc::now() => AppError::Ended,
         Ok(Some(_)) => {
             reload_in_background(state, voucher_id, loader::Mode::Heal);

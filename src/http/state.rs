@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use sqlx::PgPool;
 
 use crate::admission::batcher::{self, Batcher};
+use crate::admission::edge::Edge;
 use crate::admission::order_id::OrderIds;
 use crate::auth::Verifier;
 use crate::config::Settings;
@@ -36,6 +37,8 @@ pub struct Shared {
     pub(crate) live: crate::live::Live,
     /// Wakes the term watcher (a grab met a sale built in an earlier term of Redis).
     pub(crate) heal: Arc<tokio::sync::Notify>,
+    /// Sales this instance answers by itself (sold out, not yet open, ended, none).
+    pub edge: Arc<Edge>,
 }
 
 impl AppState {
@@ -58,6 +61,9 @@ impl AppState {
             batcher::MAX_BATCH,
             settings.replicas,
         );
+        let edge = Arc::new(Edge::new(std::time::Duration::from_millis(
+            settings.edge.edge_verdict_ttl_ms,
+        )));
         Self(Arc::new(Shared {
             db,
             redis,
@@ -71,6 +77,7 @@ impl AppState {
             admissions,
             live,
             heal: Arc::default(),
+            edge,
         }))
     }
 }

@@ -48,6 +48,7 @@ pub async fn release<C: ConnectionLike + Send>(
         .await?;
     if done == 1 {
         metrics::counter!(UNITS_RETURNED, "store" => "redis").increment(1);
+        crate::sale_changes::announce(conn, keys, r.voucher_id).await;
     }
     Ok(done == 1)
 }

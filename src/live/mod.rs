@@ -84,11 +84,15 @@ pub struct Outcomes {
     pub rate_limited: u64,
     pub not_started: u64,
     pub ended: u64,
+    /// Of the above, the grabs an API instance answered by itself (sold out, not yet
+    /// open, ended), without asking Redis.
+    pub answered_at_edge: u64,
 }
 
 impl From<tally::Counts> for Outcomes {
     fn from(c: tally::Counts) -> Self {
-        let [admitted, sold_out, already_ordered, rate_limited, not_started, ended] = c;
+        let [admitted, sold_out, already_ordered, rate_limited, not_started, ended, answered_at_edge] =
+            c;
         Self {
             admitted,
             sold_out,
@@ -96,6 +100,7 @@ impl From<tally::Counts> for Outcomes {
             rate_limited,
             not_started,
             ended,
+            answered_at_edge,
         }
     }
 }

@@ -153,6 +153,16 @@ impl SentinelConn {
         }
     }
 
+    /// The URL of the master in use (for a connection of another kind: pub/sub).
+    pub(crate) async fn master_url(&self) -> RedisResult<String> {
+        let (_, link) = self.link()?;
+        let (_, addr) = link.await?;
+        self.0
+            .resolver
+            .master_url(&addr.0, addr.1)
+            .map_err(no_master)
+    }
+
     async fn master(&self) -> RedisResult<(u64, MultiplexedConnection)> {
         let (generation, link) = self.link()?;
         Ok((generation, link.await?.0))

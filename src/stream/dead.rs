@@ -73,5 +73,8 @@ pub(crate) async fn settle_dead<C: ConnectionLike + Send>(
         .arg(if return_unit { "1" } else { "0" })
         .invoke_waiting(conn, replicas)
         .await?;
+    if settled == 1 && return_unit {
+        crate::sale_changes::announce(conn, keys, voucher_id).await;
+    }
     Ok(settled == 1)
 }

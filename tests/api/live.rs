@@ -561,7 +561,7 @@ async fn a_flush_whose_answer_is_lost_is_not_counted_twice() {
     counter.flush().await.unwrap();
     // What the live view reads (the hash's `seq:*` field is no outcome).
     let read = seckill::admission::tally::read(&counter.conn, &counter.keys, &[voucher]).await;
-    assert_eq!(read.unwrap(), vec![[6, 1, 0, 0, 0, 0]]);
+    assert_eq!(read.unwrap(), vec![[6, 1, 0, 0, 0, 0, 0]]);
 }
 
 /// A sale whose key Redis refuses (a string there: WRONGTYPE, as a sale on a cluster

@@ -12,6 +12,7 @@ mod cluster;
 mod demo;
 mod dev_script;
 mod durability;
+mod edge;
 mod faults;
 mod flash_sale;
 mod http_limits;

@@ -11,10 +11,13 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::AbortHandle;
 
 /// A loopback TCP proxy in front of a server. `cut` drops every connection and refuses
-/// new ones until `heal`: to a client it is the server going away.
+/// new ones until `heal`: to a client it is the server going away. `freeze` keeps every
+/// connection open but drops what passes either way: a silent partition, which the
+/// client does not notice.
 pub struct Proxy {
     pub addr: SocketAddr,
     up: Arc<AtomicBool>,
+    frozen: Arc<AtomicBool>,
     conns: Arc<Mutex<Vec<AbortHandle>>>,
     accept: AbortHandle,
 }
@@ -24,20 +27,27 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let up = Arc::new(AtomicBool::new(true));
+        let frozen = Arc::new(AtomicBool::new(false));
         let conns: Arc<Mutex<Vec<AbortHandle>>> = Arc::default();
-        let (up2, conns2) = (up.clone(), conns.clone());
+        let (up2, conns2, frozen2) = (up.clone(), conns.clone(), frozen.clone());
         let accept = tokio::spawn(async move {
             loop {
-                let Ok((mut inbound, _)) = listener.accept().await else {
+                let Ok((inbound, _)) = listener.accept().await else {
                     continue;
                 };
                 if !up2.load(Ordering::SeqCst) {
                     drop(inbound);
                     continue;
                 }
+                let frozen = frozen2.clone();
                 let task = tokio::spawn(async move {
-                    if let Ok(mut outbound) = TcpStream::connect(target).await {
-                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    if let Ok(outbound) = TcpStream::connect(target).await {
+                        let (from_client, to_client) = inbound.into_split();
+                        let (from_server, to_server) = outbound.into_split();
+                        tokio::select! {
+                            _ = pass(from_client, to_server, frozen.clone()) => {}
+                            _ = pass(from_server, to_client, frozen) => {}
+                        }
                     }
                 });
                 conns2.lock().unwrap().push(task.abort_handle());
@@ -47,9 +57,15 @@ impl Proxy {
         Self {
             addr,
             up,
+            frozen,
             conns,
             accept,
         }
+    }
+
+    /// Drops every byte either way from now on, connections left open.
+    pub fn freeze(&self) {
+        self.frozen.store(true, Ordering::SeqCst);
     }
 
     pub fn cut(&self) {
@@ -68,6 +84,26 @@ impl Drop for Proxy {
     fn drop(&mut self) {
         self.accept.abort();
         self.cut();
+    }
+}
+
+/// Copies one direction of a proxied connection until either side closes, dropping
+/// the bytes while `frozen`.
+async fn pass(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    frozen: Arc<AtomicBool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if !frozen.load(Ordering::SeqCst) && to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
     }
 }
 

@@ -155,6 +155,7 @@ impl TestApp {
             live_max_sales: seckill::config::defaults::LIVE_MAX_SALES,
             limits: settings.limits,
             server: ServerArgs::default(),
+            edge: settings.edge,
         };
         let cancel = CancellationToken::new();
         let app = Application::build(api, None, cancel.clone()).await.unwrap();
