@@ -152,6 +152,41 @@ async fn the_live_stream_shows_a_sales_stock_outcomes_and_orders_as_they_change(
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn the_live_stream_counts_the_grabs_answered_at_the_edge(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(1).await;
+    let (status, _) = app.grab(voucher, 1).await;
+    assert_eq!(status, StatusCode::ACCEPTED);
+    // Fresh shoppers press the sold-out sale until the instance answers them itself.
+    let edge = |text: &str| {
+        crate::common::metric_value(text, "seckill_edge_answers_total{outcome=\"sold_out\"}")
+            .unwrap_or(0.0)
+    };
+    let mut user = 100;
+    let began = Instant::now();
+    while edge(&app.metrics_text().await) < 3.0 {
+        user += 1;
+        let (status, body) = app.grab(voucher, user).await;
+        assert_eq!(status, StatusCode::CONFLICT, "{body}");
+        assert!(began.elapsed() < WAIT, "no grab answered at the edge");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let presses = user - 100;
+    let mut events = Events::open(&app.client, &app.base).await;
+    let view = events
+        .until(voucher, WAIT, |v| {
+            v["outcomes"]["answered_at_edge"].as_u64() >= Some(3)
+        })
+        .await;
+    // A subset of the sold-out answers, never more.
+    assert_eq!(view["outcomes"]["sold_out"], presses, "{view}");
+    assert!(
+        view["outcomes"]["answered_at_edge"].as_u64() <= view["outcomes"]["sold_out"].as_u64(),
+        "{view}"
+    );
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn every_api_instance_shows_the_same_numbers(db: PgPool) {
     let app = TestApp::spawn(db).await;
     // A second instance (the binary) in the same stores, limiting each shopper to one

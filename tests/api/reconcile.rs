@@ -223,8 +223,8 @@ async fn a_sale_with_three_hundred_thousand_buyers_is_repaired_in_chunks(db: PgP
         .await;
     assert_eq!(
         fields,
-        buyers + 4,
-        "every buyer, and stock, begin, end, term"
+        buyers + 5,
+        "every buyer, and stock, begin, end, term, gen"
     );
     assert_eq!(
         app.grab(voucher, 123_456).await.1["error"]["order_id"],

@@ -94,7 +94,7 @@ function render(snap) {
     const pct = s.initial_stock > 0 ? Math.max(0, (100 * left) / s.initial_stock) : 0;
     el.querySelector(".fill").style.width = pct.toFixed(1) + "%";
     set(el, "grabs_per_sec", fmt(s.grabs_per_sec));
-    for (const k of ["admitted", "sold_out", "already_ordered", "rate_limited"]) set(el, k, fmt(s.outcomes[k]));
+    for (const k of ["admitted", "sold_out", "already_ordered", "rate_limited", "answered_at_edge"]) set(el, k, fmt(s.outcomes[k]));
     for (const k of ["persisted", "in_flight", "paid", "cancelled", "expired"]) set(el, k, fmt(s.orders[k]));
     set(el, "sale_dead_letters", fmt(s.dead_letters));
     if (salesEl.children[i] !== el) salesEl.insertBefore(el, salesEl.children[i] || null);
