@@ -110,6 +110,9 @@ struct Memory {
     sales: HashMap<i64, Entry>,
     /// Bumped by [`Edge::forget_all`].
     epoch: u64,
+    /// When expired memories were last dropped (at most once per time to live: a storm
+    /// of made-up ids at a full memory must not pay a sweep per press).
+    pruned_at: Option<Instant>,
 }
 
 /// One instance's memory of sales; shared by every request.
@@ -161,9 +164,12 @@ impl Edge {
         let all = memory.epoch;
         if memory.sales.len() >= MAX_SALES && !memory.sales.contains_key(&voucher_id) {
             let ttl = self.ttl;
-            memory
-                .sales
-                .retain(|_, e| e.learning || e.read_at.elapsed() < ttl);
+            if memory.pruned_at.is_none_or(|at| at.elapsed() >= ttl) {
+                memory.pruned_at = Some(Instant::now());
+                memory
+                    .sales
+                    .retain(|_, e| e.learning || e.read_at.elapsed() < ttl);
+            }
             if memory.sales.len() >= MAX_SALES {
                 return None;
             }
@@ -523,6 +529,19 @@ mod tests {
         edge.record(7, ticket, now, Some(Verdict::NotStarted { opens }));
         assert_eq!(edge.answer(7, 1, now), Some(EdgeAnswer::NotStarted));
         assert_eq!(edge.answer(7, 1, opens), None);
+    }
+
+    #[test]
+    fn a_full_memory_takes_no_new_sale_until_old_memories_expire() {
+        let edge = Edge::new(Duration::from_secs(1));
+        for voucher_id in 0..MAX_SALES as i64 {
+            let ticket = edge.begin(voucher_id).unwrap();
+            edge.record(voucher_id, ticket, Instant::now(), Some(Verdict::NotFound));
+        }
+        assert!(edge.begin(-1).is_none(), "full");
+        assert!(edge.begin(7).is_some(), "a sale already remembered may be learned again");
+        std::thread::sleep(Duration::from_millis(1100));
+        assert!(edge.begin(-1).is_some(), "expired memories make room");
     }
 
     #[test]
