@@ -164,6 +164,14 @@ async fn a_dozen_sales_on_a_three_master_cluster_sell_exactly_their_stock(db: Pg
             .unwrap();
         assert_eq!(resp.status(), StatusCode::ACCEPTED, "voucher {voucher}");
     }
+    // Each return was announced through the cluster to the other instance (which may
+    // have remembered the sale sold out), whichever node it listens to.
+    let heard = crate::common::metric_value(
+        &crate::common::metrics_at(&http, &bases[1]).await,
+        "seckill_sale_changes_heard_total",
+    )
+    .unwrap_or(0.0);
+    assert!(heard >= 12.0, "the other instance heard {heard} announcements");
 
     // The live view of both instances: the same figures for every sale, from the
     // cluster's nodes and Postgres.
