@@ -39,8 +39,8 @@ local function current_term()
 end
 
 -- A sale's fields that are not buyer records. `gen` changes with every move that can
--- bring a unit back (a release, a settle, a load): while it stays, no buyer can have
--- joined a sold-out sale (see seckill_peek).
+-- add a buyer or bring a unit back (an admission, a release, a settle, a load): while it
+-- stays, a sold-out sale's buyers are the same (see seckill_peek).
 local SALE_FIELDS = {'stock', 'begin_ms', 'end_ms', 'term', 'gen'}
 
 -- A count as Redis stored it (stock): nil when missing or corrupt.
@@ -67,9 +67,11 @@ end
 -- so nobody can change a record between that read and that write, and every sale is
 -- checked (loaded, of this term, not corrupt) before anything is written.
 --
--- A sale is one hash: `stock`, `begin_ms`, `end_ms`, `term`, and a field `u:<user_id>`
--- holding the order id of each buyer (so buyer records expire with the sale). All keys
--- share the shard's hash tag, so this is valid on Redis Cluster.
+-- A sale is one hash: `stock`, `begin_ms`, `end_ms`, `term`, `gen`, and a field
+-- `u:<user_id>` holding the order id of each buyer (so buyer records expire with the
+-- sale). All keys share the shard's hash tag, so this is valid on Redis Cluster. `gen`
+-- moves with every call that adds a buyer (and every unit that comes back, and every
+-- load): while it stays, a sale's buyers are the same (see seckill_peek).
 -- KEYS[1] the shard's order stream (stream.orders)  KEYS[2..] the sale hashes
 -- ARGV[1] '1': write even when nothing is admitted (the caller waits for replicas after
 -- this call: a write makes that wait cover every earlier write, other clients' included,
@@ -94,7 +96,7 @@ local function admit(keys, argv)
     local k = argv[i]
     local s = sales[k]
     if not s then
-      s = {key = keys[tonumber(k)], fields = {'stock', 'begin_ms', 'end_ms', 'term'}, held = {}, new = {}}
+      s = {key = keys[tonumber(k)], fields = {'stock', 'begin_ms', 'end_ms', 'term', 'gen'}, held = {}, new = {}}
       sales[k] = s
       order_of_sales[#order_of_sales + 1] = s
     end
@@ -117,8 +119,9 @@ local function admit(keys, argv)
       s.closed = 3
     else
       s.stock = stock
+      s.gen = tonumber(v[5])
     end
-    for j = 5, #s.fields do
+    for j = 6, #s.fields do
       if v[j] then
         if not order_like(v[j]) then
           s.closed = 7
@@ -157,6 +160,10 @@ local function admit(keys, argv)
   local wrote = false
   for _, s in ipairs(order_of_sales) do
     if #s.new > 0 then
+      if s.gen then
+        s.new[#s.new + 1] = 'gen'
+        s.new[#s.new + 1] = string.format('%d', s.gen + 1)
+      end
       redis.call('HSET', s.key, 'stock', s.stock, unpack(s.new))
       wrote = true
     end
@@ -213,7 +220,9 @@ local function peek(keys, argv)
   elseif v[4] ~= current_term() then
     return {6}
   end
-  return {0, string.format('%d', now), v[2], v[3], v[1], v[5] or '', v[4]}
+  -- (A gen that is not a number tells nothing: '' as if none.)
+  local gen = (v[5] and tonumber(v[5])) and v[5] or ''
+  return {0, string.format('%d', now), v[2], v[3], v[1], gen, v[4]}
 end
 
 local function version()

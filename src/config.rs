@@ -202,11 +202,11 @@ pub struct ApiArgs {
 #[derive(Debug, Clone, Args)]
 pub struct EdgeArgs {
     /// How long an instance believes what it last read of a sale, in ms, when no
-    /// announcement of a change reached it (0: no edge, every grab goes to Redis). A
-    /// unit that comes back is grabbable through every instance within this even if the
-    /// announcement is lost.
+    /// announcement of a change reached it (0: no edge, every grab goes to Redis; at
+    /// most 1000). A unit that comes back is grabbable through every instance within
+    /// this even if the announcement is lost.
     #[arg(long, env = "EDGE_VERDICT_TTL_MS", default_value_t = defaults::EDGE_VERDICT_TTL_MS,
-          value_parser = clap::value_parser!(u64).range(0..=10_000))]
+          value_parser = clap::value_parser!(u64).range(0..=1_000))]
     pub edge_verdict_ttl_ms: u64,
     /// The Redis node this instance listens to for announcements of sale changes
     /// (default: REDIS_URL's node, a cluster's first reachable node, or the master

@@ -18,6 +18,8 @@ pub async fn announce<C: ConnectionLike + Send>(conn: &mut C, keys: &Keys, vouch
         .query_async(conn)
         .await;
     if let Err(e) = result {
-        tracing::debug!(voucher_id, error = %e, "announcing a sale change failed");
+        // (With Redis ACLs the user needs `&<prefix>seckill:sale-changes`: without it
+        // every announcement fails here and instances rely on the bound alone.)
+        tracing::warn!(voucher_id, error = %e, "announcing a sale change failed; instances forget it within EDGE_VERDICT_TTL_MS");
     }
 }

@@ -17,7 +17,9 @@
 -- Threads wait for one another before their first request: wrk starts a thread as soon
 -- as its init has run, before the next thread's init (which reads the whole token file,
 -- a second or so for a million tokens), and starts its clock only after the last one.
--- Without the wait the first thread would storm alone, uncounted by the clock.
+-- Without the wait the first thread would storm alone, uncounted by the clock. (The
+-- first thread's first request() is wrk's check of the script, from the main thread
+-- before the next threads exist: it does not wait.)
 -- Needs RATE_LIMIT_PER_IP=0 on the server (all connections share one address).
 
 local usage = "usage: wrk -tT ... -s load/wrk/crowd.lua URL -- TARGET|healthz TOKENS_FILE|- T OUT"
@@ -72,6 +74,9 @@ function init(args)
   local ready = assert(io.open(out .. ".ready." .. me, "w"))
   ready:close()
   started = false
+  -- wrk calls the first thread's request() once right after its init, from the main
+  -- thread, to check the request (before the other threads exist): not a request sent.
+  verify_call = (me == 0)
 end
 
 local function wait_for_all()
@@ -84,7 +89,9 @@ local function wait_for_all()
 end
 
 function request()
-  if not started then wait_for_all() end
+  if not started then
+    if verify_call then verify_call = false else wait_for_all() end
+  end
   position = position % count + 1
   return requests[position]
 end

@@ -32,8 +32,16 @@ use crate::keys::{self, Keys};
 use crate::scripts::Call;
 
 /// Sales remembered at most (a storm of made-up voucher ids must not grow memory
-/// without bound: beyond it, new sales are not remembered).
+/// without bound: beyond it, new sales are not remembered). Lookups of sales Redis does
+/// not hold (perhaps made up) may fill half of it, so that real sales keep room.
 const MAX_SALES: usize = 100_000;
+/// A sale nobody pressed for this long is dropped from memory, its buyers with it.
+const IDLE: Duration = Duration::from_secs(10);
+/// A sold-out sale with more buyers than this is scanned again at most once per
+/// [`RESCAN_EVERY`] (units coming back one by one must not keep every instance
+/// scanning a large hash; in between, its presses go to Redis).
+const LARGE_SALE: usize = 10_000;
+const RESCAN_EVERY: Duration = Duration::from_secs(5);
 
 /// An answer the instance gives by itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,8 +86,9 @@ struct Buyers {
     signature: Signature,
 }
 
-/// What identifies the set of a sold-out sale's buyers: its state's `gen` and the
-/// server's term (read apart: a state rebuilt in a new term may hold other buyers).
+/// What identifies the set of a sale's buyers: its state's `gen` (which moves with
+/// every admission, every unit that comes back and every load) and the server's term
+/// (a state rebuilt after Redis lost writes may hold other buyers).
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Signature {
     gen: String,
@@ -91,18 +100,14 @@ struct Entry {
     verdict: Option<Verdict>,
     /// When the read behind the verdict was sent.
     read_at: Instant,
+    /// The last buyers read, kept across forgets: reused only under the same signature.
+    buyers: Option<Arc<Buyers>>,
+    /// When the buyers were last scanned, and how many there were.
+    scanned: Option<(Instant, usize)>,
     /// Bumped by every forget: a learning that began before it must not record.
     epoch: u64,
     /// A read of this sale is under way (one at a time per sale and instance).
     learning: bool,
-}
-
-/// Proof of when a learning began: [`Edge::record`] refuses it if the sale (or
-/// everything) was forgotten since.
-#[derive(Debug, Clone, Copy)]
-pub struct Ticket {
-    all: u64,
-    sale: u64,
 }
 
 #[derive(Default)]
@@ -110,8 +115,7 @@ struct Memory {
     sales: HashMap<i64, Entry>,
     /// Bumped by [`Edge::forget_all`].
     epoch: u64,
-    /// When expired memories were last dropped (at most once per time to live: a storm
-    /// of made-up ids at a full memory must not pay a sweep per press).
+    /// When idle sales were last dropped.
     pruned_at: Option<Instant>,
 }
 
@@ -119,6 +123,55 @@ struct Memory {
 pub struct Edge {
     ttl: Duration,
     memory: RwLock<Memory>,
+}
+
+/// Why a learning begins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Purpose {
+    /// Redis answered a grab of the sale with a verdict the edge could give.
+    Verdict,
+    /// Redis holds no state of the sale: Postgres is asked whether it exists.
+    Lookup,
+}
+
+/// One learning under way. Recording ends it; so does dropping it (a request cancelled
+/// mid-lookup), recording nothing, so that the sale can be learned again.
+pub struct Learning {
+    edge: Arc<Edge>,
+    voucher_id: i64,
+    /// The epochs when it began: [`Learning::record`] records nothing if the sale (or
+    /// everything) was forgotten since.
+    all: u64,
+    sale: u64,
+    done: bool,
+}
+
+impl Learning {
+    fn record(mut self, read_at: Instant, verdict: Option<Verdict>) {
+        self.done = true;
+        self.edge
+            .record(self.voucher_id, (self.all, self.sale), read_at, verdict);
+    }
+
+    /// Postgres says there is no such sale: remembered, unless it was announced since
+    /// the lookup began (`asked_at`: when Postgres was asked).
+    pub fn not_found(self, asked_at: Instant) {
+        self.record(asked_at, Some(Verdict::NotFound));
+    }
+
+    /// Nothing to remember.
+    pub fn nothing(self) {
+        self.record(Instant::now(), None);
+    }
+}
+
+impl Drop for Learning {
+    fn drop(&mut self) {
+        if !self.done {
+            self.edge
+                .record(self.voucher_id, (self.all, self.sale), Instant::now(), None);
+        }
+    }
 }
 
 impl Edge {
@@ -135,10 +188,18 @@ impl Edge {
         !self.ttl.is_zero()
     }
 
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Memory> {
+        self.memory.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Memory> {
+        self.memory.write().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// The answer to `user`'s press on `voucher_id`, when the instance knows it without
     /// Redis; `None`: ask Redis.
     pub fn answer(&self, voucher_id: i64, user_id: i64, now: Instant) -> Option<EdgeAnswer> {
-        let memory = self.memory.read().unwrap_or_else(|e| e.into_inner());
+        let memory = self.read();
         let entry = memory.sales.get(&voucher_id)?;
         if now.saturating_duration_since(entry.read_at) >= self.ttl {
             return None;
@@ -154,29 +215,36 @@ impl Edge {
         }
     }
 
-    /// Starts learning `voucher_id` unless a learning of it is under way or the memory
-    /// of it is fresh; the ticket to record with.
-    fn begin(&self, voucher_id: i64) -> Option<Ticket> {
+    /// Starts learning `voucher_id` unless a learning of it is under way, the edge is off
+    /// or memory is full.
+    fn begin(self: &Arc<Self>, voucher_id: i64, purpose: Purpose) -> Option<Learning> {
         if !self.enabled() {
             return None;
         }
-        let mut memory = self.memory.write().unwrap_or_else(|e| e.into_inner());
-        let all = memory.epoch;
-        if memory.sales.len() >= MAX_SALES && !memory.sales.contains_key(&voucher_id) {
-            let ttl = self.ttl;
-            if memory.pruned_at.is_none_or(|at| at.elapsed() >= ttl) {
-                memory.pruned_at = Some(Instant::now());
-                memory
-                    .sales
-                    .retain(|_, e| e.learning || e.read_at.elapsed() < ttl);
-            }
-            if memory.sales.len() >= MAX_SALES {
-                return None;
-            }
+        // Most calls find a learning under way: no write lock for those.
+        if self
+            .read()
+            .sales
+            .get(&voucher_id)
+            .is_some_and(|e| e.learning)
+        {
+            return None;
         }
+        let mut memory = self.write();
+        self.prune(&mut memory);
+        let room = match purpose {
+            Purpose::Verdict => MAX_SALES,
+            Purpose::Lookup => MAX_SALES / 2,
+        };
+        if memory.sales.len() >= room && !memory.sales.contains_key(&voucher_id) {
+            return None;
+        }
+        let all = memory.epoch;
         let entry = memory.sales.entry(voucher_id).or_insert_with(|| Entry {
             verdict: None,
             read_at: Instant::now(),
+            buyers: None,
+            scanned: None,
             epoch: 0,
             learning: false,
         });
@@ -184,40 +252,73 @@ impl Edge {
             return None;
         }
         entry.learning = true;
-        Some(Ticket {
+        Some(Learning {
+            edge: self.clone(),
+            voucher_id,
             all,
             sale: entry.epoch,
+            done: false,
         })
     }
 
+    /// Drops the sales nobody pressed lately (at most once a second: a storm of made-up
+    /// ids must not pay a sweep per press).
+    fn prune(&self, memory: &mut Memory) {
+        if memory
+            .pruned_at
+            .is_some_and(|at| at.elapsed() < Duration::from_secs(1))
+        {
+            return;
+        }
+        memory.pruned_at = Some(Instant::now());
+        memory
+            .sales
+            .retain(|_, e| e.learning || e.read_at.elapsed() < IDLE);
+    }
+
     /// Records what a learning found (or, with `None`, only that it ended), unless the
-    /// sale was forgotten since the ticket was drawn.
-    fn record(&self, voucher_id: i64, ticket: Ticket, read_at: Instant, verdict: Option<Verdict>) {
-        let mut memory = self.memory.write().unwrap_or_else(|e| e.into_inner());
-        let all = memory.epoch;
+    /// sale was forgotten since it began.
+    fn record(
+        &self,
+        voucher_id: i64,
+        (all, sale): (u64, u64),
+        read_at: Instant,
+        verdict: Option<Verdict>,
+    ) {
+        let mut memory = self.write();
+        let current = memory.epoch;
         let Some(entry) = memory.sales.get_mut(&voucher_id) else {
             return;
         };
         entry.learning = false;
-        if ticket.all != all || ticket.sale != entry.epoch {
+        if all != current || sale != entry.epoch {
             return;
+        }
+        if let Some(Verdict::SoldOut { buyers }) = &verdict {
+            entry.buyers = Some(buyers.clone());
         }
         entry.verdict = verdict;
         entry.read_at = read_at;
     }
 
-    /// The buyers remembered for a sold-out sale, to reuse while its signature holds.
-    fn buyers(&self, voucher_id: i64) -> Option<Arc<Buyers>> {
-        let memory = self.memory.read().unwrap_or_else(|e| e.into_inner());
-        match memory.sales.get(&voucher_id)?.verdict.as_ref()? {
-            Verdict::SoldOut { buyers } => Some(buyers.clone()),
-            _ => None,
+    /// The buyers last read for a sale (reused while their signature holds), and when
+    /// its buyers were last scanned and how many.
+    fn buyers(&self, voucher_id: i64) -> (Option<Arc<Buyers>>, Option<(Instant, usize)>) {
+        match self.read().sales.get(&voucher_id) {
+            Some(e) => (e.buyers.clone(), e.scanned),
+            None => (None, None),
+        }
+    }
+
+    fn scanned(&self, voucher_id: i64, buyers: usize) {
+        if let Some(entry) = self.write().sales.get_mut(&voucher_id) {
+            entry.scanned = Some((Instant::now(), buyers));
         }
     }
 
     /// Forgets one sale (its state changed: a unit came back, it was loaded or closed).
     pub fn forget(&self, voucher_id: i64) {
-        let mut memory = self.memory.write().unwrap_or_else(|e| e.into_inner());
+        let mut memory = self.write();
         if let Some(entry) = memory.sales.get_mut(&voucher_id) {
             entry.verdict = None;
             entry.epoch += 1;
@@ -226,40 +327,20 @@ impl Edge {
 
     /// Forgets every sale (announcements may have been missed).
     pub fn forget_all(&self) {
-        let mut memory = self.memory.write().unwrap_or_else(|e| e.into_inner());
+        let mut memory = self.write();
         memory.epoch += 1;
         memory.sales.retain(|_, e| e.learning);
         for entry in memory.sales.values_mut() {
             entry.verdict = None;
+            entry.buyers = None;
         }
     }
 
-    /// Sales remembered now (fresh memories only).
-    pub fn remembered(&self) -> usize {
-        let memory = self.memory.read().unwrap_or_else(|e| e.into_inner());
-        memory
-            .sales
-            .values()
-            .filter(|e| e.verdict.is_some() && e.read_at.elapsed() < self.ttl)
-            .count()
-    }
-
-    /// Remembers that there is no flash sale `voucher_id` (Postgres said so), unless it
-    /// was announced meanwhile. `ticket` from [`Edge::ticket_for_lookup`], drawn before
-    /// Postgres was asked.
-    pub fn remember_not_found(&self, voucher_id: i64, ticket: Ticket, asked_at: Instant) {
-        self.record(voucher_id, ticket, asked_at, Some(Verdict::NotFound));
-    }
-
-    /// A ticket for a lookup in Postgres (see [`Edge::remember_not_found`]); `None` when
-    /// one is under way or the edge is off.
-    pub fn ticket_for_lookup(&self, voucher_id: i64) -> Option<Ticket> {
-        self.begin(voucher_id)
-    }
-
-    /// Ends a lookup that found a sale after all (nothing to remember).
-    pub fn lookup_found_a_sale(&self, voucher_id: i64, ticket: Ticket) {
-        self.record(voucher_id, ticket, Instant::now(), None);
+    /// Begins a lookup in Postgres of a sale Redis holds no state of (see
+    /// [`Learning::not_found`]); `None` when one is under way, the edge is off or memory
+    /// is full. Draw it before asking Postgres.
+    pub fn lookup(self: &Arc<Self>, voucher_id: i64) -> Option<Learning> {
+        self.begin(voucher_id, Purpose::Lookup)
     }
 
     /// After Redis answered a grab of `voucher_id` with a verdict the edge could have
@@ -269,7 +350,7 @@ impl Edge {
     where
         C: ConnectionLike + Send + Clone + 'static,
     {
-        let Some(ticket) = self.begin(voucher_id) else {
+        let Some(learning) = self.begin(voucher_id, Purpose::Verdict) else {
             return;
         };
         let (edge, mut conn, keys) = (self.clone(), conn.clone(), keys.clone());
@@ -282,7 +363,7 @@ impl Edge {
                     None
                 }
             };
-            edge.record(voucher_id, ticket, read_at, verdict);
+            learning.record(read_at, verdict);
         });
     }
 
@@ -303,9 +384,10 @@ impl Edge {
             return Ok(Some(Verdict::Ended));
         }
         if state.now_ms < state.begin_ms {
-            let wait = Duration::from_millis((state.begin_ms - state.now_ms) as u64);
             // Sent at `read_at`, read by Redis later: this instant is never after the
-            // opening, at most one round trip before it.
+            // opening, at most one round trip before it (the millisecond taken off covers
+            // Redis's clock read rounded down).
+            let wait = Duration::from_millis((state.begin_ms - state.now_ms - 1).max(0) as u64);
             return Ok(Some(Verdict::NotStarted {
                 opens: read_at + wait,
             }));
@@ -317,12 +399,15 @@ impl Edge {
             gen: state.gen,
             term: state.term,
         };
-        if let Some(known) = self.buyers(voucher_id) {
-            if known.signature == signature {
-                return Ok(Some(Verdict::SoldOut { buyers: known }));
-            }
+        let (known, scanned) = self.buyers(voucher_id);
+        if let Some(buyers) = known.filter(|k| k.signature == signature) {
+            return Ok(Some(Verdict::SoldOut { buyers }));
+        }
+        if scanned.is_some_and(|(at, n)| n > LARGE_SALE && at.elapsed() < RESCAN_EVERY) {
+            return Ok(None);
         }
         let users = scan_buyers(conn, &key).await?;
+        self.scanned(voucher_id, users.len());
         // Still the same state, and still sold out: then the list is complete.
         match peek(conn, &key).await? {
             Some(after)
@@ -339,14 +424,15 @@ impl Edge {
     }
 
     /// Listens for announcements until cancelled: forgets each sale named, and every
-    /// sale whenever the subscription was (re)made (messages may have been missed).
+    /// sale whenever the subscription was (re)made or went quiet (messages may have been
+    /// missed meanwhile). A PING every [`PING_EVERY`] tells a live subscription from a
+    /// silently cut one.
     pub async fn listen(
         self: Arc<Self>,
         source: crate::redis_conn::Subscriber,
         channel: String,
         cancel: tokio_util::sync::CancellationToken,
     ) {
-        use futures_util::StreamExt;
         let mut backoff =
             crate::backoff::Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
         loop {
@@ -364,20 +450,11 @@ impl Edge {
                     backoff.reset();
                     self.forget_all();
                     tracing::debug!(%channel, "listening for sale changes");
-                    let mut messages = pubsub.into_on_message();
-                    loop {
-                        let message = tokio::select! {
-                            _ = cancel.cancelled() => return,
-                            m = messages.next() => m,
-                        };
-                        let Some(message) = message else { break };
-                        metrics::counter!(crate::metrics::SALE_CHANGES_HEARD).increment(1);
-                        match message.get_payload::<i64>() {
-                            Ok(voucher_id) => self.forget(voucher_id),
-                            Err(_) => self.forget_all(),
-                        }
-                    }
-                    tracing::warn!(%channel, "lost the subscription to sale changes; resubscribing");
+                    let lost = tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        lost = self.hear(pubsub) => lost,
+                    };
+                    tracing::warn!(%channel, %lost, "lost the subscription to sale changes; resubscribing");
                 }
                 Err(e) => {
                     tracing::warn!(%channel, error = %e, "cannot subscribe to sale changes");
@@ -391,7 +468,44 @@ impl Edge {
             }
         }
     }
+
+    /// Forgets each sale announced on `pubsub` until the subscription ends or a PING
+    /// goes unanswered; why it ended.
+    async fn hear(&self, pubsub: redis::aio::PubSub) -> String {
+        use futures_util::StreamExt;
+        let (mut sink, mut messages) = pubsub.split();
+        let mut ping = tokio::time::interval(PING_EVERY);
+        ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Pings answered in order: one in flight at a time, within the interval.
+        let pinged = async {
+            loop {
+                ping.tick().await;
+                match tokio::time::timeout(PING_EVERY, sink.ping::<redis::Value>()).await {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => return format!("ping failed: {e}"),
+                    Err(_) => return "no answer to a ping".to_string(),
+                }
+            }
+        };
+        let heard = async {
+            while let Some(message) = messages.next().await {
+                metrics::counter!(crate::metrics::SALE_CHANGES_HEARD).increment(1);
+                match message.get_payload::<i64>() {
+                    Ok(voucher_id) => self.forget(voucher_id),
+                    Err(_) => self.forget_all(),
+                }
+            }
+            "the connection closed".to_string()
+        };
+        tokio::select! {
+            why = pinged => why,
+            why = heard => why,
+        }
+    }
 }
+
+/// How often the subscription is pinged (and how long a ping may take).
+const PING_EVERY: Duration = Duration::from_secs(2);
 
 /// A sale's state as `seckill_peek` reads it.
 struct Peeked {
@@ -468,8 +582,12 @@ async fn scan_buyers<C: ConnectionLike + Send>(
 mod tests {
     use super::*;
 
-    fn sold_out(edge: &Edge, voucher_id: i64, buyers: &[i64]) {
-        let ticket = edge.begin(voucher_id).unwrap();
+    fn edge(ttl: Duration) -> Arc<Edge> {
+        Arc::new(Edge::new(ttl))
+    }
+
+    fn sold_out(edge: &Arc<Edge>, voucher_id: i64, buyers: &[i64]) {
+        let learning = edge.begin(voucher_id, Purpose::Verdict).unwrap();
         let buyers = Arc::new(Buyers {
             users: buyers.iter().copied().collect(),
             signature: Signature {
@@ -477,17 +595,12 @@ mod tests {
                 term: "t".into(),
             },
         });
-        edge.record(
-            voucher_id,
-            ticket,
-            Instant::now(),
-            Some(Verdict::SoldOut { buyers }),
-        );
+        learning.record(Instant::now(), Some(Verdict::SoldOut { buyers }));
     }
 
     #[test]
     fn a_sold_out_sale_is_answered_at_the_edge_except_to_its_buyers() {
-        let edge = Edge::new(Duration::from_secs(5));
+        let edge = edge(Duration::from_secs(5));
         sold_out(&edge, 7, &[1, 2]);
         let now = Instant::now();
         assert_eq!(edge.answer(7, 3, now), Some(EdgeAnswer::SoldOut));
@@ -497,7 +610,7 @@ mod tests {
 
     #[test]
     fn a_memory_is_believed_only_for_its_time_to_live() {
-        let edge = Edge::new(Duration::from_millis(500));
+        let edge = edge(Duration::from_millis(500));
         sold_out(&edge, 7, &[]);
         let now = Instant::now();
         assert_eq!(edge.answer(7, 3, now), Some(EdgeAnswer::SoldOut));
@@ -506,48 +619,71 @@ mod tests {
 
     #[test]
     fn an_announcement_during_a_learning_stops_its_recording() {
-        let edge = Edge::new(Duration::from_secs(5));
-        let ticket = edge.begin(7).unwrap();
-        assert!(edge.begin(7).is_none(), "one learning per sale at a time");
+        let edge = edge(Duration::from_secs(5));
+        let learning = edge.begin(7, Purpose::Verdict).unwrap();
+        assert!(
+            edge.begin(7, Purpose::Verdict).is_none(),
+            "one learning per sale at a time"
+        );
         edge.forget(7);
-        edge.record(7, ticket, Instant::now(), Some(Verdict::Ended));
+        learning.record(Instant::now(), Some(Verdict::Ended));
         assert_eq!(edge.answer(7, 1, Instant::now()), None);
         // The next learning may record.
-        let ticket = edge.begin(7).unwrap();
-        edge.record(7, ticket, Instant::now(), Some(Verdict::Ended));
+        let learning = edge.begin(7, Purpose::Verdict).unwrap();
+        learning.record(Instant::now(), Some(Verdict::Ended));
         assert_eq!(edge.answer(7, 1, Instant::now()), Some(EdgeAnswer::Ended));
         edge.forget_all();
         assert_eq!(edge.answer(7, 1, Instant::now()), None);
     }
 
     #[test]
+    fn a_learning_dropped_midway_lets_the_sale_be_learned_again() {
+        let edge = edge(Duration::from_secs(5));
+        let lookup = edge.lookup(7).unwrap();
+        drop(lookup);
+        let lookup = edge.lookup(7).expect("learnable again");
+        lookup.not_found(Instant::now());
+        assert_eq!(
+            edge.answer(7, 1, Instant::now()),
+            Some(EdgeAnswer::NotFound)
+        );
+    }
+
+    #[test]
     fn a_sale_not_yet_open_is_answered_until_its_opening_only() {
-        let edge = Edge::new(Duration::from_secs(5));
+        let edge = edge(Duration::from_secs(5));
         let now = Instant::now();
-        let ticket = edge.begin(7).unwrap();
+        let learning = edge.begin(7, Purpose::Verdict).unwrap();
         let opens = now + Duration::from_millis(200);
-        edge.record(7, ticket, now, Some(Verdict::NotStarted { opens }));
+        learning.record(now, Some(Verdict::NotStarted { opens }));
         assert_eq!(edge.answer(7, 1, now), Some(EdgeAnswer::NotStarted));
         assert_eq!(edge.answer(7, 1, opens), None);
     }
 
     #[test]
-    fn a_full_memory_takes_no_new_sale_until_old_memories_expire() {
-        let edge = Edge::new(Duration::from_secs(1));
+    fn made_up_sales_fill_at_most_half_the_memory_and_real_ones_keep_room() {
+        let edge = edge(Duration::from_secs(1));
         for voucher_id in 0..MAX_SALES as i64 {
-            let ticket = edge.begin(voucher_id).unwrap();
-            edge.record(voucher_id, ticket, Instant::now(), Some(Verdict::NotFound));
+            match edge.lookup(voucher_id) {
+                Some(lookup) => lookup.not_found(Instant::now()),
+                None => {
+                    assert_eq!(voucher_id as usize, MAX_SALES / 2, "half");
+                    break;
+                }
+            }
         }
-        assert!(edge.begin(-1).is_none(), "full");
-        assert!(edge.begin(7).is_some(), "a sale already remembered may be learned again");
-        std::thread::sleep(Duration::from_millis(1100));
-        assert!(edge.begin(-1).is_some(), "expired memories make room");
+        assert!(edge.lookup(-1).is_none(), "lookups full");
+        assert!(
+            edge.begin(-2, Purpose::Verdict).is_some(),
+            "a sale Redis answered for still has room"
+        );
     }
 
     #[test]
     fn an_edge_with_no_time_to_live_remembers_nothing() {
-        let edge = Edge::new(Duration::ZERO);
-        assert!(edge.begin(7).is_none());
+        let edge = edge(Duration::ZERO);
+        assert!(edge.begin(7, Purpose::Verdict).is_none());
+        assert!(edge.lookup(7).is_none());
         assert_eq!(edge.answer(7, 1, Instant::now()), None);
     }
 }

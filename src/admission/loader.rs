@@ -277,6 +277,10 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
             _ => break reply,
         }
     };
+    // Announced as soon as the state may have changed, before anything else can fail.
+    if mode != Mode::Check && reply.len() > 1 {
+        crate::sale_changes::announce(conn, keys, voucher_id).await;
+    }
     tx.commit().await?;
     let [stock, buyer_count, in_flight, actual_stock, actual_buyers, mismatched, owed_held] =
         reply[..]
@@ -290,7 +294,6 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
     };
     if mode != Mode::Check {
         tracing::info!(voucher_id, ?expected, ?mode, "sale state loaded into redis");
-        crate::sale_changes::announce(conn, keys, voucher_id).await;
     }
     Ok(Some(Fenced {
         initial_stock: sale.initial_stock as i64,

@@ -217,15 +217,15 @@ async fn not_loaded(state: &AppState, voucher_id: i64) -> AppError {
             "the sale is being loaded, try again shortly; nothing was reserved".into(),
         );
     }
-    // Drawn before Postgres is asked: a sale created meanwhile is announced, and then
+    // Begun before Postgres is asked: a sale created meanwhile is announced, and then
     // its absence is not remembered.
-    let ticket = state.edge.ticket_for_lookup(voucher_id);
+    let lookup = state.edge.lookup(voucher_id);
     let asked_at = Instant::now();
     let sale = vouchers::sale(&state.db, voucher_id).await;
-    if let Some(ticket) = ticket {
+    if let Some(lookup) = lookup {
         match &sale {
-            Ok(None) => state.edge.remember_not_found(voucher_id, ticket, asked_at),
-            _ => state.edge.lookup_found_a_sale(voucher_id, ticket),
+            Ok(None) => lookup.not_found(asked_at),
+            _ => lookup.nothing(),
         }
     }
     match sale {

@@ -40,15 +40,20 @@ pub async fn release<C: ConnectionLike + Send>(
     r: &Release,
     replicas: Replicas,
 ) -> redis::RedisResult<bool> {
-    let done: i64 = Call::script(&RELEASE)
+    let done: redis::RedisResult<i64> = Call::script(&RELEASE)
         .key(keys.voucher(r.voucher_id))
         .arg(keys::buyer_field(r.user_id))
         .arg(r.order_id)
         .invoke_waiting(conn, replicas)
-        .await?;
+        .await;
+    // Announced whenever the unit may be back (an error may come after the script ran,
+    // as when too few replicas acknowledged).
+    if !matches!(done, Ok(0)) {
+        crate::sale_changes::announce(conn, keys, r.voucher_id).await;
+    }
+    let done = done?;
     if done == 1 {
         metrics::counter!(UNITS_RETURNED, "store" => "redis").increment(1);
-        crate::sale_changes::announce(conn, keys, r.voucher_id).await;
     }
     Ok(done == 1)
 }

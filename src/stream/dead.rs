@@ -62,7 +62,7 @@ pub(crate) async fn settle_dead<C: ConnectionLike + Send>(
     return_unit: bool,
     replicas: Replicas,
 ) -> RedisResult<bool> {
-    let settled: i64 = Call::script(&SETTLE_DEAD)
+    let settled: RedisResult<i64> = Call::script(&SETTLE_DEAD)
         .key(keys.voucher(voucher_id))
         .key(keys.stream(keys.shard_of(voucher_id)))
         .arg(GROUP)
@@ -72,9 +72,10 @@ pub(crate) async fn settle_dead<C: ConnectionLike + Send>(
         .arg(holder.map(|h| h.to_string()).unwrap_or_default())
         .arg(if return_unit { "1" } else { "0" })
         .invoke_waiting(conn, replicas)
-        .await?;
-    if settled == 1 && return_unit {
+        .await;
+    // Announced whenever the unit may be back (an error may come after the script ran).
+    if return_unit && !matches!(settled, Ok(0)) {
         crate::sale_changes::announce(conn, keys, voucher_id).await;
     }
-    Ok(settled == 1)
+    Ok(settled? == 1)
 }

@@ -134,6 +134,10 @@ async fn a_dozen_sales_on_a_three_master_cluster_sell_exactly_their_stock(db: Pg
     }
     // The lifecycle on the cluster: each sale's first buyer cancels; the unit goes back
     // to the sale's live stock on its node, and a new shopper gets it.
+    let heard = |text: String| {
+        crate::common::metric_value(&text, "seckill_sale_changes_heard_total").unwrap_or(0.0)
+    };
+    let heard_before = heard(crate::common::metrics_at(&http, &bases[1]).await);
     for &voucher in &vouchers {
         let (user, order) = results
             .iter()
@@ -156,22 +160,37 @@ async fn a_dozen_sales_on_a_three_master_cluster_sell_exactly_their_stock(db: Pg
             .await
             .unwrap();
         assert_eq!(sale["stock"], 1, "voucher {voucher}: the unit is back");
-        let resp = http
-            .post(format!("{}/vouchers/{voucher}/seckill", bases[1]))
-            .bearer_auth(jwt.mint(voucher * 1000 + 999, false, 600).unwrap())
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(resp.status(), StatusCode::ACCEPTED, "voucher {voucher}");
+        // (The other instance may still remember the sale sold out for the moment its
+        // announcement takes: fresh shoppers press until one wins.)
+        let since = std::time::Instant::now();
+        let mut shopper = voucher * 1000 + 900;
+        loop {
+            let resp = http
+                .post(format!("{}/vouchers/{voucher}/seckill", bases[1]))
+                .bearer_auth(jwt.mint(shopper, false, 600).unwrap())
+                .send()
+                .await
+                .unwrap();
+            if resp.status() == StatusCode::ACCEPTED {
+                break;
+            }
+            assert_eq!(resp.status(), StatusCode::CONFLICT, "voucher {voucher}");
+            assert!(
+                since.elapsed() < Duration::from_secs(1),
+                "voucher {voucher}: the unit never came back"
+            );
+            shopper += 1;
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
     // Each return was announced through the cluster to the other instance (which may
     // have remembered the sale sold out), whichever node it listens to.
-    let heard = crate::common::metric_value(
-        &crate::common::metrics_at(&http, &bases[1]).await,
-        "seckill_sale_changes_heard_total",
-    )
-    .unwrap_or(0.0);
-    assert!(heard >= 12.0, "the other instance heard {heard} announcements");
+    let heard_after = heard(crate::common::metrics_at(&http, &bases[1]).await);
+    assert!(
+        heard_after - heard_before >= 12.0,
+        "the other instance heard {} of 12 returns",
+        heard_after - heard_before
+    );
 
     // The live view of both instances: the same figures for every sale, from the
     // cluster's nodes and Postgres.
@@ -182,7 +201,8 @@ async fn a_dozen_sales_on_a_three_master_cluster_sell_exactly_their_stock(db: Pg
     for &voucher in &vouchers {
         let settled = |v: &Value| {
             v["outcomes"]["admitted"] == stock + 1
-                && v["outcomes"]["sold_out"] == 60 - stock
+                // (and any press that met a memory not yet told of the cancel)
+                && v["outcomes"]["sold_out"].as_i64() >= Some(60 - stock)
                 && v["orders"]["persisted"] == stock + 1
                 && v["orders"]["cancelled"] == 1
                 && v["remaining"] == 0

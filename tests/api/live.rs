@@ -157,21 +157,15 @@ async fn the_live_stream_counts_the_grabs_answered_at_the_edge(db: PgPool) {
     let voucher = app.open_sale(1).await;
     let (status, _) = app.grab(voucher, 1).await;
     assert_eq!(status, StatusCode::ACCEPTED);
-    // Fresh shoppers press the sold-out sale until the instance answers them itself.
-    let edge = |text: &str| {
-        crate::common::metric_value(text, "seckill_edge_answers_total{outcome=\"sold_out\"}")
-            .unwrap_or(0.0)
-    };
-    let mut user = 100;
-    let began = Instant::now();
-    while edge(&app.metrics_text().await) < 3.0 {
-        user += 1;
+    // Fresh shoppers press the sold-out sale for a second: after the first answers
+    // from Redis, the instance answers most of them itself. (The metrics are this test
+    // process's, shared with other tests: the live view's count is this sale's own.)
+    let presses = 40;
+    for user in 100..100 + presses {
         let (status, body) = app.grab(voucher, user).await;
         assert_eq!(status, StatusCode::CONFLICT, "{body}");
-        assert!(began.elapsed() < WAIT, "no grab answered at the edge");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    let presses = user - 100;
     let mut events = Events::open(&app.client, &app.base).await;
     let view = events
         .until(voucher, WAIT, |v| {
