@@ -438,7 +438,15 @@ impl Edge {
         loop {
             let subscribed = async {
                 let mut pubsub = source.connect().await?;
-                pubsub.subscribe(&channel).await?;
+                // (A silently cut link would never answer.)
+                tokio::time::timeout(PING_EVERY, pubsub.subscribe(&channel))
+                    .await
+                    .map_err(|_| {
+                        redis::RedisError::from(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            "no answer to SUBSCRIBE",
+                        ))
+                    })??;
                 RedisResult::Ok(pubsub)
             };
             let pubsub = tokio::select! {
