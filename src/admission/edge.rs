@@ -539,7 +539,10 @@ mod tests {
             edge.record(voucher_id, ticket, Instant::now(), Some(Verdict::NotFound));
         }
         assert!(edge.begin(-1).is_none(), "full");
-        assert!(edge.begin(7).is_some(), "a sale already remembered may be learned again");
+        assert!(
+            edge.begin(7).is_some(),
+            "a sale already remembered may be learned again"
+        );
         std::thread::sleep(Duration::from_millis(1100));
         assert!(edge.begin(-1).is_some(), "expired memories make room");
     }

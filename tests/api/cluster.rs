@@ -171,7 +171,10 @@ async fn a_dozen_sales_on_a_three_master_cluster_sell_exactly_their_stock(db: Pg
         "seckill_sale_changes_heard_total",
     )
     .unwrap_or(0.0);
-    assert!(heard >= 12.0, "the other instance heard {heard} announcements");
+    assert!(
+        heard >= 12.0,
+        "the other instance heard {heard} announcements"
+    );
 
     // The live view of both instances: the same figures for every sale, from the
     // cluster's nodes and Postgres.
