@@ -208,7 +208,8 @@ pub struct JwtKeys {
     encoding: EncodingKey,
     /// HMAC-SHA256 key for verification: the hot path verifies with it directly.
     /// `jsonwebtoken::decode` under the same rules cost the seckill route more than 5 %
-    /// of its throughput (README, "Benchmarks"); a test checks that both agree.
+    /// of its throughput (load/results/2026-11-23-crates-vs-hand-rolled.md); a test checks
+    /// that both agree.
     hmac: ring::hmac::Key,
     /// Encoded headers of HS256 tokens as common libraries write them; any other header
     /// is decoded and checked.

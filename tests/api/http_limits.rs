@@ -1,4 +1,4 @@
-//! Issue 9: the HTTP server's own limits (slow and idle connections, a connection cap,
+//! The HTTP server's own limits (slow and idle connections, a connection cap,
 //! oversized headers), honest answers when the admission store fails mid-call, read
 //! paths that fall back to Postgres while Redis is down, and input nits.
 

@@ -11,6 +11,7 @@ mod binary;
 mod cluster;
 mod demo;
 mod dev_script;
+mod docs;
 mod durability;
 mod edge;
 mod faults;

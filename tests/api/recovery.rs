@@ -19,7 +19,7 @@ use seckill::keys::{Keys, Shard};
 use serde_json::Value;
 use sqlx::{Connection, PgPool};
 
-/// Issue 9, scenario 1: `reconcile --repair` rebuilds the sale while the worker commits
+/// `reconcile --repair` rebuilds the sale while the worker commits
 /// and acknowledges batches; an order committed between repair's Postgres read and its
 /// Redis write must neither vanish from the buyers nor come back as stock.
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
@@ -111,7 +111,7 @@ async fn repair_racing_the_worker_during_a_storm_hands_out_exactly_the_stock_and
     assert_eq!(live, Some(0), "redis stock after the drain");
 }
 
-/// Issue 9, scenario 2: the same race through the API's on-line reload. While the worker
+/// The repair race above, through the API's on-line reload instead. While the worker
 /// drains a backlog, the sale's Redis state is deleted again and again; each press that
 /// finds it missing answers 503 and reloads it from Postgres in the background.
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
@@ -259,7 +259,7 @@ async fn online_reloads_racing_the_worker_lose_no_buyer_and_oversell_nothing(db:
     assert_eq!(pg_stock, 0);
 }
 
-/// Issue 9, scenario 3: a worker whose transaction waits on a row lock is slow, not dead.
+/// A worker whose transaction waits on a row lock is slow, not dead.
 /// Other workers take its entries over (short claim idle) and their delivery count grows
 /// past the bound, but an order that its first worker then commits must not be
 /// dead-lettered as poison (which also forgets its buyer, who could then buy again).
@@ -341,7 +341,7 @@ async fn orders_committed_behind_a_long_row_lock_are_never_dead_lettered_as_pois
     assert_eq!(live, Some(pg_stock as i64), "redis stock vs postgres stock");
 }
 
-/// Issue 9, scenario 4: Redis forgot a buyer whose order Postgres holds (a hand edit, a
+/// Redis forgot a buyer whose order Postgres holds (a hand edit, a
 /// lossy restore). Their presses must not keep producing phantom 202s that each take a
 /// unit: at most the first one, which the worker then resolves to the Postgres order,
 /// giving the unit back.
@@ -419,7 +419,7 @@ async fn a_buyer_redis_forgot_is_restored_from_postgres_and_gets_no_more_phantom
     assert_eq!(live, Some(pg_stock as i64), "redis stock vs postgres stock");
 }
 
-/// Issue 9, scenario 5: a healthy live sale under load is not drift. Reconcile without
+/// A healthy live sale under load is not drift. Reconcile without
 /// `--repair` during a storm must exit 0 every time.
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn reconcile_during_a_storm_on_a_healthy_sale_exits_zero(db: PgPool) {
@@ -492,7 +492,7 @@ async fn reconcile_during_a_storm_on_a_healthy_sale_exits_zero(db: PgPool) {
     assert_eq!(after, Some(0), "after the drain:\n{out}");
 }
 
-/// Issue 9, scenario 6: loading a sale must not stall Redis for everybody else. With a
+/// Loading a sale must not stall Redis for everybody else. With a
 /// long backlog of other vouchers' orders in the stream, `reconcile --repair` runs while
 /// a probe PINGs Redis: no PING may wait long.
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
@@ -543,7 +543,7 @@ async fn repairing_a_sale_behind_a_long_backlog_does_not_stall_redis(db: PgPool)
     );
 }
 
-/// Issue 9, scenario 6, through the API: the on-line reload of a sale whose state was
+/// The same through the API: the on-line reload of a sale whose state was
 /// lost must not stall Redis either, behind the same backlog.
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn reloading_a_lost_sale_on_line_behind_a_long_backlog_does_not_stall_redis(db: PgPool) {
@@ -582,7 +582,7 @@ async fn reloading_a_lost_sale_on_line_behind_a_long_backlog_does_not_stall_redi
     assert_eq!(press(&app, &base, voucher, 2).await.0, StatusCode::ACCEPTED);
 }
 
-/// Issue 9, scenario 7: shards are served fairly. A backlog on shard 0 must not hold up
+/// Shards are served fairly. A backlog on shard 0 must not hold up
 /// an order on shard 1 until the whole backlog is written.
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn an_order_on_a_quiet_shard_is_written_before_a_busy_shards_backlog_drains(db: PgPool) {
