@@ -162,137 +162,94 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
     mode: Mode,
     replicas: Replicas,
 ) -> anyhow::Result<Option<Fenced>> {
-    let key = keys.voucher(voucher_id);
-    // Spare Postgres the lock when the state is there (and current) already.
-    let leave_alone = match mode {
-        Mode::Create => redis::cmd("EXISTS").arg(&key).query_async(conn).await?,
-        Mode::Heal => current(conn, keys, voucher_id).await?,
-        Mode::Repair | Mode::Check => false,
-    };
-    if leave_alone {
+    if leave_alone(conn, keys, voucher_id, mode).await? {
         return Ok(None);
     }
-    let shard = keys.shard_of(voucher_id);
-    let scan = mode != Mode::Create;
     // The long part, before the lock: page through the stream as it is now. Orders
     // Postgres already holds are skipped (an order once written stays written); the
     // rest are re-checked under the lock and in the script. Entries of users Postgres
     // knows under another order are kept: the script must see such a phantom, whose
     // buyer record may still name it until it is buried.
-    let mut candidates: Vec<Candidate> = Vec::new();
-    let mut last: Option<String> = None;
-    if scan {
+    let mut paging = Paging {
+        scan: mode != Mode::Create,
+        last: None,
+        candidates: Vec::new(),
+        staged: 0,
+    };
+    if paging.scan {
         let early: HashMap<i64, i64> = store::vouchers::buyers(db, voucher_id)
             .await?
             .into_iter()
             .collect();
-        page_on(conn, keys, voucher_id, &early, &mut last, &mut candidates).await?;
+        paging.page_on(conn, keys, voucher_id, &early).await?;
     }
 
     let mut tx = db.begin().await?;
     let Some((sale, buyers)) = store::vouchers::lock_sale(&mut tx, voucher_id).await? else {
         return Ok(None);
     };
-    let stage = Stage::new(&key);
+    let stage = Stage::new(&keys.voucher(voucher_id));
     stage.buyers(conn, &buyers).await?;
     let known: HashMap<i64, i64> = buyers.iter().copied().collect();
-    candidates.retain(|c| known.get(&c.user_id) != Some(&c.order_id));
+    paging
+        .candidates
+        .retain(|c| known.get(&c.user_id) != Some(&c.order_id));
     // Releases owed to Redis explain a difference only to the comparison; a write
     // rebuilds the records without them (and the release then finds nothing to do).
     let owed = match mode {
         Mode::Check => store::lifecycle::owed_for(&mut tx, voucher_id).await?,
         _ => Vec::new(),
     };
-    let end_ms = sale.end_time.timestamp_millis();
-    let mut staged = 0;
+    let step = Step {
+        keys,
+        voucher_id,
+        mode,
+        sale: &sale,
+        buyers: buyers.len(),
+        owed: &owed,
+        stage: &stage,
+        retention,
+    };
     let mut rounds = 0;
-    let reply: Vec<i64> = loop {
+    let figures = loop {
         rounds += 1;
         anyhow::ensure!(
             rounds <= MAX_ROUNDS,
             "the order stream grows faster than voucher {voucher_id} can be loaded"
         );
-        if scan {
+        if paging.scan {
             // Under the lock: only what was added since the last page.
-            page_on(conn, keys, voucher_id, &known, &mut last, &mut candidates).await?;
-            // Written, whatever its status now, but not yet acknowledged: not in
-            // flight. An active one is among Postgres's buyers already; a closed one
-            // gave its unit back to Postgres's stock (and its release finds no record).
-            // Once checked under the lock, a candidate stays as it is.
-            let fresh = &candidates[staged..];
-            let ids: Vec<i64> = fresh.iter().map(|c| c.order_id).collect();
-            let mut settled: HashSet<i64> = store::orders::written_among(&mut tx, &ids)
-                .await?
-                .into_iter()
-                .collect();
-            if mode != Mode::Check {
-                // Buried (tombstoned) but not yet settled in Redis: not in flight. Its
-                // settle script will find no record naming it and return nothing.
-                settled.extend(store::dead_orders::buried_among(&mut tx, &ids).await?);
-            }
-            let mut kept = candidates.split_off(staged);
-            kept.retain(|c| !settled.contains(&c.order_id));
-            stage.candidates(conn, &kept).await?;
-            candidates.extend(kept);
-            staged = candidates.len();
+            paging.page_on(conn, keys, voucher_id, &known).await?;
+            paging.stage_unsettled(&mut tx, conn, &stage, mode).await?;
         }
         // The script may write only while the lock is surely held: the session answers
         // now (so it holds the lock for at least the idle-in-transaction timeout), and
         // the script refuses to run later than STEP_DEADLINE after this (a step queued
         // in Redis behind a client that gave up and released the lock does nothing).
         sqlx::query("SELECT 1").execute(&mut *tx).await?;
-        let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(conn).await?;
-        let deadline_ms = secs * 1000 + micros / 1000 + STEP_DEADLINE.as_millis() as i64;
-        let mut step = Call::function("seckill_load");
-        step.key(&key)
-            .key(keys.stream(shard))
-            .key(&stage.buyers)
-            .key(&stage.candidates)
-            .arg(mode.as_str())
-            .arg(voucher_id)
-            .arg(sale.stock)
-            .arg(sale.begin_time.timestamp_millis())
-            .arg(end_ms)
-            .arg(end_ms.saturating_add(retention.as_millis() as i64))
-            .arg(crate::stream::GROUP)
-            .arg(last.as_deref().unwrap_or(""))
-            .arg(PAGE)
-            .arg(if scan { "1" } else { "0" })
-            .arg(deadline_ms)
-            .arg(buyers.len())
-            .arg(owed.len());
-        for (user_id, order_id) in &owed {
-            step.arg(user_id).arg(order_id);
-        }
         let waits = match mode {
             Mode::Check => Replicas::NONE,
             _ => replicas,
         };
-        let reply: Vec<i64> = step.invoke_waiting(conn, waits).await?;
-        match reply.first() {
-            Some(-2) => continue,
-            Some(-3) => anyhow::bail!(
+        match step.run(conn, paging.last.as_deref(), waits).await? {
+            StepReply::TailTooLong => continue,
+            StepReply::TooLate => anyhow::bail!(
                 "loading voucher {voucher_id} reached Redis too late; nothing was written"
             ),
-            _ => break reply,
+            StepReply::LeftAlone => break None,
+            StepReply::Done(figures) => break Some(figures),
         }
     };
     // Announced as soon as the state may have changed, before anything else can fail.
-    if mode != Mode::Check && reply.len() > 1 {
+    if mode != Mode::Check && figures.is_some() {
         crate::sale_changes::announce(conn, keys, voucher_id).await;
     }
     tx.commit().await?;
-    let [stock, buyer_count, in_flight, actual_stock, actual_buyers, mismatched, owed_held] =
-        reply[..]
-    else {
+    let Some(figures) = figures else {
         return Ok(None);
     };
-    let expected = Loaded {
-        stock,
-        buyers: buyer_count,
-        in_flight,
-    };
     if mode != Mode::Check {
+        let expected = figures.expected;
         tracing::info!(voucher_id, ?expected, ?mode, "sale state loaded into redis");
     }
     Ok(Some(Fenced {
@@ -300,12 +257,195 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
         pg_stock: sale.stock as i64,
         pg_orders: buyers.len() as i64,
         end_time: sale.end_time,
-        expected,
-        actual_stock: (actual_stock >= 0).then_some(actual_stock),
-        actual_buyers,
-        mismatched_buyers: mismatched,
-        owed_held,
+        expected: figures.expected,
+        actual_stock: figures.actual_stock,
+        actual_buyers: figures.actual_buyers,
+        mismatched_buyers: figures.mismatched_buyers,
+        owed_held: figures.owed_held,
     }))
+}
+
+/// Whether `mode` leaves the sale's state as it is without asking Postgres: it is
+/// there (create) or there and current (heal).
+async fn leave_alone<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    voucher_id: i64,
+    mode: Mode,
+) -> anyhow::Result<bool> {
+    Ok(match mode {
+        Mode::Create => {
+            redis::cmd("EXISTS")
+                .arg(keys.voucher(voucher_id))
+                .query_async(conn)
+                .await?
+        }
+        Mode::Heal => current(conn, keys, voucher_id).await?,
+        Mode::Repair | Mode::Check => false,
+    })
+}
+
+/// The stream paged so far for one load: the entries of the sale whose order
+/// Postgres does not hold, and how many of them are staged in Redis.
+struct Paging {
+    /// Whether the stream is read at all (a new sale has nothing in flight).
+    scan: bool,
+    /// The id of the last entry paged.
+    last: Option<String>,
+    candidates: Vec<Candidate>,
+    /// Candidates checked under the lock and staged.
+    staged: usize,
+}
+
+impl Paging {
+    /// Pages on from `last` (see [`page_on`]).
+    async fn page_on<C: ConnectionLike + Send>(
+        &mut self,
+        conn: &mut C,
+        keys: &Keys,
+        voucher_id: i64,
+        known: &HashMap<i64, i64>,
+    ) -> anyhow::Result<()> {
+        page_on(
+            conn,
+            keys,
+            voucher_id,
+            known,
+            &mut self.last,
+            &mut self.candidates,
+        )
+        .await
+    }
+
+    /// Drops the candidates paged since the last call whose order was written
+    /// (whatever its status now: an active one is among Postgres's buyers already; a
+    /// closed one gave its unit back to Postgres's stock, and its release finds no
+    /// record) or buried, then stages the rest. Once checked under the lock, a
+    /// candidate stays as it is.
+    async fn stage_unsettled<C: ConnectionLike + Send>(
+        &mut self,
+        tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+        conn: &mut C,
+        stage: &Stage,
+        mode: Mode,
+    ) -> anyhow::Result<()> {
+        let ids: Vec<i64> = self.candidates[self.staged..]
+            .iter()
+            .map(|c| c.order_id)
+            .collect();
+        let mut settled: HashSet<i64> = store::orders::written_among(tx, &ids)
+            .await?
+            .into_iter()
+            .collect();
+        if mode != Mode::Check {
+            // Buried (tombstoned) but not yet settled in Redis: not in flight. Its
+            // settle script will find no record naming it and return nothing.
+            settled.extend(store::dead_orders::buried_among(tx, &ids).await?);
+        }
+        let mut kept = self.candidates.split_off(self.staged);
+        kept.retain(|c| !settled.contains(&c.order_id));
+        stage.candidates(conn, &kept).await?;
+        self.candidates.extend(kept);
+        self.staged = self.candidates.len();
+        Ok(())
+    }
+}
+
+/// The last, atomic step of a load (`seckill_load` in the function library), for one
+/// sale read under its lock.
+struct Step<'a> {
+    keys: &'a Keys,
+    voucher_id: i64,
+    mode: Mode,
+    sale: &'a store::vouchers::LockedSale,
+    /// Postgres's buyers, as staged.
+    buyers: usize,
+    /// Closed orders whose release is owed (user, order), for a check.
+    owed: &'a [(i64, i64)],
+    stage: &'a Stage,
+    retention: Duration,
+}
+
+/// What the last step of a load answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StepReply {
+    /// The state was there (and current, for a heal): left alone.
+    LeftAlone,
+    /// More stream entries since the last page than the step reads itself: page on.
+    TailTooLong,
+    /// It reached Redis after its deadline: nothing written.
+    TooLate,
+    Done(StepFigures),
+}
+
+/// A step's figures: what Redis must hold, and what it held before.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct StepFigures {
+    expected: Loaded,
+    actual_stock: Option<i64>,
+    actual_buyers: i64,
+    mismatched_buyers: i64,
+    owed_held: i64,
+}
+
+impl StepReply {
+    fn parse(reply: &[i64]) -> anyhow::Result<Self> {
+        Ok(match *reply {
+            [-1] => StepReply::LeftAlone,
+            [-2] => StepReply::TailTooLong,
+            [-3] => StepReply::TooLate,
+            [stock, buyers, in_flight, actual_stock, actual_buyers, mismatched_buyers, owed_held] => {
+                StepReply::Done(StepFigures {
+                    expected: Loaded {
+                        stock,
+                        buyers,
+                        in_flight,
+                    },
+                    actual_stock: (actual_stock >= 0).then_some(actual_stock),
+                    actual_buyers,
+                    mismatched_buyers,
+                    owed_held,
+                })
+            }
+            _ => anyhow::bail!("unexpected reply from the load step: {reply:?}"),
+        })
+    }
+}
+
+impl Step<'_> {
+    async fn run<C: ConnectionLike + Send>(
+        &self,
+        conn: &mut C,
+        last: Option<&str>,
+        waits: Replicas,
+    ) -> anyhow::Result<StepReply> {
+        let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(conn).await?;
+        let deadline_ms = secs * 1000 + micros / 1000 + STEP_DEADLINE.as_millis() as i64;
+        let end_ms = self.sale.end_time.timestamp_millis();
+        let mut call = Call::function("seckill_load");
+        call.key(self.keys.voucher(self.voucher_id))
+            .key(self.keys.stream(self.keys.shard_of(self.voucher_id)))
+            .key(&self.stage.buyers)
+            .key(&self.stage.candidates)
+            .arg(self.mode.as_str())
+            .arg(self.voucher_id)
+            .arg(self.sale.stock)
+            .arg(self.sale.begin_time.timestamp_millis())
+            .arg(end_ms)
+            .arg(end_ms.saturating_add(self.retention.as_millis() as i64))
+            .arg(crate::stream::GROUP)
+            .arg(last.unwrap_or(""))
+            .arg(PAGE)
+            .arg(if self.mode != Mode::Create { "1" } else { "0" })
+            .arg(deadline_ms)
+            .arg(self.buyers)
+            .arg(self.owed.len());
+        for (user_id, order_id) in self.owed {
+            call.arg(user_id).arg(order_id);
+        }
+        let reply: Vec<i64> = call.invoke_waiting(conn, waits).await?;
+        StepReply::parse(&reply)
+    }
 }
 
 /// The keys a load stages its bulk in: beside the sale's hash (its hash tag, so one
@@ -472,4 +612,22 @@ pub async fn close_sale<C: ConnectionLike + Send>(
     store::vouchers::end_sale_at(&mut tx, voucher_id, end_ms).await?;
     tx.commit().await?;
     Ok(true)
+}
+
+#[cfg(test)]
+mod step_tests {
+    use super::*;
+
+    #[test]
+    fn the_load_steps_replies_are_read_by_their_meaning() {
+        assert_eq!(StepReply::parse(&[-1]).unwrap(), StepReply::LeftAlone);
+        assert_eq!(StepReply::parse(&[-2]).unwrap(), StepReply::TailTooLong);
+        assert_eq!(StepReply::parse(&[-3]).unwrap(), StepReply::TooLate);
+        let StepReply::Done(f) = StepReply::parse(&[5, 10, 2, -1, 0, 0, 0]).unwrap() else {
+            panic!("not done");
+        };
+        assert_eq!(f.expected.stock, 5);
+        assert_eq!(f.actual_stock, None, "-1: the state was missing");
+        assert!(StepReply::parse(&[1, 2]).is_err());
+    }
 }
