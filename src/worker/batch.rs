@@ -91,7 +91,18 @@ impl Worker {
             entries: entries.len(),
             ..Default::default()
         };
-        let mut fates: Vec<Fate> = entries
+        let mut fates = self.fates(shard, entries);
+        let reused = self.write(shard, entries, &mut fates, &mut report).await?;
+        self.dead_letter(shard, entries, &fates, &mut report)
+            .await?;
+        self.ack(shard, entries, reused).await?;
+        count(&report);
+        Ok(report)
+    }
+
+    /// What becomes of each entry, as far as the entry alone tells.
+    fn fates(&self, shard: Shard, entries: &[Entry]) -> Vec<Fate> {
+        entries
             .iter()
             .map(|e| match e {
                 // An order naming a voucher of another shard was not written by the
@@ -109,8 +120,19 @@ impl Worker {
                 }
                 Entry::DeadLetter { .. } => Fate::Malformed,
             })
-            .collect();
+            .collect()
+    }
 
+    /// Writes the batch's orders to Postgres in one transaction, each fate updated with
+    /// what Postgres said; returns the entries whose id Redis gave to another order
+    /// (that order's, not ours to acknowledge).
+    async fn write(
+        &self,
+        shard: Shard,
+        entries: &[Entry],
+        fates: &mut [Fate],
+        report: &mut BatchReport,
+    ) -> anyhow::Result<HashSet<String>> {
         let new_orders: Vec<NewOrder> = fates
             .iter()
             .filter_map(|f| match f {
@@ -122,7 +144,6 @@ impl Worker {
             .iter()
             .filter_map(|e| Some((e.order()?.id, e.entry_id())))
             .collect();
-        // Entries whose id Redis gave to another order: that order's, not ours to ack.
         let reused: Mutex<HashSet<String>> = Mutex::default();
         let live = |ids: Vec<i64>| -> BoxFuture<'_, anyhow::Result<HashSet<i64>>> {
             let (entry_of, reused) = (&entry_of, &reused);
@@ -150,7 +171,7 @@ impl Worker {
                 .record(started.elapsed().as_secs_f64());
             metrics::histogram!(crate::metrics::WORKER_BATCH_SIZE).record(new_orders.len() as f64);
         }
-        for fate in &mut fates {
+        for fate in fates.iter_mut() {
             if let Fate::Write(order) = fate {
                 match outcomes.next().expect("one outcome per order") {
                     Persisted::Inserted => report.inserted += 1,
@@ -167,9 +188,19 @@ impl Worker {
                 }
             }
         }
+        Ok(reused.into_inner().expect("not poisoned"))
+    }
 
+    /// Dead-letters the malformed entries and buries the orders that cannot be written.
+    async fn dead_letter(
+        &self,
+        shard: Shard,
+        entries: &[Entry],
+        fates: &[Fate],
+        report: &mut BatchReport,
+    ) -> anyhow::Result<()> {
         let mut conn = self.redis.clone();
-        for (entry, fate) in entries.iter().zip(&fates) {
+        for (entry, fate) in entries.iter().zip(fates) {
             match fate {
                 Fate::Write(_) | Fate::Gone => {}
                 Fate::Malformed => {
@@ -196,15 +227,7 @@ impl Worker {
                 }
             }
         }
-        self.ack(shard, entries, reused.into_inner().expect("not poisoned"))
-            .await?;
-        metrics::counter!(crate::metrics::WORKER_ORDERS, "result" => "inserted")
-            .increment(report.inserted as u64);
-        metrics::counter!(crate::metrics::WORKER_ORDERS, "result" => "already_there")
-            .increment(report.already_there as u64);
-        metrics::counter!(crate::metrics::WORKER_ORDERS, "result" => "dead_lettered")
-            .increment(report.dead_lettered as u64);
-        Ok(report)
+        Ok(())
     }
 
     /// Acknowledges the batch, but for entries whose id now holds another order: that
@@ -298,4 +321,14 @@ impl Worker {
         }
         Ok(report)
     }
+}
+
+/// Counts a batch's settled entries by result.
+fn count(report: &BatchReport) {
+    metrics::counter!(crate::metrics::WORKER_ORDERS, "result" => "inserted")
+        .increment(report.inserted as u64);
+    metrics::counter!(crate::metrics::WORKER_ORDERS, "result" => "already_there")
+        .increment(report.already_there as u64);
+    metrics::counter!(crate::metrics::WORKER_ORDERS, "result" => "dead_lettered")
+        .increment(report.dead_lettered as u64);
 }
