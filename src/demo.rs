@@ -27,7 +27,7 @@ const ERROR_KINDS_SHOWN: usize = 5;
 
 /// What one shopper's press was answered.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Outcome {
+pub(crate) enum Answer {
     Admitted(String),
     SoldOut,
     AlreadyOrdered,
@@ -37,24 +37,24 @@ pub(crate) enum Outcome {
 }
 
 /// Reads one answer of `POST /vouchers/{id}/seckill`.
-pub(crate) fn classify(status: StatusCode, body: &Value) -> Outcome {
+pub(crate) fn classify(status: StatusCode, body: &Value) -> Answer {
     let code = body["error"]["code"].as_str();
     match (status, code) {
         (StatusCode::ACCEPTED, _) => match body["order_id"].as_str() {
-            Some(id) => Outcome::Admitted(id.to_string()),
-            None => Outcome::Error("202 without an order_id".into()),
+            Some(id) => Answer::Admitted(id.to_string()),
+            None => Answer::Error("202 without an order_id".into()),
         },
-        (StatusCode::CONFLICT, Some("sold_out")) => Outcome::SoldOut,
-        (StatusCode::CONFLICT, Some("already_ordered")) => Outcome::AlreadyOrdered,
-        (StatusCode::TOO_MANY_REQUESTS, _) => Outcome::RateLimited,
-        (status, Some(code)) => Outcome::Error(format!("{} {code}", status.as_u16())),
-        (status, None) => Outcome::Error(status.as_u16().to_string()),
+        (StatusCode::CONFLICT, Some("sold_out")) => Answer::SoldOut,
+        (StatusCode::CONFLICT, Some("already_ordered")) => Answer::AlreadyOrdered,
+        (StatusCode::TOO_MANY_REQUESTS, _) => Answer::RateLimited,
+        (status, Some(code)) => Answer::Error(format!("{} {code}", status.as_u16())),
+        (status, None) => Answer::Error(status.as_u16().to_string()),
     }
 }
 
 /// The outcomes so far.
 #[derive(Debug, Default)]
-pub(crate) struct Tally {
+pub(crate) struct Answers {
     pub admitted: Vec<String>,
     pub sold_out: u64,
     pub already_ordered: u64,
@@ -63,14 +63,14 @@ pub(crate) struct Tally {
     pub errors: BTreeMap<String, u64>,
 }
 
-impl Tally {
-    pub(crate) fn add(&mut self, outcome: Outcome) {
+impl Answers {
+    pub(crate) fn add(&mut self, outcome: Answer) {
         match outcome {
-            Outcome::Admitted(id) => self.admitted.push(id),
-            Outcome::SoldOut => self.sold_out += 1,
-            Outcome::AlreadyOrdered => self.already_ordered += 1,
-            Outcome::RateLimited => self.rate_limited += 1,
-            Outcome::Error(kind) => *self.errors.entry(kind).or_default() += 1,
+            Answer::Admitted(id) => self.admitted.push(id),
+            Answer::SoldOut => self.sold_out += 1,
+            Answer::AlreadyOrdered => self.already_ordered += 1,
+            Answer::RateLimited => self.rate_limited += 1,
+            Answer::Error(kind) => *self.errors.entry(kind).or_default() += 1,
         }
     }
 
@@ -156,7 +156,7 @@ impl Progress {
         }
     }
 
-    fn update(&mut self, tally: &Tally, done: bool) {
+    fn update(&mut self, tally: &Answers, done: bool) {
         let every = if self.terminal {
             Duration::from_millis(100)
         } else {
@@ -231,15 +231,31 @@ const ADMIN_TOKEN_TTL: u64 = 600;
 struct Api<'k> {
     http: Client,
     base: String,
-    keys: &'k JwtKeys,
+    jwt: &'k JwtKeys,
 }
 
 impl Api<'_> {
     /// A fresh admin token.
     fn admin(&self) -> anyhow::Result<String> {
-        self.keys
+        self.jwt
             .mint(ADMIN_USER, true, ADMIN_TOKEN_TTL)
             .context("minting the admin token")
+    }
+
+    /// Whether the API answers at all (a clear error when it does not, naming --url).
+    async fn reachable(&self) -> anyhow::Result<()> {
+        match self.http.get(format!("{}/healthz", self.base)).send().await {
+            Ok(r) if r.status().is_success() => Ok(()),
+            Ok(r) => bail!(
+                "{} answered /healthz with {}: is it the seckill API? (--url)",
+                self.base,
+                r.status()
+            ),
+            Err(e) => bail!(
+                "cannot reach the API at {} ({e}): is `seckill serve` running there? (--url)",
+                self.base
+            ),
+        }
     }
 
     /// Opens a sale of `stock` now, lasting past the demo, and returns its voucher id.
@@ -292,7 +308,7 @@ impl Api<'_> {
         }
     }
 
-    async fn grab(&self, voucher: i64, token: String) -> Outcome {
+    async fn grab(&self, voucher: i64, token: String) -> Answer {
         let sent = self
             .http
             .post(format!("{}/vouchers/{voucher}/seckill", self.base))
@@ -304,8 +320,8 @@ impl Api<'_> {
                 let (status, body) = read(resp).await;
                 classify(status, &body)
             }
-            Err(e) if e.is_timeout() => Outcome::Error("timed out".into()),
-            Err(_) => Outcome::Error("no answer".into()),
+            Err(e) if e.is_timeout() => Answer::Error("timed out".into()),
+            Err(_) => Answer::Error("no answer".into()),
         }
     }
 
@@ -355,85 +371,110 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
             "the demo mints its tokens with the server's secret: set JWT_SECRET (or --jwt-secret)"
         )
     })?;
-    let keys = JwtKeys::with_expected(secret, expected)?;
-    let shoppers = args.shoppers;
+    let jwt = JwtKeys::with_expected(secret, expected)?;
     let last_user = args
         .first_user
-        .checked_add(shoppers as i64 - 1)
+        .checked_add(args.shoppers as i64 - 1)
         .ok_or_else(|| anyhow::anyhow!("--first-user plus --shoppers overflows a user id"))?;
-    let spread = Duration::from_secs_f64(args.seconds);
-    let persist_timeout = Duration::from_secs(args.persist_timeout);
-    // A shopper's token is minted just before its press; it outlives the press's wait.
-    let ttl = 600;
-    let concurrency = args.concurrency as usize;
     let api = Api {
         http: Client::builder()
             .timeout(Duration::from_secs(10))
-            .pool_max_idle_per_host(concurrency)
+            .pool_max_idle_per_host(args.concurrency as usize)
             .build()?,
-        keys: &keys,
+        jwt: &jwt,
         base,
     };
-
-    match api.http.get(format!("{}/healthz", api.base)).send().await {
-        Ok(r) if r.status().is_success() => {}
-        Ok(r) => bail!(
-            "{} answered /healthz with {}: is it the seckill API? (--url)",
-            api.base,
-            r.status()
-        ),
-        Err(e) => bail!(
-            "cannot reach the API at {} ({e}): is `seckill serve` running there? (--url)",
-            api.base
-        ),
-    }
-
-    let (voucher, stock) = match args.voucher {
-        Some(voucher) => (voucher, api.sale_stock(voucher).await?),
-        None => {
-            // Open well past the demo, so that /live shows it as a running sale.
-            let lasts = spread + Duration::from_secs(600);
-            let voucher = api.open_sale(args.stock, lasts).await?;
-            (voucher, Some(args.stock as i64))
-        }
-    };
+    api.reachable().await?;
+    let (voucher, stock) = sale(&api, &args).await?;
     let stock_text = stock.map_or("unknown".to_string(), |s| s.to_string());
     println!(
-        "voucher {voucher}: stock {stock_text}, {shoppers} shoppers (users {}..={last_user}) over {:.1} s",
-        args.first_user, args.seconds
+        "voucher {voucher}: stock {stock_text}, {} shoppers (users {}..={last_user}) over {:.1} s",
+        args.shoppers, args.first_user, args.seconds
     );
     eprintln!("demo: watch it at {}/live", api.base);
 
-    // Shopper i presses at start + i/N of the spread; at most `concurrency` in flight.
-    let started = tokio::time::Instant::now();
-    let step = spread.div_f64(shoppers as f64);
-    let (api, keys, first_user) = (&api, &keys, args.first_user);
-    let mut answers = futures_util::stream::iter(0..shoppers)
-        .map(|i| async move {
-            tokio::time::sleep_until(started + step.mul_f64(i as f64)).await;
-            match keys.mint(first_user + i as i64, false, ttl) {
-                Ok(token) => api.grab(voucher, token).await,
-                Err(e) => Outcome::Error(format!("minting a token: {e}")),
-            }
-        })
-        .buffer_unordered(concurrency);
-    let mut tally = Tally::default();
-    let mut progress = Progress::new(shoppers);
-    while let Some(outcome) = answers.next().await {
-        tally.add(outcome);
-        progress.update(&tally, false);
-    }
-    progress.update(&tally, true);
+    let answers = press(&api, voucher, &args).await;
     let grabbed_at = Instant::now();
-
     println!();
-    print!("{}", tally.table());
+    print!("{}", answers.table());
 
-    let ids: HashSet<i64> = tally
+    let ids: HashSet<i64> = answers
         .admitted
         .iter()
         .filter_map(|id| id.parse().ok())
         .collect();
+    let persisted = persisted(&api, voucher, &ids, &args, grabbed_at).await;
+    match api.sale_stock(voucher).await {
+        Ok(Some(left)) => println!("{:<16} {left:>9}", "stock_left"),
+        Ok(None) => {}
+        Err(e) => println!("{:<16} {:>9}   ({e:#})", "stock_left", "unknown"),
+    }
+    let ok = verdict(&answers, &ids, &persisted, args.persist_timeout);
+    Ok(if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+/// The sale to grab: `--voucher`'s, or a new one open well past the demo (so that
+/// `/live` shows it as a running sale); its voucher id and stock.
+async fn sale(api: &Api<'_>, args: &DemoArgs) -> anyhow::Result<(i64, Option<i64>)> {
+    Ok(match args.voucher {
+        Some(voucher) => (voucher, api.sale_stock(voucher).await?),
+        None => {
+            let lasts = Duration::from_secs_f64(args.seconds) + Duration::from_secs(600);
+            let voucher = api.open_sale(args.stock, lasts).await?;
+            (voucher, Some(args.stock as i64))
+        }
+    })
+}
+
+/// Every shopper presses once: shopper i at start + i/N of the spread, at most
+/// `--concurrency` in flight, each with a token minted just before (it outlives the
+/// press's wait). Progress is shown as answers come.
+async fn press(api: &Api<'_>, voucher: i64, args: &DemoArgs) -> Answers {
+    let shoppers = args.shoppers;
+    let started = tokio::time::Instant::now();
+    let step = Duration::from_secs_f64(args.seconds).div_f64(shoppers as f64);
+    let first_user = args.first_user;
+    let mut pressed = futures_util::stream::iter(0..shoppers)
+        .map(|i| async move {
+            tokio::time::sleep_until(started + step.mul_f64(i as f64)).await;
+            match api.jwt.mint(first_user + i as i64, false, 600) {
+                Ok(token) => api.grab(voucher, token).await,
+                Err(e) => Answer::Error(format!("minting a token: {e}")),
+            }
+        })
+        .buffer_unordered(args.concurrency as usize);
+    let mut answers = Answers::default();
+    let mut progress = Progress::new(shoppers);
+    while let Some(answer) = pressed.next().await {
+        answers.add(answer);
+        progress.update(&answers, false);
+    }
+    progress.update(&answers, true);
+    answers
+}
+
+/// How many admitted orders were read back from Postgres (through the admin listing),
+/// and the last listing's error if it failed.
+struct Persisted {
+    found: usize,
+    last_error: Option<String>,
+}
+
+/// Reads the admitted orders back until all are there or `--persist-timeout` has passed
+/// since the last answer, and prints the count. The listing is retried until the
+/// deadline (a 503 while the server is busy, a timeout, a restart): the grabs are over,
+/// so a failure here is the demo's outcome (exit 1, with what is known), not bad input.
+async fn persisted(
+    api: &Api<'_>,
+    voucher: i64,
+    ids: &HashSet<i64>,
+    args: &DemoArgs,
+    grabbed_at: Instant,
+) -> Persisted {
     if !ids.is_empty() {
         eprintln!(
             "demo: waiting up to {} s for the {} admitted orders to reach Postgres",
@@ -441,66 +482,69 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
             ids.len()
         );
     }
-    // The listing is retried until the deadline (a 503 while the server is busy, a
-    // timeout, a restart): the grabs are over, so a failure here is the demo's outcome
-    // (exit 1, with what is known), not bad input.
-    let deadline = grabbed_at + persist_timeout;
-    let mut persisted = 0;
-    let mut last_error: Option<String> = None;
+    let deadline = grabbed_at + Duration::from_secs(args.persist_timeout);
+    let mut seen = Persisted {
+        found: 0,
+        last_error: None,
+    };
     while !ids.is_empty() {
-        match api.persisted(voucher, &ids).await {
+        match api.persisted(voucher, ids).await {
             Ok(found) => {
-                persisted = found;
-                last_error = None;
+                seen.found = found;
+                seen.last_error = None;
             }
-            Err(e) => last_error = Some(format!("{e:#}")),
+            Err(e) => seen.last_error = Some(format!("{e:#}")),
         }
-        if persisted == ids.len() || Instant::now() >= deadline {
+        if seen.found == ids.len() || Instant::now() >= deadline {
             break;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     println!();
     println!(
-        "{:<16} {persisted:>9}   of {} admitted, in Postgres {:.1} s after the last answer{}",
+        "{:<16} {:>9}   of {} admitted, in Postgres {:.1} s after the last answer{}",
         "persisted",
+        seen.found,
         ids.len(),
         grabbed_at.elapsed().as_secs_f64(),
-        if last_error.is_some() {
+        if seen.last_error.is_some() {
             " (at least: the last listing failed)"
         } else {
             ""
         }
     );
-    match api.sale_stock(voucher).await {
-        Ok(Some(left)) => println!("{:<16} {left:>9}", "stock_left"),
-        Ok(None) => {}
-        Err(e) => println!("{:<16} {:>9}   ({e:#})", "stock_left", "unknown"),
-    }
+    seen
+}
 
+/// Whether the demo showed what it should: every admitted order in Postgres, every
+/// press answered as expected, not every press refused by a limit. Says why not.
+fn verdict(
+    answers: &Answers,
+    ids: &HashSet<i64>,
+    persisted: &Persisted,
+    persist_timeout: u64,
+) -> bool {
     let mut ok = true;
-    if let Some(e) = &last_error {
+    if let Some(e) = &persisted.last_error {
         eprintln!(
-            "demo: cannot read the sale's orders back after {} s (the last try: {e}): is the server still running?",
-            args.persist_timeout
+            "demo: cannot read the sale's orders back after {persist_timeout} s (the last try: {e}): is the server still running?"
         );
         ok = false;
-    } else if persisted < ids.len() {
+    } else if persisted.found < ids.len() {
         eprintln!(
-            "demo: {} admitted orders are not in Postgres after {} s: is a worker running?",
-            ids.len() - persisted,
-            args.persist_timeout
+            "demo: {} admitted orders are not in Postgres after {persist_timeout} s: is a worker running?",
+            ids.len() - persisted.found,
         );
         ok = false;
     }
-    if tally.error_count() > 0 {
+    if answers.error_count() > 0 {
         eprintln!(
             "demo: {} grabs had no expected answer (see the errors above)",
-            tally.error_count()
+            answers.error_count()
         );
         ok = false;
     }
-    if tally.rate_limited == tally.total() {
+    if answers.rate_limited == answers.total() {
         eprintln!(
             "demo: every press was rate_limited: the server's per-IP limit (RATE_LIMIT_PER_IP) \
              or its per-user limit (an earlier run's shoppers: try another --first-user) \
@@ -508,11 +552,7 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         );
         ok = false;
     }
-    Ok(if ok {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
-    })
+    ok
 }
 
 #[cfg(test)]
@@ -524,16 +564,16 @@ mod tests {
         let admitted = json!({"order_id": "12", "status": "pending"});
         let err = |code: &str| json!({"error": {"code": code, "message": "m"}});
         let cases = [
-            (202, admitted, Outcome::Admitted("12".into())),
-            (409, err("sold_out"), Outcome::SoldOut),
-            (409, err("already_ordered"), Outcome::AlreadyOrdered),
-            (429, err("rate_limited"), Outcome::RateLimited),
-            (409, err("ended"), Outcome::Error("409 ended".into())),
-            (503, Value::Null, Outcome::Error("503".into())),
+            (202, admitted, Answer::Admitted("12".into())),
+            (409, err("sold_out"), Answer::SoldOut),
+            (409, err("already_ordered"), Answer::AlreadyOrdered),
+            (429, err("rate_limited"), Answer::RateLimited),
+            (409, err("ended"), Answer::Error("409 ended".into())),
+            (503, Value::Null, Answer::Error("503".into())),
             (
                 202,
                 json!({}),
-                Outcome::Error("202 without an order_id".into()),
+                Answer::Error("202 without an order_id".into()),
             ),
         ];
         for (status, body, want) in cases {
@@ -543,11 +583,11 @@ mod tests {
 
     #[test]
     fn the_table_adds_up_and_names_the_errors() {
-        let mut t = Tally::default();
-        t.add(Outcome::Admitted("1".into()));
-        t.add(Outcome::SoldOut);
-        t.add(Outcome::SoldOut);
-        t.add(Outcome::Error("409 ended".into()));
+        let mut t = Answers::default();
+        t.add(Answer::Admitted("1".into()));
+        t.add(Answer::SoldOut);
+        t.add(Answer::SoldOut);
+        t.add(Answer::Error("409 ended".into()));
         let table = t.table();
         assert!(table.contains("admitted                 1\n"), "{table}");
         assert!(table.contains("sold_out                 2\n"), "{table}");
