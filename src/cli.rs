@@ -66,7 +66,7 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
                 redis: watched,
                 keys: keys.clone(),
                 retention: Duration::from_secs(args.sale_state_retention_secs),
-                replicas: crate::scripts::Replicas::from_args(&args.redis.durability),
+                replicas: args.redis.durability.replicas(),
                 wake: Default::default(),
             };
             let mut watcher = crate::admission::term::Watcher::new(watch);
@@ -107,8 +107,7 @@ async fn reconcile(args: crate::config::ReconcileArgs) -> anyhow::Result<ExitCod
         &mut conn,
         &keys,
         args.voucher,
-        args.repair
-            .then(|| crate::scripts::Replicas::from_args(&args.redis.durability)),
+        args.repair.then(|| args.redis.durability.replicas()),
         retention,
         &mut print_out,
     )

@@ -144,6 +144,16 @@ pub struct DurabilityArgs {
     pub redis_wait_timeout_ms: u64,
 }
 
+impl DurabilityArgs {
+    /// The replicas to wait for, as these settings say.
+    pub(crate) fn replicas(&self) -> crate::scripts::Replicas {
+        crate::scripts::Replicas {
+            n: self.redis_wait_replicas,
+            timeout: std::time::Duration::from_millis(self.redis_wait_timeout_ms),
+        }
+    }
+}
+
 impl Default for DurabilityArgs {
     fn default() -> Self {
         Self {

@@ -52,13 +52,6 @@ pub struct Replicas {
 }
 
 impl Replicas {
-    pub(crate) fn from_args(args: &crate::config::DurabilityArgs) -> Self {
-        Self {
-            n: args.redis_wait_replicas,
-            timeout: Duration::from_millis(args.redis_wait_timeout_ms),
-        }
-    }
-
     /// No waiting (the default).
     pub const NONE: Replicas = Replicas {
         n: 0,

@@ -18,7 +18,6 @@ use crate::http::state::AppState;
 use crate::keys::Keys;
 use crate::lifecycle::sweeper::{self, SweepConfig};
 use crate::redis_conn::{self, RedisConn};
-use crate::scripts::Replicas;
 use crate::store;
 use crate::worker::{Worker, WorkerConfig};
 
@@ -69,7 +68,7 @@ impl Application {
                 .filter(|o| !o.is_empty())
                 .cloned()
                 .collect(),
-            replicas: Replicas::from_args(&api.redis.durability),
+            replicas: api.redis.durability.replicas(),
             edge: api.edge.clone(),
         };
         let ids = Arc::new(OrderIds::default());
@@ -247,7 +246,7 @@ pub(crate) async fn sweeper(
     let config = SweepConfig {
         every: Duration::from_millis(opts.expiry_sweep_ms),
         batch: opts.expiry_batch as i64,
-        replicas: Replicas::from_args(&redis.durability),
+        replicas: redis.durability.replicas(),
     };
     Ok(sweeper::run(db.clone(), conn, keys, config, cancel))
 }
@@ -282,7 +281,7 @@ pub(crate) async fn build_workers(
             block,
             claim_idle: Duration::from_millis(opts.worker_claim_idle_ms),
             max_deliveries: opts.worker_max_deliveries,
-            replicas: Replicas::from_args(&redis.durability),
+            replicas: redis.durability.replicas(),
             ..WorkerConfig::default()
         };
         workers.push(Worker::new(db.clone(), conn, keys.clone(), config));

@@ -516,7 +516,7 @@ impl Edge {
 const PING_EVERY: Duration = Duration::from_secs(2);
 
 /// A sale's state as `seckill_peek` reads it.
-struct Peeked {
+pub(crate) struct Peeked {
     now_ms: i64,
     begin_ms: i64,
     end_ms: i64,
@@ -525,8 +525,12 @@ struct Peeked {
     term: String,
 }
 
-/// Reads a sale's state; `None` when it is not loaded, stale or corrupt.
-async fn peek<C: ConnectionLike + Send>(conn: &mut C, key: &str) -> RedisResult<Option<Peeked>> {
+/// Reads a sale's state; `None` when it is not loaded, stale (built in an earlier term
+/// of the server) or corrupt.
+pub(crate) async fn peek<C: ConnectionLike + Send>(
+    conn: &mut C,
+    key: &str,
+) -> RedisResult<Option<Peeked>> {
     let mut call = Call::function("seckill_peek");
     call.key(key);
     let reply: Vec<String> = call.invoke(conn).await?;

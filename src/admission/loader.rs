@@ -115,23 +115,9 @@ async fn current<C: ConnectionLike + Send>(
     keys: &Keys,
     voucher_id: i64,
 ) -> anyhow::Result<bool> {
-    let key = keys.voucher(voucher_id);
-    let fields: (
-        Option<String>,
-        Option<String>,
-        Option<String>,
-        Option<String>,
-    ) = redis::cmd("HMGET")
-        .arg(&key)
-        .arg(&["stock", "begin_ms", "end_ms", "term"])
-        .query_async(conn)
-        .await?;
-    let (Some(stock), Some(begin), Some(end), Some(term)) = fields else {
-        return Ok(false);
-    };
-    let sound =
-        stock.parse::<u64>().is_ok() && begin.parse::<i64>().is_ok() && end.parse::<i64>().is_ok();
-    Ok(sound && term == super::term::of(conn, &key).await?.term)
+    Ok(super::edge::peek(conn, &keys.voucher(voucher_id))
+        .await?
+        .is_some())
 }
 
 /// The fenced step behind every move of a sale's state from Postgres into Redis, and
@@ -598,7 +584,7 @@ pub async fn close_sale<C: ConnectionLike + Send>(
     replicas: Replicas,
 ) -> anyhow::Result<bool> {
     let mut tx = db.begin().await?;
-    if store::orders::lock_sales(&mut tx, &[voucher_id]).await? == 0 {
+    if store::vouchers::lock_sales(&mut tx, &[voucher_id]).await? == 0 {
         return Ok(false);
     }
     // Postgres commits only once the replicas hold the close: a failover cannot reopen

@@ -11,7 +11,8 @@ use std::collections::HashMap;
 
 use sqlx::{PgPool, Postgres, Transaction};
 
-use super::orders::{lock_sales, NewOrder, Rejection};
+use super::admitted::{NewOrder, Rejection};
+use super::vouchers::lock_sales;
 
 /// The end of an order that will not be written, decided under the sale's row lock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,7 +86,7 @@ pub async fn bury(
     };
     let holder: Option<i64> = sqlx::query_scalar(&format!(
         "SELECT id FROM voucher_orders WHERE user_id = $1 AND voucher_id = $2 AND {}",
-        super::orders::ACTIVE
+        super::admitted::ACTIVE
     ))
     .bind(order.user_id)
     .bind(order.voucher_id)

@@ -21,7 +21,8 @@
 
 use sqlx::{FromRow, PgPool, Postgres, Transaction};
 
-use super::orders::{lock_sales, OrderRow, ORDER_COLUMNS};
+use super::orders::{OrderRow, ORDER_COLUMNS};
+use super::vouchers::lock_sales;
 
 /// A unit owed back to a sale's live stock in Redis, for a closed order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, FromRow)]

@@ -1,5 +1,6 @@
 //! Postgres, the source of truth: small query functions per table.
 
+pub mod admitted;
 pub mod dead_orders;
 pub mod lifecycle;
 pub mod live;

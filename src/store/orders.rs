@@ -6,14 +6,9 @@ use chrono::{DateTime, Utc};
 use futures_util::future::BoxFuture;
 use sqlx::{FromRow, PgPool, Postgres, Transaction};
 
-/// An admitted order on its way from the stream into Postgres.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct NewOrder {
-    pub id: i64,
-    pub user_id: i64,
-    pub voucher_id: i64,
-    pub admitted_at: DateTime<Utc>,
-}
+pub(crate) use super::admitted::ACTIVE;
+pub use super::admitted::{NewOrder, Rejection};
+use super::vouchers::lock_sales;
 
 /// What became of one order of a batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,60 +31,6 @@ pub enum Persisted {
 pub(crate) type LiveCheck<'a> =
     &'a (dyn Fn(Vec<i64>) -> BoxFuture<'a, anyhow::Result<HashSet<i64>>> + Send + Sync);
 
-/// Why an order can never be written.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Rejection {
-    /// The user already holds another order for the voucher.
-    UserHoldsOther,
-    /// Postgres has no unit left for it.
-    NoStock,
-    UnknownVoucher,
-    /// Its id belongs to another order (another user or voucher, written or buried
-    /// first): the id was minted twice.
-    IdTaken,
-    /// Dead-lettered earlier (tombstoned in `dead_orders`).
-    AlreadyDead,
-    /// Delivered too often without being written (it keeps killing workers); the
-    /// text says how often.
-    Poison(String),
-    Refused(String),
-}
-
-impl Rejection {
-    /// The reason written with the dead letter.
-    pub(crate) fn reason(&self) -> String {
-        match self {
-            Rejection::UserHoldsOther => "user already holds another order for this voucher".into(),
-            Rejection::NoStock => "no stock left in postgres".into(),
-            Rejection::UnknownVoucher => "unknown voucher".into(),
-            Rejection::IdTaken => "order id already used by another order".into(),
-            Rejection::AlreadyDead => "dead-lettered before".into(),
-            Rejection::Poison(why) => format!("poison: {why}"),
-            Rejection::Refused(msg) => format!("refused by postgres: {msg}"),
-        }
-    }
-
-    /// A stable name for metrics.
-    pub(crate) fn kind(&self) -> &'static str {
-        match self {
-            Rejection::Poison(_) => "poison",
-            // Redis admitted an order Postgres had no unit for: a 202 broken, the one
-            // dead letter worth paging someone for, so apart from the other refusals.
-            Rejection::NoStock => "no_stock",
-            // Two 202s with one id: the order ids minted are not unique.
-            Rejection::IdTaken => "duplicate_id",
-            _ => "rejected",
-        }
-    }
-
-    /// Whether the unit the order took in Redis goes back on sale. Not when Postgres
-    /// had no unit for it: then Redis sold one too many, and giving it back would sell
-    /// it again.
-    pub(crate) fn returns_unit(&self) -> bool {
-        !matches!(self, Rejection::NoStock)
-    }
-}
-
 #[derive(Debug, Clone, FromRow)]
 pub struct OrderRow {
     pub id: i64,
@@ -107,9 +48,6 @@ pub struct OrderRow {
 /// The columns of an [`OrderRow`], for `SELECT` and `RETURNING`.
 pub(crate) const ORDER_COLUMNS: &str =
     "id, user_id, voucher_id, status, created_at, pay_before, paid_at, closed_at, payment_ref";
-
-/// Statuses of an order that holds its unit (at most one per user and voucher).
-pub(crate) const ACTIVE: &str = "status IN ('created', 'paid')";
 
 /// Writes a batch in ONE transaction: idempotent inserts, and each voucher's stock
 /// lowered by exactly the rows inserted now, under a `stock >= n` guard.
@@ -206,26 +144,6 @@ async fn persist_unique(
         }
         Err(e) => Err(e),
     }
-}
-
-/// Locks the flash-sale rows of the given vouchers, in voucher order so concurrent
-/// transactions cannot deadlock each other on them, and returns how many exist. Waits at
-/// most the session's `lock_timeout`.
-pub(crate) async fn lock_sales(
-    tx: &mut Transaction<'_, Postgres>,
-    voucher_ids: &[i64],
-) -> Result<u64, sqlx::Error> {
-    let mut ids = voucher_ids.to_vec();
-    ids.sort_unstable();
-    ids.dedup();
-    sqlx::query(
-        "SELECT 1 FROM seckill_vouchers WHERE voucher_id = ANY($1) \
-         ORDER BY voucher_id FOR NO KEY UPDATE",
-    )
-    .bind(&ids)
-    .execute(&mut **tx)
-    .await
-    .map(|done| done.rows_affected())
 }
 
 /// Writes `all` in `tx` (not committed); `Ok(None)` when a stock guard failed.

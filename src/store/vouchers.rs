@@ -178,7 +178,7 @@ pub(crate) async fn buyers<'e>(
 ) -> Result<Buyers, sqlx::Error> {
     sqlx::query_as(&format!(
         "SELECT user_id, id FROM voucher_orders WHERE voucher_id = $1 AND {}",
-        super::orders::ACTIVE
+        super::admitted::ACTIVE
     ))
     .bind(voucher_id)
     .fetch_all(db)
@@ -238,4 +238,24 @@ pub(crate) async fn end_sale_at(
     .execute(&mut **tx)
     .await?;
     Ok(())
+}
+
+/// Locks the flash-sale rows of the given vouchers, in voucher order so concurrent
+/// transactions cannot deadlock each other on them, and returns how many exist. Waits at
+/// most the session's `lock_timeout`.
+pub(crate) async fn lock_sales(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    voucher_ids: &[i64],
+) -> Result<u64, sqlx::Error> {
+    let mut ids = voucher_ids.to_vec();
+    ids.sort_unstable();
+    ids.dedup();
+    sqlx::query(
+        "SELECT 1 FROM seckill_vouchers WHERE voucher_id = ANY($1) \
+         ORDER BY voucher_id FOR NO KEY UPDATE",
+    )
+    .bind(&ids)
+    .execute(&mut **tx)
+    .await
+    .map(|done| done.rows_affected())
 }

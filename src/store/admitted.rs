@@ -1,0 +1,70 @@
+//! An admitted order on its way into Postgres, and why one may never be written: what
+//! the worker's writes (`orders`) and its burials (`dead_orders`) both speak of.
+
+use chrono::{DateTime, Utc};
+
+/// An admitted order on its way from the stream into Postgres.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NewOrder {
+    pub id: i64,
+    pub user_id: i64,
+    pub voucher_id: i64,
+    pub admitted_at: DateTime<Utc>,
+}
+
+/// Why an order can never be written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Rejection {
+    /// The user already holds another order for the voucher.
+    UserHoldsOther,
+    /// Postgres has no unit left for it.
+    NoStock,
+    UnknownVoucher,
+    /// Its id belongs to another order (another user or voucher, written or buried
+    /// first): the id was minted twice.
+    IdTaken,
+    /// Dead-lettered earlier (tombstoned in `dead_orders`).
+    AlreadyDead,
+    /// Delivered too often without being written (it keeps killing workers); the
+    /// text says how often.
+    Poison(String),
+    Refused(String),
+}
+
+impl Rejection {
+    /// The reason written with the dead letter.
+    pub(crate) fn reason(&self) -> String {
+        match self {
+            Rejection::UserHoldsOther => "user already holds another order for this voucher".into(),
+            Rejection::NoStock => "no stock left in postgres".into(),
+            Rejection::UnknownVoucher => "unknown voucher".into(),
+            Rejection::IdTaken => "order id already used by another order".into(),
+            Rejection::AlreadyDead => "dead-lettered before".into(),
+            Rejection::Poison(why) => format!("poison: {why}"),
+            Rejection::Refused(msg) => format!("refused by postgres: {msg}"),
+        }
+    }
+
+    /// A stable name for metrics.
+    pub(crate) fn kind(&self) -> &'static str {
+        match self {
+            Rejection::Poison(_) => "poison",
+            // Redis admitted an order Postgres had no unit for: a 202 broken, the one
+            // dead letter worth paging someone for, so apart from the other refusals.
+            Rejection::NoStock => "no_stock",
+            // Two 202s with one id: the order ids minted are not unique.
+            Rejection::IdTaken => "duplicate_id",
+            _ => "rejected",
+        }
+    }
+
+    /// Whether the unit the order took in Redis goes back on sale. Not when Postgres
+    /// had no unit for it: then Redis sold one too many, and giving it back would sell
+    /// it again.
+    pub(crate) fn returns_unit(&self) -> bool {
+        !matches!(self, Rejection::NoStock)
+    }
+}
+
+/// Statuses of an order that holds its unit (at most one per user and voucher).
+pub(crate) const ACTIVE: &str = "status IN ('created', 'paid')";
