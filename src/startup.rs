@@ -59,18 +59,7 @@ impl Application {
         term::refuse_eviction(&mut redis.clone(), &keys).await?;
         let subscriber =
             redis_conn::Subscriber::new(&target, &redis, api.edge.redis_pubsub_url.as_deref());
-        let settings = Settings {
-            sale_state_retention: Duration::from_secs(api.sale_state_retention_secs),
-            limits: api.limits.clone(),
-            cors_allowed_origins: api
-                .cors_allowed_origins
-                .iter()
-                .filter(|o| !o.is_empty())
-                .cloned()
-                .collect(),
-            replicas: api.redis.durability.replicas(),
-            edge: api.edge.clone(),
-        };
+        let settings = settings(&api);
         let ids = Arc::new(OrderIds::default());
         let tasks = TaskTracker::new();
         if let Some(jwks) = auth.jwks() {
@@ -84,6 +73,16 @@ impl Application {
             }
             tasks.spawn(jwks.clone().keep_fresh(cancel.clone()));
         }
+        let live = crate::live::Live::new(
+            live_max_viewers(
+                api.live_max_viewers as usize,
+                crate::http::server::effective_max_connections(
+                    api.server.http_max_connections as usize,
+                ),
+            ),
+            api.live_max_sales.into(),
+            cancel.clone(),
+        );
         let state = AppState::new(
             db.clone(),
             redis.clone(),
@@ -91,79 +90,10 @@ impl Application {
             auth,
             ids.clone(),
             settings.clone(),
-            crate::live::Live::new(
-                live_max_viewers(
-                    api.live_max_viewers as usize,
-                    crate::http::server::effective_max_connections(
-                        api.server.http_max_connections as usize,
-                    ),
-                ),
-                api.live_max_sales.into(),
-                cancel.clone(),
-            ),
+            live,
         );
-        let lease_keeping = upkeep::Upkeep {
-            redis: redis.clone(),
-            keys: keys.clone(),
-            ids: ids.clone(),
-            replicas: settings.replicas,
-            redis_lost_data: state.heal.clone(),
-        };
-        // Lease an order-id node now if Redis answers, so the first grab can be served;
-        // otherwise the upkeep keeps trying (the process starts, and reports not ready).
-        let lease = match upkeep::claim(&lease_keeping).await {
-            Ok(lease) => Some(lease),
-            Err(e) => {
-                tracing::warn!(error = %e, "no order-id node leased yet");
-                None
-            }
-        };
-        // The live view's producer, which also adds this process's grab counts to
-        // Redis each second (every instance's page shows them), the last time once the
-        // last request has been answered. Restarted if it panics: every page would
-        // freeze, and grab counts stop reaching Redis.
         let served = CancellationToken::new();
-        tasks.spawn(restart_after_panic(
-            "the live view's producer",
-            cancel.clone(),
-            {
-                let (live, db, redis, keys) =
-                    (state.live.clone(), db.clone(), redis.clone(), keys.clone());
-                let (tally, served) = (state.admissions.tally().clone(), served.clone());
-                move || {
-                    live.clone().run(
-                        db.clone(),
-                        redis.clone(),
-                        keys.clone(),
-                        tally.clone(),
-                        served.clone(),
-                    )
-                }
-            },
-        ));
-        tasks.spawn(upkeep::run(lease_keeping, lease, cancel.clone()));
-        // The first look before serving: a sale left stale or missing while no process
-        // ran is rebuilt before the first grab can meet it.
-        let mut watcher = term::Watcher::new(term::Watch {
-            db: db.clone(),
-            redis: redis.clone(),
-            keys: keys.clone(),
-            retention: settings.sale_state_retention,
-            replicas: settings.replicas,
-            wake: state.heal.clone(),
-        });
-        watcher.look().await;
-        tasks.spawn(watcher.run(cancel.clone()));
-        tasks.spawn(state.clone().forget_idle_rate_limits(cancel.clone()));
-        if state.edge.enabled() {
-            let channel = keys.sale_changes();
-            tasks.spawn(
-                state
-                    .edge
-                    .clone()
-                    .listen(subscriber, channel, cancel.clone()),
-            );
-        }
+        start_duties(&state, &tasks, &served, subscriber, &cancel).await;
         if let Some(opts) = worker {
             tasks.spawn(sweeper(&db, &api.redis, keys.clone(), &opts, cancel.clone()).await?);
             let lanes = defaults::SERVE_WORKER_CONCURRENCY;
@@ -204,6 +134,100 @@ impl Application {
 
 pub(crate) fn keys(redis: &RedisArgs) -> anyhow::Result<Keys> {
     Keys::with_shards(redis.redis_key_prefix.clone(), redis.stream_shards)
+}
+
+/// The settings a request handler reads, from the API's arguments.
+fn settings(api: &ApiArgs) -> Settings {
+    Settings {
+        sale_state_retention: Duration::from_secs(api.sale_state_retention_secs),
+        limits: api.limits.clone(),
+        cors_allowed_origins: api
+            .cors_allowed_origins
+            .iter()
+            .filter(|o| !o.is_empty())
+            .cloned()
+            .collect(),
+        replicas: api.redis.durability.replicas(),
+        edge: api.edge.clone(),
+    }
+}
+
+/// Starts an API process's background duties: the order-id lease (claimed now if Redis
+/// answers, so the first grab can be served), the live view's producer, the term
+/// watcher (its first look before serving: a sale left stale or missing while no
+/// process ran is rebuilt before the first grab can meet it), the rate limiters'
+/// cleanup and the edge's subscription.
+async fn start_duties(
+    state: &AppState,
+    tasks: &TaskTracker,
+    served: &CancellationToken,
+    subscriber: redis_conn::Subscriber,
+    cancel: &CancellationToken,
+) {
+    let lease_keeping = upkeep::Upkeep {
+        redis: state.redis.clone(),
+        keys: state.keys.clone(),
+        ids: state.ids.clone(),
+        replicas: state.settings.replicas,
+        redis_lost_data: state.heal.clone(),
+    };
+    // Otherwise the upkeep keeps trying (the process starts, and reports not ready).
+    let lease = match upkeep::claim(&lease_keeping).await {
+        Ok(lease) => Some(lease),
+        Err(e) => {
+            tracing::warn!(error = %e, "no order-id node leased yet");
+            None
+        }
+    };
+    tasks.spawn(upkeep::run(lease_keeping, lease, cancel.clone()));
+    tasks.spawn(live_producer(state, served, cancel));
+    let mut watcher = term::Watcher::new(term::Watch {
+        db: state.db.clone(),
+        redis: state.redis.clone(),
+        keys: state.keys.clone(),
+        retention: state.settings.sale_state_retention,
+        replicas: state.settings.replicas,
+        wake: state.heal.clone(),
+    });
+    watcher.look().await;
+    tasks.spawn(watcher.run(cancel.clone()));
+    tasks.spawn(state.clone().forget_idle_rate_limits(cancel.clone()));
+    if state.edge.enabled() {
+        let channel = state.keys.sale_changes();
+        tasks.spawn(
+            state
+                .edge
+                .clone()
+                .listen(subscriber, channel, cancel.clone()),
+        );
+    }
+}
+
+/// The live view's producer, which also adds this process's grab counts to Redis each
+/// second (every instance's page shows them), the last time once the last request has
+/// been answered (`served`). Restarted if it panics: every page would freeze, and grab
+/// counts stop reaching Redis.
+fn live_producer(
+    state: &AppState,
+    served: &CancellationToken,
+    cancel: &CancellationToken,
+) -> impl std::future::Future<Output = ()> {
+    let (live, db, redis, keys) = (
+        state.live.clone(),
+        state.db.clone(),
+        state.redis.clone(),
+        state.keys.clone(),
+    );
+    let (tally, served) = (state.admissions.tally().clone(), served.clone());
+    restart_after_panic("the live view's producer", cancel.clone(), move || {
+        live.clone().run(
+            db.clone(),
+            redis.clone(),
+            keys.clone(),
+            tally.clone(),
+            served.clone(),
+        )
+    })
 }
 
 /// A connection to the configured Redis: one node, a cluster (which must answer within a
