@@ -217,6 +217,120 @@ mod tests {
         assert_eq!(ids.len(), 17, "every routed operation is documented");
     }
 
+    fn document() -> serde_json::Value {
+        serde_json::from_str(&DOCUMENT).unwrap()
+    }
+
+    /// Every operation of the document: (method, path, operation).
+    fn operations(doc: &serde_json::Value) -> Vec<(String, String, serde_json::Value)> {
+        let mut all = Vec::new();
+        for (path, item) in doc["paths"].as_object().unwrap() {
+            for (method, op) in item.as_object().unwrap() {
+                all.push((method.clone(), path.clone(), op.clone()));
+            }
+        }
+        all
+    }
+
+    /// A generated client sends no body when none is given only if the body is
+    /// `required: false` with the body's own schema; `oneOf [null, PayOrder]` made
+    /// openapi-python-client send `null` or raise.
+    #[test]
+    fn an_optional_body_is_not_required_and_is_described_by_its_own_schema() {
+        let doc = document();
+        let body = &doc["paths"]["/orders/{order_id}/pay"]["post"]["requestBody"];
+        assert_eq!(body["required"], false, "{body}");
+        assert_eq!(
+            body["content"]["application/json"]["schema"],
+            serde_json::json!({"$ref": "#/components/schemas/PayOrder"}),
+            "{body}"
+        );
+    }
+
+    /// Order ids travel as strings in bodies (JavaScript loses precision above 2^53);
+    /// in paths they are declared the same way, so a client never turns one into a
+    /// float on its way back.
+    #[test]
+    fn order_ids_in_paths_are_strings_of_the_same_pattern_as_in_bodies() {
+        let doc = document();
+        let in_bodies = &doc["components"]["schemas"]["OrderResponse"]["properties"]["order_id"];
+        assert_eq!(in_bodies["pattern"], "^[1-9][0-9]{0,18}$");
+        let mut seen = 0;
+        for (method, path, op) in operations(&doc) {
+            for param in op["parameters"].as_array().into_iter().flatten() {
+                if param["name"] != "order_id" {
+                    continue;
+                }
+                seen += 1;
+                assert_eq!(param["in"], "path", "{method} {path}");
+                assert_eq!(param["schema"]["type"], "string", "{method} {path}");
+                assert_eq!(
+                    param["schema"]["pattern"], in_bodies["pattern"],
+                    "{method} {path}"
+                );
+                assert!(param["schema"].get("format").is_none(), "{method} {path}");
+            }
+        }
+        assert_eq!(seen, 3, "get, pay and cancel take an order id");
+    }
+
+    /// `code` is an enum of every code the service answers, from the one Rust enum the
+    /// error mapping uses.
+    #[test]
+    fn the_error_code_is_an_enum_of_every_code_the_service_answers() {
+        let doc = document();
+        let schemas = &doc["components"]["schemas"];
+        assert_eq!(
+            schemas["ErrorDetail"]["properties"]["code"]["$ref"],
+            "#/components/schemas/ErrorCode"
+        );
+        assert_eq!(
+            schemas["ErrorCode"]["enum"],
+            serde_json::json!([
+                "unauthorized",
+                "forbidden",
+                "not_found",
+                "validation",
+                "not_started",
+                "ended",
+                "sold_out",
+                "already_ordered",
+                "order_pending",
+                "order_paid",
+                "order_closed",
+                "rate_limited",
+                "unavailable",
+                "conflict",
+                "internal"
+            ])
+        );
+    }
+
+    /// The answers of the server's own limits are described where they can happen, in
+    /// the JSON error format: 413 on the operations that read a body, 414 (the URL) and
+    /// 431 (the head) on every operation, 405 (another method on the path) on every one.
+    #[test]
+    fn the_limits_answers_are_documented_where_they_can_occur() {
+        let doc = document();
+        let error_body = serde_json::json!({"$ref": "#/components/schemas/ErrorBody"});
+        let ops = operations(&doc);
+        assert_eq!(ops.len(), 17);
+        for (method, path, op) in ops {
+            let has_body = op.get("requestBody").is_some();
+            for status in ["405", "413", "414", "431"] {
+                let response = &op["responses"][status];
+                if status == "413" && !has_body {
+                    assert!(response.is_null(), "{method} {path} reads no body: {status}");
+                    continue;
+                }
+                assert_eq!(
+                    response["content"]["application/json"]["schema"], error_body,
+                    "{method} {path} {status}: {response}"
+                );
+            }
+        }
+    }
+
     #[tokio::test]
     async fn the_docs_page_loads_nothing_from_elsewhere() {
         let page = docs().await.0;
