@@ -36,6 +36,9 @@ pub(crate) const BODY_LIMIT: usize = 64 * 1024;
 /// with its own 431, which has no body.
 pub(crate) const MAX_HEADERS: usize = 100;
 pub(crate) const MAX_HEADER_BYTES: usize = 32 * 1024;
+/// Longest URL (path and query) a request may have; longer is a 414 in the JSON error
+/// format, whether the middleware or hyper (past 64 KiB) refuses it.
+pub(crate) const MAX_URL_BYTES: usize = MAX_HEADER_BYTES;
 
 const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 

@@ -4,11 +4,13 @@
 use std::sync::LazyLock;
 
 use axum::response::{Html, IntoResponse};
+use utoipa::openapi::path::Operation;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::openapi::RefOr;
 use utoipa::{Modify, OpenApi};
 
 use super::{health, live, orders, seckill, vouchers};
-use crate::http::error::{ErrorBody, ErrorDetail};
+use crate::http::error::{ErrorBody, ErrorCode, ErrorDetail};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -52,8 +54,9 @@ use crate::http::error::{ErrorBody, ErrorDetail};
         orders::PayOrder,
         ErrorBody,
         ErrorDetail,
+        ErrorCode,
     )),
-    modifiers(&BearerAuth),
+    modifiers(&BearerAuth, &OptionalBodies, &LimitAnswers),
     tags(
         (name = "vouchers", description = "publishing and reading vouchers"),
         (name = "seckill", description = "the flash sale itself"),
@@ -78,6 +81,132 @@ impl Modify for BearerAuth {
                     .build(),
             ),
         );
+    }
+}
+
+/// An optional body (`Option<T>` in a `request_body`), which utoipa writes as a required
+/// `oneOf [null, T]`, becomes `required: false` with `T`'s own schema: what it means
+/// (no body at all is fine), and what client generators understand (with `oneOf`,
+/// openapi-python-client sent a JSON `null`, or raised when given no body).
+struct OptionalBodies;
+
+impl Modify for OptionalBodies {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::{schema::Schema, Required};
+        for op in operations(openapi) {
+            let Some(body) = op.request_body.as_mut() else {
+                continue;
+            };
+            if body.required == Some(Required::True) {
+                continue;
+            }
+            let mut unwrapped = false;
+            for content in body.content.values_mut() {
+                let Some(RefOr::T(Schema::OneOf(one_of))) = &content.schema else {
+                    continue;
+                };
+                let mut items = one_of.items.iter().filter(|item| !is_null(item));
+                if let (Some(only), None, true) =
+                    (items.next(), items.next(), one_of.items.len() == 2)
+                {
+                    content.schema = Some(only.clone());
+                    unwrapped = true;
+                }
+            }
+            if unwrapped {
+                body.required = Some(Required::False);
+            }
+        }
+    }
+}
+
+fn is_null(schema: &RefOr<utoipa::openapi::schema::Schema>) -> bool {
+    use utoipa::openapi::schema::{Schema, SchemaType, Type};
+    matches!(schema, RefOr::T(Schema::Object(o)) if o.schema_type == SchemaType::Type(Type::Null))
+}
+
+/// Every operation of the document.
+fn operations(openapi: &mut utoipa::openapi::OpenApi) -> impl Iterator<Item = &mut Operation> {
+    openapi.paths.paths.values_mut().flat_map(|item| {
+        [
+            &mut item.get,
+            &mut item.put,
+            &mut item.post,
+            &mut item.delete,
+            &mut item.options,
+            &mut item.head,
+            &mut item.patch,
+            &mut item.trace,
+        ]
+        .into_iter()
+        .filter_map(Option::as_mut)
+    })
+}
+
+/// The answers of the server's own limits, in the JSON error format, on every operation
+/// they can reach: 405 (another method on the path), 414 (the URL) and 431 (the head)
+/// on every one, 413 on those that read a body. An operation keeps a description of
+/// its own.
+struct LimitAnswers;
+
+impl Modify for LimitAnswers {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::header::HeaderBuilder;
+        use utoipa::openapi::schema::{ObjectBuilder, Type};
+        let error = |description: String| {
+            utoipa::openapi::ResponseBuilder::new()
+                .description(description)
+                .content(
+                    "application/json",
+                    utoipa::openapi::ContentBuilder::new()
+                        .schema(Some(utoipa::openapi::Ref::from_schema_name("ErrorBody")))
+                        .build(),
+                )
+        };
+        let kib = |bytes: usize| bytes / 1024;
+        let method_not_allowed = error(
+            "a method this path does not serve (`validation`); `Allow` lists those it does".into(),
+        )
+        .header(
+            "Allow",
+            HeaderBuilder::new()
+                .schema(ObjectBuilder::new().schema_type(Type::String))
+                .description(Some("the methods this path serves, e.g. `GET,HEAD`"))
+                .build(),
+        )
+        .build();
+        let too_large = error(format!(
+            "a body over {} KiB (`validation`)",
+            kib(super::BODY_LIMIT)
+        ))
+        .build();
+        let uri_too_long = error(format!(
+            "a URL (path and query) over {} KiB (`validation`)",
+            kib(super::MAX_URL_BYTES)
+        ))
+        .build();
+        let head_too_large = error(format!(
+            "more than {} headers, or over {} KiB of URL and headers together (`validation`)",
+            super::MAX_HEADERS,
+            kib(super::MAX_HEADER_BYTES)
+        ))
+        .build();
+        for op in operations(openapi) {
+            let mut limits = vec![
+                ("405", &method_not_allowed),
+                ("414", &uri_too_long),
+                ("431", &head_too_large),
+            ];
+            if op.request_body.is_some() {
+                limits.push(("413", &too_large));
+            }
+            for (status, answer) in limits {
+                op.responses
+                    .responses
+                    .entry(status.to_string())
+                    .or_insert_with(|| RefOr::T(answer.clone()));
+            }
+        }
     }
 }
 
@@ -304,6 +433,10 @@ mod tests {
                 "internal"
             ])
         );
+        assert_eq!(
+            schemas["ErrorCode"]["enum"],
+            serde_json::to_value(ErrorCode::ALL).unwrap()
+        );
     }
 
     /// The answers of the server's own limits are described where they can happen, in
@@ -320,7 +453,10 @@ mod tests {
             for status in ["405", "413", "414", "431"] {
                 let response = &op["responses"][status];
                 if status == "413" && !has_body {
-                    assert!(response.is_null(), "{method} {path} reads no body: {status}");
+                    assert!(
+                        response.is_null(),
+                        "{method} {path} reads no body: {status}"
+                    );
                     continue;
                 }
                 assert_eq!(
