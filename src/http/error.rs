@@ -29,9 +29,14 @@ pub(crate) struct ErrorDetail {
     pub outcome: Option<String>,
 }
 
-/// Every `code` an error answer can carry: the one list that [`AppError`]'s mapping
-/// answers from and the document's `ErrorCode` schema is generated from, so the two
-/// cannot drift apart (a generated client refuses a code its enum does not list).
+// Every `code` an error answer can carry: the one list that `AppError`'s mapping answers
+// from and the document's `ErrorCode` schema is generated from, so the two cannot drift
+// apart (a generated client refuses a code its enum does not list).
+/// What went wrong, for programs (the `message` is for humans): `unauthorized` (401),
+/// `forbidden` (403), `not_found` (404), `validation` (400, 405, 413, 414, 422, 431),
+/// `not_started`, `ended`, `sold_out`, `already_ordered`, `order_pending`, `order_paid`,
+/// `order_closed`, `conflict` (409), `rate_limited` (429), `unavailable` (503),
+/// `internal` (500).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 #[schema(example = "sold_out")]
