@@ -136,8 +136,8 @@ impl CreateVoucher {
                 "pay_value and actual_value must not be negative",
             ));
         }
-        // Each value is in range, but together they make no sense: a 400, as the
-        // request's author asked for it to be.
+        // Each value is in range; together they are a typing error (400, where a value
+        // out of range is a 422).
         if self.pay_value > self.actual_value {
             return Err(AppError::bad_request(format!(
                 "pay_value ({}) must not exceed actual_value ({}): a voucher cannot cost \
