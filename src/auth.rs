@@ -25,8 +25,20 @@ pub use jwks::Jwks;
 
 pub(crate) const ADMIN_ROLE: &str = "admin";
 
-/// Why tokens are refused (the `message` of the 401).
-pub(crate) const INVALID: &str = "invalid or expired token";
+/// Why tokens are refused (the `message` of the 401): one message per rule, so a
+/// client's developer knows what to fix; none holds anything of a key or secret.
+pub(crate) const MALFORMED: &str =
+    "malformed token: expected a JWT, three base64url parts of JSON (header.payload.signature)";
+pub(crate) const BAD_SIGNATURE: &str =
+    "token signature does not verify (signed with another key, or altered)";
+pub(crate) const EXPIRED: &str = "token expired: its exp is in the past";
+pub(crate) const NO_EXP: &str = "token has no exp (expiry) claim, which is required";
+pub(crate) const BAD_EXP: &str = "token exp must be a whole number of seconds since 1970";
+pub(crate) const NO_SUB: &str = "token has no sub claim: the user id is required";
+pub(crate) const BAD_SUB: &str =
+    "token sub must be the user id: a positive 64-bit integer (a JSON number or a string of digits)";
+/// Anything else a verifying library refuses (a key it cannot use, say).
+pub(crate) const INVALID: &str = "token could not be verified";
 pub(crate) const ALG_NOT_ACCEPTED: &str = "token algorithm not accepted";
 pub(crate) const ALG_MISMATCH: &str = "token algorithm does not match its key";
 pub(crate) const NO_KID: &str = "token has no key id (kid)";
@@ -117,12 +129,66 @@ impl<'a> Parts<'a> {
     fn header_json(&self) -> Result<Vec<u8>, Unauthorized> {
         URL_SAFE_NO_PAD
             .decode(self.header)
-            .map_err(|_| Unauthorized(INVALID))
+            .map_err(|_| Unauthorized(MALFORMED))
+    }
+
+    /// The payload, decoded from base64url.
+    fn payload_json(&self) -> Result<Vec<u8>, Unauthorized> {
+        URL_SAFE_NO_PAD
+            .decode(self.payload)
+            .map_err(|_| Unauthorized(MALFORMED))
     }
 }
 
 fn parse_header(raw: &[u8]) -> Result<JoseHeader<'_>, Unauthorized> {
-    serde_json::from_slice(raw).map_err(|_| Unauthorized(INVALID))
+    serde_json::from_slice(raw).map_err(|_| Unauthorized(MALFORMED))
+}
+
+/// Whether `exp` has passed, with [`LEEWAY_SECS`].
+fn expired(exp: u64) -> bool {
+    exp.saturating_add(LEEWAY_SECS) < now_secs()
+}
+
+/// The caller a verified token's claims name, by the rules of every path: `exp`
+/// present, a number and not past; `sub` a positive 64-bit integer; `role` absent or
+/// `"admin"`. Each broken rule has its message, checked in that order.
+fn claims_user(raw: &[u8]) -> Result<AuthUser, Unauthorized> {
+    match serde_json::from_slice::<Claims>(raw) {
+        Ok(claims) => unexpired_user(claims),
+        Err(_) => Err(Unauthorized(match serde_json::from_slice(raw) {
+            Ok(claims) => broken_claim(&claims),
+            Err(_) => MALFORMED,
+        })),
+    }
+}
+
+fn unexpired_user(claims: Claims) -> Result<AuthUser, Unauthorized> {
+    if expired(claims.exp) {
+        return Err(Unauthorized(EXPIRED));
+    }
+    user(claims)
+}
+
+/// Which rule claims that do not read as [`Claims`] break (the slow path of a refusal).
+fn broken_claim(claims: &serde_json::Value) -> &'static str {
+    let serde_json::Value::Object(claims) = claims else {
+        return MALFORMED;
+    };
+    match claims.get("exp").map(serde_json::Value::as_u64) {
+        None => return NO_EXP,
+        Some(None) => return BAD_EXP,
+        Some(Some(exp)) if expired(exp) => return EXPIRED,
+        Some(Some(_)) => {}
+    }
+    match claims.get("sub") {
+        None => return NO_SUB,
+        Some(sub) if positive_id(sub).is_err() => return BAD_SUB,
+        Some(_) => {}
+    }
+    match claims.get("role") {
+        None | Some(serde_json::Value::Null | serde_json::Value::String(_)) => MALFORMED,
+        Some(_) => UNKNOWN_ROLE,
+    }
 }
 
 /// Leeway on `exp`, in seconds (clock skew between token issuer and us).
@@ -173,14 +239,37 @@ impl Expected {
 
 /// Verifies a token with jsonwebtoken under `validation` (which pins the algorithm),
 /// then the claims rules.
+///
+/// jsonwebtoken checks the signature, then `exp`, `iss` and `aud`; the claims are read
+/// as JSON first, so that our own rules (`sub`, `role`) name what they refuse too.
 fn decode_checked(
     token: &str,
     key: &DecodingKey,
     validation: &Validation,
 ) -> Result<AuthUser, Unauthorized> {
-    match jsonwebtoken::decode::<Claims>(token, key, validation) {
-        Ok(data) => user(data.claims),
+    match jsonwebtoken::decode::<serde_json::Value>(token, key, validation) {
+        Ok(data) => match Claims::deserialize(&data.claims) {
+            Ok(claims) => unexpired_user(claims),
+            Err(_) => Err(Unauthorized(broken_claim(&data.claims))),
+        },
         Err(e) => Err(Unauthorized(match e.kind() {
+            ErrorKind::InvalidToken
+            | ErrorKind::Base64(_)
+            | ErrorKind::Json(_)
+            | ErrorKind::Utf8(_) => MALFORMED,
+            ErrorKind::InvalidSignature => BAD_SIGNATURE,
+            ErrorKind::ExpiredSignature => EXPIRED,
+            // jsonwebtoken says "missing" of an `exp` that is not a number, too.
+            ErrorKind::MissingRequiredClaim(c) if c == "exp" => {
+                let payload = Parts::of(token).and_then(|p| p.payload_json().ok());
+                match payload.and_then(|raw| serde_json::from_slice(&raw).ok()) {
+                    Some(claims) => match broken_claim(&claims) {
+                        MALFORMED => NO_EXP,
+                        why => why,
+                    },
+                    None => MALFORMED,
+                }
+            }
             ErrorKind::InvalidIssuer => WRONG_ISSUER,
             ErrorKind::MissingRequiredClaim(c) if c == "iss" => WRONG_ISSUER,
             ErrorKind::InvalidAudience => WRONG_AUDIENCE,
@@ -271,11 +360,11 @@ impl JwtKeys {
     /// (Requests go through [`Verifier::verify`], which takes the same path.)
     #[cfg(test)]
     pub(crate) fn verify(&self, token: &str) -> Result<AuthUser, Unauthorized> {
-        let parts = Parts::of(token).ok_or(Unauthorized(INVALID))?;
+        let parts = Parts::of(token).ok_or(Unauthorized(MALFORMED))?;
         if !self.is_known_header(parts.header)
             && parse_header(&parts.header_json()?)?.alg != "HS256"
         {
-            return Err(Unauthorized(INVALID));
+            return Err(Unauthorized(ALG_NOT_ACCEPTED));
         }
         self.verify_hs256(&parts)
     }
@@ -289,23 +378,16 @@ impl JwtKeys {
         if let Some(checked) = &self.checked {
             return decode_checked(parts.token, &checked.0, &checked.1);
         }
-        let invalid = || Unauthorized(INVALID);
+        let bad_signature = || Unauthorized(BAD_SIGNATURE);
         let mut mac = [0u8; 32];
         match URL_SAFE_NO_PAD.decode_slice(parts.signature, &mut mac) {
             Ok(32) => {}
-            _ => return Err(invalid()),
+            Err(base64::DecodeSliceError::DecodeError(_)) => return Err(Unauthorized(MALFORMED)),
+            _ => return Err(bad_signature()),
         }
         let signed = &parts.token[..parts.header.len() + 1 + parts.payload.len()];
-        ring::hmac::verify(&self.hmac, signed.as_bytes(), &mac).map_err(|_| invalid())?;
-
-        let raw = URL_SAFE_NO_PAD
-            .decode(parts.payload)
-            .map_err(|_| invalid())?;
-        let claims: Claims = serde_json::from_slice(&raw).map_err(|_| invalid())?;
-        if claims.exp.saturating_add(LEEWAY_SECS) < now_secs() {
-            return Err(invalid());
-        }
-        user(claims)
+        ring::hmac::verify(&self.hmac, signed.as_bytes(), &mac).map_err(|_| bad_signature())?;
+        claims_user(&parts.payload_json()?)
     }
 }
 
@@ -354,7 +436,7 @@ impl Verifier {
     /// fast path at once (no allocation, no lock); otherwise the header is decoded and
     /// its `alg` picks the keys.
     pub(crate) async fn verify(&self, token: &str) -> Result<AuthUser, Refused> {
-        let parts = Parts::of(token).ok_or(Unauthorized(INVALID))?;
+        let parts = Parts::of(token).ok_or(Unauthorized(MALFORMED))?;
         if let Some(hs256) = &self.hs256 {
             if hs256.is_known_header(parts.header) {
                 return Ok(hs256.verify_hs256(&parts)?);
@@ -514,6 +596,187 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    /// Each rule a token can break has a message of its own, the same whether the token
+    /// takes the fast path or jsonwebtoken's (`iss`/`aud` configured, and the JWKS path).
+    #[tokio::test]
+    async fn every_refusal_names_the_rule_that_failed() {
+        let exp = in_an_hour();
+        let past = exp - 7200;
+        let fast = verifier(Some(keys()), None);
+        let expected = Expected::new(Some("https://idp.example"), Some("seckill"));
+        let checked = verifier(
+            Some(JwtKeys::with_expected("test-secret", expected).unwrap()),
+            None,
+        );
+        let with = |claims: serde_json::Value| {
+            let mut claims = claims;
+            claims["iss"] = "https://idp.example".into();
+            claims["aud"] = "seckill".into();
+            claims
+        };
+        let good = sign(
+            with(serde_json::json!({"sub": 1, "exp": exp})),
+            "test-secret",
+        );
+        let mut forged = good.clone();
+        forged.truncate(good.len() - 2);
+        forged.push_str("AA");
+        let cases: Vec<(&str, String, &str)> = vec![
+            ("not three parts", "abc.def".into(), MALFORMED),
+            ("empty", String::new(), MALFORMED),
+            (
+                "header not base64",
+                format!("!!.{}", &good[good.find('.').unwrap() + 1..]),
+                MALFORMED,
+            ),
+            (
+                "wrong secret",
+                sign(with(serde_json::json!({"sub": 1, "exp": exp})), "other"),
+                BAD_SIGNATURE,
+            ),
+            ("altered signature", forged, BAD_SIGNATURE),
+            (
+                "expired",
+                sign(
+                    with(serde_json::json!({"sub": 1, "exp": past})),
+                    "test-secret",
+                ),
+                EXPIRED,
+            ),
+            (
+                "expired, and a bad sub",
+                sign(
+                    with(serde_json::json!({"sub": "x", "exp": past})),
+                    "test-secret",
+                ),
+                EXPIRED,
+            ),
+            (
+                "no exp",
+                sign(with(serde_json::json!({"sub": 1})), "test-secret"),
+                NO_EXP,
+            ),
+            (
+                "exp a word",
+                sign(
+                    with(serde_json::json!({"sub": 1, "exp": "soon"})),
+                    "test-secret",
+                ),
+                BAD_EXP,
+            ),
+            (
+                "exp negative",
+                sign(
+                    with(serde_json::json!({"sub": 1, "exp": -1})),
+                    "test-secret",
+                ),
+                BAD_EXP,
+            ),
+            (
+                "no sub",
+                sign(with(serde_json::json!({"exp": exp})), "test-secret"),
+                NO_SUB,
+            ),
+            (
+                "sub zero",
+                sign(
+                    with(serde_json::json!({"sub": 0, "exp": exp})),
+                    "test-secret",
+                ),
+                BAD_SUB,
+            ),
+            (
+                "sub a word",
+                sign(
+                    with(serde_json::json!({"sub": "auth0|1", "exp": exp})),
+                    "test-secret",
+                ),
+                BAD_SUB,
+            ),
+            (
+                "sub 1.5",
+                sign(
+                    with(serde_json::json!({"sub": 1.5, "exp": exp})),
+                    "test-secret",
+                ),
+                BAD_SUB,
+            ),
+            (
+                "role root",
+                sign(
+                    with(serde_json::json!({"sub": 1, "exp": exp, "role": "root"})),
+                    "test-secret",
+                ),
+                UNKNOWN_ROLE,
+            ),
+            (
+                "role a number",
+                sign(
+                    with(serde_json::json!({"sub": 1, "exp": exp, "role": 5})),
+                    "test-secret",
+                ),
+                UNKNOWN_ROLE,
+            ),
+            (
+                "claims not an object",
+                format!(
+                    "{}.{}.{}",
+                    URL_SAFE_NO_PAD.encode(r#"{"alg":"HS256","typ":"JWT"}"#),
+                    URL_SAFE_NO_PAD.encode("5"),
+                    "AA"
+                ),
+                BAD_SIGNATURE,
+            ),
+        ];
+        for (what, token, why) in &cases {
+            for (path, v) in [("fast", &fast), ("checked", &checked)] {
+                assert_eq!(
+                    v.verify(token).await.map(|u| u.user_id),
+                    Err(Refused::Unauthorized(why)),
+                    "{what} ({path} path)"
+                );
+            }
+        }
+        assert_eq!(fast.verify(&good).await.unwrap().user_id, 1);
+        assert_eq!(checked.verify(&good).await.unwrap().user_id, 1);
+        // Signed claims that are not a JSON object.
+        let header = URL_SAFE_NO_PAD.encode(r#"{"alg":"HS256","typ":"JWT"}"#);
+        let payload = URL_SAFE_NO_PAD.encode("5");
+        let signing = format!("{header}.{payload}");
+        let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, b"test-secret");
+        let mac = URL_SAFE_NO_PAD.encode(ring::hmac::sign(&key, signing.as_bytes()));
+        let not_an_object = format!("{signing}.{mac}");
+        for v in [&fast, &checked] {
+            assert_eq!(
+                v.verify(&not_an_object).await.map(|u| u.user_id),
+                Err(Refused::Unauthorized(MALFORMED))
+            );
+        }
+        // Every message is its own, and none says anything of the secret.
+        let mut messages = vec![
+            MALFORMED,
+            BAD_SIGNATURE,
+            EXPIRED,
+            NO_EXP,
+            BAD_EXP,
+            NO_SUB,
+            BAD_SUB,
+            UNKNOWN_ROLE,
+            WRONG_ISSUER,
+            WRONG_AUDIENCE,
+            ALG_NOT_ACCEPTED,
+            ALG_MISMATCH,
+            NO_KID,
+            UNKNOWN_KID,
+            INVALID,
+        ];
+        assert!(messages.iter().all(|m| !m.contains("test-secret")));
+        let all = messages.len();
+        messages.sort();
+        messages.dedup();
+        assert_eq!(messages.len(), all);
     }
 
     #[test]
@@ -721,11 +984,11 @@ mod tests {
             ),
             (
                 serde_json::json!({"sub": 1, "exp": exp - 7200, "iss": "https://idp.example", "aud": "seckill"}),
-                Err(INVALID),
+                Err(EXPIRED),
             ),
             (
                 serde_json::json!({"sub": 0, "exp": exp, "iss": "https://idp.example", "aud": "seckill"}),
-                Err(INVALID),
+                Err(BAD_SUB),
             ),
             (
                 serde_json::json!({"sub": 1, "exp": exp, "iss": "https://idp.example", "aud": "seckill", "role": "root"}),

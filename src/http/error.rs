@@ -14,12 +14,8 @@ pub(crate) struct ErrorBody {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct ErrorDetail {
-    /// Machine-readable: `unauthorized`, `forbidden`, `not_found`, `validation`,
-    /// `not_started`, `ended`, `sold_out`, `already_ordered`, `order_pending`,
-    /// `order_paid`, `order_closed`, `rate_limited`, `unavailable`, `conflict`,
-    /// `internal`.
-    #[schema(example = "sold_out")]
-    pub code: String,
+    /// Machine-readable; see [`ErrorCode`].
+    pub code: ErrorCode,
     /// For humans.
     pub message: String,
     /// With `already_ordered`: the caller's existing order.
@@ -31,6 +27,86 @@ pub(crate) struct ErrorDetail {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(example = "unknown")]
     pub outcome: Option<String>,
+}
+
+// Every `code` an error answer can carry: the one list that `AppError`'s mapping answers
+// from and the document's `ErrorCode` schema is generated from, so the two cannot drift
+// apart (a generated client refuses a code its enum does not list).
+/// What went wrong, for programs (the `message` is for humans): `unauthorized` (401),
+/// `forbidden` (403), `not_found` (404), `validation` (400, 405, 413, 414, 422, 431),
+/// `not_started`, `ended`, `sold_out`, `already_ordered`, `order_pending`, `order_paid`,
+/// `order_closed`, `conflict` (409), `rate_limited` (429), `unavailable` (503),
+/// `internal` (500).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+#[schema(example = "sold_out")]
+pub(crate) enum ErrorCode {
+    /// 401: no, malformed, expired or wrongly signed token (the message says which rule failed).
+    Unauthorized,
+    /// 403: a shopper on an administrator's route.
+    Forbidden,
+    /// 404: unknown voucher, order or route (or somebody else's order).
+    NotFound,
+    /// 400, 405, 413, 414, 422 or 431: the request is malformed, too large or out of range.
+    Validation,
+    /// 409: a grab before the sale's `begin_time`.
+    NotStarted,
+    /// 409: a grab after the sale's end.
+    Ended,
+    /// 409: no stock left.
+    SoldOut,
+    /// 409: the caller already holds an order for this voucher (`order_id` names it).
+    AlreadyOrdered,
+    /// 409: the order is admitted but not written yet; retry after `Retry-After`.
+    OrderPending,
+    /// 409: the order is paid and cannot be cancelled.
+    OrderPaid,
+    /// 409: the order is cancelled or expired.
+    OrderClosed,
+    /// 429: too many requests; retry after `Retry-After`.
+    RateLimited,
+    /// 503: a dependency is down, a limit is reached or the sale is being loaded.
+    Unavailable,
+    /// 409: the record already exists.
+    Conflict,
+    /// 500: a bug.
+    Internal,
+}
+
+impl ErrorCode {
+    /// Every code, in the order the document lists them.
+    #[cfg(test)]
+    pub(crate) const ALL: [ErrorCode; 15] = [
+        ErrorCode::Unauthorized,
+        ErrorCode::Forbidden,
+        ErrorCode::NotFound,
+        ErrorCode::Validation,
+        ErrorCode::NotStarted,
+        ErrorCode::Ended,
+        ErrorCode::SoldOut,
+        ErrorCode::AlreadyOrdered,
+        ErrorCode::OrderPending,
+        ErrorCode::OrderPaid,
+        ErrorCode::OrderClosed,
+        ErrorCode::RateLimited,
+        ErrorCode::Unavailable,
+        ErrorCode::Conflict,
+        ErrorCode::Internal,
+    ];
+}
+
+/// The JSON error body of `code` and `message`, for answers written outside
+/// [`AppError`] (hyper's own refusals, rewritten by the server).
+pub(crate) fn error_json(code: ErrorCode, message: impl Into<String>) -> Vec<u8> {
+    serde_json::to_vec(&ErrorBody {
+        error: ErrorDetail {
+            code,
+            message: message.into(),
+            order_id: None,
+            outcome: None,
+        },
+    })
+    .expect("an error body serializes")
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -133,36 +209,37 @@ impl AppError {
         }
     }
 
-    fn parts(&self) -> (StatusCode, &'static str, String) {
+    fn parts(&self) -> (StatusCode, ErrorCode, String) {
         use AppError::*;
+        use ErrorCode as C;
         match self {
-            Unauthorized(why) => (StatusCode::UNAUTHORIZED, "unauthorized", why.to_string()),
+            Unauthorized(why) => (StatusCode::UNAUTHORIZED, C::Unauthorized, why.to_string()),
             Forbidden => (
                 StatusCode::FORBIDDEN,
-                "forbidden",
+                C::Forbidden,
                 "this endpoint is for administrators".into(),
             ),
-            NotFound(what) => (StatusCode::NOT_FOUND, "not_found", what.clone()),
-            Validation { status, message } => (*status, "validation", message.clone()),
+            NotFound(what) => (StatusCode::NOT_FOUND, C::NotFound, what.clone()),
+            Validation { status, message } => (*status, C::Validation, message.clone()),
             NotStarted => (
                 StatusCode::CONFLICT,
-                "not_started",
+                C::NotStarted,
                 "the sale has not started yet".into(),
             ),
-            Ended => (StatusCode::CONFLICT, "ended", "the sale has ended".into()),
+            Ended => (StatusCode::CONFLICT, C::Ended, "the sale has ended".into()),
             SoldOut => (
                 StatusCode::CONFLICT,
-                "sold_out",
+                C::SoldOut,
                 "no stock left for this voucher".into(),
             ),
             AlreadyOrdered { .. } => (
                 StatusCode::CONFLICT,
-                "already_ordered",
+                C::AlreadyOrdered,
                 "you already hold an order for this voucher".into(),
             ),
             OrderPending(id) => (
                 StatusCode::CONFLICT,
-                "order_pending",
+                C::OrderPending,
                 format!(
                     "order {id} is admitted but not written yet; retry after the \
                      Retry-After delay"
@@ -170,40 +247,42 @@ impl AppError {
             ),
             OrderPaid(id) => (
                 StatusCode::CONFLICT,
-                "order_paid",
+                C::OrderPaid,
                 format!("order {id} is paid and cannot be cancelled"),
             ),
             OrderClosed(id, status) => (
                 StatusCode::CONFLICT,
-                "order_closed",
+                C::OrderClosed,
                 format!("order {id} is {status}"),
             ),
             RateLimited { .. } => (
                 StatusCode::TOO_MANY_REQUESTS,
-                "rate_limited",
+                C::RateLimited,
                 "too many requests, slow down".into(),
             ),
-            Unavailable(what) | Busy(what) => {
-                (StatusCode::SERVICE_UNAVAILABLE, "unavailable", what.clone())
-            }
+            Unavailable(what) | Busy(what) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                C::Unavailable,
+                what.clone(),
+            ),
             Database(e) if is_unique_violation(e) => (
                 StatusCode::CONFLICT,
-                "conflict",
+                C::Conflict,
                 "the record already exists".into(),
             ),
             Database(e) if crate::store::is_connectivity(e) => (
                 StatusCode::SERVICE_UNAVAILABLE,
-                "unavailable",
+                C::Unavailable,
                 "the database is unavailable, try again".into(),
             ),
             Redis(_) => (
                 StatusCode::SERVICE_UNAVAILABLE,
-                "unavailable",
+                C::Unavailable,
                 "the admission store is unavailable, try again".into(),
             ),
             OutcomeUnknown(_) => (
                 StatusCode::SERVICE_UNAVAILABLE,
-                "unavailable",
+                C::Unavailable,
                 "the admission store did not answer in time: your grab may or may not have \
                  gone through. Retry: a retry answers 202, or `already_ordered` with the \
                  order id if it went through"
@@ -211,7 +290,7 @@ impl AppError {
             ),
             Database(_) | Internal(_) => (
                 StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
+                C::Internal,
                 "internal error".into(),
             ),
         }
@@ -246,7 +325,7 @@ impl IntoResponse for AppError {
         };
         let body = ErrorBody {
             error: ErrorDetail {
-                code: code.to_string(),
+                code,
                 message,
                 order_id,
                 outcome: matches!(self, AppError::OutcomeUnknown(_)).then(|| "unknown".into()),
@@ -292,5 +371,72 @@ impl Failure {
             serious,
             cause: error.to_string().into(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each kind of error answers a JSON body whose `code` is one of [`ErrorCode::ALL`]
+    /// (the document's enum), and every code but `conflict` (a unique violation, which
+    /// needs a database) is answered by some kind.
+    #[tokio::test]
+    async fn every_error_answers_a_code_of_the_one_enum() {
+        let redis = || redis::RedisError::from(std::io::Error::other("gone"));
+        let errors = [
+            AppError::Unauthorized("missing bearer token"),
+            AppError::Forbidden,
+            AppError::NotFound("voucher 1 not found".into()),
+            AppError::bad_request("bad"),
+            AppError::invalid("invalid"),
+            AppError::NotStarted,
+            AppError::Ended,
+            AppError::SoldOut,
+            AppError::AlreadyOrdered { order_id: 7 },
+            AppError::OrderPending(7),
+            AppError::OrderPaid(7),
+            AppError::OrderClosed(7, "expired".into()),
+            AppError::RateLimited {
+                retry_after_secs: 1,
+            },
+            AppError::Unavailable("down".into()),
+            AppError::Busy("busy".into()),
+            AppError::OutcomeUnknown(redis()),
+            AppError::Database(sqlx::Error::PoolTimedOut),
+            AppError::Database(sqlx::Error::RowNotFound),
+            AppError::Redis(redis()),
+            AppError::Internal(anyhow::anyhow!("bug")),
+        ];
+        let listed: Vec<serde_json::Value> = ErrorCode::ALL
+            .iter()
+            .map(|c| serde_json::to_value(c).unwrap())
+            .collect();
+        let mut answered = std::collections::BTreeSet::new();
+        for error in errors {
+            let what = format!("{error:?}");
+            let response = error.into_response();
+            let body = axum::body::to_bytes(response.into_body(), 1 << 16)
+                .await
+                .unwrap();
+            let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            let code = body["error"]["code"].clone();
+            assert!(listed.contains(&code), "{what}: {body}");
+            answered.insert(code.as_str().unwrap().to_string());
+        }
+        let mut unanswered: Vec<&str> = listed
+            .iter()
+            .filter_map(|c| c.as_str())
+            .filter(|c| !answered.contains(*c))
+            .collect();
+        unanswered.sort();
+        assert_eq!(unanswered, ["conflict"]);
+        // The body written outside `AppError` is the same format.
+        let written: serde_json::Value =
+            serde_json::from_slice(&error_json(ErrorCode::Validation, "URL too long")).unwrap();
+        assert_eq!(
+            written,
+            serde_json::json!({"error": {"code": "validation", "message": "URL too long"}})
+        );
     }
 }

@@ -99,20 +99,89 @@ async fn object_body<T: DeserializeOwned, S: Send + Sync>(
 }
 
 /// For a field holding an object: refuses the JSON array serde would read the struct
-/// from (`#[serde(deserialize_with = "...")]`, `null` allowed for an `Option`).
+/// from (`#[serde(deserialize_with = "...")]`, `null` allowed for an `Option`). The
+/// object is read in place, so an error inside it keeps its path
+/// (`seckill.begin_time: ...`, not just `seckill: ...`).
 pub(crate) fn object_or_null<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
 where
     D: serde::Deserializer<'de>,
-    T: DeserializeOwned,
+    T: serde::Deserialize<'de>,
 {
-    use serde::de::Error;
-    use serde::Deserialize;
-    match Option::<serde_json::Map<String, serde_json::Value>>::deserialize(d)? {
-        None => Ok(None),
-        Some(map) => T::deserialize(serde_json::Value::Object(map))
-            .map(Some)
-            .map_err(D::Error::custom),
+    struct OrNull<T>(std::marker::PhantomData<T>);
+    impl<'de, T: serde::Deserialize<'de>> serde::de::Visitor<'de> for OrNull<T> {
+        type Value = Option<T>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a JSON object or null")
+        }
+        fn visit_none<E: serde::de::Error>(self) -> Result<Option<T>, E> {
+            Ok(None)
+        }
+        fn visit_unit<E: serde::de::Error>(self) -> Result<Option<T>, E> {
+            Ok(None)
+        }
+        fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Option<T>, D::Error> {
+            T::deserialize(ObjectOnly(d)).map(Some)
+        }
     }
+    d.deserialize_option(OrNull(std::marker::PhantomData))
+}
+
+/// A deserializer that reads a struct from a map only: serde_json reads one from an
+/// array of its fields too (`deserialize_struct`), `deserialize_map` refuses that.
+struct ObjectOnly<D>(D);
+
+impl<'de, D: serde::Deserializer<'de>> serde::Deserializer<'de> for ObjectOnly<D> {
+    type Error = D::Error;
+
+    fn deserialize_any<V: serde::de::Visitor<'de>>(self, v: V) -> Result<V::Value, D::Error> {
+        self.0.deserialize_any(v)
+    }
+
+    fn deserialize_struct<V: serde::de::Visitor<'de>>(
+        self,
+        _name: &'static str,
+        _fields: &'static [&'static str],
+        v: V,
+    ) -> Result<V::Value, D::Error> {
+        self.0.deserialize_map(v)
+    }
+
+    serde::forward_to_deserialize_any! {
+        bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes byte_buf
+        option unit unit_struct newtype_struct seq tuple tuple_struct map enum identifier
+        ignored_any
+    }
+}
+
+/// A sale time: RFC 3339 as chrono reads it (`2026-12-01T10:00:00Z`,
+/// `2026-12-01T10:00:00+08:00`), read into UTC. A time without a zone offset cannot be
+/// placed in time; the answer says so, rather than chrono's "premature end of input".
+pub(crate) fn rfc3339<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<chrono::DateTime<chrono::Utc>, D::Error> {
+    struct Time;
+    impl serde::de::Visitor<'_> for Time {
+        type Value = chrono::DateTime<chrono::Utc>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str(
+                "an RFC 3339 date and time with a zone offset, such as \"2026-12-01T10:00:00Z\"",
+            )
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+            match v.parse::<chrono::DateTime<chrono::FixedOffset>>() {
+                Ok(at) => Ok(at.with_timezone(&chrono::Utc)),
+                Err(_) if v.parse::<chrono::NaiveDateTime>().is_ok() => Err(E::custom(format!(
+                    "`{v}` has no zone offset, so it names no instant: RFC 3339 needs one, \
+                     such as `{v}Z` (UTC) or `{v}+08:00`"
+                ))),
+                Err(e) => Err(E::custom(format!(
+                    "`{v}` is not an RFC 3339 date and time with a zone offset, such as \
+                     `2026-12-01T10:00:00Z` ({e})"
+                ))),
+            }
+        }
+    }
+    d.deserialize_str(Time)
 }
 
 fn json_rejection(rejection: JsonRejection) -> AppError {
@@ -173,7 +242,9 @@ where
             })
             .map(str::trim)
             .filter(|t| !t.is_empty())
-            .ok_or(AppError::Unauthorized("malformed authorization header"))?;
+            .ok_or(AppError::Unauthorized(
+                "malformed authorization header: expected `Bearer <token>`",
+            ))?;
         Ok(Arc::<Verifier>::from_ref(state).verify(token).await?)
     }
 }
@@ -198,6 +269,61 @@ where
 mod tests {
     use super::parse_id;
     use proptest::prelude::*;
+
+    #[derive(Debug, serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Inner {
+        #[serde(deserialize_with = "super::rfc3339")]
+        at: chrono::DateTime<chrono::Utc>,
+    }
+
+    #[derive(Debug, serde::Deserialize)]
+    struct Outer {
+        #[serde(default, deserialize_with = "super::object_or_null")]
+        inner: Option<Inner>,
+    }
+
+    fn outer(json: &str) -> Result<Outer, String> {
+        let de = &mut serde_json::Deserializer::from_str(json);
+        serde_path_to_error::deserialize(de).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_nested_object_is_read_in_place_keeping_the_path_of_its_errors() {
+        let ok = outer(r#"{"inner": {"at": "2026-12-01T10:00:00+08:00"}}"#).unwrap();
+        assert_eq!(
+            ok.inner.unwrap().at.to_rfc3339(),
+            "2026-12-01T02:00:00+00:00"
+        );
+        assert!(outer(r#"{"inner": null}"#).unwrap().inner.is_none());
+        assert!(outer(r#"{}"#).unwrap().inner.is_none());
+        let array = outer(r#"{"inner": ["2026-12-01T10:00:00Z"]}"#).unwrap_err();
+        assert!(
+            array.starts_with("inner: invalid type: sequence"),
+            "{array}"
+        );
+        let unknown = outer(r#"{"inner": {"at": "2026-12-01T10:00:00Z", "x": 1}}"#).unwrap_err();
+        assert!(
+            unknown.starts_with("inner.x: unknown field `x`"),
+            "{unknown}"
+        );
+        let zoneless = outer(r#"{"inner": {"at": "2026-12-01T10:00:00"}}"#).unwrap_err();
+        assert!(
+            zoneless.starts_with("inner.at: `2026-12-01T10:00:00` has no zone offset"),
+            "{zoneless}"
+        );
+        assert!(zoneless.contains("RFC 3339"), "{zoneless}");
+        let garbage = outer(r#"{"inner": {"at": "tomorrow"}}"#).unwrap_err();
+        assert!(
+            garbage.starts_with("inner.at: `tomorrow` is not an RFC 3339"),
+            "{garbage}"
+        );
+        let number = outer(r#"{"inner": {"at": 5}}"#).unwrap_err();
+        assert!(
+            number.starts_with("inner.at: invalid type: integer"),
+            "{number}"
+        );
+    }
 
     proptest! {
         /// Every positive i64 written canonically parses back to itself.

@@ -61,7 +61,7 @@ pub(crate) async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<V
             Json(json!({
                 "status": "not_ready",
                 "checks": checks,
-                "error": {"code": "unavailable", "message": message},
+                "error": {"code": crate::http::error::ErrorCode::Unavailable, "message": message},
             })),
         )
     }

@@ -36,6 +36,9 @@ pub(crate) const BODY_LIMIT: usize = 64 * 1024;
 /// with its own 431, which has no body.
 pub(crate) const MAX_HEADERS: usize = 100;
 pub(crate) const MAX_HEADER_BYTES: usize = 32 * 1024;
+/// Longest URL (path and query) a request may have; longer is a 414 in the JSON error
+/// format, whether the middleware or hyper (past 64 KiB) refuses it.
+pub(crate) const MAX_URL_BYTES: usize = MAX_HEADER_BYTES;
 
 const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
@@ -194,10 +197,18 @@ fn cors(origins: &[String]) -> tower::util::Either<CorsLayer, tower::layer::util
     )
 }
 
-/// 431 `validation` for a head over [`MAX_HEADERS`] or [`MAX_HEADER_BYTES`].
+/// 414 `validation` for a URL over [`MAX_URL_BYTES`]; 431 `validation` for a head over
+/// [`MAX_HEADERS`] or [`MAX_HEADER_BYTES`] (URL and headers together).
 async fn limit_headers(req: Request, next: Next) -> Response {
     let headers = req.headers();
     let target = req.uri().path_and_query().map_or(0, |p| p.as_str().len());
+    if target > MAX_URL_BYTES {
+        return AppError::Validation {
+            status: StatusCode::URI_TOO_LONG,
+            message: url_too_long(),
+        }
+        .into_response();
+    }
     let bytes: usize = target
         + headers
             .iter()
@@ -206,14 +217,27 @@ async fn limit_headers(req: Request, next: Next) -> Response {
     if headers.len() > MAX_HEADERS || bytes > MAX_HEADER_BYTES {
         return AppError::Validation {
             status: StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            message: format!(
-                "request headers too large: at most {MAX_HEADERS} headers and {} KiB",
-                MAX_HEADER_BYTES / 1024
-            ),
+            message: head_too_large(),
         }
         .into_response();
     }
     next.run(req).await
+}
+
+/// The message of a 414, from the middleware or hyper.
+pub(crate) fn url_too_long() -> String {
+    format!(
+        "URL too long: at most {} KiB of path and query",
+        MAX_URL_BYTES / 1024
+    )
+}
+
+/// The message of a 431, from the middleware or hyper.
+pub(crate) fn head_too_large() -> String {
+    format!(
+        "request headers too large: at most {MAX_HEADERS} headers and {} KiB with the URL",
+        MAX_HEADER_BYTES / 1024
+    )
 }
 
 async fn overloaded(err: BoxError) -> AppError {

@@ -4,11 +4,13 @@
 use std::sync::LazyLock;
 
 use axum::response::{Html, IntoResponse};
+use utoipa::openapi::path::Operation;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::openapi::RefOr;
 use utoipa::{Modify, OpenApi};
 
 use super::{health, live, orders, seckill, vouchers};
-use crate::http::error::{ErrorBody, ErrorDetail};
+use crate::http::error::{ErrorBody, ErrorCode, ErrorDetail};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -52,8 +54,9 @@ use crate::http::error::{ErrorBody, ErrorDetail};
         orders::PayOrder,
         ErrorBody,
         ErrorDetail,
+        ErrorCode,
     )),
-    modifiers(&BearerAuth),
+    modifiers(&BearerAuth, &OptionalBodies, &LimitAnswers),
     tags(
         (name = "vouchers", description = "publishing and reading vouchers"),
         (name = "seckill", description = "the flash sale itself"),
@@ -78,6 +81,132 @@ impl Modify for BearerAuth {
                     .build(),
             ),
         );
+    }
+}
+
+/// An optional body (`Option<T>` in a `request_body`), which utoipa writes as a required
+/// `oneOf [null, T]`, becomes `required: false` with `T`'s own schema: what it means
+/// (no body at all is fine), and what client generators understand (with `oneOf`,
+/// openapi-python-client sent a JSON `null`, or raised when given no body).
+struct OptionalBodies;
+
+impl Modify for OptionalBodies {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::{schema::Schema, Required};
+        for op in operations(openapi) {
+            let Some(body) = op.request_body.as_mut() else {
+                continue;
+            };
+            if body.required == Some(Required::True) {
+                continue;
+            }
+            let mut unwrapped = false;
+            for content in body.content.values_mut() {
+                let Some(RefOr::T(Schema::OneOf(one_of))) = &content.schema else {
+                    continue;
+                };
+                let mut items = one_of.items.iter().filter(|item| !is_null(item));
+                if let (Some(only), None, true) =
+                    (items.next(), items.next(), one_of.items.len() == 2)
+                {
+                    content.schema = Some(only.clone());
+                    unwrapped = true;
+                }
+            }
+            if unwrapped {
+                body.required = Some(Required::False);
+            }
+        }
+    }
+}
+
+fn is_null(schema: &RefOr<utoipa::openapi::schema::Schema>) -> bool {
+    use utoipa::openapi::schema::{Schema, SchemaType, Type};
+    matches!(schema, RefOr::T(Schema::Object(o)) if o.schema_type == SchemaType::Type(Type::Null))
+}
+
+/// Every operation of the document.
+fn operations(openapi: &mut utoipa::openapi::OpenApi) -> impl Iterator<Item = &mut Operation> {
+    openapi.paths.paths.values_mut().flat_map(|item| {
+        [
+            &mut item.get,
+            &mut item.put,
+            &mut item.post,
+            &mut item.delete,
+            &mut item.options,
+            &mut item.head,
+            &mut item.patch,
+            &mut item.trace,
+        ]
+        .into_iter()
+        .filter_map(Option::as_mut)
+    })
+}
+
+/// The answers of the server's own limits, in the JSON error format, on every operation
+/// they can reach: 405 (another method on the path), 414 (the URL) and 431 (the head)
+/// on every one, 413 on those that read a body. An operation keeps a description of
+/// its own.
+struct LimitAnswers;
+
+impl Modify for LimitAnswers {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::header::HeaderBuilder;
+        use utoipa::openapi::schema::{ObjectBuilder, Type};
+        let error = |description: String| {
+            utoipa::openapi::ResponseBuilder::new()
+                .description(description)
+                .content(
+                    "application/json",
+                    utoipa::openapi::ContentBuilder::new()
+                        .schema(Some(utoipa::openapi::Ref::from_schema_name("ErrorBody")))
+                        .build(),
+                )
+        };
+        let kib = |bytes: usize| bytes / 1024;
+        let method_not_allowed = error(
+            "a method this path does not serve (`validation`); `Allow` lists those it does".into(),
+        )
+        .header(
+            "Allow",
+            HeaderBuilder::new()
+                .schema(ObjectBuilder::new().schema_type(Type::String))
+                .description(Some("the methods this path serves, e.g. `GET,HEAD`"))
+                .build(),
+        )
+        .build();
+        let too_large = error(format!(
+            "a body over {} KiB (`validation`)",
+            kib(super::BODY_LIMIT)
+        ))
+        .build();
+        let uri_too_long = error(format!(
+            "a URL (path and query) over {} KiB (`validation`)",
+            kib(super::MAX_URL_BYTES)
+        ))
+        .build();
+        let head_too_large = error(format!(
+            "more than {} headers, or over {} KiB of URL and headers together (`validation`)",
+            super::MAX_HEADERS,
+            kib(super::MAX_HEADER_BYTES)
+        ))
+        .build();
+        for op in operations(openapi) {
+            let mut limits = vec![
+                ("405", &method_not_allowed),
+                ("414", &uri_too_long),
+                ("431", &head_too_large),
+            ];
+            if op.request_body.is_some() {
+                limits.push(("413", &too_large));
+            }
+            for (status, answer) in limits {
+                op.responses
+                    .responses
+                    .entry(status.to_string())
+                    .or_insert_with(|| RefOr::T(answer.clone()));
+            }
+        }
     }
 }
 
@@ -215,6 +344,127 @@ mod tests {
             }
         }
         assert_eq!(ids.len(), 17, "every routed operation is documented");
+    }
+
+    fn document() -> serde_json::Value {
+        serde_json::from_str(&DOCUMENT).unwrap()
+    }
+
+    /// Every operation of the document: (method, path, operation).
+    fn operations(doc: &serde_json::Value) -> Vec<(String, String, serde_json::Value)> {
+        let mut all = Vec::new();
+        for (path, item) in doc["paths"].as_object().unwrap() {
+            for (method, op) in item.as_object().unwrap() {
+                all.push((method.clone(), path.clone(), op.clone()));
+            }
+        }
+        all
+    }
+
+    /// A generated client sends no body when none is given only if the body is
+    /// `required: false` with the body's own schema; `oneOf [null, PayOrder]` made
+    /// openapi-python-client send `null` or raise.
+    #[test]
+    fn an_optional_body_is_not_required_and_is_described_by_its_own_schema() {
+        let doc = document();
+        let body = &doc["paths"]["/orders/{order_id}/pay"]["post"]["requestBody"];
+        assert_eq!(body["required"], false, "{body}");
+        assert_eq!(
+            body["content"]["application/json"]["schema"],
+            serde_json::json!({"$ref": "#/components/schemas/PayOrder"}),
+            "{body}"
+        );
+    }
+
+    /// Order ids travel as strings in bodies (JavaScript loses precision above 2^53);
+    /// in paths they are declared the same way, so a client never turns one into a
+    /// float on its way back.
+    #[test]
+    fn order_ids_in_paths_are_strings_of_the_same_pattern_as_in_bodies() {
+        let doc = document();
+        let in_bodies = &doc["components"]["schemas"]["OrderResponse"]["properties"]["order_id"];
+        assert_eq!(in_bodies["pattern"], "^[1-9][0-9]{0,18}$");
+        let mut seen = 0;
+        for (method, path, op) in operations(&doc) {
+            for param in op["parameters"].as_array().into_iter().flatten() {
+                if param["name"] != "order_id" {
+                    continue;
+                }
+                seen += 1;
+                assert_eq!(param["in"], "path", "{method} {path}");
+                assert_eq!(param["schema"]["type"], "string", "{method} {path}");
+                assert_eq!(
+                    param["schema"]["pattern"], in_bodies["pattern"],
+                    "{method} {path}"
+                );
+                assert!(param["schema"].get("format").is_none(), "{method} {path}");
+            }
+        }
+        assert_eq!(seen, 3, "get, pay and cancel take an order id");
+    }
+
+    /// `code` is an enum of every code the service answers, from the one Rust enum the
+    /// error mapping uses.
+    #[test]
+    fn the_error_code_is_an_enum_of_every_code_the_service_answers() {
+        let doc = document();
+        let schemas = &doc["components"]["schemas"];
+        assert_eq!(
+            schemas["ErrorDetail"]["properties"]["code"]["$ref"],
+            "#/components/schemas/ErrorCode"
+        );
+        assert_eq!(
+            schemas["ErrorCode"]["enum"],
+            serde_json::json!([
+                "unauthorized",
+                "forbidden",
+                "not_found",
+                "validation",
+                "not_started",
+                "ended",
+                "sold_out",
+                "already_ordered",
+                "order_pending",
+                "order_paid",
+                "order_closed",
+                "rate_limited",
+                "unavailable",
+                "conflict",
+                "internal"
+            ])
+        );
+        assert_eq!(
+            schemas["ErrorCode"]["enum"],
+            serde_json::to_value(ErrorCode::ALL).unwrap()
+        );
+    }
+
+    /// The answers of the server's own limits are described where they can happen, in
+    /// the JSON error format: 413 on the operations that read a body, 414 (the URL) and
+    /// 431 (the head) on every operation, 405 (another method on the path) on every one.
+    #[test]
+    fn the_limits_answers_are_documented_where_they_can_occur() {
+        let doc = document();
+        let error_body = serde_json::json!({"$ref": "#/components/schemas/ErrorBody"});
+        let ops = operations(&doc);
+        assert_eq!(ops.len(), 17);
+        for (method, path, op) in ops {
+            let has_body = op.get("requestBody").is_some();
+            for status in ["405", "413", "414", "431"] {
+                let response = &op["responses"][status];
+                if status == "413" && !has_body {
+                    assert!(
+                        response.is_null(),
+                        "{method} {path} reads no body: {status}"
+                    );
+                    continue;
+                }
+                assert_eq!(
+                    response["content"]["application/json"]["schema"], error_body,
+                    "{method} {path} {status}: {response}"
+                );
+            }
+        }
     }
 
     #[tokio::test]

@@ -145,7 +145,7 @@ async fn recent_sales(state: &AppState) -> AppResult<Vec<i64>> {
 const ADMIN_STREAM_SCAN: usize = 200_000;
 
 #[utoipa::path(get, path = "/orders/{order_id}", operation_id = "getOrder", tag = "orders", security(("bearer" = [])),
-    params(("order_id" = i64, Path, description = "order id", minimum = 1)),
+    params(("order_id" = String, Path, description = "order id: 64-bit, as a string of digits (as in bodies)", pattern = "^[1-9][0-9]{0,18}$")),
     responses(
         (status = 200, description = "the order", body = OrderResponse),
         (status = 400, description = "not a valid id (`validation`)", body = ErrorBody),
@@ -239,8 +239,8 @@ async fn own_order(state: &AppState, user: &AuthUser, order_id: i64) -> AppResul
 }
 
 #[utoipa::path(post, path = "/orders/{order_id}/pay", operation_id = "payOrder", tag = "orders", security(("bearer" = [])),
-    params(("order_id" = i64, Path, description = "order id", minimum = 1)),
-    request_body(content = Option<PayOrder>, description = "optional: the payment's reference", content_type = "application/json"),
+    params(("order_id" = String, Path, description = "order id: 64-bit, as a string of digits (as in bodies)", pattern = "^[1-9][0-9]{0,18}$")),
+    request_body(content = Option<PayOrder>, description = "optional (no body at all is fine): the payment's reference", content_type = "application/json"),
     responses(
         (status = 200, description = "the order, `paid` (now, or before: paying again is 200 and changes nothing)", body = OrderResponse),
         (status = 400, description = "not a valid id or unreadable body (`validation`)", body = ErrorBody),
@@ -285,7 +285,7 @@ pub(crate) async fn pay(
 }
 
 #[utoipa::path(post, path = "/orders/{order_id}/cancel", operation_id = "cancelOrder", tag = "orders", security(("bearer" = [])),
-    params(("order_id" = i64, Path, description = "order id", minimum = 1)),
+    params(("order_id" = String, Path, description = "order id: 64-bit, as a string of digits (as in bodies)", pattern = "^[1-9][0-9]{0,18}$")),
     responses(
         (status = 200, description = "the order, `cancelled` (now, or before: cancelling again is 200 and changes \
             nothing). Its unit is back on sale, and its owner may grab the voucher again while the sale is open", body = OrderResponse),

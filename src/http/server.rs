@@ -12,6 +12,11 @@
 //! second only once shutdown has begun. Without it a client that never reads (an open
 //! `/live/events` page, say) would hold its connection, hyper's buffers and the
 //! process's shutdown for as long as it liked.
+//!
+//! What hyper refuses before the router sees it (a URL over 64 KiB: 414; more headers
+//! than its parser takes, or a head over its buffer: 431; a request that is not HTTP:
+//! 400) it answers itself, without a body. Those answers are rewritten on their way
+//! out into the JSON error format every other error has (see [`Replacement`]).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -213,6 +218,7 @@ async fn connection<S>(
     let io = TokioIo::new(Watched {
         inner: tcp,
         activity: activity.clone(),
+        replacing: None,
     });
     let hyper_service = hyper::service::service_fn({
         let activity = activity.clone();
@@ -347,10 +353,110 @@ impl Drop for Busy {
     }
 }
 
-/// The socket, telling [`Activity`] when bytes arrive.
+/// The socket, telling [`Activity`] when bytes arrive and leave, and sending hyper's
+/// own bare refusals as [`Replacement`]s.
 struct Watched {
     inner: TcpStream,
     activity: Arc<Activity>,
+    /// A replacement being written.
+    replacing: Option<Replacement>,
+}
+
+impl Watched {
+    /// Writes on: the replacement in progress, or the one `buf` (the start of what hyper
+    /// writes) calls for. `None` when `buf` is no bare refusal of hyper's.
+    fn replace(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Option<Poll<std::io::Result<usize>>> {
+        if self.replacing.is_none() {
+            // hyper refuses a request only between requests: never while one of this
+            // connection's responses is still being produced.
+            if self.activity.busy.load(Ordering::Relaxed) != 0 {
+                return None;
+            }
+            self.replacing = Some(Replacement::of(buf)?);
+        }
+        let replacing = self.replacing.as_mut().expect("just set");
+        while replacing.sent < replacing.bytes.len() {
+            let poll = Pin::new(&mut self.inner).poll_write(cx, &replacing.bytes[replacing.sent..]);
+            self.activity.on_write(&poll);
+            match poll {
+                Poll::Ready(Ok(0)) => {
+                    return Some(Poll::Ready(Err(std::io::ErrorKind::WriteZero.into())))
+                }
+                Poll::Ready(Ok(n)) => replacing.sent += n,
+                Poll::Ready(Err(e)) => return Some(Poll::Ready(Err(e))),
+                Poll::Pending => return Some(Poll::Pending),
+            }
+        }
+        let written = replacing.stands_for;
+        self.replacing = None;
+        Some(Poll::Ready(Ok(written)))
+    }
+}
+
+/// The answer sent instead of one hyper wrote itself for a request it could not parse:
+/// the same status line and `date`, and the JSON error body (`validation`). hyper's
+/// own is recognised by its form, which no answer of the router has: status 400, 414
+/// or 431, `content-length: 0` and no `content-type` (every error of the router is
+/// JSON), the whole head in one write.
+struct Replacement {
+    bytes: Vec<u8>,
+    sent: usize,
+    /// How many of hyper's bytes (its head) it stands for.
+    stands_for: usize,
+}
+
+impl Replacement {
+    fn of(written: &[u8]) -> Option<Self> {
+        let status = written.strip_prefix(b"HTTP/1.1 ")?.get(..4)?;
+        let message = match status {
+            b"400 " => "malformed request: not valid HTTP/1.1".to_string(),
+            b"414 " => super::url_too_long(),
+            b"431 " => super::head_too_large(),
+            _ => return None,
+        };
+        let end = written.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
+        let head = std::str::from_utf8(&written[..end - 4]).ok()?;
+        let mut lines = head.split("\r\n");
+        let status_line = lines.next()?;
+        let mut kept = Vec::new();
+        let mut empty = false;
+        for line in lines {
+            let lower = line.to_ascii_lowercase();
+            if lower.starts_with("content-type:") {
+                return None;
+            }
+            if lower == "content-length: 0" {
+                empty = true;
+            } else if !lower.starts_with("content-length:") && !lower.starts_with("connection:") {
+                kept.push(line);
+            }
+        }
+        if !empty {
+            return None;
+        }
+        let body =
+            crate::http::error::error_json(crate::http::error::ErrorCode::Validation, message);
+        let mut bytes = format!(
+            "{status_line}\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n",
+            body.len()
+        )
+        .into_bytes();
+        for line in kept {
+            bytes.extend_from_slice(line.as_bytes());
+            bytes.extend_from_slice(b"\r\n");
+        }
+        bytes.extend_from_slice(b"\r\n");
+        bytes.extend_from_slice(&body);
+        Some(Self {
+            bytes,
+            sent: 0,
+            stands_for: end,
+        })
+    }
 }
 
 impl AsyncRead for Watched {
@@ -374,6 +480,9 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
+        if let Some(poll) = self.replace(cx, buf) {
+            return poll;
+        }
         let poll = Pin::new(&mut self.inner).poll_write(cx, buf);
         self.activity.on_write(&poll);
         poll
@@ -384,6 +493,13 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
+        let first = bufs
+            .iter()
+            .find(|b| !b.is_empty())
+            .map_or(&[][..], |b| &b[..]);
+        if let Some(poll) = self.replace(cx, first) {
+            return poll;
+        }
         let poll = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
         self.activity.on_write(&poll);
         poll
@@ -432,6 +548,57 @@ impl HttpBody for Tracked {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hypers_bare_refusals_are_replaced_by_the_json_error_format_and_nothing_else_is() {
+        let date = "date: Wed, 25 Nov 2026 19:26:56 GMT";
+        for (status, says) in [
+            ("414 URI Too Long", "URL too long"),
+            ("431 Request Header Fields Too Large", "headers too large"),
+            ("400 Bad Request", "not valid HTTP"),
+        ] {
+            let hyper = format!(
+                "HTTP/1.1 {status}\r\nconnection: close\r\ncontent-length: 0\r\n{date}\r\n\r\n"
+            );
+            let r = Replacement::of(hyper.as_bytes()).unwrap_or_else(|| panic!("{status}"));
+            assert_eq!(r.stands_for, hyper.len());
+            let text = String::from_utf8(r.bytes).unwrap();
+            let (head, body) = text.split_once("\r\n\r\n").unwrap();
+            assert!(
+                head.starts_with(&format!("HTTP/1.1 {status}\r\n")),
+                "{head}"
+            );
+            assert!(
+                head.contains("\r\ncontent-type: application/json\r\n"),
+                "{head}"
+            );
+            assert!(head.contains("\r\nconnection: close\r\n"), "{head}");
+            assert!(
+                head.contains(&format!("\r\ncontent-length: {}\r\n", body.len())),
+                "{head}"
+            );
+            assert!(head.ends_with(date), "{head}");
+            let body: serde_json::Value = serde_json::from_str(body).unwrap();
+            assert_eq!(body["error"]["code"], "validation");
+            assert!(
+                body["error"]["message"].as_str().unwrap().contains(says),
+                "{body}"
+            );
+        }
+        // The router's own answers, and anything that is not a whole head, stay.
+        for other in [
+            "HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\ncontent-length: 0\r\n\r\n",
+            "HTTP/1.1 414 URI Too Long\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}",
+            "HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
+            "HTTP/1.1 405 Method Not Allowed\r\ncontent-length: 0\r\n\r\n",
+            "HTTP/1.1 414 URI Too Long\r\ncontent-length: 0\r\n",
+            "HTTP/1.1 414 URI Too Long\r\ncontent-length: 10\r\n\r\n0123456789",
+            "{\"error\": \"HTTP/1.1 414 \"}",
+            "",
+        ] {
+            assert!(Replacement::of(other.as_bytes()).is_none(), "{other:?}");
+        }
+    }
 
     #[cfg(target_os = "linux")]
     #[tokio::test]

@@ -38,11 +38,14 @@ const LATEST: DateTime<Utc> = match DateTime::from_timestamp(253_402_300_799, 0)
 pub(crate) struct CreateVoucher {
     #[schema(minimum = 1, maximum = 9223372036854775807_i64)]
     pub shop_id: i64,
-    /// 1 to 255 characters, not blank, no NUL.
+    /// 1 to 255 characters, no NUL, and at least one of them visible: not only
+    /// whitespace and invisible characters (Unicode's default-ignorable code points:
+    /// zero-width spaces and joiners, U+FEFF, U+2060, soft hyphens, bidi controls,
+    /// variation selectors, fillers).
     #[schema(
         min_length = 1,
         max_length = 255,
-        pattern = "^[^\\u0000]*\\S[^\\u0000]*$"
+        pattern = "^[^\\u0000]*[^\\s\\u0000\\u00AD\\u034F\\u061C\\u115F\\u1160\\u17B4\\u17B5\\u180B-\\u180F\\u200B-\\u200F\\u202A-\\u202E\\u2060-\\u206F\\u3164\\uFE00-\\uFE0F\\uFEFF\\uFFA0\\uFFF0-\\uFFF8][^\\u0000]*$"
     )]
     pub title: String,
     /// Up to 255 characters, no NUL.
@@ -53,7 +56,7 @@ pub(crate) struct CreateVoucher {
     #[serde(default)]
     #[schema(max_length = 4000, pattern = "^[^\\u0000]*$")]
     pub rules: String,
-    /// What the shopper pays, in cents.
+    /// What the shopper pays, in cents: at most `actual_value` (400 otherwise).
     #[schema(minimum = 0, maximum = 9223372036854775807_i64)]
     pub pay_value: i64,
     /// What the voucher is worth, in cents.
@@ -70,9 +73,11 @@ pub(crate) struct CreateVoucher {
 pub(crate) struct CreateSeckill {
     #[schema(minimum = 1, maximum = 1000000)]
     pub stock: i64,
-    /// RFC 3339, from 1970 to 9999.
+    /// RFC 3339 with a zone offset (`Z` or `+08:00`), from 1970 to 9999.
+    #[serde(deserialize_with = "crate::http::extract::rfc3339")]
     pub begin_time: DateTime<Utc>,
-    /// RFC 3339, after `begin_time`, at most 9999-12-31T23:59:59Z.
+    /// RFC 3339 with a zone offset, after `begin_time`, at most 9999-12-31T23:59:59Z.
+    #[serde(deserialize_with = "crate::http::extract::rfc3339")]
     pub end_time: DateTime<Utc>,
     /// Seconds a shopper has to pay after admission (1 to 86400, default 900); an
     /// unpaid order then expires and its unit goes back on sale.
@@ -93,8 +98,10 @@ fn text(field: &str, value: &str, max: usize, required: bool) -> AppResult<Strin
             "{field} must not contain NUL bytes"
         )));
     }
-    if required && value.trim().is_empty() {
-        return Err(AppError::invalid(format!("{field} must not be empty")));
+    if required && !value.chars().any(is_visible) {
+        return Err(AppError::invalid(format!(
+            "{field} must not be empty or blank (only whitespace or invisible characters)"
+        )));
     }
     if value.chars().count() > max {
         return Err(AppError::invalid(format!(
@@ -102,6 +109,20 @@ fn text(field: &str, value: &str, max: usize, required: bool) -> AppResult<Strin
         )));
     }
     Ok(value.to_string())
+}
+
+/// Whether a character shows: neither whitespace nor one of Unicode's
+/// default-ignorable code points (DerivedCoreProperties.txt), which render as nothing:
+/// zero-width spaces, joiners and non-joiners, U+FEFF, U+2060, soft hyphens, bidi
+/// controls, variation selectors, Hangul fillers, tags.
+fn is_visible(c: char) -> bool {
+    !c.is_whitespace()
+        && !matches!(c,
+            '\u{00AD}' | '\u{034F}' | '\u{061C}' | '\u{115F}'..='\u{1160}'
+            | '\u{17B4}'..='\u{17B5}' | '\u{180B}'..='\u{180F}' | '\u{200B}'..='\u{200F}'
+            | '\u{202A}'..='\u{202E}' | '\u{2060}'..='\u{206F}' | '\u{3164}'
+            | '\u{FE00}'..='\u{FE0F}' | '\u{FEFF}' | '\u{FFA0}' | '\u{FFF0}'..='\u{FFF8}'
+            | '\u{1BCA0}'..='\u{1BCA3}' | '\u{1D173}'..='\u{1D17A}' | '\u{E0000}'..='\u{E0FFF}')
 }
 
 impl CreateVoucher {
@@ -114,6 +135,15 @@ impl CreateVoucher {
             return Err(AppError::invalid(
                 "pay_value and actual_value must not be negative",
             ));
+        }
+        // Each value is in range; together they are a typing error (400, where a value
+        // out of range is a 422).
+        if self.pay_value > self.actual_value {
+            return Err(AppError::bad_request(format!(
+                "pay_value ({}) must not exceed actual_value ({}): a voucher cannot cost \
+                 more than it is worth",
+                self.pay_value, self.actual_value
+            )));
         }
         let seckill = match self.seckill {
             None => None,
@@ -538,6 +568,10 @@ mod tests {
             ("/actual_value", (-5).into()),
             ("/title", "".into()),
             ("/title", "   ".into()),
+            ("/title", "\u{200B}".into()),
+            ("/title", "\u{FEFF}\u{2060}".into()),
+            ("/title", " \u{200C}\u{200D}\u{E0041} ".into()),
+            ("/pay_value", 3.into()),
             ("/title", "a\u{0}b".into()),
             ("/title", "x".repeat(256).into()),
             ("/rules", "x".repeat(4001).into()),
@@ -580,7 +614,9 @@ mod tests {
             let Ok(body) = serde_json::from_value::<CreateVoucher>(json) else { return Ok(()) };
             if let Ok(v) = body.validate(now) {
                 proptest::prop_assert!(v.shop_id > 0 && v.pay_value >= 0 && v.actual_value >= 0);
+                proptest::prop_assert!(v.pay_value <= v.actual_value);
                 proptest::prop_assert!(!v.title.trim().is_empty() && v.title.chars().count() <= 255);
+                proptest::prop_assert!(v.title.chars().any(is_visible));
                 proptest::prop_assert!(!v.title.contains('\0'));
                 let s = v.seckill.unwrap();
                 proptest::prop_assert!(s.stock >= 1 && s.stock as i64 <= MAX_STOCK);

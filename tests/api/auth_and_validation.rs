@@ -241,3 +241,234 @@ async fn health_and_readiness_answer(db: PgPool) {
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(body["checks"], json!({"redis": "up", "postgres": "up"}));
 }
+
+/// An HS256 token of `claims`, signed with `secret`.
+fn signed(claims: Value, secret: &str) -> String {
+    jsonwebtoken::encode(
+        &jsonwebtoken::Header::default(),
+        &claims,
+        &jsonwebtoken::EncodingKey::from_secret(secret.as_bytes()),
+    )
+    .unwrap()
+}
+
+/// Every way a token can be refused answers 401 `unauthorized` with a message of its
+/// own naming the rule that failed, and none of them gives the secret away.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_refused_token_is_told_which_rule_it_broke(db: PgPool) {
+    let (issuer, audience) = ("https://idp.test", "seckill");
+    let app = TestApp::spawn_with_jwt(
+        db,
+        seckill::config::JwtArgs {
+            jwt_secret: Some(crate::common::SECRET.into()),
+            jwt_issuer: Some(issuer.into()),
+            jwt_audience: Some(audience.into()),
+            ..Default::default()
+        },
+    )
+    .await;
+    let now = chrono::Utc::now().timestamp();
+    let claims = |change: &dyn Fn(&mut Value)| {
+        let mut c = json!({"sub": "5", "exp": now + 600, "iss": issuer, "aud": audience});
+        change(&mut c);
+        c
+    };
+    let good = signed(claims(&|_| {}), crate::common::SECRET);
+    let (status, body) = app.get("/orders", Some(&good)).await;
+    assert_eq!(status, StatusCode::OK, "the good token: {body}");
+
+    let ours = |c: Value| signed(c, crate::common::SECRET);
+    // (what, Authorization header or none, words its message must hold)
+    let cases: Vec<(&str, Option<String>, &[&str])> = vec![
+        ("no header", None, &["missing"]),
+        ("not bearer", Some("Basic dXNlcjpwYXNz".into()), &["Bearer"]),
+        ("not a JWT", Some("Bearer not.a.jwt".into()), &["malformed"]),
+        ("two parts", Some("Bearer abc.def".into()), &["malformed"]),
+        (
+            "wrong signature",
+            Some(format!(
+                "Bearer {}",
+                signed(claims(&|_| {}), "another-secret")
+            )),
+            &["signature"],
+        ),
+        (
+            "expired",
+            Some(format!(
+                "Bearer {}",
+                ours(claims(&|c| c["exp"] = json!(now - 3600)))
+            )),
+            &["expired"],
+        ),
+        (
+            "no exp",
+            Some(format!(
+                "Bearer {}",
+                ours(claims(&|c| drop(c.as_object_mut().unwrap().remove("exp"))))
+            )),
+            &["exp"],
+        ),
+        (
+            "a sub that is not a number",
+            Some(format!(
+                "Bearer {}",
+                ours(claims(&|c| c["sub"] = json!("auth0|123")))
+            )),
+            &["sub", "positive"],
+        ),
+        (
+            "a sub of zero",
+            Some(format!("Bearer {}", ours(claims(&|c| c["sub"] = json!(0))))),
+            &["sub", "positive"],
+        ),
+        (
+            "no sub",
+            Some(format!(
+                "Bearer {}",
+                ours(claims(&|c| drop(c.as_object_mut().unwrap().remove("sub"))))
+            )),
+            &["sub"],
+        ),
+        (
+            "wrong issuer",
+            Some(format!(
+                "Bearer {}",
+                ours(claims(&|c| c["iss"] = json!("https://elsewhere.test")))
+            )),
+            &["issuer"],
+        ),
+        (
+            "wrong audience",
+            Some(format!(
+                "Bearer {}",
+                ours(claims(&|c| c["aud"] = json!("billing")))
+            )),
+            &["audience"],
+        ),
+    ];
+    let mut messages: std::collections::BTreeMap<String, &str> = Default::default();
+    for (what, header, words) in cases {
+        let mut req = app.client.get(app.url("/orders"));
+        if let Some(h) = header {
+            req = req.header("authorization", h);
+        }
+        let (status, body) = app.send(req).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{what}: {body}");
+        assert_eq!(body["error"]["code"], "unauthorized", "{what}");
+        let message = body["error"]["message"].as_str().unwrap().to_string();
+        for word in words {
+            assert!(message.contains(word), "{what}: {message:?} lacks {word:?}");
+        }
+        assert!(
+            !message.contains(crate::common::SECRET),
+            "{what}: {message}"
+        );
+        // Tokens that break the same rule may share a message; other rules may not.
+        let rule = match what {
+            w if w.contains("sub") => "sub",
+            "not a JWT" | "two parts" => "malformed",
+            w => w,
+        };
+        if let Some(before) = messages.insert(message.clone(), rule) {
+            assert_eq!(before, rule, "{what} and {before} both say {message:?}");
+        }
+    }
+}
+
+/// A sale time without a zone or offset cannot be placed in time: the answer names the
+/// field and says an offset is needed, not serde's "premature end of input".
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_time_without_a_zone_is_refused_naming_the_field_and_asking_for_an_offset(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    for field in ["begin_time", "end_time"] {
+        let mut body = voucher_body();
+        body["seckill"][field] = json!("2098-12-01T10:00:00");
+        let (status, reply) = app
+            .post_json("/vouchers", Some(&app.admin_token()), &body)
+            .await;
+        assert!(status.is_client_error(), "{field}: {status} {reply}");
+        assert_eq!(reply["error"]["code"], "validation", "{field}");
+        let message = reply["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains(&format!("seckill.{field}")),
+            "{field}: {message}"
+        );
+        assert!(
+            message.contains("offset") && message.contains("RFC 3339"),
+            "{field}: {message}"
+        );
+        assert!(!message.contains("premature"), "{field}: {message}");
+    }
+    assert_eq!(vouchers_stored(&app).await, 0);
+    // With an offset, or Z, the same times are fine.
+    for time in ["2098-12-01T10:00:00Z", "2098-12-01T10:00:00+08:00"] {
+        let mut body = voucher_body();
+        body["seckill"]["end_time"] = json!(time);
+        let (status, reply) = app
+            .post_json("/vouchers", Some(&app.admin_token()), &body)
+            .await;
+        assert_eq!(status, StatusCode::CREATED, "{time}: {reply}");
+    }
+}
+
+/// A voucher that costs more than it is worth is a typing error: 400 `validation`
+/// naming both fields, nothing stored. Paying exactly its worth is allowed.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_price_above_the_vouchers_worth_is_refused_naming_both(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let mut body = voucher_body();
+    body["pay_value"] = json!(10_001);
+    body["actual_value"] = json!(10_000);
+    let (status, reply) = app
+        .post_json("/vouchers", Some(&app.admin_token()), &body)
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{reply}");
+    assert_eq!(reply["error"]["code"], "validation");
+    let message = reply["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("pay_value") && message.contains("actual_value"),
+        "{message}"
+    );
+    assert_eq!(vouchers_stored(&app).await, 0);
+    body["pay_value"] = json!(10_000);
+    let (status, reply) = app
+        .post_json("/vouchers", Some(&app.admin_token()), &body)
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{reply}");
+}
+
+/// A title a shopper cannot see (zero-width spaces and joiners, a byte-order mark, a
+/// word joiner, a soft hyphen, alone or among spaces) is refused as a blank one is.
+/// Invisible characters between visible ones are the title's business.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_title_of_only_invisible_characters_is_refused_like_a_blank_one(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let admin = app.admin_token();
+    let mut blank = voucher_body();
+    blank["title"] = json!("   ");
+    let (status, blank_reply) = app.post_json("/vouchers", Some(&admin), &blank).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{blank_reply}");
+    for title in [
+        "\u{200B}",
+        "\u{FEFF}",
+        "\u{2060}",
+        "\u{200C}\u{200D}",
+        "\u{00AD}",
+        " \u{200B} \u{FEFF}\t",
+    ] {
+        let mut body = voucher_body();
+        body["title"] = json!(title);
+        let (status, reply) = app.post_json("/vouchers", Some(&admin), &body).await;
+        assert_eq!(
+            status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{title:?}: {reply}"
+        );
+        assert_eq!(reply["error"], blank_reply["error"], "{title:?}");
+    }
+    assert_eq!(vouchers_stored(&app).await, 0);
+    let mut body = voucher_body();
+    body["title"] = json!("50\u{200B}off");
+    let (status, reply) = app.post_json("/vouchers", Some(&admin), &body).await;
+    assert_eq!(status, StatusCode::CREATED, "{reply}");
+}

@@ -8,6 +8,7 @@ mod common;
 mod admin;
 mod auth_and_validation;
 mod binary;
+mod client;
 mod cluster;
 mod demo;
 mod dev_script;
