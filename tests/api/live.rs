@@ -168,16 +168,11 @@ async fn the_live_stream_counts_the_grabs_answered_at_the_edge(db: PgPool) {
     }
     let mut events = Events::open(&app.client, &app.base).await;
     let view = events
-        .until(voucher, WAIT, |v| {
-            v["outcomes"]["answered_at_edge"].as_u64() >= Some(3)
-        })
+        .until(voucher, WAIT, |v| v["outcomes"]["sold_out"] == presses)
         .await;
-    // A subset of the sold-out answers, never more.
-    assert_eq!(view["outcomes"]["sold_out"], presses, "{view}");
-    assert!(
-        view["outcomes"]["answered_at_edge"].as_u64() <= view["outcomes"]["sold_out"].as_u64(),
-        "{view}"
-    );
+    // Most of them answered at the edge: a subset of the sold-out answers, never more.
+    let at_edge = view["outcomes"]["answered_at_edge"].as_i64().unwrap();
+    assert!((3..=presses).contains(&at_edge), "{view}");
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
