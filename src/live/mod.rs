@@ -6,7 +6,11 @@
 //! It serialises one JSON snapshot and publishes it on a `watch` channel that every
 //! open page reads, so a thousand pages cost what one does. Every figure comes from the
 //! shared stores (grab counts too: see `admission::tally`), so every API instance, in
-//! cluster mode as well, shows the same numbers.
+//! cluster mode as well, shows the same numbers; so do the rates over the last seconds
+//! (grabs, 503s, the p99 admission wait), which Redis keeps by its own clock, so that a
+//! page's first snapshot has them. Sales still selling come first (by Redis's stock,
+//! the live one), then upcoming, sold out and ended ones: `LIVE_MAX_SALES` never leaves
+//! out a selling sale for another.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
