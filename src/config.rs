@@ -193,9 +193,10 @@ pub struct ApiArgs {
     #[arg(long, env = "LIVE_MAX_VIEWERS", default_value_t = defaults::LIVE_MAX_VIEWERS,
           value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub live_max_viewers: u32,
-    /// Sales shown on `/live` at most (open first, then upcoming, then just ended); the
-    /// snapshot says how many there are (`open_total`) and whether some were left out
-    /// (`truncated`). Every page gets every sale each second, so this bounds its size.
+    /// Sales shown on `/live` at most (selling first, then upcoming, then sold out, then
+    /// just ended); the snapshot says how many there are (`open_total`) and whether some
+    /// were left out (`truncated`). Every page gets every sale each second, so this bounds
+    /// its size.
     #[arg(long, env = "LIVE_MAX_SALES", default_value_t = defaults::LIVE_MAX_SALES,
           value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub live_max_sales: u32,

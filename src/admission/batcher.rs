@@ -11,6 +11,7 @@ use redis::RedisResult;
 use tokio::sync::{mpsc, oneshot};
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use super::tally::{self, Tally};
 use super::{admit_many, Grab, Outcome};
@@ -27,10 +28,14 @@ const QUEUE: usize = 16_384;
 
 type Reply = oneshot::Sender<RedisResult<Outcome>>;
 
+/// A grab, when it was handed to its shard (its answer's wait is counted for the live
+/// view from then), and where its answer goes.
+type Queued = (Grab, Instant, Reply);
+
 /// The senders to each shard's task; the tasks end when this is dropped.
 pub struct Batcher {
     keys: Keys,
-    shards: Vec<mpsc::Sender<(Grab, Reply)>>,
+    shards: Vec<mpsc::Sender<Queued>>,
     tally: Arc<Tally>,
 }
 
@@ -71,7 +76,7 @@ impl Batcher {
         let shard = self.keys.shard_of(grab.voucher_id);
         let (reply, answer) = oneshot::channel();
         if self.shards[shard.0 as usize]
-            .send((grab, reply))
+            .send((grab, Instant::now(), reply))
             .await
             .is_err()
         {
@@ -99,20 +104,22 @@ struct ShardCall {
 }
 
 async fn run_shard(
-    mut rx: mpsc::Receiver<(Grab, Reply)>,
+    mut rx: mpsc::Receiver<Queued>,
     mut call: ShardCall,
     tally: Arc<Tally>,
     max: usize,
 ) {
     let mut grabs = Vec::with_capacity(max);
+    let mut queued = Vec::with_capacity(max);
     let mut replies = Vec::with_capacity(max);
     while let Some(first) = rx.recv().await {
         let mut next = Some(first);
-        while let Some((grab, reply)) = next.take() {
+        while let Some((grab, since, reply)) = next.take() {
             // A request that gave up while queued (client gone, request timed out) is
             // not sent: as before batching, a grab never sent admits nothing.
             if !reply.is_closed() {
                 grabs.push(grab);
+                queued.push(since);
                 replies.push(reply);
             }
             if grabs.len() < max {
@@ -130,25 +137,36 @@ async fn run_shard(
             call.replicas,
         )
         .await;
+        // Each grab's answer and wait, counted for the live view under one lock.
+        let answered = Instant::now();
+        let counted = |answers: Vec<Option<tally::Answer>>| {
+            tally.add_answers(grabs.iter().zip(&queued).zip(answers).filter_map(
+                |((g, since), answer)| Some((g.voucher_id, answer?, answered - *since)),
+            ));
+        };
         match decided {
             Ok(outcomes) => {
-                tally.add_all(
+                counted(
                     grabs
                         .iter()
                         .zip(&outcomes)
-                        .filter_map(|(g, o)| Some((g.voucher_id, tally::index(o, g.order_id)?))),
+                        .map(|(g, &o)| tally::answer(&Ok(o), g.order_id))
+                        .collect(),
                 );
                 for (reply, outcome) in replies.drain(..).zip(outcomes) {
                     let _ = reply.send(Ok(outcome));
                 }
             }
             Err(e) => {
+                let failed = tally::answer(&Err(copy(&e)), 0);
+                counted(vec![failed; grabs.len()]);
                 for reply in replies.drain(..) {
                     let _ = reply.send(Err(copy(&e)));
                 }
             }
         }
         grabs.clear();
+        queued.clear();
     }
 }
 

@@ -67,8 +67,10 @@ pub(crate) async fn icon() -> impl IntoResponse {
     responses(
         (status = 200, description = "`text/event-stream`: an event `snapshot` at least every second while the stream is open, \
             its data one JSON object: `at` (by Postgres's clock), `worker` (`length`, `pending`, `lag` (null when Redis cannot tell it), `dead_letters` of the order streams), \
-            `sales` (per sale: `id`, `title`, `state`, `begin_time`, `end_time`, `initial_stock`, `remaining`, `grabs_per_sec`, \
-            `outcomes`, `orders`, `dead_letters`, `releases_owed`; `state` by Postgres's clock), `open_total` (sales qualifying: open, upcoming, \
+            `sales` (selling first, then upcoming, sold out, ended; per sale: `id`, `title`, `state`, `sold_out`, `begin_time`, `end_time`, `initial_stock`, `remaining`, \
+            `grabs_per_sec`, `errors_per_sec`, `admission_p99_ms` (over the last 5 s, null when unknown), \
+            `outcomes` (with the 503s: `unavailable`, `unknown`), `orders` (`admitted` = `persisted` + `in_flight` + `dead_letters`), `dead_letters`, `releases_owed`; \
+            `state` by Postgres's clock), `open_total` (sales qualifying: open, upcoming, \
             ended in the last 5 minutes), `truncated` (true when `sales` holds fewer than `open_total`: at most `LIVE_MAX_SALES` are sent) \
             and `unavailable` (stores that did not answer)", content_type = "text/event-stream", body = String),
         (status = 503, description = "too many pages are watching this instance (`unavailable`)", body = crate::http::error::ErrorBody),

@@ -6,7 +6,11 @@
 //! It serialises one JSON snapshot and publishes it on a `watch` channel that every
 //! open page reads, so a thousand pages cost what one does. Every figure comes from the
 //! shared stores (grab counts too: see `admission::tally`), so every API instance, in
-//! cluster mode as well, shows the same numbers.
+//! cluster mode as well, shows the same numbers; so do the rates over the last seconds
+//! (grabs, 503s, the p99 admission wait), which Redis keeps by its own clock, so that a
+//! page's first snapshot has them. Sales still selling come first (by Redis's stock,
+//! the live one), then upcoming, sold out and ended ones: `LIVE_MAX_SALES` never leaves
+//! out a selling sale for another.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -28,8 +32,10 @@ use crate::stream::StreamStats;
 /// A snapshot at least this often while someone watches; grab counts flushed as often.
 pub const EVERY: Duration = Duration::from_secs(1);
 /// Grabs per second are averaged over this long (each instance adds its counts once a
-/// second, so a shorter window would flicker).
-const RATE_WINDOW: Duration = Duration::from_secs(5);
+/// second, so a shorter window would flicker): the recent figures Redis keeps (see
+/// `admission::tally`), and the producer's own history of the totals when Redis has
+/// none (counts added by a process of an earlier release, which keeps no recent ones).
+const RATE_WINDOW: Duration = Duration::from_secs(tally::WINDOW_SECS);
 /// A store's reads give up after this long; the snapshot says which store is missing.
 const READ_DEADLINE: Duration = Duration::from_millis(800);
 /// At shutdown, how long the last flush waits for the server's last request (bounded by
@@ -60,13 +66,26 @@ pub struct SaleView {
     pub title: String,
     /// `upcoming`, `open` or `ended`, by Postgres's clock (one for every instance).
     pub state: &'static str,
+    /// No unit left to grab now: `remaining` is 0, or, while the sale is not loaded in
+    /// Redis, Postgres has none left. (Units come back when orders are cancelled or
+    /// expire, so an open sale may sell again.)
+    pub sold_out: bool,
     pub begin_time: DateTime<Utc>,
     pub end_time: DateTime<Utc>,
     pub initial_stock: i64,
     /// Units left to grab, as admission sees them (Redis); `None` when the sale is
     /// not loaded there (it loads on its first grab).
     pub remaining: Option<i64>,
-    pub grabs_per_sec: f64,
+    /// Grabs a second, every answer, over the last [`RATE_WINDOW`]; `None` until Redis
+    /// has answered for the sale.
+    pub grabs_per_sec: Option<f64>,
+    /// Grabs answered 503 (`outcomes.unavailable` and `unknown`) a second, over the same
+    /// window; `None` as `grabs_per_sec`.
+    pub errors_per_sec: Option<f64>,
+    /// The 99th percentile of how long grabs waited for their admission call over the
+    /// same window, in milliseconds (from buckets, as Prometheus estimates it); `None`
+    /// when no grab reached an admission call then.
+    pub admission_p99_ms: Option<f64>,
     pub outcomes: Outcomes,
     pub orders: Orders,
     /// Orders that could never be written (see `seckill dead-letters`).
@@ -87,6 +106,12 @@ pub struct Outcomes {
     /// Of the above, the grabs an API instance answered by itself (sold out, not yet
     /// open, ended), without asking Redis.
     pub answered_at_edge: u64,
+    /// Answered 503, nothing reserved: Redis refused the admission call or could not be
+    /// reached, or the sale was being rebuilt from Postgres.
+    pub unavailable: u64,
+    /// Answered 503 with `"outcome": "unknown"`: the call's answer did not come (the
+    /// order may exist).
+    pub unknown: u64,
 }
 
 impl From<tally::Counts> for Outcomes {
@@ -101,6 +126,8 @@ impl From<tally::Counts> for Outcomes {
             not_started,
             ended,
             answered_at_edge,
+            unavailable: 0,
+            unknown: 0,
         }
     }
 }
@@ -113,16 +140,49 @@ impl Outcomes {
             + self.rate_limited
             + self.not_started
             + self.ended
+            + self.unavailable
+            + self.unknown
     }
 }
 
+/// A sale's figures from Redis.
+#[derive(Debug, Clone, Copy, Default)]
+struct Figures {
+    remaining: Option<i64>,
+    outcomes: Outcomes,
+    recent: tally::Recent,
+}
+
+impl From<(Option<i64>, tally::Live)> for Figures {
+    fn from((remaining, live): (Option<i64>, tally::Live)) -> Self {
+        let [unavailable, unknown] = live.errors;
+        Self {
+            remaining,
+            outcomes: Outcomes {
+                unavailable,
+                unknown,
+                ..live.outcomes.into()
+            },
+            recent: live.recent,
+        }
+    }
+}
+
+/// The orders the sale's admitted grabs became, so that they add up:
+/// `admitted = persisted + in_flight + dead_letters` (the sale's), and
+/// `persisted = created + paid + cancelled + expired`.
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct Orders {
+    /// Orders admitted, as the stores account for them this second: persisted, in
+    /// flight, and dead-lettered. Once the grab counts are in (each instance adds its
+    /// own once a second), it is `outcomes.admitted`. `None` with `in_flight`.
+    pub admitted: Option<i64>,
     /// Written to Postgres, whatever became of them since.
     pub persisted: i64,
     /// Admitted, not yet written; `None` unless both stores answered this time (one
     /// store's last figures beside the other's new ones would make it up).
     pub in_flight: Option<i64>,
+    /// Persisted, waiting to be paid.
     pub created: i64,
     pub paid: i64,
     pub cancelled: i64,
@@ -285,13 +345,21 @@ async fn timeout<T, E: std::fmt::Display>(
 #[derive(Default)]
 struct Producer {
     sales: store::Sales,
-    redis: HashMap<i64, (Option<i64>, Outcomes)>,
+    redis: HashMap<i64, Figures>,
     worker: StreamStats,
     totals: HashMap<i64, VecDeque<(Instant, u64)>>,
     /// Postgres's clock less ours at the last read: a snapshot's `at` is Postgres's
     /// time, like its sales' states, so that every instance's page counts down alike.
     clock_offset: chrono::TimeDelta,
+    /// The sales Redis said had no unit left, with Postgres's stock then: Postgres
+    /// still counts the units of orders in flight, so without this a sale sold out in
+    /// Redis could take a selling sale's place when not every sale can be shown (see
+    /// `store::live::sales`).
+    sold_out: HashMap<i64, i32>,
 }
+
+/// Sales remembered sold out, at most (beyond it the memory starts again).
+const SOLD_OUT_REMEMBERED: usize = 10_000;
 
 impl Producer {
     async fn snapshot(
@@ -302,8 +370,73 @@ impl Producer {
         max_sales: i64,
     ) -> Snapshot {
         let mut unavailable = Vec::new();
+        // Read again (twice at most) when Redis shows that Postgres's stock put a sale
+        // sold out among the selling ones and some sale was left out for it.
+        for _ in 0..3 {
+            unavailable.clear();
+            self.read(db, redis, keys, max_sales, &mut unavailable)
+                .await;
+            let misplaced = !unavailable.contains(&"redis") && self.learn_sold_out();
+            if !(misplaced && self.sales.total > self.sales.rows.len() as i64) {
+                break;
+            }
+        }
+        let ids: Vec<i64> = self.sales.rows.iter().map(|s| s.voucher_id).collect();
+        let now = Utc::now() + self.clock_offset;
+        let clock = Instant::now();
+        let fresh = unavailable.is_empty();
+        self.totals.retain(|id, _| ids.contains(id));
+        let mut sales: Vec<SaleView> = self
+            .sales
+            .rows
+            .iter()
+            .map(|s| {
+                let figures = self.redis.get(&s.voucher_id).copied();
+                let Some(figures) = figures else {
+                    // Redis has not answered for it yet: no rate, rather than 0.
+                    return view(s, Figures::default(), None, fresh);
+                };
+                let history = rate(
+                    self.totals.entry(s.voucher_id).or_default(),
+                    clock,
+                    figures.outcomes.total(),
+                );
+                let grabs_per_sec = if figures.recent.grabs > 0 {
+                    figures.recent.grabs_per_sec()
+                } else {
+                    history
+                };
+                view(s, figures, Some(grabs_per_sec), fresh)
+            })
+            .collect();
+        // Selling first, then upcoming, then sold out, then ended, the soonest ending
+        // first within each (as the store reads them, but by Redis's stock, the live one).
+        sales.sort_by_key(|s| (rank(s), s.end_time, s.id));
+        Snapshot {
+            at: now,
+            worker: self.worker,
+            open_total: self.sales.total,
+            truncated: self.sales.total > sales.len() as i64,
+            sales,
+            unavailable,
+        }
+    }
+}
+
+impl Producer {
+    /// Both stores' figures of the sales on show; the stores that did not answer go to
+    /// `unavailable` (their last figures stay).
+    async fn read(
+        &mut self,
+        db: &PgPool,
+        redis: &RedisConn,
+        keys: &Keys,
+        max_sales: i64,
+        unavailable: &mut Vec<&'static str>,
+    ) {
         let asked = Utc::now();
-        match timeout(store::sales(db, max_sales)).await {
+        let sold_out: Vec<(i64, i32)> = self.sold_out.iter().map(|(&v, &s)| (v, s)).collect();
+        match timeout(store::sales(db, max_sales, &sold_out)).await {
             Ok(sales) => {
                 // Postgres read its clock somewhere within the round trip: take the
                 // middle, so the offset is off by at most half a read, not a whole one.
@@ -327,33 +460,32 @@ impl Producer {
                 unavailable.push("redis");
             }
         }
-        let now = Utc::now() + self.clock_offset;
-        let clock = Instant::now();
-        let fresh = unavailable.is_empty();
-        self.totals.retain(|id, _| ids.contains(id));
-        let sales: Vec<SaleView> = self
-            .sales
-            .rows
-            .iter()
-            .map(|s| {
-                let (remaining, outcomes) =
-                    self.redis.get(&s.voucher_id).copied().unwrap_or_default();
-                let rate = rate(
-                    self.totals.entry(s.voucher_id).or_default(),
-                    clock,
-                    outcomes.total(),
-                );
-                view(s, remaining, outcomes, rate, fresh)
-            })
-            .collect();
-        Snapshot {
-            at: now,
-            worker: self.worker,
-            open_total: self.sales.total,
-            truncated: self.sales.total > sales.len() as i64,
-            sales,
-            unavailable,
+    }
+
+    /// Remembers which sales on show Redis has sold out (see [`Producer::sold_out`]);
+    /// whether one of them was read as one with units left (open, with Postgres's stock
+    /// above what was remembered).
+    fn learn_sold_out(&mut self) -> bool {
+        if self.sold_out.len() > SOLD_OUT_REMEMBERED {
+            self.sold_out.clear();
         }
+        let mut misplaced = false;
+        for row in &self.sales.rows {
+            let remaining = self.redis.get(&row.voucher_id).and_then(|f| f.remaining);
+            match remaining {
+                Some(left) if left <= 0 => {
+                    let before = self.sold_out.insert(row.voucher_id, row.stock);
+                    let read_as_selling = row.state == "open"
+                        && row.stock > 0
+                        && before.is_none_or(|stock| row.stock > stock);
+                    misplaced |= read_as_selling;
+                }
+                _ => {
+                    self.sold_out.remove(&row.voucher_id);
+                }
+            }
+        }
+        misplaced
     }
 }
 
@@ -362,13 +494,13 @@ async fn read_redis(
     redis: &RedisConn,
     keys: &Keys,
     ids: &[i64],
-) -> redis::RedisResult<(Vec<(Option<i64>, Outcomes)>, StreamStats)> {
+) -> redis::RedisResult<(Vec<Figures>, StreamStats)> {
     let stocks = ids.iter().map(|&id| {
         let mut conn = redis.clone();
         async move { crate::admission::live_stock(&mut conn, keys, id).await }
     });
     let stocks = futures_util::future::try_join_all(stocks).await?;
-    let counts = tally::read(redis, keys, ids).await?;
+    let counts = tally::read_live(redis, keys, ids).await?;
     // Summed from nothing: a lag of 0, known.
     let mut worker = StreamStats {
         lag: Some(0),
@@ -381,7 +513,7 @@ async fn read_redis(
     let figures = stocks
         .into_iter()
         .zip(counts)
-        .map(|(stock, counts)| (stock, counts.into()))
+        .map(|(stock, counts)| (stock, counts).into())
         .collect();
     Ok((figures, worker))
 }
@@ -404,18 +536,32 @@ fn rate(history: &mut VecDeque<(Instant, u64)>, now: Instant, total: u64) -> f64
     (total.saturating_sub(first) as f64 / secs * 10.0).round() / 10.0
 }
 
-fn view(
-    s: &SaleRow,
-    remaining: Option<i64>,
-    outcomes: Outcomes,
-    grabs_per_sec: f64,
-    fresh: bool,
-) -> SaleView {
+/// Where a sale goes on the page: selling, upcoming, sold out (open, nothing left),
+/// ended.
+fn rank(sale: &SaleView) -> u8 {
+    match (sale.state, sale.sold_out) {
+        ("open", false) => 0,
+        ("upcoming", _) => 1,
+        ("open", true) => 2,
+        _ => 3,
+    }
+}
+
+/// `grabs_per_sec`: `None` when Redis has not answered for the sale yet.
+fn view(s: &SaleRow, figures: Figures, grabs_per_sec: Option<f64>, fresh: bool) -> SaleView {
+    let Figures {
+        remaining,
+        outcomes,
+        recent,
+    } = figures;
     let state = match s.state.as_str() {
         "upcoming" => "upcoming",
         "ended" => "ended",
         _ => "open",
     };
+    // Not loaded in Redis (it loads on the first grab): Postgres's units not taken.
+    let sold_out = remaining.unwrap_or(s.stock as i64) <= 0;
+    let persisted = s.created + s.paid + s.cancelled + s.expired;
     // Redis's stock = Postgres's - orders in flight - units whose return to Redis is
     // owed (see `reconcile`).
     let in_flight = remaining
@@ -431,14 +577,20 @@ fn view(
         id: s.voucher_id,
         title: s.title.clone(),
         state,
+        sold_out,
         begin_time: s.begin_time,
         end_time: s.end_time,
         initial_stock: s.initial_stock as i64,
         remaining,
         grabs_per_sec,
+        errors_per_sec: grabs_per_sec.map(|_| recent.errors_per_sec()),
+        admission_p99_ms: recent
+            .latency_quantile(0.99)
+            .map(|secs| (secs * 1e5).round() / 100.0),
         outcomes,
         orders: Orders {
-            persisted: s.created + s.paid + s.cancelled + s.expired,
+            admitted: in_flight.map(|f| persisted + f + s.dead_letters),
+            persisted,
             in_flight,
             created: s.created,
             paid: s.paid,

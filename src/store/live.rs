@@ -46,10 +46,17 @@ pub struct Sales {
 /// (its orders by status are counted there by the transactions that move them) and the
 /// few dead letters and owed releases it has. The server gives up on it after
 /// [`STATEMENT_TIMEOUT`], so that a slow Postgres does not gather abandoned reads.
-/// At most `limit` sales: open ones first, then upcoming, then ended; the soonest
-/// ending first within each.
-#[tracing::instrument(level = "debug", skip(db))]
-pub async fn sales(db: &PgPool, limit: i64) -> sqlx::Result<Sales> {
+/// At most `limit` sales: open ones with units left first, then upcoming, then open
+/// with none left, then ended; the soonest ending first within each. Units left are
+/// Postgres's stock, except for the sales in `sold_out`: `(voucher id, Postgres's stock
+/// when Redis said none was left)`, none left while their stock is no higher (a unit
+/// coming back raises it). A sale still selling in Redis has units left here too
+/// (Redis's stock is Postgres's less the orders in flight and the returns owed), so the
+/// limit never leaves a selling sale out for another kind, once the caller has told the
+/// ones Redis has sold out.
+#[tracing::instrument(level = "debug", skip(db, sold_out))]
+pub async fn sales(db: &PgPool, limit: i64, sold_out: &[(i64, i32)]) -> sqlx::Result<Sales> {
+    let (sold_ids, sold_stock): (Vec<i64>, Vec<i32>) = sold_out.iter().copied().unzip();
     let mut tx = db.begin().await?;
     // The timeout, and Postgres's clock (the one the states below are decided by) in
     // the same round trip.
@@ -72,13 +79,19 @@ pub async fn sales(db: &PgPool, limit: i64) -> sqlx::Result<Sales> {
         FROM seckill_vouchers s
         JOIN vouchers v ON v.id = s.voucher_id
         WHERE s.end_time > now() - make_interval(secs => $1)
-        ORDER BY CASE WHEN s.end_time <= now() THEN 2 WHEN s.begin_time > now() THEN 1 ELSE 0 END,
+        ORDER BY CASE WHEN s.end_time <= now() THEN 3 WHEN s.begin_time > now() THEN 1
+                      WHEN s.stock <= 0 THEN 2
+                      WHEN EXISTS (SELECT 1 FROM unnest($3::int8[], $4::int4[]) AS d(id, stock)
+                                   WHERE d.id = s.voucher_id AND s.stock <= d.stock) THEN 2
+                      ELSE 0 END,
                  s.end_time, s.voucher_id
         LIMIT $2
         "#,
     )
     .bind(ENDED_SHOWN_SECS as f64)
     .bind(limit)
+    .bind(&sold_ids)
+    .bind(&sold_stock)
     .fetch_all(&mut *tx)
     .await?;
     tx.commit().await?;

@@ -113,6 +113,16 @@ fn scripts_dev_starts_private_servers_serves_and_ctrl_c_stops_everything_it_star
     }
     let out = lines.join("\n");
     println!("{out}");
+    // The binary is the one named, not a build of the script's.
+    let up = lines
+        .iter()
+        .find(|l| l.starts_with("seckill is up"))
+        .unwrap_or_else(|| panic!("no 'seckill is up' line:\n{out}"));
+    assert!(
+        up.ends_with(&format!("the binary from SECKILL_BIN: {BIN})")),
+        "{up}"
+    );
+    assert!(!up.contains("build"), "{up}");
     let field = |name: &str| {
         lines
             .iter()
@@ -270,9 +280,23 @@ fn start_script_with(
     database_url: &str,
     more: &[(&str, &str)],
 ) -> Script {
+    start_script_with_args(bind, tmp, stderr_log, redis_url, database_url, more, &[])
+}
+
+/// [`start_script_with`], with these arguments.
+fn start_script_with_args(
+    bind: &str,
+    tmp: &std::path::Path,
+    stderr_log: &std::path::Path,
+    redis_url: &str,
+    database_url: &str,
+    more: &[(&str, &str)],
+    args: &[&str],
+) -> Script {
     use std::os::unix::process::CommandExt;
     let mut child = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/dev"));
     child
+        .args(args)
         .env("SECKILL_BIN", BIN)
         .env("REDIS_URL", redis_url)
         .env("DATABASE_URL", database_url)
@@ -580,4 +604,167 @@ fn your_redis_key_prefix_gets_the_runs_own_suffix_beside_a_private_postgres() {
     );
     let _ = std::fs::remove_dir_all(&tmp);
     let _ = std::fs::remove_file(&stderr_log);
+}
+
+/// Whether the Postgres at `url` has a database `name`.
+fn database_exists(url: &str, name: &str) -> bool {
+    let out = Command::new("psql")
+        .args(["-w", url, "-Atqc"])
+        .arg(format!(
+            "SELECT count(*) FROM pg_database WHERE datname = '{name}'"
+        ))
+        .output()
+        .expect("psql (postgresql-client)");
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8_lossy(&out.stdout).trim() == "1"
+}
+
+/// The keys under `prefix` in the Redis at `url`.
+fn keys_under(url: &str, prefix: &str) -> Vec<String> {
+    let out = Command::new("redis-cli")
+        .args(["-u", url, "--scan", "--pattern", &format!("{prefix}*")])
+        .output()
+        .expect("redis-cli (redis-tools)");
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// On servers of yours (the ones the tests use) the script makes a database and a Redis
+/// key prefix of its own, serves from them, and at Ctrl-C drops the database and deletes
+/// the keys; with `--keep` it leaves both and says where they are.
+#[test]
+fn on_your_servers_scripts_dev_drops_its_database_and_deletes_its_keys_at_exit_unless_kept() {
+    let redis_url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let database_url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    for keep in [false, true] {
+        let tmp = scratch_dir(if keep { "yours-kept" } else { "yours" });
+        let stderr_log = tmp.with_extension("log");
+        let log = || std::fs::read_to_string(&stderr_log).unwrap_or_default();
+        let args: &[&str] = if keep { &["--keep"] } else { &[] };
+        let mut script = start_script_with_args(
+            &format!("127.0.0.1:{}", free_port()),
+            &tmp,
+            &stderr_log,
+            &redis_url,
+            &database_url,
+            &[],
+            args,
+        );
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while !log().contains("Ctrl-C stops") {
+            assert!(
+                Instant::now() < deadline,
+                "no banner within 120 s:\n{}",
+                log()
+            );
+            assert!(
+                matches!(script.0.try_wait(), Ok(None)),
+                "exited:\n{}",
+                log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let said = log();
+        let line = |name: &str| {
+            said.lines()
+                .find(|l| l.trim_start().starts_with(name))
+                .unwrap_or_else(|| panic!("no {name} line:\n{said}"))
+                .trim()
+                .to_string()
+        };
+        let (redis, postgres) = (line("Redis "), line("Postgres "));
+        let at_exit = if keep { "kept" } else { "dropped" };
+        let database = postgres
+            .split("(yours, database ")
+            .nth(1)
+            .and_then(|rest| rest.strip_suffix(&format!(" {at_exit} at exit)")))
+            .unwrap_or_else(|| panic!("{postgres}"))
+            .to_string();
+        assert!(database.starts_with("seckill_dev_"), "{postgres}");
+        assert!(
+            postgres
+                .split_whitespace()
+                .nth(1)
+                .unwrap()
+                .ends_with(&format!("/{database}")),
+            "served from its own database: {postgres}"
+        );
+        let at_exit = if keep { "kept" } else { "deleted" };
+        let prefix = redis
+            .split("(yours, keys under ")
+            .nth(1)
+            .and_then(|rest| rest.strip_suffix(&format!(" {at_exit} at exit)")))
+            .unwrap_or_else(|| panic!("{redis}"))
+            .to_string();
+        assert!(
+            prefix.starts_with("dev-") && prefix.ends_with(':'),
+            "{redis}"
+        );
+
+        // The printed curl: a sale and a grab, in its database and under its prefix.
+        let lines: Vec<&str> = said.lines().collect();
+        let start = lines
+            .iter()
+            .position(|l| l.ends_with("(paste into a shell):"))
+            .expect("a curl to paste");
+        let block: Vec<&str> = lines[start + 2..]
+            .iter()
+            .take_while(|l| !l.is_empty())
+            .copied()
+            .collect();
+        let grab = Command::new("bash")
+            .args(["-euo", "pipefail", "-c", &block.join("\n")])
+            .output()
+            .unwrap();
+        let answer = String::from_utf8_lossy(&grab.stdout);
+        assert!(
+            answer.contains(r#""status":"pending""#),
+            "{answer} {grab:?}"
+        );
+        assert!(database_exists(&database_url, &database));
+        assert!(!keys_under(&redis_url, &prefix).is_empty());
+
+        script.interrupt();
+        let code = exit_code_within(&mut script, Duration::from_secs(60), &log);
+        let said = log();
+        assert_eq!(code, Some(130), "{said}");
+        assert_eq!(processes_left_under(&tmp), Vec::<String>::new(), "{said}");
+        if keep {
+            assert!(database_exists(&database_url, &database), "{said}");
+            assert!(!keys_under(&redis_url, &prefix).is_empty(), "{said}");
+            assert!(
+                said.contains(&format!("kept the database {database}")),
+                "{said}"
+            );
+            assert!(
+                said.contains(&format!("kept the keys under {prefix}")),
+                "{said}"
+            );
+            // The test's own cleanup.
+            let dropped = Command::new("psql")
+                .args(["-w", &database_url, "-qc"])
+                .arg(format!("DROP DATABASE \"{database}\" WITH (FORCE)"))
+                .status()
+                .unwrap();
+            assert!(dropped.success());
+            for key in keys_under(&redis_url, &prefix) {
+                let _ = Command::new("redis-cli")
+                    .args(["-u", &redis_url, "del", &key])
+                    .output();
+            }
+        } else {
+            assert!(!database_exists(&database_url, &database), "{said}");
+            assert_eq!(
+                keys_under(&redis_url, &prefix),
+                Vec::<String>::new(),
+                "{said}"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&tmp);
+        let _ = std::fs::remove_file(&stderr_log);
+    }
 }

@@ -67,7 +67,7 @@ async fn a_script_run_twice_for_one_request_answers_202_with_the_order_it_minted
 
 /// Blocks a Redis server for `millis` with a busy script (no DEBUG command needed):
 /// commands sent meanwhile wait in its socket buffers and run afterwards.
-async fn block_redis(url: &str, millis: u64) -> tokio::task::JoinHandle<()> {
+pub(crate) async fn block_redis(url: &str, millis: u64) -> tokio::task::JoinHandle<()> {
     let client = redis::Client::open(url).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
     let task = tokio::spawn(async move {

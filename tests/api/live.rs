@@ -632,6 +632,49 @@ async fn one_sale_whose_flush_fails_does_not_hold_back_the_others() {
     }
 }
 
+/// The recent figures a flush adds (grabs, errors, admission waits) are read back
+/// summed over the last whole seconds, by Redis's clock: from the second after the
+/// flush's, for the window's length, and then they are gone; the totals stay.
+#[tokio::test]
+async fn recent_figures_are_read_over_the_last_whole_seconds_and_then_leave() {
+    use seckill::admission::tally::{self, Answer};
+    let counter = Counter::new(&crate::common::redis_url()).await;
+    let voucher = 1;
+    let waited = Duration::from_millis(3);
+    counter.tally.add_answers([
+        (voucher, Answer::Outcome(0), waited),
+        (voucher, Answer::Outcome(1), waited),
+        (voucher, Answer::Failed(tally::UNKNOWN), waited),
+    ]);
+    counter.flush().await.unwrap();
+    let read = || async {
+        tally::read_live(&counter.conn, &counter.keys, &[voucher])
+            .await
+            .unwrap()[0]
+    };
+    let live = read().await;
+    assert_eq!(live.outcomes[..2], [1, 1]);
+    assert_eq!(live.errors, [0, 1]);
+
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let recent = loop {
+        let recent = read().await.recent;
+        if recent.grabs > 0 {
+            break recent;
+        }
+        assert!(Instant::now() < deadline, "never in the window");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!((recent.grabs, recent.errors), (3, 1));
+    let p50 = recent.latency_quantile(0.5).unwrap();
+    assert!(p50 > 0.002 && p50 <= 0.005, "{p50}");
+
+    tokio::time::sleep(Duration::from_secs(tally::WINDOW_SECS + 2)).await;
+    let live = read().await;
+    assert_eq!(live.recent, tally::Recent::default());
+    assert_eq!(live.outcomes[..2], [1, 1], "the totals stay");
+}
+
 /// Redis stalls (every command, reads too) while grab counts wait to be flushed: the
 /// flush waits out its deadline each second, and the snapshots, whose Redis reads wait
 /// out theirs, still come a second apart (flush and snapshot one after the other made
@@ -1306,4 +1349,364 @@ async fn the_page_says_stale_when_the_snapshots_time_stops_advancing(db: PgPool)
         )
         .await;
     browser.wait_for(status, WAIT, |v| v == "live").await;
+}
+
+/// `sale`'s id, whether it is sold out, and its state, of each sale in `snapshot`.
+fn order_of(snapshot: &Value) -> Vec<(i64, bool, String)> {
+    snapshot["sales"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["id"].as_i64().unwrap(),
+                s["sold_out"]
+                    .as_bool()
+                    .unwrap_or_else(|| panic!("no sold_out: {s}")),
+                s["state"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// Sales of one unit sold (the orders written, or one still in flight), a sale still
+/// selling that ends last, an upcoming one and one just ended: `(sold and written, sold
+/// in flight, selling, upcoming, ended)`.
+async fn sales_mid_sale(app: &TestApp) -> (Vec<i64>, i64, i64, i64, i64) {
+    use chrono::Duration as Minutes;
+    let now = chrono::Utc::now();
+    let mut sold = Vec::new();
+    for i in 0..3 {
+        let voucher = app
+            .create_sale(1, now - Minutes::minutes(1), now + Minutes::minutes(10 + i))
+            .await;
+        let (status, body) = app.grab(voucher, 100 + i).await;
+        assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+        sold.push(voucher);
+    }
+    let ended = app
+        .create_sale(5, now - Minutes::minutes(1), now + Minutes::minutes(30))
+        .await;
+    app.drain().await;
+    sqlx::query(
+        "UPDATE seckill_vouchers SET begin_time = now() - interval '10 minutes', \
+         end_time = now() - interval '1 minute' WHERE voucher_id = $1",
+    )
+    .bind(ended)
+    .execute(&app.db)
+    .await
+    .unwrap();
+    // Sold out in Redis, its order not yet in Postgres (whose stock still counts it).
+    let in_flight = app
+        .create_sale(1, now - Minutes::minutes(1), now + Minutes::minutes(20))
+        .await;
+    let (status, body) = app.grab(in_flight, 200).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    let selling = app
+        .create_sale(50, now - Minutes::minutes(1), now + Minutes::hours(2))
+        .await;
+    let (status, body) = app.grab(selling, 300).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    let upcoming = app
+        .create_sale(5, now + Minutes::hours(1), now + Minutes::hours(3))
+        .await;
+    (sold, in_flight, selling, upcoming, ended)
+}
+
+/// Mid-sale the page lists the sale still selling first, then the upcoming one, then
+/// the open ones with nothing left (sold out, by Redis's stock: one whose order is still
+/// in flight too), then the ended one, the soonest ending first within each; and when it
+/// cannot show every sale the selling one is never the one left out, not even for a
+/// sale Postgres still counts units of.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn the_selling_sale_comes_first_and_the_limit_never_leaves_it_out_for_a_sold_out_one(
+    db: PgPool,
+) {
+    let app = TestApp::spawn(db).await;
+    let (sold, in_flight, selling, upcoming, ended) = sales_mid_sale(&app).await;
+    let mut events = Events::open(&app.client, &app.base).await;
+    let snapshot = events.next(WAIT).await;
+    let open = |id| (id, true, "open".to_string());
+    assert_eq!(
+        order_of(&snapshot),
+        vec![
+            (selling, false, "open".to_string()),
+            (upcoming, false, "upcoming".to_string()),
+            open(sold[0]),
+            open(sold[1]),
+            open(sold[2]),
+            open(in_flight),
+            (ended, false, "ended".to_string()),
+        ],
+        "{snapshot}"
+    );
+
+    // One sale shown: the selling one, although Postgres still counts a unit of the
+    // sale whose order is in flight, and that sale ends sooner.
+    for limit in ["1", "2"] {
+        let (_api, base) = app
+            .spawn_server("api", &[("LIVE_MAX_SALES", limit.to_string())])
+            .await;
+        let mut events = Events::open(&app.client, &base).await;
+        let snapshot = events.next(WAIT).await;
+        let shown: Vec<i64> = order_of(&snapshot).iter().map(|s| s.0).collect();
+        assert_eq!(shown[0], selling, "LIVE_MAX_SALES={limit}: {snapshot}");
+        assert_eq!(snapshot["truncated"], true, "{snapshot}");
+        assert_eq!(snapshot["open_total"], 7, "{snapshot}");
+        if limit == "2" {
+            assert_eq!(shown, [selling, upcoming], "{snapshot}");
+        }
+    }
+}
+
+/// A page opening while grabs flow gets the real grab rate and admission time in its
+/// very first snapshot (never a 0 while the producer builds up a history): they are
+/// the last seconds' figures Redis keeps, the same on every instance.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_new_pages_first_snapshot_carries_the_real_grab_rate_and_admission_time(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(100_000).await;
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let grabbing = async {
+        let mut user = 1;
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            let (status, body) = app.grab(voucher, user).await;
+            assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+            user += 1;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        user - 1
+    };
+    let watching = async {
+        // No page has watched yet: the process has no history of this sale's counts.
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        let mut first = Events::open(&app.client, &app.base).await;
+        let snapshot = first.next(WAIT).await;
+        let (_api, other) = app.spawn_server("api", &[]).await;
+        let there = Events::open(&app.client, &other).await.next(WAIT).await;
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        (snapshot, there)
+    };
+    let (grabs, (snapshot, there)) = tokio::join!(grabbing, watching);
+    let view = sale_in(&snapshot, voucher).unwrap();
+    let rate = view["grabs_per_sec"].as_f64().unwrap_or(0.0);
+    // About 40 a second on an idle machine; a busy one grabs fewer.
+    assert!(rate >= 5.0, "grabs/s {rate} in the first snapshot: {view}");
+    let p99 = view["admission_p99_ms"].as_f64();
+    assert!(p99.is_some_and(|ms| ms > 0.0), "{view}");
+    assert_eq!(view["errors_per_sec"], 0.0, "{view}");
+    // A new instance's first snapshot too: no history there at all.
+    let view = sale_in(&there, voucher).unwrap();
+    let rate = view["grabs_per_sec"].as_f64().unwrap_or(0.0);
+    assert!(rate >= 5.0, "grabs/s {rate} on another instance: {view}");
+    println!("{grabs} grabs; first snapshots: {view}");
+}
+
+/// The figures of a sale's orders add up, in every snapshot: admitted = persisted + in
+/// flight + dead letters, and persisted = awaiting payment + paid + cancelled +
+/// expired; once the grab counts are in, admitted is the count of 202s.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_sales_orders_add_up_admitted_is_persisted_plus_in_flight_plus_dead_letters(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(10).await;
+    let mut orders = Vec::new();
+    for user in 1..=5 {
+        let (status, body) = app.grab(voucher, user).await;
+        assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+        orders.push((user, body["order_id"].as_str().unwrap().to_string()));
+        if user == 3 {
+            // Three written; two left in flight.
+            app.drain().await;
+        }
+    }
+    let adds_up = |v: &Value| {
+        let o = &v["orders"];
+        let n = |f: &str| o[f].as_i64().unwrap_or_else(|| panic!("orders.{f}: {v}"));
+        assert_eq!(
+            n("persisted"),
+            n("created") + n("paid") + n("cancelled") + n("expired"),
+            "{v}"
+        );
+        if let Some(in_flight) = o["in_flight"].as_i64() {
+            assert_eq!(
+                n("admitted"),
+                n("persisted") + in_flight + v["dead_letters"].as_i64().unwrap(),
+                "{v}"
+            );
+        } else {
+            assert!(o["admitted"].is_null(), "{v}");
+        }
+    };
+    let mut events = Events::open(&app.client, &app.base).await;
+    let view = events
+        .until(voucher, WAIT, |v| {
+            adds_up(v);
+            v["outcomes"]["admitted"] == 5
+        })
+        .await;
+    assert_eq!(view["orders"]["admitted"], 5, "{view}");
+    assert_eq!(view["orders"]["persisted"], 3, "{view}");
+    assert_eq!(view["orders"]["in_flight"], 2, "{view}");
+
+    // Paid, cancelled (its unit back on sale and sold again), all written.
+    let (status, _) = app.pay(&orders[0].1, orders[0].0).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _) = app.cancel(&orders[1].1, orders[1].0).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, body) = app.grab(voucher, 6).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    app.drain().await;
+    let view = events
+        .until(voucher, WAIT, |v| {
+            adds_up(v);
+            v["outcomes"]["admitted"] == 6 && v["orders"]["in_flight"] == 0
+        })
+        .await;
+    assert_eq!(view["orders"]["admitted"], 6, "{view}");
+    assert_eq!(view["orders"]["persisted"], 6, "{view}");
+    assert_eq!(view["orders"]["created"], 4, "{view}");
+    assert_eq!(view["orders"]["paid"], 1, "{view}");
+    assert_eq!(view["orders"]["cancelled"], 1, "{view}");
+    // 10 units, 6 taken, 1 given back.
+    assert_eq!(view["remaining"], 5, "{view}");
+}
+
+/// Grabs answered 503 are counted as their sale's errors, by kind (nothing reserved: a
+/// sale whose Redis state is being repaired; outcome unknown: a call Redis answered
+/// too late), with their rate over the last seconds.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn grabs_answered_503_are_counted_as_their_sales_errors_with_their_rate(db: PgPool) {
+    // A Redis of its own: it is blocked below.
+    let redis = crate::common::faults::PrivateRedis::start();
+    let app = TestApp::spawn_with(db, redis.url.clone(), false).await;
+    let voucher = app.open_sale(5).await;
+    let (status, body) = app.grab(voucher, 1).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+
+    // A corrupt stock: refused, nothing reserved, while the sale is repaired.
+    let _: i64 = app
+        .redis_cmd(
+            redis::cmd("HSET")
+                .arg(app.keys.voucher(voucher))
+                .arg("stock")
+                .arg("x"),
+        )
+        .await;
+    let (status, body) = app.grab(voucher, 2).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert!(body["error"]["outcome"].is_null(), "{body}");
+    let deadline = Instant::now() + WAIT;
+    while app.grab(voucher, 3).await.0 != StatusCode::ACCEPTED {
+        assert!(Instant::now() < deadline, "never repaired");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Redis answers after the API gave up: the outcome is unknown.
+    let blocked = crate::http_limits::block_redis(&redis.url, 3_500).await;
+    let (status, body) = app.grab(voucher, 4).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert_eq!(body["error"]["outcome"], "unknown", "{body}");
+    blocked.await.unwrap();
+
+    let mut events = Events::open(&app.client, &app.base).await;
+    let view = events
+        .until(voucher, WAIT, |v| {
+            v["outcomes"]["unknown"] == 1 && v["errors_per_sec"].as_f64() > Some(0.0)
+        })
+        .await;
+    assert!(
+        view["outcomes"]["unavailable"].as_u64() >= Some(1),
+        "{view}"
+    );
+    assert_eq!(view["outcomes"]["admitted"], 2, "{view}");
+    // The grab whose answer was lost did go through: an order in flight, not a 202.
+    assert_eq!(view["orders"]["admitted"], 3, "{view}");
+}
+
+/// In a real browser, mid-sale: the selling sale's card comes first, a sold-out open
+/// sale is badged "sold out", the orders read as sums that add up, the rates and the
+/// admission time are shown, and it all fits a phone.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn the_page_puts_the_selling_sale_first_badges_sold_out_and_shows_sums_rates_and_errors(
+    db: PgPool,
+) {
+    let app = TestApp::spawn(db).await;
+    let (sold, in_flight, selling, upcoming, ended) = sales_mid_sale(&app).await;
+    let browser = Browser::start().await;
+    browser.goto(&app.url("/live")).await;
+    let cards = "return [...document.querySelectorAll('[data-sale-id]')].map(c => \
+                 [Number(c.dataset.saleId), c.querySelector('[data-field=\"state\"]').textContent]);";
+    let shown = browser
+        .wait_for(cards, WAIT, |v| v.as_array().is_some_and(|a| a.len() == 7))
+        .await;
+    let sold_out = |id: i64| serde_json::json!([id, "sold out"]);
+    assert_eq!(
+        shown,
+        serde_json::json!([
+            [selling, "open"],
+            [upcoming, "upcoming"],
+            sold_out(sold[0]),
+            sold_out(sold[1]),
+            sold_out(sold[2]),
+            sold_out(in_flight),
+            [ended, "ended"],
+        ])
+    );
+
+    let card = |id: i64| format!("document.querySelector('[data-sale-id=\"{id}\"]')");
+    // The selling sale: one admitted, in flight; read as the sum it is.
+    let sums = format!(
+        "return [...{}.querySelectorAll('.sum')].map(dl => dl.innerText.replace(/\\s+/g, ' ').trim());",
+        card(selling)
+    );
+    let sums = browser
+        .wait_for(&sums, WAIT, |v| {
+            v[0].as_str().is_some_and(|s| s.contains("in flight 1"))
+        })
+        .await;
+    assert_eq!(
+        sums,
+        serde_json::json!([
+            "admitted 1 = persisted 0 + in flight 1 + dead letters 0",
+            "persisted 0 = to pay 0 + paid 0 + cancelled 0 + expired 0"
+        ])
+    );
+    // A written sale's sums.
+    let written = format!(
+        "return {}.querySelector('.sum').innerText.replace(/\\s+/g, ' ').trim();",
+        card(sold[0])
+    );
+    assert_eq!(
+        browser.eval(&written).await,
+        "admitted 1 = persisted 1 + in flight 0 + dead letters 0"
+    );
+    let rates = format!(
+        "const c = {}; return ['grabs_per_sec', 'errors_per_sec', 'admission_p99']\
+         .map(f => c.querySelector('[data-field=\"' + f + '\"]').textContent);",
+        card(selling)
+    );
+    let rates = browser
+        .wait_for(&rates, WAIT, |v| {
+            v[2].as_str().is_some_and(|s| s.ends_with(" ms"))
+        })
+        .await;
+    assert_ne!(rates[0], "–", "{rates}");
+    assert_eq!(rates[1], "0", "{rates}");
+
+    // A phone's width: nothing wider than the screen.
+    browser.resize(390, 844).await;
+    browser
+        .wait_for(
+            "return document.documentElement.scrollWidth - window.innerWidth;",
+            WAIT,
+            |v| v.as_i64().is_some_and(|px| px <= 0),
+        )
+        .await;
+    let errors: Vec<Value> = browser
+        .console()
+        .await
+        .into_iter()
+        .filter(|e| e["level"] == "SEVERE" || e["level"] == "WARNING")
+        .collect();
+    assert!(errors.is_empty(), "console: {errors:?}");
 }

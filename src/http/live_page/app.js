@@ -19,13 +19,26 @@ function setStatus(kind, text) {
 }
 
 function set(root, field, value) {
-  const el = root.querySelector('[data-field="' + field + '"]');
-  if (el && el.textContent !== String(value)) el.textContent = value;
+  // A figure may be shown twice (persisted heads one sum and ends the other).
+  for (const el of root.querySelectorAll('[data-field="' + field + '"]')) {
+    if (el.textContent !== String(value)) el.textContent = value;
+  }
 }
 
 function fmt(n) {
-  // null: not known right now (a store did not answer, or the sale is not loaded).
+  // null: not known right now (a store did not answer, the sale is not loaded, no rate
+  // yet): never shown as 0.
   return typeof n === "number" ? n.toLocaleString("en-US") : "–";
+}
+
+function ms(n) {
+  if (typeof n !== "number") return "–";
+  return (n < 10 ? n.toFixed(2) : n < 100 ? n.toFixed(1) : Math.round(n).toLocaleString("en-US")) + " ms";
+}
+
+// What the badge says: an open sale with nothing left is sold out, not "open".
+function badgeOf(s) {
+  return s.state === "open" && s.sold_out ? "sold out" : s.state;
 }
 
 function until(iso, now) {
@@ -66,7 +79,7 @@ function render(snap) {
   const cut = document.getElementById("truncated");
   cut.hidden = snap.truncated !== true;
   cut.textContent = cut.hidden ? "" : "Showing " + fmt(snap.sales.length) + " of " + fmt(snap.open_total)
-    + " sales (open ones first, then upcoming, then just ended)";
+    + " sales (selling ones first, then upcoming, then sold out, then just ended)";
 
   const now = Date.parse(snap.at);
   const seen = new Set();
@@ -76,8 +89,9 @@ function render(snap) {
     set(el, "title", s.title);
     set(el, "id", "#" + s.id);
     const badge = el.querySelector('[data-field="state"]');
-    badge.className = "badge " + s.state;
-    set(el, "state", s.state);
+    const shown = badgeOf(s);
+    badge.className = "badge " + shown.replace(" ", "-");
+    set(el, "state", shown);
     set(el, "when", s.state === "upcoming" ? "opens in " + until(s.begin_time, now)
       : s.state === "open" ? "ends in " + until(s.end_time, now) : "ended");
     const remaining = s.remaining === null ? null : s.remaining;
@@ -94,8 +108,18 @@ function render(snap) {
     const pct = s.initial_stock > 0 ? Math.max(0, (100 * left) / s.initial_stock) : 0;
     el.querySelector(".fill").style.width = pct.toFixed(1) + "%";
     set(el, "grabs_per_sec", fmt(s.grabs_per_sec));
-    for (const k of ["admitted", "sold_out", "already_ordered", "rate_limited", "answered_at_edge"]) set(el, k, fmt(s.outcomes[k]));
-    for (const k of ["persisted", "in_flight", "paid", "cancelled", "expired"]) set(el, k, fmt(s.orders[k]));
+    set(el, "errors_per_sec", fmt(s.errors_per_sec));
+    // Errors as a share of grabs, when there are any.
+    const share = s.errors_per_sec > 0 && s.grabs_per_sec > 0
+      ? "(" + (100 * s.errors_per_sec / s.grabs_per_sec).toFixed(1) + "%)" : "";
+    set(el, "error_share", share);
+    el.querySelector(".rates .errors").classList.toggle("bad", s.errors_per_sec > 0);
+    set(el, "admission_p99", ms(s.admission_p99_ms));
+    for (const k of ["sold_out", "already_ordered", "rate_limited", "unavailable", "unknown", "answered_at_edge"]) set(el, k, fmt(s.outcomes[k]));
+    for (const k of ["unavailable", "unknown"]) {
+      el.querySelector('[data-field="' + k + '"]').parentElement.classList.toggle("bad", s.outcomes[k] > 0);
+    }
+    for (const k of ["admitted", "persisted", "in_flight", "created", "paid", "cancelled", "expired"]) set(el, k, fmt(s.orders[k]));
     set(el, "sale_dead_letters", fmt(s.dead_letters));
     if (salesEl.children[i] !== el) salesEl.insertBefore(el, salesEl.children[i] || null);
   });
