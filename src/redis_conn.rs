@@ -255,18 +255,18 @@ impl Subscriber {
         };
         tokio::time::timeout(Duration::from_secs(2), client.get_async_pubsub())
             .await
-            .map_err(|_| {
-                redis::RedisError::from(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    "connecting for pub/sub timed out",
-                ))
-            })?
+            .map_err(|_| timed_out("connecting for pub/sub"))?
     }
 
     /// Moves on to the next node (after a failure).
     pub(crate) fn next_node(&self) {
         self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
+}
+
+/// No answer in time: an I/O error of kind `TimedOut` (what a lost reply reads as).
+pub(crate) fn timed_out(what: &str) -> redis::RedisError {
+    std::io::Error::new(std::io::ErrorKind::TimedOut, format!("{what} timed out")).into()
 }
 
 /// A connection to any kind of deployment; cheap to clone.

@@ -441,12 +441,7 @@ impl Edge {
                 // (A silently cut link would never answer.)
                 tokio::time::timeout(PING_EVERY, pubsub.subscribe(&channel))
                     .await
-                    .map_err(|_| {
-                        redis::RedisError::from(std::io::Error::new(
-                            std::io::ErrorKind::TimedOut,
-                            "no answer to SUBSCRIBE",
-                        ))
-                    })??;
+                    .map_err(|_| crate::redis_conn::timed_out("SUBSCRIBE"))??;
                 RedisResult::Ok(pubsub)
             };
             let pubsub = tokio::select! {

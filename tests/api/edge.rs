@@ -160,12 +160,7 @@ async fn a_unit_cancelled_while_the_announcement_is_lost_is_grabbable_everywhere
 ) {
     let app = TestApp::spawn(db).await;
     let proxy = Proxy::start(redis_addr(&app)).await;
-    let (_b, b) = app
-        .spawn_server(
-            "api",
-            &[("REDIS_PUBSUB_URL", format!("redis://{}", proxy.addr))],
-        )
-        .await;
+    let (_b, b) = app.spawn_server("api", &[listening_through(&proxy)]).await;
     let sale = app.open_sale(2).await;
     let orders = sold_out_on(&app, &b, sale, 2).await;
 
@@ -512,12 +507,7 @@ async fn a_shopper_who_won_a_returned_unit_elsewhere_while_announcements_were_lo
 ) {
     let app = TestApp::spawn(db).await;
     let proxy = Proxy::start(redis_addr(&app)).await;
-    let (_b, b) = app
-        .spawn_server(
-            "api",
-            &[("REDIS_PUBSUB_URL", format!("redis://{}", proxy.addr))],
-        )
-        .await;
+    let (_b, b) = app.spawn_server("api", &[listening_through(&proxy)]).await;
     let sale = app.open_sale(2).await;
     let orders = sold_out_on(&app, &b, sale, 2).await;
 
@@ -549,11 +539,7 @@ async fn a_shopper_who_won_a_returned_unit_elsewhere_while_announcements_were_lo
 async fn an_instance_whose_subscription_drops_forgets_every_sale(db: PgPool) {
     let app = TestApp::spawn(db).await;
     let proxy = Proxy::start(redis_addr(&app)).await;
-    let (_b, b) = instance_b(
-        &app,
-        &[("REDIS_PUBSUB_URL", format!("redis://{}", proxy.addr))],
-    )
-    .await;
+    let (_b, b) = instance_b(&app, &[listening_through(&proxy)]).await;
     let sale = app.open_sale(3).await;
     wrongly_sold_out(&app, &b, sale).await;
 
@@ -574,6 +560,12 @@ async fn an_instance_whose_subscription_drops_forgets_every_sale(db: PgPool) {
         took.as_millis()
     );
     assert!(took < HEARD_WITHIN, "{took:?}");
+}
+
+/// The setting that makes an instance listen for announcements through `proxy` (which
+/// a test can then freeze or cut).
+fn listening_through(proxy: &Proxy) -> (&'static str, String) {
+    ("REDIS_PUBSUB_URL", format!("redis://{}", proxy.addr))
 }
 
 fn redis_addr(app: &TestApp) -> std::net::SocketAddr {

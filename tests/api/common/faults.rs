@@ -107,6 +107,19 @@ async fn pass(
     }
 }
 
+/// A connection to one node, each step bounded by 5 s (a killed or stalled node must not
+/// hang the test, nor block its runtime).
+pub async fn bounded_connection(
+    client: &redis::Client,
+) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
+    let config = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(5)))
+        .set_response_timeout(Some(Duration::from_secs(5)));
+    client
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

@@ -136,13 +136,7 @@ impl PrivateSentinel {
         port: u16,
         cmd: &redis::Cmd,
     ) -> redis::RedisResult<T> {
-        let config = redis::AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(5)))
-            .set_response_timeout(Some(Duration::from_secs(5)));
-        let mut conn = self
-            .client(port)
-            .get_multiplexed_async_connection_with_config(&config)
-            .await?;
+        let mut conn = super::faults::bounded_connection(&self.client(port)).await?;
         // Named, to tell the test's connections from the server's in CLIENT LIST.
         redis::cmd("CLIENT")
             .arg("SETNAME")
