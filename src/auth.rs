@@ -415,8 +415,8 @@ impl Verifier {
         let expected = Expected::new(args.jwt_issuer.as_deref(), args.jwt_audience.as_deref());
         let hs256 = args
             .jwt_secret
-            .as_deref()
-            .map(|secret| JwtKeys::with_expected(secret, expected.clone()))
+            .as_ref()
+            .map(|secret| JwtKeys::with_expected(secret.expose(), expected.clone()))
             .transpose()?;
         let jwks = args
             .jwt_jwks_url
@@ -1080,7 +1080,7 @@ mod tests {
         };
         assert!(Verifier::from_args(&args).is_err());
         assert!(Verifier::from_args(&crate::config::JwtArgs {
-            jwt_secret: Some(String::new()),
+            jwt_secret: Some("".into()),
             ..Default::default()
         })
         .is_err());

@@ -32,7 +32,7 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Demo(args) => crate::demo::run(args).await,
         Command::Token(args) => done(token(args)),
         Command::Migrate(args) => {
-            let db = store::connect(&args.database.database_url, 2).await?;
+            let db = store::connect(args.database.database_url.expose(), 2).await?;
             store::migrate(&db, Duration::from_secs(30)).await?;
             tracing::info!("migrations applied");
             Ok(ExitCode::SUCCESS)
@@ -42,7 +42,7 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Worker(args) => {
             let keys = keys(&args.redis)?;
             let db = store::connect(
-                &args.database.database_url,
+                args.database.database_url.expose(),
                 args.database.database_max_connections,
             )
             .await?;
@@ -95,7 +95,7 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
 
 async fn reconcile(args: crate::config::ReconcileArgs) -> anyhow::Result<ExitCode> {
     let keys = keys(&args.redis)?;
-    let db = store::connect(&args.database.database_url, 4).await?;
+    let db = store::connect(args.database.database_url.expose(), 4).await?;
     let mut conn = redis(&args.redis, Duration::from_secs(30)).await?;
     for shard in keys.shards() {
         let route = keys.stream(shard).as_bytes().to_vec();
@@ -133,7 +133,7 @@ fn print_out(text: &str) -> anyhow::Result<()> {
 fn token(args: crate::config::TokenArgs) -> anyhow::Result<()> {
     use std::io::Write;
     let expected = Expected::new(args.jwt_issuer.as_deref(), args.jwt_audience.as_deref());
-    let keys = JwtKeys::with_expected(&args.jwt_secret, expected)?;
+    let keys = JwtKeys::with_expected(args.jwt_secret.expose(), expected)?;
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     let written = (|| -> anyhow::Result<()> {
         for i in 0..args.count as i64 {

@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use crate::secret::{Secret, ServerUrl};
+
 /// Every default, written once: the flags' defaults and the `Default` impls use these.
 pub mod defaults {
     pub(crate) const RATE_LIMIT_PER_USER: u32 = 5;
@@ -88,7 +90,7 @@ pub(crate) struct LogArgs {
 pub struct DatabaseArgs {
     /// Postgres connection string.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
-    pub database_url: String,
+    pub database_url: ServerUrl,
     /// Largest number of Postgres connections this process opens.
     #[arg(long, env = "DATABASE_MAX_CONNECTIONS", default_value_t = defaults::DATABASE_MAX_CONNECTIONS)]
     pub database_max_connections: u32,
@@ -100,10 +102,10 @@ pub const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
 pub struct RedisArgs {
     /// Single Redis node.
     #[arg(long, env = "REDIS_URL", default_value = DEFAULT_REDIS_URL)]
-    pub redis_url: String,
+    pub redis_url: ServerUrl,
     /// Comma-separated Redis Cluster seed nodes; when set, cluster mode.
     #[arg(long, env = "REDIS_CLUSTER_URLS", value_delimiter = ',')]
-    pub redis_cluster_urls: Vec<String>,
+    pub redis_cluster_urls: Vec<ServerUrl>,
     /// PEM file of the CA(s) that signed the Redis servers' certificates, for
     /// `rediss://` URLs; unset: the system's roots.
     #[arg(long, env = "REDIS_TLS_CA_FILE")]
@@ -120,7 +122,7 @@ pub struct RedisArgs {
     /// master named by REDIS_SENTINEL_MASTER is found and followed through them, and
     /// REDIS_URL is not used.
     #[arg(long, env = "REDIS_SENTINEL_URLS", value_delimiter = ',')]
-    pub redis_sentinel_urls: Vec<String>,
+    pub redis_sentinel_urls: Vec<ServerUrl>,
     /// The master's name in Sentinel (required with REDIS_SENTINEL_URLS).
     #[arg(long, env = "REDIS_SENTINEL_MASTER")]
     pub redis_sentinel_master: Option<String>,
@@ -223,7 +225,7 @@ pub struct EdgeArgs {
     /// (default: REDIS_URL's node, a cluster's first reachable node, or the master
     /// Sentinel names). Any node of a cluster hears them all, a replica its master's.
     #[arg(long, env = "REDIS_PUBSUB_URL")]
-    pub redis_pubsub_url: Option<String>,
+    pub redis_pubsub_url: Option<ServerUrl>,
 }
 
 impl Default for EdgeArgs {
@@ -242,7 +244,7 @@ pub struct JwtArgs {
     /// HS256 secret for bearer tokens (no built-in default). Required unless
     /// JWT_JWKS_URL is set.
     #[arg(long, env = "JWT_SECRET", hide_env_values = true)]
-    pub jwt_secret: Option<String>,
+    pub jwt_secret: Option<Secret>,
     /// An identity provider's JWKS (`https://.../.well-known/jwks.json`): RS256 and ES256
     /// tokens whose `kid` names one of its keys are accepted.
     #[arg(long, env = "JWT_JWKS_URL")]
@@ -435,7 +437,7 @@ pub(crate) struct DeadLetterArgs {
 pub(crate) struct TokenArgs {
     /// HS256 secret for bearer tokens.
     #[arg(long, env = "JWT_SECRET", hide_env_values = true)]
-    pub jwt_secret: String,
+    pub jwt_secret: Secret,
     /// Written as the tokens' `iss` (the API checks it when set).
     #[arg(long, env = "JWT_ISSUER")]
     pub jwt_issuer: Option<String>,
@@ -490,7 +492,7 @@ pub(crate) struct DemoArgs {
     pub persist_timeout: u64,
     /// The server's HS256 secret: the demo mints an admin token and one token per shopper.
     #[arg(long, env = "JWT_SECRET", hide_env_values = true)]
-    pub jwt_secret: Option<String>,
+    pub jwt_secret: Option<Secret>,
     /// Written as the tokens' `iss` (when the server checks it).
     #[arg(long, env = "JWT_ISSUER")]
     pub jwt_issuer: Option<String>,
@@ -595,6 +597,45 @@ mod tests {
         match cli.command {
             Command::Api(api) => Ok(api.skip_migrations),
             _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn no_secret_of_any_command_shows_when_its_settings_are_printed() {
+        let secrets = [
+            "--jwt-secret=hs256-key-7f3a",
+            "--database-url=postgres://app:db-pass-9c1e@db:5432/shop",
+            "--redis-url=redis://:redis-pass-4b2d@cache:6379",
+        ];
+        let cluster =
+            "--redis-cluster-urls=redis://:seed-pass-1@a:7000,redis://:seed-pass-2@b:7001";
+        let commands: [&[&str]; 5] = [
+            &["serve", secrets[0], secrets[1], secrets[2], cluster],
+            &[
+                "api",
+                secrets[0],
+                secrets[1],
+                "--redis-pubsub-url=redis://:seed-pass-3@h",
+            ],
+            &["worker", secrets[1], secrets[2]],
+            &["token", secrets[0], "--user", "1"],
+            &["demo", secrets[0]],
+        ];
+        for args in commands {
+            let cli = Cli::try_parse_from(std::iter::once("seckill").chain(args.iter().copied()));
+            let printed = format!("{:?}", cli.unwrap_or_else(|e| panic!("{args:?}: {e}")));
+            for leak in [
+                "hs256-key-7f3a",
+                "db-pass-9c1e",
+                "redis-pass-4b2d",
+                "seed-pass",
+            ] {
+                assert!(
+                    !printed.contains(leak),
+                    "{args:?} printed {leak}: {printed}"
+                );
+            }
+            assert!(printed.contains("***"), "{args:?}: {printed}");
         }
     }
 

@@ -18,6 +18,7 @@ use serde_json::{json, Value};
 
 use crate::auth::{Expected, JwtKeys};
 use crate::config::DemoArgs;
+use crate::secret::Secret;
 
 const DEFAULT_URL: &str = "http://127.0.0.1:8080";
 /// The admin the demo acts as (as `seckill token --user 1 --admin` would).
@@ -366,11 +367,15 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let base = base_url(args.url.as_deref(), args.bind.as_deref())?;
     let expected = Expected::new(args.jwt_issuer.as_deref(), args.jwt_audience.as_deref());
     // Checked here, not by clap, to say where the secret comes from.
-    let secret = args.jwt_secret.as_deref().ok_or_else(|| {
-        anyhow::anyhow!(
+    let secret = args
+        .jwt_secret
+        .as_ref()
+        .map(Secret::expose)
+        .ok_or_else(|| {
+            anyhow::anyhow!(
             "the demo mints its tokens with the server's secret: set JWT_SECRET (or --jwt-secret)"
         )
-    })?;
+        })?;
     let jwt = JwtKeys::with_expected(secret, expected)?;
     let last_user = args
         .first_user

@@ -20,6 +20,7 @@ pub mod reconcile;
 pub mod redis_conn;
 pub mod sale_changes;
 pub mod scripts;
+pub mod secret;
 pub mod startup;
 pub mod store;
 pub mod stream;

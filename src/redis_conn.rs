@@ -17,6 +17,8 @@ use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Value};
 
+use crate::secret::ServerUrl;
+
 pub use sentinel::SentinelConn;
 
 /// Where Redis is: `REDIS_URL`, or `REDIS_CLUSTER_URLS` or `REDIS_SENTINEL_URLS` when
@@ -29,7 +31,7 @@ pub(crate) struct RedisTarget {
     tls_ca: Option<(std::path::PathBuf, Vec<u8>)>,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub(crate) enum RedisNodes {
     Single(String),
     Cluster(Vec<String>),
@@ -182,6 +184,27 @@ impl RedisTarget {
             ),
         }
     }
+}
+
+/// Without the URLs' passwords.
+impl std::fmt::Debug for RedisNodes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let urls: Vec<_> = self.urls().iter().map(|u| redacted(u)).collect();
+        match self {
+            RedisNodes::Single(_) => f.debug_tuple("Single").field(&urls[0]).finish(),
+            RedisNodes::Cluster(_) => f.debug_tuple("Cluster").field(&urls).finish(),
+            RedisNodes::Sentinel { master, .. } => f
+                .debug_struct("Sentinel")
+                .field("sentinels", &urls)
+                .field("master", master)
+                .finish(),
+        }
+    }
+}
+
+/// `url` without its password, for logs.
+fn redacted(url: &str) -> ServerUrl {
+    ServerUrl::from(url)
 }
 
 impl RedisNodes {
@@ -419,18 +442,6 @@ async fn probe(target: &RedisTarget) -> anyhow::Result<()> {
         );
     }
     Ok(())
-}
-
-/// `url` without its password, for logs.
-fn redacted(url: &str) -> String {
-    match url::Url::parse(url) {
-        Ok(mut u) if u.password().is_some() => {
-            let _ = u.set_password(Some("***"));
-            u.to_string()
-        }
-        Ok(u) => u.to_string(),
-        Err(_) => "(not a URL)".into(),
-    }
 }
 
 /// The TLS failure in `e`: its causes, or else its text (the cluster client and some

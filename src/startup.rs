@@ -18,6 +18,7 @@ use crate::http::state::AppState;
 use crate::keys::Keys;
 use crate::lifecycle::sweeper::{self, SweepConfig};
 use crate::redis_conn::{self, RedisConn};
+use crate::secret::ServerUrl;
 use crate::store;
 use crate::worker::{Worker, WorkerConfig};
 
@@ -48,7 +49,7 @@ impl Application {
         let auth = Arc::new(Verifier::from_args(&api.jwt)?);
         let keys = keys(&api.redis)?;
         let db = store::connect(
-            &api.database.database_url,
+            api.database.database_url.expose(),
             api.database.database_max_connections,
         )
         .await?;
@@ -57,8 +58,11 @@ impl Application {
         }
         let (redis, target) = redis_and_target(&api.redis, redis_conn::COMMAND_TIMEOUT).await?;
         term::refuse_eviction(&mut redis.clone(), &keys).await?;
-        let subscriber =
-            redis_conn::Subscriber::new(&target, &redis, api.edge.redis_pubsub_url.as_deref());
+        let subscriber = redis_conn::Subscriber::new(
+            &target,
+            &redis,
+            api.edge.redis_pubsub_url.as_ref().map(ServerUrl::expose),
+        );
         let settings = settings(&api);
         let ids = Arc::new(OrderIds::default());
         let tasks = TaskTracker::new();
@@ -244,11 +248,14 @@ async fn redis_and_target(
     args: &RedisArgs,
     response_timeout: Duration,
 ) -> anyhow::Result<(RedisConn, redis_conn::RedisTarget)> {
+    let exposed = |urls: &[ServerUrl]| -> Vec<String> {
+        urls.iter().map(|u| u.expose().to_owned()).collect()
+    };
     let target = redis_conn::RedisTarget::new(
-        &args.redis_url,
-        &args.redis_cluster_urls,
+        args.redis_url.expose(),
+        &exposed(&args.redis_cluster_urls),
         redis_conn::SentinelArgs {
-            urls: &args.redis_sentinel_urls,
+            urls: &exposed(&args.redis_sentinel_urls),
             master: args.redis_sentinel_master.as_deref(),
         },
         args.redis_tls_ca_file.as_deref(),

@@ -130,11 +130,11 @@ impl TestApp {
         let keys = Keys::new(prefix.clone()).unwrap();
         let api = ApiArgs {
             database: DatabaseArgs {
-                database_url: faults::database_url(&db, None),
+                database_url: faults::database_url(&db, None).into(),
                 database_max_connections: 16,
             },
             redis: RedisArgs {
-                redis_url: redis_url.clone(),
+                redis_url: redis_url.clone().into(),
                 redis_cluster_urls: Vec::new(),
                 redis_tls_ca_file: None,
                 redis_key_prefix: prefix,
