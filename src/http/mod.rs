@@ -10,6 +10,7 @@ pub mod orders;
 pub mod seckill;
 pub mod server;
 pub mod state;
+pub(crate) mod text;
 pub mod vouchers;
 
 use std::time::Duration;

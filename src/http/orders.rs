@@ -15,6 +15,7 @@ use crate::auth::AuthUser;
 use crate::http::error::{AppError, AppResult, ErrorBody};
 use crate::http::extract::{MaybeJson, PathId};
 use crate::http::state::AppState;
+use crate::http::text::{text, Needed};
 use crate::http::{fallback_headers, redis_read};
 use crate::lifecycle;
 use crate::store::lifecycle::Transition;
@@ -104,11 +105,12 @@ impl OrderResponse {
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct PayOrder {
-    /// The payment provider's reference: 1 to 128 characters, not blank, no NUL.
+    /// The payment provider's reference: 1 to 128 characters, no NUL, at least one of
+    /// them visible (not only whitespace or invisible characters).
     #[schema(
         min_length = 1,
         max_length = 128,
-        pattern = "^[^\\u0000]*\\S[^\\u0000]*$"
+        pattern = "^[^\\u0000]*[^\\s\\u0000\\u00AD\\u034F\\u061C\\u115F\\u1160\\u17B4\\u17B5\\u180B-\\u180F\\u200B-\\u200F\\u202A-\\u202E\\u2060-\\u206F\\u3164\\uFE00-\\uFE0F\\uFEFF\\uFFA0\\uFFF0-\\uFFF8][^\\u0000]*$"
     )]
     pub payment_ref: Option<String>,
 }
@@ -117,15 +119,9 @@ const MAX_PAYMENT_REF: usize = 128;
 
 impl PayOrder {
     fn payment_ref(self) -> AppResult<Option<String>> {
-        let Some(r) = self.payment_ref else {
-            return Ok(None);
-        };
-        if r.contains('\0') || r.trim().is_empty() || r.chars().count() > MAX_PAYMENT_REF {
-            return Err(AppError::invalid(format!(
-                "payment_ref must be 1 to {MAX_PAYMENT_REF} characters, not blank, without NUL"
-            )));
-        }
-        Ok(Some(r))
+        self.payment_ref
+            .map(|r| text("payment_ref", &r, MAX_PAYMENT_REF, Needed::Required))
+            .transpose()
     }
 }
 

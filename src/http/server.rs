@@ -228,7 +228,7 @@ async fn connection<S>(
             async move {
                 let response = response.await?;
                 // Busy until the body is sent (or dropped), so a stream is not idle.
-                Ok::<_, Infallible>(response.map(|body| Body::new(Tracked { body, busy })))
+                Ok::<_, Infallible>(response.map(|body| Body::new(Tracked { body, _busy: busy })))
             }
         }
     });
@@ -521,8 +521,8 @@ impl AsyncWrite for Watched {
 /// A response body that keeps its request [`Busy`] until it is sent or dropped.
 struct Tracked {
     body: Body,
-    #[allow(dead_code)] // held for its drop
-    busy: Busy,
+    /// Never read: dropping it ends the request's busy time.
+    _busy: Busy,
 }
 
 impl HttpBody for Tracked {

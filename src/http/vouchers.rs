@@ -15,6 +15,7 @@ use crate::http::extract::{AppJson, PathId};
 use crate::http::fallback_headers;
 use crate::http::orders::OrderResponse;
 use crate::http::state::AppState;
+use crate::http::text::{text, Needed};
 use crate::store::orders;
 use crate::store::vouchers::{self, NewSeckill, NewVoucher, VoucherRow};
 
@@ -48,13 +49,19 @@ pub(crate) struct CreateVoucher {
         pattern = "^[^\\u0000]*[^\\s\\u0000\\u00AD\\u034F\\u061C\\u115F\\u1160\\u17B4\\u17B5\\u180B-\\u180F\\u200B-\\u200F\\u202A-\\u202E\\u2060-\\u206F\\u3164\\uFE00-\\uFE0F\\uFEFF\\uFFA0\\uFFF0-\\uFFF8][^\\u0000]*$"
     )]
     pub title: String,
-    /// Up to 255 characters, no NUL.
+    /// Up to 255 characters, no NUL; empty, or with a visible character (as `title`).
     #[serde(default)]
-    #[schema(max_length = 255, pattern = "^[^\\u0000]*$")]
+    #[schema(
+        max_length = 255,
+        pattern = "^$|^[^\\u0000]*[^\\s\\u0000\\u00AD\\u034F\\u061C\\u115F\\u1160\\u17B4\\u17B5\\u180B-\\u180F\\u200B-\\u200F\\u202A-\\u202E\\u2060-\\u206F\\u3164\\uFE00-\\uFE0F\\uFEFF\\uFFA0\\uFFF0-\\uFFF8][^\\u0000]*$"
+    )]
     pub sub_title: String,
-    /// Up to 4000 characters, no NUL.
+    /// Up to 4000 characters, no NUL; empty, or with a visible character (as `title`).
     #[serde(default)]
-    #[schema(max_length = 4000, pattern = "^[^\\u0000]*$")]
+    #[schema(
+        max_length = 4000,
+        pattern = "^$|^[^\\u0000]*[^\\s\\u0000\\u00AD\\u034F\\u061C\\u115F\\u1160\\u17B4\\u17B5\\u180B-\\u180F\\u200B-\\u200F\\u202A-\\u202E\\u2060-\\u206F\\u3164\\uFE00-\\uFE0F\\uFEFF\\uFFA0\\uFFF0-\\uFFF8][^\\u0000]*$"
+    )]
     pub rules: String,
     /// What the shopper pays, in cents: at most `actual_value` (400 otherwise).
     #[schema(minimum = 0, maximum = 9223372036854775807_i64)]
@@ -91,39 +98,6 @@ fn default_pay_within() -> i64 {
 }
 
 pub(crate) const MAX_PAY_WITHIN_SECS: i64 = 86_400;
-
-fn text(field: &str, value: &str, max: usize, required: bool) -> AppResult<String> {
-    if value.contains('\0') {
-        return Err(AppError::invalid(format!(
-            "{field} must not contain NUL bytes"
-        )));
-    }
-    if required && !value.chars().any(is_visible) {
-        return Err(AppError::invalid(format!(
-            "{field} must not be empty or blank (only whitespace or invisible characters)"
-        )));
-    }
-    if value.chars().count() > max {
-        return Err(AppError::invalid(format!(
-            "{field} must be at most {max} characters"
-        )));
-    }
-    Ok(value.to_string())
-}
-
-/// Whether a character shows: neither whitespace nor one of Unicode's
-/// default-ignorable code points (DerivedCoreProperties.txt), which render as nothing:
-/// zero-width spaces, joiners and non-joiners, U+FEFF, U+2060, soft hyphens, bidi
-/// controls, variation selectors, Hangul fillers, tags.
-fn is_visible(c: char) -> bool {
-    !c.is_whitespace()
-        && !matches!(c,
-            '\u{00AD}' | '\u{034F}' | '\u{061C}' | '\u{115F}'..='\u{1160}'
-            | '\u{17B4}'..='\u{17B5}' | '\u{180B}'..='\u{180F}' | '\u{200B}'..='\u{200F}'
-            | '\u{202A}'..='\u{202E}' | '\u{2060}'..='\u{206F}' | '\u{3164}'
-            | '\u{FE00}'..='\u{FE0F}' | '\u{FEFF}' | '\u{FFA0}' | '\u{FFF0}'..='\u{FFF8}'
-            | '\u{1BCA0}'..='\u{1BCA3}' | '\u{1D173}'..='\u{1D17A}' | '\u{E0000}'..='\u{E0FFF}')
-}
 
 impl CreateVoucher {
     /// Checks every field; nothing unvalidated reaches Postgres.
@@ -183,9 +157,9 @@ impl CreateVoucher {
         };
         Ok(NewVoucher {
             shop_id: self.shop_id,
-            title: text("title", &self.title, MAX_TITLE, true)?,
-            sub_title: text("sub_title", &self.sub_title, MAX_TITLE, false)?,
-            rules: text("rules", &self.rules, MAX_RULES, false)?,
+            title: text("title", &self.title, MAX_TITLE, Needed::Required)?,
+            sub_title: text("sub_title", &self.sub_title, MAX_TITLE, Needed::Optional)?,
+            rules: text("rules", &self.rules, MAX_RULES, Needed::Optional)?,
             pay_value: self.pay_value,
             actual_value: self.actual_value,
             seckill,
@@ -575,6 +549,9 @@ mod tests {
             ("/title", "a\u{0}b".into()),
             ("/title", "x".repeat(256).into()),
             ("/rules", "x".repeat(4001).into()),
+            ("/sub_title", "\u{200B}".into()),
+            ("/sub_title", " ".into()),
+            ("/rules", "\u{FEFF}\n".into()),
             ("/seckill/stock", 0.into()),
             ("/seckill/stock", (MAX_STOCK + 1).into()),
             ("/seckill/end_time", "2025-12-31T00:00:00Z".into()),
@@ -616,7 +593,7 @@ mod tests {
                 proptest::prop_assert!(v.shop_id > 0 && v.pay_value >= 0 && v.actual_value >= 0);
                 proptest::prop_assert!(v.pay_value <= v.actual_value);
                 proptest::prop_assert!(!v.title.trim().is_empty() && v.title.chars().count() <= 255);
-                proptest::prop_assert!(v.title.chars().any(is_visible));
+                proptest::prop_assert!(v.title.chars().any(crate::http::text::is_visible));
                 proptest::prop_assert!(!v.title.contains('\0'));
                 let s = v.seckill.unwrap();
                 proptest::prop_assert!(s.stock >= 1 && s.stock as i64 <= MAX_STOCK);

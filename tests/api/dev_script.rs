@@ -147,6 +147,17 @@ fn scripts_dev_starts_private_servers_serves_and_ctrl_c_stops_everything_it_star
         .trim_end_matches(')');
     assert!(std::path::Path::new(dir).is_dir(), "{dir}");
     assert!(field("admin token").contains('.') && field("shopper token").contains('.'));
+    // No fixed secret: this run's own, random, and the demo line uses it.
+    let secret = field("secret ");
+    let key = secret
+        .strip_prefix("JWT_SECRET=dev-")
+        .and_then(|s| s.split(' ').next())
+        .unwrap_or_else(|| panic!("{secret}"));
+    assert!(
+        key.len() == 32 && key.bytes().all(|b| b.is_ascii_hexdigit()),
+        "{secret}"
+    );
+    assert!(out.contains(&format!("JWT_SECRET=dev-{key} ")), "{out}");
 
     // The service answers, and the printed curl opens a sale and grabs from it.
     let health = Command::new("curl")

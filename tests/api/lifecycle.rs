@@ -333,6 +333,10 @@ async fn unknown_or_foreign_orders_are_404_and_bad_bodies_are_refused_with_nothi
             StatusCode::UNPROCESSABLE_ENTITY,
         ),
         (
+            json!({"payment_ref": "\u{200B}\u{FEFF}"}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+        ),
+        (
             json!({"payment_ref": "a\u{0}b"}),
             StatusCode::UNPROCESSABLE_ENTITY,
         ),
