@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use crate::auth::{Expected, JwtKeys};
 use crate::config::{ApiArgs, Cli, Command, WorkerOptions};
 use crate::redis_conn;
-use crate::startup::{build_workers, keys, redis, sweeper, Application};
+use crate::startup::{build_workers, connect_redis, key_layout, prepare_sweeper, Application};
 use crate::{store, telemetry};
 
 pub async fn main() -> ExitCode {
@@ -40,7 +40,7 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Api(api) => done(serve(api, None).await),
         Command::Serve(args) => done(serve(args.api, Some(args.worker)).await),
         Command::Worker(args) => {
-            let keys = keys(&args.redis)?;
+            let keys = key_layout(&args.redis)?;
             let db = store::connect(
                 args.database.database_url.expose(),
                 args.database.database_max_connections,
@@ -57,9 +57,10 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
                 }
                 None => None,
             };
-            let sweeper = sweeper(&db, &args.redis, keys.clone(), &args.worker, cancel.clone());
+            let sweeper =
+                prepare_sweeper(&db, &args.redis, keys.clone(), &args.worker, cancel.clone());
             let sweeper = sweeper.await?;
-            let watched = redis(&args.redis, redis_conn::COMMAND_TIMEOUT).await?;
+            let watched = connect_redis(&args.redis, redis_conn::COMMAND_TIMEOUT).await?;
             crate::admission::term::refuse_eviction(&mut watched.clone(), &keys).await?;
             let watch = crate::admission::term::Watch {
                 db: db.clone(),
@@ -84,8 +85,8 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::DeadLetters(args) => {
-            let keys = keys(&args.redis)?;
-            let mut conn = redis(&args.redis, redis_conn::COMMAND_TIMEOUT).await?;
+            let keys = key_layout(&args.redis)?;
+            let mut conn = connect_redis(&args.redis, redis_conn::COMMAND_TIMEOUT).await?;
             crate::reconcile::list_dead_letters(&mut conn, &keys, args.limit, &mut print_out)
                 .await?;
             Ok(ExitCode::SUCCESS)
@@ -94,9 +95,9 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
 }
 
 async fn reconcile(args: crate::config::ReconcileArgs) -> anyhow::Result<ExitCode> {
-    let keys = keys(&args.redis)?;
+    let keys = key_layout(&args.redis)?;
     let db = store::connect(args.database.database_url.expose(), 4).await?;
-    let mut conn = redis(&args.redis, Duration::from_secs(30)).await?;
+    let mut conn = connect_redis(&args.redis, Duration::from_secs(30)).await?;
     for shard in keys.shards() {
         let route = keys.stream(shard).as_bytes().to_vec();
         crate::scripts::install_library(&mut conn, Some(&route)).await?;

@@ -47,7 +47,7 @@ impl Application {
         crate::metrics::handle();
         // First: a configuration that cannot verify any token stops the start at once.
         let auth = Arc::new(Verifier::from_args(&api.jwt)?);
-        let keys = keys(&api.redis)?;
+        let keys = key_layout(&api.redis)?;
         let db = store::connect(
             api.database.database_url.expose(),
             api.database.database_max_connections,
@@ -56,7 +56,8 @@ impl Application {
         if !api.skip_migrations {
             store::migrate(&db, Duration::from_secs(60)).await?;
         }
-        let (redis, target) = redis_and_target(&api.redis, redis_conn::COMMAND_TIMEOUT).await?;
+        let (redis, target) =
+            connect_redis_with_target(&api.redis, redis_conn::COMMAND_TIMEOUT).await?;
         term::refuse_eviction(&mut redis.clone(), &keys).await?;
         let subscriber = redis_conn::Subscriber::new(
             &target,
@@ -99,7 +100,9 @@ impl Application {
         let served = CancellationToken::new();
         start_duties(&state, &tasks, &served, subscriber, &cancel).await;
         if let Some(opts) = worker {
-            tasks.spawn(sweeper(&db, &api.redis, keys.clone(), &opts, cancel.clone()).await?);
+            tasks.spawn(
+                prepare_sweeper(&db, &api.redis, keys.clone(), &opts, cancel.clone()).await?,
+            );
             let lanes = defaults::SERVE_WORKER_CONCURRENCY;
             for worker in build_workers(&db, &api.redis, keys, opts, lanes).await? {
                 tasks.spawn(worker.run(cancel.clone()));
@@ -136,7 +139,8 @@ impl Application {
     }
 }
 
-pub(crate) fn keys(redis: &RedisArgs) -> anyhow::Result<Keys> {
+/// The Redis key layout the settings name (prefix, stream shards).
+pub(crate) fn key_layout(redis: &RedisArgs) -> anyhow::Result<Keys> {
     Keys::with_shards(redis.redis_key_prefix.clone(), redis.stream_shards)
 }
 
@@ -184,7 +188,7 @@ async fn start_duties(
         }
     };
     tasks.spawn(upkeep::run(lease_keeping, lease, cancel.clone()));
-    tasks.spawn(live_producer(state, served, cancel));
+    tasks.spawn(produce_live_view(state, served, cancel));
     let mut watcher = term::Watcher::new(term::Watch {
         db: state.db.clone(),
         redis: state.redis.clone(),
@@ -211,7 +215,7 @@ async fn start_duties(
 /// second (every instance's page shows them), the last time once the last request has
 /// been answered (`served`). Restarted if it panics: every page would freeze, and grab
 /// counts stop reaching Redis.
-fn live_producer(
+fn produce_live_view(
     state: &AppState,
     served: &CancellationToken,
     cancel: &CancellationToken,
@@ -236,15 +240,15 @@ fn live_producer(
 
 /// A connection to the configured Redis: one node, a cluster (which must answer within a
 /// minute), or the master Sentinel names, followed across failovers.
-pub(crate) async fn redis(
+pub(crate) async fn connect_redis(
     args: &RedisArgs,
     response_timeout: Duration,
 ) -> anyhow::Result<RedisConn> {
-    Ok(redis_and_target(args, response_timeout).await?.0)
+    Ok(connect_redis_with_target(args, response_timeout).await?.0)
 }
 
-/// [`redis`], and where it is.
-async fn redis_and_target(
+/// [`connect_redis`], and where it is.
+async fn connect_redis_with_target(
     args: &RedisArgs,
     response_timeout: Duration,
 ) -> anyhow::Result<(RedisConn, redis_conn::RedisTarget)> {
@@ -266,14 +270,14 @@ async fn redis_and_target(
 
 /// The expiry sweeper that runs beside each worker, on a Redis connection of its own
 /// (the worker's blocks in its reads).
-pub(crate) async fn sweeper(
+pub(crate) async fn prepare_sweeper(
     db: &sqlx::PgPool,
     redis: &RedisArgs,
     keys: Keys,
     opts: &WorkerOptions,
     cancel: CancellationToken,
 ) -> anyhow::Result<impl std::future::Future<Output = ()>> {
-    let conn = self::redis(redis, redis_conn::COMMAND_TIMEOUT).await?;
+    let conn = connect_redis(redis, redis_conn::COMMAND_TIMEOUT).await?;
     let config = SweepConfig {
         every: Duration::from_millis(opts.expiry_sweep_ms),
         batch: opts.expiry_batch as i64,
@@ -301,7 +305,7 @@ pub(crate) async fn build_workers(
     let lanes = opts.worker_concurrency.unwrap_or(default_lanes);
     for lane in 0..lanes {
         // Room for the blocking read in the response timeout.
-        let conn = self::redis(redis, block + redis_conn::COMMAND_TIMEOUT).await?;
+        let conn = connect_redis(redis, block + redis_conn::COMMAND_TIMEOUT).await?;
         let config = WorkerConfig {
             // `/` cannot appear in a configured name, so lanes never collide with it.
             consumer: match lane {
