@@ -24,6 +24,7 @@ mod live;
 mod observability;
 mod operations;
 mod order_ids;
+mod readme;
 mod reconcile;
 mod recovery;
 mod rollback;
