@@ -280,7 +280,7 @@ async fn a_tls_mistake_stops_every_command_at_once_with_an_error_naming_the_sett
         }
     }
     // verify-ca checks the chain. (It should skip the host name as libpq does, but sqlx
-    // 0.8.6 with rustls >= 0.23.24 checks it too: launchbadge/sqlx#3793; see
+    // 0.8.6 with rustls >= 0.23.24 checks it too, a known sqlx limitation; see
     // docs/operations.md, "TLS".)
     let (code, err) = cli(
         &["migrate"],
