@@ -23,6 +23,8 @@ use serde::{Deserialize, Deserializer, Serialize};
 
 pub use jwks::Jwks;
 
+pub(crate) use crate::domain::parse_id;
+
 pub(crate) const ADMIN_ROLE: &str = "admin";
 
 /// Why tokens are refused (the `message` of the 401): one message per rule, so a
@@ -494,18 +496,6 @@ impl From<Unauthorized> for Refused {
     fn from(e: Unauthorized) -> Self {
         Refused::Unauthorized(e.0)
     }
-}
-
-/// Parses an id strictly: ASCII digits only, no sign, no leading zero, a positive i64.
-pub(crate) fn parse_id(s: &str) -> Option<i64> {
-    let canonical = !s.is_empty()
-        && s.len() <= 19
-        && s.bytes().all(|b| b.is_ascii_digit())
-        && !s.starts_with('0');
-    if !canonical {
-        return None;
-    }
-    s.parse::<i64>().ok().filter(|&id| id > 0)
 }
 
 #[cfg(test)]
