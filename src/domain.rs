@@ -182,6 +182,7 @@ impl utoipa::ToSchema for OrderId {}
     Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema, sqlx::Type,
 )]
 #[serde(rename_all = "lowercase")]
+#[schema(description = "Where an order is in its life.")]
 #[sqlx(type_name = "text", rename_all = "lowercase")]
 pub enum OrderStatus {
     Pending,

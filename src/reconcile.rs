@@ -27,6 +27,7 @@ use redis::aio::ConnectionLike;
 use sqlx::PgPool;
 
 use crate::admission::loader::{self, Fenced, Mode};
+use crate::domain::OrderStatus;
 use crate::keys::Keys;
 use crate::scripts::Replicas;
 
@@ -81,11 +82,16 @@ impl Verdict {
 }
 
 impl VoucherBooks {
-    fn new(voucher_id: i64, f: &Fenced, dead_letters: i64, statuses: &[(String, i64)]) -> Self {
-        let count = |wanted: &[&str]| -> i64 {
+    fn new(
+        voucher_id: i64,
+        f: &Fenced,
+        dead_letters: i64,
+        statuses: &[(OrderStatus, i64)],
+    ) -> Self {
+        let count = |wanted: fn(OrderStatus) -> bool| -> i64 {
             statuses
                 .iter()
-                .filter(|(s, _)| wanted.contains(&s.as_str()))
+                .filter(|(s, _)| wanted(*s))
                 .map(|(_, n)| n)
                 .sum()
         };
@@ -102,8 +108,8 @@ impl VoucherBooks {
             expected_buyers: f.expected.buyers,
             mismatched_buyers: f.mismatched_buyers,
             dead_letters,
-            paid: count(&["paid"]),
-            closed: count(&["cancelled", "expired"]),
+            paid: count(|s| s == OrderStatus::Paid),
+            closed: count(OrderStatus::is_closed),
             owed: f.owed_held,
         }
     }

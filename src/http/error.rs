@@ -6,6 +6,8 @@ use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use utoipa::ToSchema;
 
+use crate::domain::OrderStatus;
+
 /// Every error answer: `{"error": {"code": "...", "message": "..."}}`.
 #[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct ErrorBody {
@@ -135,7 +137,7 @@ pub enum AppError {
     OrderPaid(i64),
     /// Cancelled or expired (the status says which).
     #[error("order {0} is {1}")]
-    OrderClosed(i64, String),
+    OrderClosed(i64, OrderStatus),
     /// Too many requests; try again after this many seconds.
     #[error("rate limited")]
     RateLimited { retry_after_secs: u64 },
@@ -396,7 +398,7 @@ mod tests {
             AppError::AlreadyOrdered { order_id: 7 },
             AppError::OrderPending(7),
             AppError::OrderPaid(7),
-            AppError::OrderClosed(7, "expired".into()),
+            AppError::OrderClosed(7, OrderStatus::Expired),
             AppError::RateLimited {
                 retry_after_secs: 1,
             },

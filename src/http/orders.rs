@@ -12,6 +12,7 @@ use utoipa::ToSchema;
 
 use crate::admission::{self, PendingOrder};
 use crate::auth::AuthUser;
+use crate::domain::OrderStatus;
 use crate::http::error::{AppError, AppResult, ErrorBody};
 use crate::http::extract::{MaybeJson, PathId};
 use crate::http::state::AppState;
@@ -44,35 +45,13 @@ pub(crate) struct OrderResponse {
     pub payment_ref: Option<String>,
 }
 
-/// Where an order is in its life.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-#[serde(rename_all = "lowercase")]
-pub(crate) enum OrderStatus {
-    Pending,
-    Created,
-    Paid,
-    Cancelled,
-    Expired,
-}
-
-impl OrderStatus {
-    fn of(status: &str) -> Self {
-        match status {
-            "paid" => Self::Paid,
-            "cancelled" => Self::Cancelled,
-            "expired" => Self::Expired,
-            _ => Self::Created,
-        }
-    }
-}
-
 impl From<OrderRow> for OrderResponse {
     fn from(row: OrderRow) -> Self {
         Self {
             order_id: row.id.to_string(),
             voucher_id: row.voucher_id,
             user_id: row.user_id,
-            status: OrderStatus::of(&row.status),
+            status: row.status,
             created_at: row.created_at,
             pay_before: Some(row.pay_before),
             paid_at: row.paid_at,
@@ -275,10 +254,10 @@ pub(crate) async fn pay(
     .await?;
     match done {
         Transition::Moved(row) => Ok(Json(row.into())),
-        Transition::Unchanged(row) if row.status == "paid" => Ok(Json(row.into())),
-        Transition::Unchanged(row) if row.status == "created" => Err(AppError::Internal(
-            anyhow::anyhow!("order {order_id} neither payable nor due"),
-        )),
+        Transition::Unchanged(row) if row.status == OrderStatus::Paid => Ok(Json(row.into())),
+        Transition::Unchanged(row) if row.status == OrderStatus::Created => Err(
+            AppError::Internal(anyhow::anyhow!("order {order_id} neither payable nor due")),
+        ),
         Transition::Unchanged(row) => Err(AppError::OrderClosed(row.id, row.status)),
         Transition::Missing => Err(AppError::NotFound(format!("order {order_id} not found"))),
     }
@@ -306,13 +285,17 @@ pub(crate) async fn cancel(
     let mut conn = state.redis.clone();
     let replicas = state.settings.replicas;
     match lifecycle::cancel(&state.db, &mut conn, &state.keys, replicas, row.id).await? {
-        Transition::Moved(row) | Transition::Unchanged(row) if row.status == "cancelled" => {
+        Transition::Moved(row) | Transition::Unchanged(row)
+            if row.status == OrderStatus::Cancelled =>
+        {
             Ok(Json(row.into()))
         }
-        Transition::Unchanged(row) if row.status == "paid" => Err(AppError::OrderPaid(row.id)),
-        Transition::Unchanged(row) if row.status == "created" => Err(AppError::Internal(
-            anyhow::anyhow!("order {order_id} was not closed"),
-        )),
+        Transition::Unchanged(row) if row.status == OrderStatus::Paid => {
+            Err(AppError::OrderPaid(row.id))
+        }
+        Transition::Unchanged(row) if row.status == OrderStatus::Created => Err(
+            AppError::Internal(anyhow::anyhow!("order {order_id} was not closed")),
+        ),
         Transition::Moved(row) | Transition::Unchanged(row) => {
             Err(AppError::OrderClosed(row.id, row.status))
         }

@@ -10,6 +10,7 @@ use utoipa::ToSchema;
 
 use crate::admission::{self, loader};
 use crate::auth::Admin;
+use crate::domain::OrderStatus;
 use crate::http::error::{AppError, AppResult, ErrorBody};
 use crate::http::extract::{AppJson, PathId};
 use crate::http::fallback_headers;
@@ -389,20 +390,19 @@ pub(crate) struct OrderPage {
 /// The query of `GET /vouchers/{id}/orders`, checked by hand so every mistake is a
 /// `validation` error in our format.
 struct PageQuery {
-    status: Option<&'static str>,
+    status: Option<ListedStatus>,
     limit: i64,
     after: Option<i64>,
 }
 
 const PAGE_DEFAULT: i64 = 100;
 const PAGE_MAX: i64 = 1000;
-/// Statuses Postgres holds (a `pending` order is not written yet).
-pub(crate) const LISTED: [&str; 4] = ["created", "paid", "cancelled", "expired"];
-
-/// The statuses a sale's orders can be listed by (the document's name for [`LISTED`]).
-#[derive(Debug, ToSchema)]
-#[schema(as = ListedStatus)]
-#[allow(dead_code)]
+/// The statuses a sale's orders can be listed by: those Postgres holds (a `pending`
+/// order is not written yet).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ToSchema)]
+#[schema(
+    description = "The statuses a sale's orders can be listed by (the document's name for [`LISTED`])."
+)]
 pub(crate) enum ListedStatus {
     #[schema(rename = "created")]
     Created,
@@ -412,6 +412,38 @@ pub(crate) enum ListedStatus {
     Cancelled,
     #[schema(rename = "expired")]
     Expired,
+}
+
+impl ListedStatus {
+    pub(crate) const ALL: [ListedStatus; 4] =
+        [Self::Created, Self::Paid, Self::Cancelled, Self::Expired];
+
+    fn parse(value: &str) -> AppResult<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|s| OrderStatus::from(*s).as_str() == value)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL
+                    .iter()
+                    .map(|s| OrderStatus::from(*s).as_str())
+                    .collect();
+                AppError::bad_request(format!(
+                    "status must be one of {} (pending orders are not written yet)",
+                    names.join(", ")
+                ))
+            })
+    }
+}
+
+impl From<ListedStatus> for OrderStatus {
+    fn from(s: ListedStatus) -> Self {
+        match s {
+            ListedStatus::Created => OrderStatus::Created,
+            ListedStatus::Paid => OrderStatus::Paid,
+            ListedStatus::Cancelled => OrderStatus::Cancelled,
+            ListedStatus::Expired => OrderStatus::Expired,
+        }
+    }
 }
 
 impl PageQuery {
@@ -424,15 +456,7 @@ impl PageQuery {
         for (key, value) in form_urlencoded::parse(raw.unwrap_or("").as_bytes()) {
             match key.as_ref() {
                 "status" if value.is_empty() => {}
-                "status" => {
-                    query.status =
-                        Some(LISTED.into_iter().find(|s| *s == value).ok_or_else(|| {
-                            AppError::bad_request(format!(
-                                "status must be one of {} (pending orders are not written yet)",
-                                LISTED.join(", ")
-                            ))
-                        })?)
-                }
+                "status" => query.status = Some(ListedStatus::parse(&value)?),
                 "limit" => {
                     query.limit = Some(value.as_ref())
                         .filter(|v| v.len() <= 4 && v.bytes().all(|b| b.is_ascii_digit()))
@@ -483,8 +507,14 @@ pub(crate) async fn list_orders(
         .await?
         .ok_or_else(|| AppError::NotFound(format!("voucher {id} not found")))?;
     // One more than asked: whether a next page exists, without an empty last page.
-    let mut rows =
-        orders::page_of_sale(&state.db, id, query.status, query.after, query.limit + 1).await?;
+    let mut rows = orders::page_of_sale(
+        &state.db,
+        id,
+        query.status.map(Into::into),
+        query.after,
+        query.limit + 1,
+    )
+    .await?;
     let more = rows.len() as i64 > query.limit;
     rows.truncate(query.limit as usize);
     let next = more

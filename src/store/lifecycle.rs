@@ -23,6 +23,7 @@ use sqlx::{FromRow, PgPool, Postgres, Transaction};
 
 use super::orders::{OrderRow, ORDER_COLUMNS};
 use super::vouchers::lock_sales;
+use crate::domain::OrderStatus;
 
 /// A unit owed back to a sale's live stock in Redis, for a closed order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, FromRow)]
@@ -108,7 +109,7 @@ pub(crate) async fn close(
     how: Close,
 ) -> Result<Transition, sqlx::Error> {
     let mut tx = db.begin().await?;
-    let found: Option<(String, bool)> = sqlx::query_as(
+    let found: Option<(OrderStatus, bool)> = sqlx::query_as(
         "SELECT status, pay_before <= now() FROM voucher_orders WHERE id = $1 FOR UPDATE",
     )
     .bind(order_id)
@@ -117,9 +118,9 @@ pub(crate) async fn close(
     let Some((status, due)) = found else {
         return Ok(Transition::Missing);
     };
-    let to = match (status.as_str(), how, due) {
-        ("created", _, true) => "expired",
-        ("created", Close::Cancel, false) => "cancelled",
+    let to = match (status, how, due) {
+        (OrderStatus::Created, _, true) => OrderStatus::Expired,
+        (OrderStatus::Created, Close::Cancel, false) => OrderStatus::Cancelled,
         _ => {
             let row = super::orders::get(&mut *tx, order_id).await?;
             tx.rollback().await?;
@@ -150,7 +151,7 @@ pub(crate) async fn expire_due(db: &PgPool, limit: i64) -> Result<Vec<Release>, 
         tx.rollback().await?;
         return Ok(Vec::new());
     }
-    let released = close_rows(&mut tx, &due, "expired").await?;
+    let released = close_rows(&mut tx, &due, OrderStatus::Expired).await?;
     tx.commit().await?;
     Ok(released)
 }
@@ -161,7 +162,7 @@ pub(crate) async fn expire_due(db: &PgPool, limit: i64) -> Result<Vec<Release>, 
 async fn close_rows(
     tx: &mut Transaction<'_, Postgres>,
     order_ids: &[i64],
-    to: &str,
+    to: OrderStatus,
 ) -> Result<Vec<Release>, sqlx::Error> {
     let owners: Vec<(i64, i64)> =
         sqlx::query_as("SELECT voucher_id, user_id FROM voucher_orders WHERE id = ANY($1)")
@@ -265,7 +266,7 @@ pub(crate) async fn owed_count(db: &PgPool) -> Result<i64, sqlx::Error> {
 pub(crate) async fn status_counts(
     db: &PgPool,
     voucher_id: i64,
-) -> Result<Vec<(String, i64)>, sqlx::Error> {
+) -> Result<Vec<(OrderStatus, i64)>, sqlx::Error> {
     sqlx::query_as(
         "SELECT status, count(*) FROM voucher_orders WHERE voucher_id = $1 GROUP BY status",
     )

@@ -6,6 +6,8 @@ use chrono::{DateTime, Utc};
 use futures_util::future::BoxFuture;
 use sqlx::{FromRow, PgPool, Postgres, Transaction};
 
+use crate::domain::OrderStatus;
+
 pub(crate) use super::admitted::ACTIVE;
 pub use super::admitted::{NewOrder, Rejection};
 use super::vouchers::lock_sales;
@@ -36,8 +38,8 @@ pub struct OrderRow {
     pub id: i64,
     pub user_id: i64,
     pub voucher_id: i64,
-    /// `created`, `paid`, `cancelled` or `expired`.
-    pub status: String,
+    /// Never `pending`: Postgres holds written orders only.
+    pub status: OrderStatus,
     pub created_at: DateTime<Utc>,
     pub pay_before: DateTime<Utc>,
     pub paid_at: Option<DateTime<Utc>>,
@@ -419,7 +421,7 @@ pub(crate) async fn written_among(
 pub(crate) async fn page_of_sale(
     db: &PgPool,
     voucher_id: i64,
-    status: Option<&str>,
+    status: Option<OrderStatus>,
     below: Option<i64>,
     limit: i64,
 ) -> Result<Vec<OrderRow>, sqlx::Error> {
