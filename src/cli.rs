@@ -8,6 +8,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::auth::{Expected, JwtKeys};
 use crate::config::{ApiArgs, Cli, Command, WorkerOptions};
+use crate::domain::VoucherId;
 use crate::redis_conn;
 use crate::startup::{build_workers, keys, redis, sweeper, Application};
 use crate::{store, telemetry};
@@ -106,7 +107,8 @@ async fn reconcile(args: crate::config::ReconcileArgs) -> anyhow::Result<ExitCod
         &db,
         &mut conn,
         &keys,
-        args.voucher,
+        // Positive, as clap checked: never an error.
+        args.voucher.map(VoucherId::try_from).transpose()?,
         args.repair.then(|| args.redis.durability.replicas()),
         retention,
         &mut print_out,

@@ -35,7 +35,7 @@ pub fn parse_id(s: &str) -> Option<i64> {
 macro_rules! id_type {
     ($(#[$doc:meta])* $name:ident) => {
         $(#[$doc])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, sqlx::Type)]
+        #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, sqlx::Type)]
         #[sqlx(transparent)]
         pub struct $name(i64);
 
@@ -52,6 +52,13 @@ macro_rules! id_type {
         }
 
         impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                self.0.fmt(f)
+            }
+        }
+
+        /// The bare number: spans (`#[tracing::instrument]`) and logs read as before.
+        impl fmt::Debug for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 self.0.fmt(f)
             }
@@ -104,6 +111,10 @@ id_type!(
 id_type!(
     /// A shopper: a token's `sub`.
     UserId
+);
+id_type!(
+    /// A shop (only ever read from a path: vouchers carry it as a plain number).
+    ShopId
 );
 id_type!(
     /// An order: minted at admission (time-ordered, see `admission::order_id`), so a

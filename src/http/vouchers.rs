@@ -10,7 +10,7 @@ use utoipa::ToSchema;
 
 use crate::admission::{self, loader};
 use crate::auth::Admin;
-use crate::domain::OrderStatus;
+use crate::domain::{OrderId, OrderStatus, ShopId, VoucherId};
 use crate::http::error::{AppError, AppResult, ErrorBody};
 use crate::http::extract::{AppJson, PathId};
 use crate::http::fallback_headers;
@@ -196,7 +196,8 @@ impl CreateVoucher {
 
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub(crate) struct VoucherResponse {
-    pub id: i64,
+    #[schema(inline)]
+    pub id: VoucherId,
     pub shop_id: i64,
     pub title: String,
     pub sub_title: String,
@@ -315,7 +316,7 @@ pub(crate) async fn create(
         {
             Ok(loaded) => live = loaded.map(|l| l.stock),
             Err(e) => {
-                tracing::warn!(voucher_id = row.id, error = %e, "sale not loaded into redis yet")
+                tracing::warn!(voucher_id = row.id.get(), error = %e, "sale not loaded into redis yet")
             }
         }
     }
@@ -333,14 +334,17 @@ pub(crate) async fn create(
     ))]
 pub(crate) async fn get(
     State(state): State<AppState>,
-    PathId(id): PathId,
+    PathId(id): PathId<VoucherId>,
 ) -> AppResult<(HeaderMap, Json<VoucherResponse>)> {
     one_voucher(&state, id).await
 }
 
 /// A voucher as `GET /vouchers/{id}` shows it: live stock from Redis, or Postgres's
 /// with the fallback header.
-async fn one_voucher(state: &AppState, id: i64) -> AppResult<(HeaderMap, Json<VoucherResponse>)> {
+async fn one_voucher(
+    state: &AppState,
+    id: VoucherId,
+) -> AppResult<(HeaderMap, Json<VoucherResponse>)> {
     let row = vouchers::get(&state.db, id)
         .await?
         .ok_or_else(|| AppError::NotFound(format!("voucher {id} not found")))?;
@@ -361,9 +365,9 @@ async fn one_voucher(state: &AppState, id: i64) -> AppResult<(HeaderMap, Json<Vo
     ))]
 pub(crate) async fn list_by_shop(
     State(state): State<AppState>,
-    PathId(shop_id): PathId,
+    PathId(shop_id): PathId<ShopId>,
 ) -> AppResult<(HeaderMap, Json<Vec<VoucherResponse>>)> {
-    let rows = vouchers::list_by_shop(&state.db, shop_id).await?;
+    let rows = vouchers::list_by_shop(&state.db, shop_id.get()).await?;
     let live = live_stocks(&state, &rows).await;
     let headers = fallback_headers(live.is_none());
     let live = live.unwrap_or_else(|| vec![None; rows.len()]);
@@ -384,7 +388,8 @@ pub(crate) struct OrderPage {
     /// Newest first.
     items: Vec<OrderResponse>,
     /// Pass as `after` for the next page; `null` on the last page.
-    next: Option<String>,
+    #[schema(value_type = Option<String>)]
+    next: Option<OrderId>,
 }
 
 /// The query of `GET /vouchers/{id}/orders`, checked by hand so every mistake is a
@@ -392,7 +397,7 @@ pub(crate) struct OrderPage {
 struct PageQuery {
     status: Option<ListedStatus>,
     limit: i64,
-    after: Option<i64>,
+    after: Option<OrderId>,
 }
 
 const PAGE_DEFAULT: i64 = 100;
@@ -467,9 +472,10 @@ impl PageQuery {
                         })?
                 }
                 "after" => {
-                    query.after = Some(crate::auth::parse_id(&value).ok_or_else(|| {
-                        AppError::bad_request("after is not a cursor of this list")
-                    })?)
+                    query.after =
+                        Some(value.parse().map_err(|_| {
+                            AppError::bad_request("after is not a cursor of this list")
+                        })?)
                 }
                 _ => {}
             }
@@ -499,7 +505,7 @@ impl PageQuery {
 pub(crate) async fn list_orders(
     State(state): State<AppState>,
     _admin: Admin,
-    PathId(id): PathId,
+    PathId(id): PathId<VoucherId>,
     axum::extract::RawQuery(raw): axum::extract::RawQuery,
 ) -> AppResult<Json<OrderPage>> {
     let query = PageQuery::parse(raw.as_deref())?;
@@ -517,9 +523,7 @@ pub(crate) async fn list_orders(
     .await?;
     let more = rows.len() as i64 > query.limit;
     rows.truncate(query.limit as usize);
-    let next = more
-        .then(|| rows.last().map(|r| r.id.to_string()))
-        .flatten();
+    let next = more.then(|| rows.last().map(|r| r.id)).flatten();
     Ok(Json(OrderPage {
         items: rows.into_iter().map(Into::into).collect(),
         next,
@@ -542,7 +546,7 @@ pub(crate) async fn list_orders(
 pub(crate) async fn close(
     State(state): State<AppState>,
     _admin: Admin,
-    PathId(id): PathId,
+    PathId(id): PathId<VoucherId>,
 ) -> AppResult<(HeaderMap, Json<VoucherResponse>)> {
     let mut conn = state.redis.clone();
     let replicas = state.settings.replicas;

@@ -17,7 +17,7 @@ use redis::aio::ConnectionLike;
 use redis::Script;
 use sqlx::PgPool;
 
-use crate::domain::OrderStatus;
+use crate::domain::{OrderId, OrderStatus};
 use crate::keys::{self, Keys};
 use crate::metrics::{TRANSITIONS, UNITS_RETURNED};
 use crate::scripts::{Call, Replicas};
@@ -89,12 +89,12 @@ async fn release_now<C: ConnectionLike + Send>(
     match tokio::time::timeout(RELEASE_DEADLINE, settle).await {
         Ok(Ok(_)) => {}
         Ok(Err(e)) => tracing::warn!(
-            order_id = row.id,
+            order_id = row.id.get(),
             error = format!("{e:#}"),
             "release left owed; the sweeper will make it"
         ),
         Err(_) => tracing::warn!(
-            order_id = row.id,
+            order_id = row.id.get(),
             "redis did not take the release in time; the sweeper will make it"
         ),
     }
@@ -108,7 +108,7 @@ pub async fn pay<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     replicas: Replicas,
-    order_id: i64,
+    order_id: OrderId,
     payment_ref: Option<&str>,
 ) -> anyhow::Result<Transition> {
     match transitions::pay(db, order_id, payment_ref).await? {
@@ -139,7 +139,7 @@ pub async fn cancel<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     replicas: Replicas,
-    order_id: i64,
+    order_id: OrderId,
 ) -> anyhow::Result<Transition> {
     let done = transitions::close(db, order_id, Close::Cancel).await?;
     if let Transition::Moved(row) = &done {
