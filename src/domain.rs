@@ -233,11 +233,6 @@ impl OrderStatus {
     pub fn is_final(self) -> bool {
         self == Self::Paid || self.is_closed()
     }
-
-    /// Holds its unit: written and not closed (`created` or `paid`).
-    pub fn is_active(self) -> bool {
-        matches!(self, Self::Created | Self::Paid)
-    }
 }
 
 impl fmt::Display for OrderStatus {
