@@ -22,8 +22,8 @@ pub(crate) struct ErrorDetail {
     pub message: String,
     /// With `already_ordered`: the caller's existing order.
     #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(pattern = "^[1-9][0-9]{0,18}$")]
-    pub order_id: Option<String>,
+    #[schema(value_type = Option<String>, pattern = "^[1-9][0-9]{0,18}$")]
+    pub order_id: Option<OrderId>,
     /// `unknown` on a grab's 503 whose Redis call failed after it was sent: the order
     /// may exist. Retrying tells (202, or `already_ordered` with its `order_id`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -322,7 +322,7 @@ impl IntoResponse for AppError {
             _ => None,
         };
         let order_id = match &self {
-            AppError::AlreadyOrdered { order_id } => Some(order_id.to_string()),
+            AppError::AlreadyOrdered { order_id } => Some(*order_id),
             _ => None,
         };
         let body = ErrorBody {
