@@ -23,6 +23,8 @@ use serde::{Deserialize, Deserializer, Serialize};
 
 pub use jwks::Jwks;
 
+use crate::domain::UserId;
+
 pub(crate) const ADMIN_ROLE: &str = "admin";
 
 /// Why tokens are refused (the `message` of the 401): one message per rule, so a
@@ -50,7 +52,7 @@ pub(crate) const UNKNOWN_ROLE: &str = "unknown role in token";
 #[derive(Debug, Deserialize)]
 pub(crate) struct Claims {
     #[serde(deserialize_with = "positive_id")]
-    pub sub: i64,
+    pub sub: UserId,
     pub exp: u64,
     #[serde(default)]
     pub role: Option<String>,
@@ -70,26 +72,25 @@ struct Minted<'a> {
 }
 
 /// `sub` as a JSON number or a string of digits; a positive 64-bit integer either way.
-fn positive_id<'de, D: Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
+fn positive_id<'de, D: Deserializer<'de>>(d: D) -> Result<UserId, D::Error> {
     struct Id;
     impl serde::de::Visitor<'_> for Id {
-        type Value = i64;
+        type Value = UserId;
         fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
             f.write_str("a positive integer")
         }
-        fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<i64, E> {
-            (v > 0)
-                .then_some(v)
-                .ok_or_else(|| E::custom("sub is not positive"))
+        fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<UserId, E> {
+            UserId::new(v).ok_or_else(|| E::custom("sub is not positive"))
         }
-        fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<i64, E> {
+        fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<UserId, E> {
             i64::try_from(v)
                 .ok()
-                .filter(|v| *v > 0)
+                .and_then(UserId::new)
                 .ok_or_else(|| E::custom("sub out of range"))
         }
-        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<i64, E> {
-            parse_id(v).ok_or_else(|| E::custom("sub is not a positive integer"))
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<UserId, E> {
+            v.parse()
+                .map_err(|_| E::custom("sub is not a positive integer"))
         }
     }
     d.deserialize_any(Id)
@@ -465,7 +466,7 @@ fn now_secs() -> u64 {
 /// The authenticated caller (extracted from the request in `http::extract`).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct AuthUser {
-    pub user_id: i64,
+    pub user_id: UserId,
     pub admin: bool,
 }
 
@@ -494,18 +495,6 @@ impl From<Unauthorized> for Refused {
     fn from(e: Unauthorized) -> Self {
         Refused::Unauthorized(e.0)
     }
-}
-
-/// Parses an id strictly: ASCII digits only, no sign, no leading zero, a positive i64.
-pub(crate) fn parse_id(s: &str) -> Option<i64> {
-    let canonical = !s.is_empty()
-        && s.len() <= 19
-        && s.bytes().all(|b| b.is_ascii_digit())
-        && !s.starts_with('0');
-    if !canonical {
-        return None;
-    }
-    s.parse::<i64>().ok().filter(|&id| id > 0)
 }
 
 #[cfg(test)]
@@ -555,9 +544,9 @@ mod tests {
     fn a_minted_token_verifies_with_its_user_and_role() {
         let k = keys();
         let user = k.verify(&k.mint(42, false, 60).unwrap()).unwrap();
-        assert_eq!((user.user_id, user.admin), (42, false));
+        assert_eq!((user.user_id.get(), user.admin), (42, false));
         let admin = k.verify(&k.mint(7, true, 60).unwrap()).unwrap();
-        assert_eq!((admin.user_id, admin.admin), (7, true));
+        assert_eq!((admin.user_id.get(), admin.admin), (7, true));
     }
 
     #[test]
@@ -570,7 +559,8 @@ mod tests {
                 "test-secret"
             ))
             .unwrap()
-            .user_id,
+            .user_id
+            .get(),
             5
         );
         assert_eq!(
@@ -579,7 +569,8 @@ mod tests {
                 "test-secret"
             ))
             .unwrap()
-            .user_id,
+            .user_id
+            .get(),
             6
         );
         for bad in [
@@ -733,14 +724,14 @@ mod tests {
         for (what, token, why) in &cases {
             for (path, v) in [("fast", &fast), ("checked", &checked)] {
                 assert_eq!(
-                    v.verify(token).await.map(|u| u.user_id),
+                    v.verify(token).await.map(|u| u.user_id.get()),
                     Err(Refused::Unauthorized(why)),
                     "{what} ({path} path)"
                 );
             }
         }
-        assert_eq!(fast.verify(&good).await.unwrap().user_id, 1);
-        assert_eq!(checked.verify(&good).await.unwrap().user_id, 1);
+        assert_eq!(fast.verify(&good).await.unwrap().user_id.get(), 1);
+        assert_eq!(checked.verify(&good).await.unwrap().user_id.get(), 1);
         // Signed claims that are not a JSON object.
         let header = URL_SAFE_NO_PAD.encode(r#"{"alg":"HS256","typ":"JWT"}"#);
         let payload = URL_SAFE_NO_PAD.encode("5");
@@ -750,7 +741,7 @@ mod tests {
         let not_an_object = format!("{signing}.{mac}");
         for v in [&fast, &checked] {
             assert_eq!(
-                v.verify(&not_an_object).await.map(|u| u.user_id),
+                v.verify(&not_an_object).await.map(|u| u.user_id.get()),
                 Err(Refused::Unauthorized(MALFORMED))
             );
         }
@@ -790,7 +781,7 @@ mod tests {
             &EncodingKey::from_secret(b"test-secret"),
         )
         .unwrap();
-        assert_eq!(k.verify(&token).unwrap().user_id, 8);
+        assert_eq!(k.verify(&token).unwrap().user_id.get(), 8);
     }
 
     #[test]
@@ -850,7 +841,7 @@ mod tests {
             jsonwebtoken::decode::<Claims>(t, &decoding, &validation)
                 .ok()
                 .filter(|d| matches!(d.claims.role.as_deref(), None | Some(ADMIN_ROLE)))
-                .map(|d| (d.claims.sub, d.claims.role.is_some()))
+                .map(|d| (d.claims.sub.get(), d.claims.role.is_some()))
         };
         let (exp, now) = (in_an_hour(), now_secs());
         let mut tokens: Vec<String> = [
@@ -888,7 +879,7 @@ mod tests {
             "eyJhbGciOiJub25lIiwidHlwIjoiSldUIn0.eyJzdWIiOjEsImV4cCI6OTk5OTk5OTk5OX0.".into(),
         ]);
         for token in &tokens {
-            let ours = k.verify(token).ok().map(|u| (u.user_id, u.admin));
+            let ours = k.verify(token).ok().map(|u| (u.user_id.get(), u.admin));
             assert_eq!(ours, reference(token), "{token}");
         }
     }
@@ -929,11 +920,15 @@ mod tests {
             "eyJhbGciOiJub25lIiwidHlwIjoiSldUIn0.eyJzdWIiOjEsImV4cCI6OTk5OTk5OTk5OX0.".into(),
         ];
         for token in &tokens {
-            let ours = v.verify(token).await.ok().map(|u| (u.user_id, u.admin));
-            let reference = k.verify(token).ok().map(|u| (u.user_id, u.admin));
+            let ours = v
+                .verify(token)
+                .await
+                .ok()
+                .map(|u| (u.user_id.get(), u.admin));
+            let reference = k.verify(token).ok().map(|u| (u.user_id.get(), u.admin));
             assert_eq!(ours, reference, "{token}");
         }
-        assert_eq!(v.verify(&good).await.unwrap().user_id, 3);
+        assert_eq!(v.verify(&good).await.unwrap().user_id.get(), 3);
     }
 
     #[tokio::test]
@@ -953,7 +948,7 @@ mod tests {
         .unwrap();
         assert_eq!(payload["iss"], "https://idp.example");
         assert_eq!(payload["aud"], "seckill");
-        assert_eq!(v.verify(&minted).await.unwrap().user_id, 42);
+        assert_eq!(v.verify(&minted).await.unwrap().user_id.get(), 42);
 
         let exp = in_an_hour();
         let check = |claims: serde_json::Value| sign(claims, "test-secret");
@@ -997,10 +992,10 @@ mod tests {
         ];
         for (claims, want) in cases {
             let token = check(claims.clone());
-            let got = v.verify(&token).await.map(|u| u.user_id);
+            let got = v.verify(&token).await.map(|u| u.user_id.get());
             assert_eq!(got, want.map_err(Refused::Unauthorized), "{claims}");
             assert_eq!(
-                k.verify(&token).map(|u| u.user_id).map_err(|e| e.0),
+                k.verify(&token).map(|u| u.user_id.get()).map_err(|e| e.0),
                 want,
                 "{claims}"
             );
@@ -1009,7 +1004,7 @@ mod tests {
         let plain = keys();
         let token =
             check(serde_json::json!({"sub": 1, "exp": exp, "iss": "anyone", "aud": "anything"}));
-        assert_eq!(plain.verify(&token).unwrap().user_id, 1);
+        assert_eq!(plain.verify(&token).unwrap().user_id.get(), 1);
     }
 
     #[tokio::test]
@@ -1063,7 +1058,7 @@ mod tests {
             both.verify(&rs256).await.unwrap_err(),
             Refused::KeysNotLoaded
         );
-        assert_eq!(both.verify(&hs256).await.unwrap().user_id, 1);
+        assert_eq!(both.verify(&hs256).await.unwrap().user_id.get(), 1);
     }
 
     #[test]

@@ -8,6 +8,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::auth::{Expected, JwtKeys};
 use crate::config::{ApiArgs, Cli, Command, WorkerOptions};
+use crate::domain::VoucherId;
 use crate::redis_conn;
 use crate::startup::{build_workers, connect_redis, key_layout, prepare_sweeper, Application};
 use crate::{store, telemetry};
@@ -107,7 +108,8 @@ async fn reconcile(args: crate::config::ReconcileArgs) -> anyhow::Result<ExitCod
         &db,
         &mut conn,
         &keys,
-        args.voucher,
+        // Positive, as clap checked: never an error.
+        args.voucher.map(VoucherId::try_from).transpose()?,
         args.repair.then(|| args.redis.durability.replicas()),
         retention,
         &mut print_out,

@@ -18,6 +18,7 @@ use serde_json::{json, Value};
 
 use crate::auth::{Expected, JwtKeys};
 use crate::config::DemoArgs;
+use crate::domain::{OrderId, VoucherId};
 use crate::secret::Secret;
 
 const DEFAULT_URL: &str = "http://127.0.0.1:8080";
@@ -260,7 +261,7 @@ impl Api<'_> {
     }
 
     /// Opens a sale of `stock` now, lasting past the demo, and returns its voucher id.
-    async fn open_sale(&self, stock: u64, lasts: Duration) -> anyhow::Result<i64> {
+    async fn open_sale(&self, stock: u64, lasts: Duration) -> anyhow::Result<VoucherId> {
         let now = chrono::Utc::now();
         // A little in the past: the server's clock judges `begin_time`.
         let begin = now - chrono::Duration::seconds(5);
@@ -282,6 +283,7 @@ impl Api<'_> {
         match status {
             StatusCode::CREATED => body["id"]
                 .as_i64()
+                .and_then(VoucherId::new)
                 .ok_or_else(|| anyhow::anyhow!("the new voucher has no id: {body}")),
             StatusCode::UNAUTHORIZED => bail!(
                 "the server refused the demo's admin token ({}): is JWT_SECRET the server's \
@@ -293,7 +295,7 @@ impl Api<'_> {
     }
 
     /// An existing flash-sale voucher's live stock.
-    async fn sale_stock(&self, voucher: i64) -> anyhow::Result<Option<i64>> {
+    async fn sale_stock(&self, voucher: VoucherId) -> anyhow::Result<Option<i64>> {
         let resp = self
             .http
             .get(format!("{}/vouchers/{voucher}", self.base))
@@ -309,7 +311,7 @@ impl Api<'_> {
         }
     }
 
-    async fn grab(&self, voucher: i64, token: String) -> Answer {
+    async fn grab(&self, voucher: VoucherId, token: String) -> Answer {
         let sent = self
             .http
             .post(format!("{}/vouchers/{voucher}/seckill", self.base))
@@ -327,7 +329,7 @@ impl Api<'_> {
     }
 
     /// How many of `ids` the sale's order listing (orders written to Postgres) holds.
-    async fn persisted(&self, voucher: i64, ids: &HashSet<i64>) -> anyhow::Result<usize> {
+    async fn persisted(&self, voucher: VoucherId, ids: &HashSet<OrderId>) -> anyhow::Result<usize> {
         let mut found = 0;
         let mut after: Option<String> = None;
         loop {
@@ -350,7 +352,7 @@ impl Api<'_> {
                 .as_array()
                 .into_iter()
                 .flatten()
-                .filter_map(|o| o["order_id"].as_str()?.parse::<i64>().ok())
+                .filter_map(|o| o["order_id"].as_str()?.parse::<OrderId>().ok())
                 .filter(|id| ids.contains(id))
                 .count();
             match page["next"].as_str() {
@@ -403,7 +405,7 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     println!();
     print!("{}", answers.table());
 
-    let ids: HashSet<i64> = answers
+    let ids: HashSet<OrderId> = answers
         .admitted
         .iter()
         .filter_map(|id| id.parse().ok())
@@ -424,8 +426,9 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
 
 /// The sale to grab: `--voucher`'s, or a new one open well past the demo (so that
 /// `/live` shows it as a running sale); its voucher id and stock.
-async fn sale(api: &Api<'_>, args: &DemoArgs) -> anyhow::Result<(i64, Option<i64>)> {
-    Ok(match args.voucher {
+async fn sale(api: &Api<'_>, args: &DemoArgs) -> anyhow::Result<(VoucherId, Option<i64>)> {
+    // Positive, as clap checked.
+    Ok(match args.voucher.map(VoucherId::try_from).transpose()? {
         Some(voucher) => (voucher, api.sale_stock(voucher).await?),
         None => {
             let lasts = Duration::from_secs_f64(args.seconds) + Duration::from_secs(600);
@@ -438,7 +441,7 @@ async fn sale(api: &Api<'_>, args: &DemoArgs) -> anyhow::Result<(i64, Option<i64
 /// Every shopper presses once: shopper i at start + i/N of the spread, at most
 /// `--concurrency` in flight, each with a token minted just before (it outlives the
 /// press's wait). Progress is shown as answers come.
-async fn press(api: &Api<'_>, voucher: i64, args: &DemoArgs) -> Answers {
+async fn press(api: &Api<'_>, voucher: VoucherId, args: &DemoArgs) -> Answers {
     let shoppers = args.shoppers;
     let started = tokio::time::Instant::now();
     let step = Duration::from_secs_f64(args.seconds).div_f64(shoppers as f64);
@@ -475,8 +478,8 @@ struct Persisted {
 /// so a failure here is the demo's outcome (exit 1, with what is known), not bad input.
 async fn persisted(
     api: &Api<'_>,
-    voucher: i64,
-    ids: &HashSet<i64>,
+    voucher: VoucherId,
+    ids: &HashSet<OrderId>,
     args: &DemoArgs,
     grabbed_at: Instant,
 ) -> Persisted {
@@ -525,7 +528,7 @@ async fn persisted(
 /// press answered as expected, not every press refused by a limit. Says why not.
 fn verdict(
     answers: &Answers,
-    ids: &HashSet<i64>,
+    ids: &HashSet<OrderId>,
     persisted: &Persisted,
     persist_timeout: u64,
 ) -> bool {

@@ -8,6 +8,8 @@
 //! slots spread evenly over the 16384 slots (and so over the nodes of a cluster); a
 //! voucher belongs to shard `voucher_id mod S`.
 
+use crate::domain::{UserId, VoucherId};
+
 /// Key names, optionally under a prefix (tests use one to get their own key space).
 /// The names that do not depend on a voucher are built once.
 #[derive(Clone, Debug)]
@@ -25,7 +27,7 @@ struct ShardKeys {
 }
 
 /// The field of a sale's hash recording a buyer's order id.
-pub(crate) fn buyer_field(user_id: i64) -> String {
+pub(crate) fn buyer_field(user_id: UserId) -> String {
     format!("{BUYER_PREFIX}{user_id}")
 }
 
@@ -96,8 +98,8 @@ impl Keys {
         (0..self.shards.len() as u32).map(Shard)
     }
 
-    pub fn shard_of(&self, voucher_id: i64) -> Shard {
-        Shard(voucher_id.rem_euclid(self.shards.len() as i64) as u32)
+    pub fn shard_of(&self, voucher_id: VoucherId) -> Shard {
+        Shard(voucher_id.get().rem_euclid(self.shards.len() as i64) as u32)
     }
 
     fn shard(&self, shard: Shard) -> &ShardKeys {
@@ -116,17 +118,17 @@ impl Keys {
     }
 
     /// A sale's hash: `stock`, `begin_ms`, `end_ms`, and a [`buyer_field`] per buyer.
-    pub fn voucher(&self, voucher_id: i64) -> String {
+    pub fn voucher(&self, voucher_id: VoucherId) -> String {
         let prefix = &self.shard(self.shard_of(voucher_id)).voucher_prefix;
         let mut key = String::with_capacity(prefix.len() + 20);
         key.push_str(prefix);
-        key.push_str(itoa::Buffer::new().format(voucher_id));
+        key.push_str(itoa::Buffer::new().format(voucher_id.get()));
         key
     }
 
     /// A sale's grab outcomes counted for the live view (see `admission::tally`);
     /// written apart from the admission script, so not in the shard's slot.
-    pub fn live_counts(&self, voucher_id: i64) -> String {
+    pub fn live_counts(&self, voucher_id: VoucherId) -> String {
         format!("{}seckill:live:{voucher_id}", self.prefix)
     }
 
@@ -186,9 +188,10 @@ mod tests {
     fn every_key_of_a_voucher_shares_the_slot_of_its_stream() {
         for prefix in ["", "t42:"] {
             let keys = Keys::new(prefix).unwrap();
-            let shard = keys.shard_of(7);
+            let seven = VoucherId::new(7).unwrap();
+            let shard = keys.shard_of(seven);
             let stream_slot = slot(keys.stream(shard));
-            let key = keys.voucher(7);
+            let key = keys.voucher(seven);
             assert_eq!(slot(&key), stream_slot, "{key}");
         }
     }
@@ -204,9 +207,10 @@ mod tests {
     fn sharded_keys_share_their_shards_slot_and_shards_spread_over_the_slot_space() {
         let keys = Keys::with_shards("p:", 6).unwrap();
         let mut slots = Vec::new();
-        for voucher in 1..=12 {
+        for n in 1..=12 {
+            let voucher = VoucherId::new(n).unwrap();
             let shard = keys.shard_of(voucher);
-            assert_eq!(shard.0 as i64, voucher % 6);
+            assert_eq!(shard.0 as i64, n % 6);
             let stream_slot = slot(keys.stream(shard));
             assert_eq!(slot(&keys.voucher(voucher)), stream_slot);
             assert_eq!(slot(keys.dead_letters(shard)), stream_slot);

@@ -11,6 +11,7 @@ pub mod backoff;
 pub mod cli;
 pub mod config;
 pub mod demo;
+pub mod domain;
 pub mod http;
 pub mod keys;
 pub mod lifecycle;

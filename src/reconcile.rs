@@ -27,12 +27,13 @@ use redis::aio::ConnectionLike;
 use sqlx::PgPool;
 
 use crate::admission::loader::{self, Fenced, Mode};
+use crate::domain::{OrderStatus, VoucherId};
 use crate::keys::Keys;
 use crate::scripts::Replicas;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct VoucherBooks {
-    pub voucher_id: i64,
+    pub voucher_id: VoucherId,
     pub initial_stock: i64,
     pub pg_stock: i64,
     pub pg_orders: i64,
@@ -81,11 +82,16 @@ impl Verdict {
 }
 
 impl VoucherBooks {
-    fn new(voucher_id: i64, f: &Fenced, dead_letters: i64, statuses: &[(String, i64)]) -> Self {
-        let count = |wanted: &[&str]| -> i64 {
+    fn new(
+        voucher_id: VoucherId,
+        f: &Fenced,
+        dead_letters: i64,
+        statuses: &[(OrderStatus, i64)],
+    ) -> Self {
+        let count = |wanted: fn(OrderStatus) -> bool| -> i64 {
             statuses
                 .iter()
-                .filter(|(s, _)| wanted.contains(&s.as_str()))
+                .filter(|(s, _)| wanted(*s))
                 .map(|(_, n)| n)
                 .sum()
         };
@@ -102,8 +108,8 @@ impl VoucherBooks {
             expected_buyers: f.expected.buyers,
             mismatched_buyers: f.mismatched_buyers,
             dead_letters,
-            paid: count(&["paid"]),
-            closed: count(&["cancelled", "expired"]),
+            paid: count(|s| s == OrderStatus::Paid),
+            closed: count(OrderStatus::is_closed),
             owed: f.owed_held,
         }
     }
@@ -143,7 +149,7 @@ pub(crate) async fn books<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,
-    voucher: Option<i64>,
+    voucher: Option<VoucherId>,
     retention: Duration,
 ) -> anyhow::Result<Vec<VoucherBooks>> {
     let ids = match voucher {
@@ -187,12 +193,12 @@ pub(crate) async fn run<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,
-    voucher: Option<i64>,
+    voucher: Option<VoucherId>,
     repair_waiting_for: Option<Replicas>,
     retention: Duration,
     emit: &mut Emit<'_>,
 ) -> anyhow::Result<bool> {
-    let out_of_balance = |rows: &[VoucherBooks]| -> Vec<i64> {
+    let out_of_balance = |rows: &[VoucherBooks]| -> Vec<VoucherId> {
         rows.iter()
             .filter(|r| !r.verdict().is_ok())
             .map(|r| r.voucher_id)
@@ -290,7 +296,7 @@ pub(crate) async fn repair<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,
-    voucher_id: i64,
+    voucher_id: VoucherId,
     retention: Duration,
     replicas: Replicas,
 ) -> anyhow::Result<loader::Loaded> {
@@ -361,7 +367,7 @@ mod tests {
 
     fn books() -> VoucherBooks {
         VoucherBooks {
-            voucher_id: 1,
+            voucher_id: VoucherId::new(1).unwrap(),
             initial_stock: 100,
             pg_stock: 60,
             pg_orders: 40,

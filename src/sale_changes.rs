@@ -7,11 +7,12 @@
 use redis::aio::ConnectionLike;
 use redis::RedisResult;
 
+use crate::domain::VoucherId;
 use crate::keys::Keys;
 
 /// Tells every instance that `voucher_id`'s state changed. Best effort: a failure is
 /// logged, never returned (the move it follows has happened).
-pub async fn announce<C: ConnectionLike + Send>(conn: &mut C, keys: &Keys, voucher_id: i64) {
+pub async fn announce<C: ConnectionLike + Send>(conn: &mut C, keys: &Keys, voucher_id: VoucherId) {
     let result: RedisResult<i64> = redis::cmd("PUBLISH")
         .arg(keys.sale_changes())
         .arg(voucher_id)
@@ -20,6 +21,6 @@ pub async fn announce<C: ConnectionLike + Send>(conn: &mut C, keys: &Keys, vouch
     if let Err(e) = result {
         // (With Redis ACLs the user needs `&<prefix>seckill:sale-changes`: without it
         // every announcement fails here and instances rely on the bound alone.)
-        tracing::warn!(voucher_id, error = %e, "announcing a sale change failed; instances forget it within EDGE_VERDICT_TTL_MS");
+        tracing::warn!(voucher_id = voucher_id.get(), error = %e, "announcing a sale change failed; instances forget it within EDGE_VERDICT_TTL_MS");
     }
 }

@@ -158,7 +158,7 @@ async fn run_shard(
                 }
             }
             Err(e) => {
-                let failed = tally::answer(&Err(copy(&e)), 0);
+                let failed = Some(tally::failure(&e));
                 counted(vec![failed; grabs.len()]);
                 for reply in replies.drain(..) {
                     let _ = reply.send(Err(copy(&e)));

@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use redis::aio::ConnectionLike;
 use redis::RedisResult;
 
+use crate::domain::{UserId, VoucherId};
 use crate::keys::{self, Keys};
 use crate::scripts::Call;
 
@@ -82,7 +83,7 @@ enum Verdict {
 /// A sold-out sale's buyers, as of one `gen` and term of its state.
 #[derive(Debug)]
 struct Buyers {
-    users: HashSet<i64>,
+    users: HashSet<UserId>,
     signature: Signature,
 }
 
@@ -112,7 +113,7 @@ struct Entry {
 
 #[derive(Default)]
 struct Memory {
-    sales: HashMap<i64, Entry>,
+    sales: HashMap<VoucherId, Entry>,
     /// Bumped by [`Edge::forget_all`].
     epoch: u64,
     /// When idle sales were last dropped.
@@ -138,7 +139,7 @@ enum Purpose {
 /// mid-lookup), recording nothing, so that the sale can be learned again.
 pub struct Learning {
     edge: Arc<Edge>,
-    voucher_id: i64,
+    voucher_id: VoucherId,
     /// The epochs when it began: [`Learning::record`] records nothing if the sale (or
     /// everything) was forgotten since.
     all: u64,
@@ -198,7 +199,12 @@ impl Edge {
 
     /// The answer to `user`'s press on `voucher_id`, when the instance knows it without
     /// Redis; `None`: ask Redis.
-    pub fn answer(&self, voucher_id: i64, user_id: i64, now: Instant) -> Option<EdgeAnswer> {
+    pub fn answer(
+        &self,
+        voucher_id: VoucherId,
+        user_id: UserId,
+        now: Instant,
+    ) -> Option<EdgeAnswer> {
         let memory = self.read();
         let entry = memory.sales.get(&voucher_id)?;
         if now.saturating_duration_since(entry.read_at) >= self.ttl {
@@ -217,7 +223,7 @@ impl Edge {
 
     /// Starts learning `voucher_id` unless a learning of it is under way, the edge is off
     /// or memory is full.
-    fn begin(self: &Arc<Self>, voucher_id: i64, purpose: Purpose) -> Option<Learning> {
+    fn begin(self: &Arc<Self>, voucher_id: VoucherId, purpose: Purpose) -> Option<Learning> {
         if !self.enabled() {
             return None;
         }
@@ -280,7 +286,7 @@ impl Edge {
     /// sale was forgotten since it began.
     fn record(
         &self,
-        voucher_id: i64,
+        voucher_id: VoucherId,
         (all, sale): (u64, u64),
         read_at: Instant,
         verdict: Option<Verdict>,
@@ -303,21 +309,21 @@ impl Edge {
 
     /// The buyers last read for a sale (reused while their signature holds), and when
     /// its buyers were last scanned and how many.
-    fn buyers(&self, voucher_id: i64) -> (Option<Arc<Buyers>>, Option<(Instant, usize)>) {
+    fn buyers(&self, voucher_id: VoucherId) -> (Option<Arc<Buyers>>, Option<(Instant, usize)>) {
         match self.read().sales.get(&voucher_id) {
             Some(e) => (e.buyers.clone(), e.scanned),
             None => (None, None),
         }
     }
 
-    fn scanned(&self, voucher_id: i64, buyers: usize) {
+    fn scanned(&self, voucher_id: VoucherId, buyers: usize) {
         if let Some(entry) = self.write().sales.get_mut(&voucher_id) {
             entry.scanned = Some((Instant::now(), buyers));
         }
     }
 
     /// Forgets one sale (its state changed: a unit came back, it was loaded or closed).
-    pub fn forget(&self, voucher_id: i64) {
+    pub fn forget(&self, voucher_id: VoucherId) {
         let mut memory = self.write();
         if let Some(entry) = memory.sales.get_mut(&voucher_id) {
             entry.verdict = None;
@@ -339,14 +345,14 @@ impl Edge {
     /// Begins a lookup in Postgres of a sale Redis holds no state of (see
     /// [`Learning::not_found`]); `None` when one is under way, the edge is off or memory
     /// is full. Draw it before asking Postgres.
-    pub fn lookup(self: &Arc<Self>, voucher_id: i64) -> Option<Learning> {
+    pub fn lookup(self: &Arc<Self>, voucher_id: VoucherId) -> Option<Learning> {
         self.begin(voucher_id, Purpose::Lookup)
     }
 
     /// After Redis answered a grab of `voucher_id` with a verdict the edge could have
     /// given (sold out, not started, ended): reads the sale's state and remembers it, in
     /// the background, once per sale at a time.
-    pub fn learn_in_background<C>(self: &Arc<Self>, conn: &C, keys: &Keys, voucher_id: i64)
+    pub fn learn_in_background<C>(self: &Arc<Self>, conn: &C, keys: &Keys, voucher_id: VoucherId)
     where
         C: ConnectionLike + Send + Clone + 'static,
     {
@@ -359,7 +365,7 @@ impl Edge {
             let verdict = match edge.learn(&mut conn, &keys, voucher_id, read_at).await {
                 Ok(v) => v,
                 Err(e) => {
-                    tracing::debug!(voucher_id, error = %e, "reading a sale for the edge failed");
+                    tracing::debug!(voucher_id = voucher_id.get(), error = %e, "reading a sale for the edge failed");
                     None
                 }
             };
@@ -373,7 +379,7 @@ impl Edge {
         &self,
         conn: &mut C,
         keys: &Keys,
-        voucher_id: i64,
+        voucher_id: VoucherId,
         read_at: Instant,
     ) -> RedisResult<Option<Verdict>> {
         let key = keys.voucher(voucher_id);
@@ -494,7 +500,8 @@ impl Edge {
             while let Some(message) = messages.next().await {
                 metrics::counter!(crate::metrics::SALE_CHANGES_HEARD).increment(1);
                 match message.get_payload::<i64>() {
-                    Ok(voucher_id) => self.forget(voucher_id),
+                    // Not a sale (not positive): nothing remembered to forget.
+                    Ok(raw) => VoucherId::new(raw).into_iter().for_each(|v| self.forget(v)),
                     Err(_) => self.forget_all(),
                 }
             }
@@ -556,7 +563,7 @@ pub(crate) async fn peek<C: ConnectionLike + Send>(
 async fn scan_buyers<C: ConnectionLike + Send>(
     conn: &mut C,
     key: &str,
-) -> RedisResult<HashSet<i64>> {
+) -> RedisResult<HashSet<UserId>> {
     let pattern = format!("{}*", keys::BUYER_PREFIX);
     let mut users = HashSet::new();
     let mut cursor = 0u64;
@@ -573,7 +580,8 @@ async fn scan_buyers<C: ConnectionLike + Send>(
         for field in page.iter().step_by(2) {
             if let Some(user) = field
                 .strip_prefix(keys::BUYER_PREFIX)
-                .and_then(|u| u.parse().ok())
+                .and_then(|u| u.parse::<i64>().ok())
+                .and_then(UserId::new)
             {
                 users.insert(user);
             }
@@ -589,14 +597,22 @@ async fn scan_buyers<C: ConnectionLike + Send>(
 mod tests {
     use super::*;
 
+    fn v(id: i64) -> VoucherId {
+        VoucherId::new(id).unwrap()
+    }
+
+    fn u(id: i64) -> UserId {
+        UserId::new(id).unwrap()
+    }
+
     fn edge(ttl: Duration) -> Arc<Edge> {
         Arc::new(Edge::new(ttl))
     }
 
     fn sold_out(edge: &Arc<Edge>, voucher_id: i64, buyers: &[i64]) {
-        let learning = edge.begin(voucher_id, Purpose::Verdict).unwrap();
+        let learning = edge.begin(v(voucher_id), Purpose::Verdict).unwrap();
         let buyers = Arc::new(Buyers {
-            users: buyers.iter().copied().collect(),
+            users: buyers.iter().map(|&b| u(b)).collect(),
             signature: Signature {
                 gen: "1".into(),
                 term: "t".into(),
@@ -610,9 +626,13 @@ mod tests {
         let edge = edge(Duration::from_secs(5));
         sold_out(&edge, 7, &[1, 2]);
         let now = Instant::now();
-        assert_eq!(edge.answer(7, 3, now), Some(EdgeAnswer::SoldOut));
-        assert_eq!(edge.answer(7, 1, now), None, "a buyer hears Redis");
-        assert_eq!(edge.answer(8, 3, now), None, "another sale is not known");
+        assert_eq!(edge.answer(v(7), u(3), now), Some(EdgeAnswer::SoldOut));
+        assert_eq!(edge.answer(v(7), u(1), now), None, "a buyer hears Redis");
+        assert_eq!(
+            edge.answer(v(8), u(3), now),
+            None,
+            "another sale is not known"
+        );
     }
 
     #[test]
@@ -620,38 +640,44 @@ mod tests {
         let edge = edge(Duration::from_millis(500));
         sold_out(&edge, 7, &[]);
         let now = Instant::now();
-        assert_eq!(edge.answer(7, 3, now), Some(EdgeAnswer::SoldOut));
-        assert_eq!(edge.answer(7, 3, now + Duration::from_millis(500)), None);
+        assert_eq!(edge.answer(v(7), u(3), now), Some(EdgeAnswer::SoldOut));
+        assert_eq!(
+            edge.answer(v(7), u(3), now + Duration::from_millis(500)),
+            None
+        );
     }
 
     #[test]
     fn an_announcement_during_a_learning_stops_its_recording() {
         let edge = edge(Duration::from_secs(5));
-        let learning = edge.begin(7, Purpose::Verdict).unwrap();
+        let learning = edge.begin(v(7), Purpose::Verdict).unwrap();
         assert!(
-            edge.begin(7, Purpose::Verdict).is_none(),
+            edge.begin(v(7), Purpose::Verdict).is_none(),
             "one learning per sale at a time"
         );
-        edge.forget(7);
+        edge.forget(v(7));
         learning.record(Instant::now(), Some(Verdict::Ended));
-        assert_eq!(edge.answer(7, 1, Instant::now()), None);
+        assert_eq!(edge.answer(v(7), u(1), Instant::now()), None);
         // The next learning may record.
-        let learning = edge.begin(7, Purpose::Verdict).unwrap();
+        let learning = edge.begin(v(7), Purpose::Verdict).unwrap();
         learning.record(Instant::now(), Some(Verdict::Ended));
-        assert_eq!(edge.answer(7, 1, Instant::now()), Some(EdgeAnswer::Ended));
+        assert_eq!(
+            edge.answer(v(7), u(1), Instant::now()),
+            Some(EdgeAnswer::Ended)
+        );
         edge.forget_all();
-        assert_eq!(edge.answer(7, 1, Instant::now()), None);
+        assert_eq!(edge.answer(v(7), u(1), Instant::now()), None);
     }
 
     #[test]
     fn a_learning_dropped_midway_lets_the_sale_be_learned_again() {
         let edge = edge(Duration::from_secs(5));
-        let lookup = edge.lookup(7).unwrap();
+        let lookup = edge.lookup(v(7)).unwrap();
         drop(lookup);
-        let lookup = edge.lookup(7).expect("learnable again");
+        let lookup = edge.lookup(v(7)).expect("learnable again");
         lookup.not_found(Instant::now());
         assert_eq!(
-            edge.answer(7, 1, Instant::now()),
+            edge.answer(v(7), u(1), Instant::now()),
             Some(EdgeAnswer::NotFound)
         );
     }
@@ -660,28 +686,28 @@ mod tests {
     fn a_sale_not_yet_open_is_answered_until_its_opening_only() {
         let edge = edge(Duration::from_secs(5));
         let now = Instant::now();
-        let learning = edge.begin(7, Purpose::Verdict).unwrap();
+        let learning = edge.begin(v(7), Purpose::Verdict).unwrap();
         let opens = now + Duration::from_millis(200);
         learning.record(now, Some(Verdict::NotStarted { opens }));
-        assert_eq!(edge.answer(7, 1, now), Some(EdgeAnswer::NotStarted));
-        assert_eq!(edge.answer(7, 1, opens), None);
+        assert_eq!(edge.answer(v(7), u(1), now), Some(EdgeAnswer::NotStarted));
+        assert_eq!(edge.answer(v(7), u(1), opens), None);
     }
 
     #[test]
     fn made_up_sales_fill_at_most_half_the_memory_and_real_ones_keep_room() {
         let edge = edge(Duration::from_secs(1));
-        for voucher_id in 0..MAX_SALES as i64 {
-            match edge.lookup(voucher_id) {
+        for voucher_id in 1..=MAX_SALES as i64 {
+            match edge.lookup(v(voucher_id)) {
                 Some(lookup) => lookup.not_found(Instant::now()),
                 None => {
-                    assert_eq!(voucher_id as usize, MAX_SALES / 2, "half");
+                    assert_eq!(voucher_id as usize - 1, MAX_SALES / 2, "half");
                     break;
                 }
             }
         }
-        assert!(edge.lookup(-1).is_none(), "lookups full");
+        assert!(edge.lookup(v(i64::MAX)).is_none(), "lookups full");
         assert!(
-            edge.begin(-2, Purpose::Verdict).is_some(),
+            edge.begin(v(i64::MAX - 1), Purpose::Verdict).is_some(),
             "a sale Redis answered for still has room"
         );
     }
@@ -689,8 +715,8 @@ mod tests {
     #[test]
     fn an_edge_with_no_time_to_live_remembers_nothing() {
         let edge = edge(Duration::ZERO);
-        assert!(edge.begin(7, Purpose::Verdict).is_none());
-        assert!(edge.lookup(7).is_none());
-        assert_eq!(edge.answer(7, 1, Instant::now()), None);
+        assert!(edge.begin(v(7), Purpose::Verdict).is_none());
+        assert!(edge.lookup(v(7)).is_none());
+        assert_eq!(edge.answer(v(7), u(1), Instant::now()), None);
     }
 }

@@ -10,6 +10,7 @@ use redis::aio::ConnectionLike;
 use redis::Script;
 use sqlx::PgPool;
 
+use crate::domain::{OrderId, UserId, VoucherId};
 use crate::keys::Keys;
 use crate::scripts::{Call, Replicas};
 use crate::store;
@@ -99,7 +100,7 @@ pub async fn load_sale<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,
-    voucher_id: i64,
+    voucher_id: VoucherId,
     retention: Duration,
     mode: Mode,
     replicas: Replicas,
@@ -113,7 +114,7 @@ pub async fn load_sale<C: ConnectionLike + Send>(
 async fn current<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
-    voucher_id: i64,
+    voucher_id: VoucherId,
 ) -> anyhow::Result<bool> {
     Ok(super::edge::peek(conn, &keys.voucher(voucher_id))
         .await?
@@ -143,7 +144,7 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,
-    voucher_id: i64,
+    voucher_id: VoucherId,
     retention: Duration,
     mode: Mode,
     replicas: Replicas,
@@ -163,7 +164,7 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
         staged: 0,
     };
     if paging.scan {
-        let early: HashMap<i64, i64> = store::vouchers::buyers(db, voucher_id)
+        let early: HashMap<UserId, OrderId> = store::vouchers::buyers(db, voucher_id)
             .await?
             .into_iter()
             .collect();
@@ -176,7 +177,7 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
     };
     let stage = Stage::new(&keys.voucher(voucher_id));
     stage.buyers(conn, &buyers).await?;
-    let known: HashMap<i64, i64> = buyers.iter().copied().collect();
+    let known: HashMap<UserId, OrderId> = buyers.iter().copied().collect();
     paging
         .candidates
         .retain(|c| known.get(&c.user_id) != Some(&c.order_id));
@@ -236,7 +237,12 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
     };
     if mode != Mode::Check {
         let expected = figures.expected;
-        tracing::info!(voucher_id, ?expected, ?mode, "sale state loaded into redis");
+        tracing::info!(
+            voucher_id = voucher_id.get(),
+            ?expected,
+            ?mode,
+            "sale state loaded into redis"
+        );
     }
     Ok(Some(Fenced {
         initial_stock: sale.initial_stock as i64,
@@ -256,7 +262,7 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
 async fn leave_alone<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
-    voucher_id: i64,
+    voucher_id: VoucherId,
     mode: Mode,
 ) -> anyhow::Result<bool> {
     Ok(match mode {
@@ -289,8 +295,8 @@ impl Paging {
         &mut self,
         conn: &mut C,
         keys: &Keys,
-        voucher_id: i64,
-        known: &HashMap<i64, i64>,
+        voucher_id: VoucherId,
+        known: &HashMap<UserId, OrderId>,
     ) -> anyhow::Result<()> {
         page_on(
             conn,
@@ -315,11 +321,11 @@ impl Paging {
         stage: &Stage,
         mode: Mode,
     ) -> anyhow::Result<()> {
-        let ids: Vec<i64> = self.candidates[self.staged..]
+        let ids: Vec<OrderId> = self.candidates[self.staged..]
             .iter()
             .map(|c| c.order_id)
             .collect();
-        let mut settled: HashSet<i64> = store::orders::written_among(tx, &ids)
+        let mut settled: HashSet<OrderId> = store::orders::written_among(tx, &ids)
             .await?
             .into_iter()
             .collect();
@@ -341,13 +347,13 @@ impl Paging {
 /// sale read under its lock.
 struct Step<'a> {
     keys: &'a Keys,
-    voucher_id: i64,
+    voucher_id: VoucherId,
     mode: Mode,
     sale: &'a store::vouchers::LockedSale,
     /// Postgres's buyers, as staged.
     buyers: usize,
     /// Closed orders whose release is owed (user, order), for a check.
-    owed: &'a [(i64, i64)],
+    owed: &'a [(UserId, OrderId)],
     stage: &'a Stage,
     retention: Duration,
 }
@@ -454,7 +460,7 @@ impl Stage {
     async fn buyers<C: ConnectionLike + Send>(
         &self,
         conn: &mut C,
-        buyers: &[(i64, i64)],
+        buyers: &[(UserId, OrderId)],
     ) -> anyhow::Result<()> {
         let commands = buyers.chunks(STAGE_CHUNK).map(|chunk| {
             let mut cmd = redis::cmd("HSET");
@@ -509,8 +515,8 @@ async fn send_staged<C: ConnectionLike + Send>(
 /// A stream entry of the sale being loaded whose order Postgres does not hold.
 struct Candidate {
     entry_id: String,
-    user_id: i64,
-    order_id: i64,
+    user_id: UserId,
+    order_id: OrderId,
 }
 
 /// Pages through the shard's stream after `last` until a page comes back short,
@@ -519,8 +525,8 @@ struct Candidate {
 async fn page_on<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
-    voucher_id: i64,
-    known: &HashMap<i64, i64>,
+    voucher_id: VoucherId,
+    known: &HashMap<UserId, OrderId>,
     last: &mut Option<String>,
     candidates: &mut Vec<Candidate>,
 ) -> anyhow::Result<()> {
@@ -580,7 +586,7 @@ pub async fn close_sale<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,
-    voucher_id: i64,
+    voucher_id: VoucherId,
     replicas: Replicas,
 ) -> anyhow::Result<bool> {
     let mut tx = db.begin().await?;

@@ -11,6 +11,7 @@ pub mod upkeep;
 use redis::aio::ConnectionLike;
 use redis::RedisResult;
 
+use crate::domain::{OrderId, UserId, VoucherId};
 use crate::keys::{self, Keys};
 use crate::scripts::{Call, Replicas};
 
@@ -18,14 +19,14 @@ use crate::scripts::{Call, Replicas};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     Admitted {
-        order_id: i64,
+        order_id: OrderId,
     },
     /// The voucher's state is not in Redis: fail closed.
     NotLoaded,
     NotStarted,
     Ended,
     AlreadyOrdered {
-        order_id: i64,
+        order_id: OrderId,
     },
     SoldOut,
     /// The sale's state was built in an earlier term of the server (Redis restarted,
@@ -55,10 +56,10 @@ impl Outcome {
 /// One grab to decide.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Grab {
-    pub voucher_id: i64,
-    pub user_id: i64,
+    pub voucher_id: VoucherId,
+    pub user_id: UserId,
     /// Minted by the API before the call.
-    pub order_id: i64,
+    pub order_id: OrderId,
 }
 
 /// Runs the admission script for one grab.
@@ -66,9 +67,9 @@ pub struct Grab {
 pub async fn admit<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
-    voucher_id: i64,
-    user_id: i64,
-    order_id: i64,
+    voucher_id: VoucherId,
+    user_id: UserId,
+    order_id: OrderId,
 ) -> RedisResult<Outcome> {
     let grab = Grab {
         voucher_id,
@@ -93,7 +94,7 @@ pub async fn admit_many<C: ConnectionLike + Send>(
     let mut call = Call::function("seckill_admit");
     call.key(keys.stream(shard))
         .arg(if replicas.waits() { "1" } else { "0" });
-    let mut sales: Vec<i64> = Vec::new();
+    let mut sales: Vec<VoucherId> = Vec::new();
     for g in grabs {
         debug_assert_eq!(keys.shard_of(g.voucher_id), shard);
         let index = match sales.iter().position(|&v| v == g.voucher_id) {
@@ -125,12 +126,12 @@ pub async fn admit_many<C: ConnectionLike + Send>(
         .map(|pair| {
             let code = redis::from_redis_value_ref::<i64>(&pair[0]).map_err(|_| unexpected())?;
             let id = redis::from_redis_value_ref::<i64>(&pair[1]).unwrap_or(0);
-            Ok(match (code, id) {
-                (0, order_id) if order_id > 0 => Outcome::Admitted { order_id },
+            Ok(match (code, OrderId::new(id)) {
+                (0, Some(order_id)) => Outcome::Admitted { order_id },
                 (1, _) => Outcome::NotLoaded,
                 (2, _) => Outcome::NotStarted,
                 (3, _) => Outcome::Ended,
-                (4, order_id) if order_id > 0 => Outcome::AlreadyOrdered { order_id },
+                (4, Some(order_id)) => Outcome::AlreadyOrdered { order_id },
                 (5, _) => Outcome::SoldOut,
                 (6, _) => Outcome::Stale,
                 (7, _) => Outcome::Corrupt,
@@ -144,7 +145,7 @@ pub async fn admit_many<C: ConnectionLike + Send>(
 pub async fn live_stock<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
-    voucher_id: i64,
+    voucher_id: VoucherId,
 ) -> RedisResult<Option<i64>> {
     redis::cmd("HGET")
         .arg(keys.voucher(voucher_id))
@@ -156,14 +157,14 @@ pub async fn live_stock<C: ConnectionLike + Send>(
 /// An order admitted in Redis and not (yet) in Postgres.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PendingOrder {
-    pub order_id: i64,
-    pub voucher_id: i64,
-    pub user_id: i64,
+    pub order_id: OrderId,
+    pub voucher_id: VoucherId,
+    pub user_id: UserId,
     pub admitted_ms: i64,
 }
 
 impl PendingOrder {
-    fn new(order_id: i64, voucher_id: i64, user_id: i64) -> Self {
+    fn new(order_id: OrderId, voucher_id: VoucherId, user_id: UserId) -> Self {
         Self {
             order_id,
             voucher_id,
@@ -179,8 +180,8 @@ impl PendingOrder {
 pub async fn orders_of<C: ConnectionLike + Send + Clone>(
     conn: &mut C,
     keys: &Keys,
-    user_id: i64,
-    voucher_ids: &[i64],
+    user_id: UserId,
+    voucher_ids: &[VoucherId],
 ) -> RedisResult<Vec<PendingOrder>> {
     if voucher_ids.is_empty() {
         return Ok(Vec::new());
@@ -194,9 +195,9 @@ pub async fn orders_of<C: ConnectionLike + Send + Clone>(
             .arg(keys.voucher(voucher_id))
             .arg(&field)
             .clone();
-        async move { cmd.query_async::<Option<i64>>(&mut conn).await }
+        async move { cmd.query_async::<Option<OrderId>>(&mut conn).await }
     });
-    let held: Vec<Option<i64>> = futures_util::future::try_join_all(lookups).await?;
+    let held: Vec<Option<OrderId>> = futures_util::future::try_join_all(lookups).await?;
     Ok(voucher_ids
         .iter()
         .zip(held)
@@ -209,7 +210,7 @@ pub async fn orders_of<C: ConnectionLike + Send + Clone>(
 pub(crate) async fn find_in_stream<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
-    order_id: i64,
+    order_id: OrderId,
     limit: usize,
 ) -> RedisResult<Option<PendingOrder>> {
     for shard in keys.shards() {

@@ -23,6 +23,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use redis::aio::ConnectionLike;
 use tokio::time::Instant;
 
+use crate::domain::OrderId;
 use crate::keys::Keys;
 use crate::scripts::{Call, Replicas};
 
@@ -98,7 +99,7 @@ impl OrderIds {
     }
 
     /// The next id, or `None` while no node number is leased.
-    pub fn next(&self) -> Option<i64> {
+    pub fn next(&self) -> Option<OrderId> {
         let node = self.node()? as u64;
         let now = now_ms().saturating_sub(EPOCH_MS) << SEQ_BITS;
         let mut cur = self.last.load(Ordering::Relaxed);
@@ -116,7 +117,7 @@ impl OrderIds {
         };
         let ms = next >> SEQ_BITS;
         let seq = next & ((1 << SEQ_BITS) - 1);
-        Some(((ms << (NODE_BITS + SEQ_BITS)) | (node << SEQ_BITS) | seq) as i64)
+        OrderId::new(((ms << (NODE_BITS + SEQ_BITS)) | (node << SEQ_BITS) | seq) as i64)
     }
 }
 
@@ -128,8 +129,8 @@ fn now_ms() -> u64 {
 }
 
 /// The admission time encoded in an order id.
-pub(crate) fn timestamp_ms(order_id: i64) -> u64 {
-    ((order_id as u64) >> (NODE_BITS + SEQ_BITS)) + EPOCH_MS
+pub(crate) fn timestamp_ms(order_id: OrderId) -> u64 {
+    ((order_id.get() as u64) >> (NODE_BITS + SEQ_BITS)) + EPOCH_MS
 }
 
 static RENEW: std::sync::LazyLock<redis::Script> =
@@ -234,7 +235,7 @@ mod tests {
         let ids = OrderIds::with_node(1023);
         let mut prev = 0;
         for _ in 0..100_000 {
-            let id = ids.next().unwrap();
+            let id = ids.next().unwrap().get();
             assert!(id > prev);
             assert_eq!((id >> SEQ_BITS) & 0x3ff, 1023);
             prev = id;

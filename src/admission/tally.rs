@@ -33,6 +33,7 @@ use redis::aio::ConnectionLike;
 use redis::Script;
 
 use super::Outcome;
+use crate::domain::{OrderId, VoucherId};
 use crate::keys::Keys;
 
 /// The outcomes counted, in the order of [`Counts`]; and last, how many of them an
@@ -101,15 +102,21 @@ pub enum Answer {
 
 /// How `answer` counts for the grab that minted `minted`; `None` for a grab at a sale
 /// not in Redis (perhaps no sale at all: not worth a key).
-pub fn answer(answer: &redis::RedisResult<Outcome>, minted: i64) -> Option<Answer> {
+pub fn answer(answer: &redis::RedisResult<Outcome>, minted: OrderId) -> Option<Answer> {
     match answer {
         Ok(Outcome::Stale | Outcome::Corrupt) => Some(Answer::Refused),
         Ok(outcome) => index(outcome, minted).map(Answer::Outcome),
-        // Surely not run: no connection was made, or Redis refused with an error reply.
-        Err(e) if e.is_connection_refusal() || matches!(e.kind(), redis::ErrorKind::Server(_)) => {
-            Some(Answer::Failed(UNAVAILABLE))
-        }
-        Err(_) => Some(Answer::Failed(UNKNOWN)),
+        Err(e) => Some(failure(e)),
+    }
+}
+
+/// How a call that failed counts (whatever grabs it carried).
+pub fn failure(e: &redis::RedisError) -> Answer {
+    // Surely not run: no connection was made, or Redis refused with an error reply.
+    if e.is_connection_refusal() || matches!(e.kind(), redis::ErrorKind::Server(_)) {
+        Answer::Failed(UNAVAILABLE)
+    } else {
+        Answer::Failed(UNKNOWN)
     }
 }
 
@@ -122,7 +129,7 @@ pub const RETAIN: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// The index of `outcome` in [`OUTCOMES`], for the grab that minted `minted`; `None`
 /// for a sale not in Redis (perhaps no sale at all: not worth a key).
-pub fn index(outcome: &Outcome, minted: i64) -> Option<usize> {
+pub fn index(outcome: &Outcome, minted: OrderId) -> Option<usize> {
     Some(match outcome {
         Outcome::Admitted { .. } => 0,
         // The script ran twice for this grab (a re-sent call): still its admission.
@@ -186,16 +193,16 @@ impl SaleCounts {
 #[derive(Default)]
 struct State {
     /// Counts since each sale's batch was formed, not yet part of one.
-    counts: HashMap<i64, SaleCounts>,
+    counts: HashMap<VoucherId, SaleCounts>,
     /// Each sale's batch sent and not yet acknowledged: sent again, unchanged, until
     /// Redis answers, and only then does the sale's next batch form. Its answer may
     /// have been lost after Redis added it, so it must never be merged or re-numbered.
     /// (Ordered by sale only so that flushes are repeatable.)
-    batches: BTreeMap<i64, Batch>,
+    batches: BTreeMap<VoucherId, Batch>,
     /// The last sequence number given to a batch (of any sale).
     seq: u64,
     /// Sales whose admission script answered here: they exist.
-    known: HashSet<i64>,
+    known: HashSet<VoucherId>,
 }
 
 #[derive(Clone, Copy)]
@@ -206,7 +213,7 @@ struct Batch {
 
 impl State {
     /// `voucher_id`'s counts to add to, unless too many sales are counted already.
-    fn counts(&mut self, voucher_id: i64) -> Option<&mut SaleCounts> {
+    fn counts(&mut self, voucher_id: VoucherId) -> Option<&mut SaleCounts> {
         if self.counts.len() >= MAX_SALES && !self.counts.contains_key(&voucher_id) {
             return None;
         }
@@ -216,7 +223,7 @@ impl State {
     /// Whether an answer of `voucher_id`'s that does not show the sale exists (rate
     /// limited, a failed call) is counted: only for a sale seen decided. Any other
     /// answer shows it exists.
-    fn counted(&mut self, voucher_id: i64, shows_it_exists: bool) -> bool {
+    fn counted(&mut self, voucher_id: VoucherId, shows_it_exists: bool) -> bool {
         if !shows_it_exists {
             return self.known.contains(&voucher_id);
         }
@@ -228,8 +235,8 @@ impl State {
 
     /// Every sale's batch to send now: the unacknowledged ones as they were, and a new
     /// one for each other sale with counts.
-    fn batches(&mut self) -> Vec<(i64, Batch)> {
-        let counted: Vec<i64> = self
+    fn batches(&mut self) -> Vec<(VoucherId, Batch)> {
+        let counted: Vec<VoucherId> = self
             .counts
             .keys()
             .filter(|v| !self.batches.contains_key(v))
@@ -258,17 +265,17 @@ impl Tally {
     }
 
     /// Adds one to `voucher_id`'s count of outcome `index`.
-    pub fn add(&self, voucher_id: i64, index: usize) {
+    pub fn add(&self, voucher_id: VoucherId, index: usize) {
         self.add_all(std::iter::once((voucher_id, index)));
     }
 
     /// Adds one to `voucher_id`'s count of outcome `index`, answered at the edge.
-    pub fn add_at_edge(&self, voucher_id: i64, index: usize) {
+    pub fn add_at_edge(&self, voucher_id: VoucherId, index: usize) {
         self.add_all([(voucher_id, index), (voucher_id, AT_EDGE)]);
     }
 
     /// Adds each `(voucher_id, outcome index)`, under one lock.
-    pub fn add_all(&self, outcomes: impl IntoIterator<Item = (i64, usize)>) {
+    pub fn add_all(&self, outcomes: impl IntoIterator<Item = (VoucherId, usize)>) {
         let mut state = self.lock();
         for (voucher_id, index) in outcomes {
             if !state.counted(voucher_id, index != RATE_LIMITED) {
@@ -282,7 +289,7 @@ impl Tally {
 
     /// Adds each grab's `(voucher_id, answer, wait)` from admission calls (the answer
     /// and how long the grab waited for it), under one lock.
-    pub fn add_answers(&self, answers: impl IntoIterator<Item = (i64, Answer, Duration)>) {
+    pub fn add_answers(&self, answers: impl IntoIterator<Item = (VoucherId, Answer, Duration)>) {
         let mut state = self.lock();
         for (voucher_id, answer, took) in answers {
             if !state.counted(voucher_id, !matches!(answer, Answer::Failed(_))) {
@@ -394,7 +401,7 @@ impl Tally {
 pub async fn read<C: ConnectionLike + Send + Clone>(
     conn: &C,
     keys: &Keys,
-    voucher_ids: &[i64],
+    voucher_ids: &[VoucherId],
 ) -> redis::RedisResult<Vec<Counts>> {
     let reads = voucher_ids.iter().map(|&voucher_id| {
         let mut conn = conn.clone();
@@ -494,7 +501,7 @@ fn per_sec(n: u64) -> f64 {
 pub async fn read_live<C: ConnectionLike + Send + Clone>(
     conn: &C,
     keys: &Keys,
-    voucher_ids: &[i64],
+    voucher_ids: &[VoucherId],
 ) -> redis::RedisResult<Vec<Live>> {
     let reads = voucher_ids.iter().map(|&voucher_id| {
         let mut conn = conn.clone();
@@ -592,18 +599,19 @@ mod tests {
     fn a_failed_call_counts_only_for_a_sale_seen_decided() {
         let tally = Tally::default();
         let ms = Duration::from_millis(1);
-        tally.add_answers([(1, Answer::Failed(UNKNOWN), ms)]);
+        let one = VoucherId::new(1).unwrap();
+        tally.add_answers([(one, Answer::Failed(UNKNOWN), ms)]);
         assert!(
             tally.lock().counts.is_empty(),
             "an unknown voucher costs nothing"
         );
         tally.add_answers([
-            (1, Answer::Outcome(0), ms),
-            (1, Answer::Failed(UNKNOWN), ms),
-            (1, Answer::Refused, ms),
+            (one, Answer::Outcome(0), ms),
+            (one, Answer::Failed(UNKNOWN), ms),
+            (one, Answer::Refused, ms),
         ]);
         let state = tally.lock();
-        let counts = state.counts[&1];
+        let counts = state.counts[&one];
         assert_eq!(counts.outcomes[0], 1);
         assert_eq!(counts.errors, [1, 1]);
         assert_eq!(counts.latency[latency_bucket(ms)], 3);

@@ -25,6 +25,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::loader::{self, Mode};
+use crate::domain::VoucherId;
 use crate::keys::{Keys, Shard};
 use crate::redis_conn::RedisConn;
 use crate::scripts::{Call, Replicas};
@@ -341,7 +342,7 @@ async fn pass(w: &Watch, seen: &mut HashMap<Shard, Seen>) -> anyhow::Result<()> 
 /// Rebuilds, through the fence, every sale of `shards` whose state is stale (built in
 /// another term) or missing while the sale is open; returns the sales rebuilt. An ended
 /// sale whose state is gone stays so (admission answers `ended` from Postgres).
-async fn heal(w: &Watch, shards: &[Shard]) -> anyhow::Result<Vec<i64>> {
+async fn heal(w: &Watch, shards: &[Shard]) -> anyhow::Result<Vec<VoucherId>> {
     let since = Utc::now() - chrono::Duration::from_std(w.retention)?;
     let now = Utc::now();
     let mut conn = w.redis.clone();

@@ -6,6 +6,8 @@ use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use utoipa::ToSchema;
 
+use crate::domain::{OrderId, OrderStatus};
+
 /// Every error answer: `{"error": {"code": "...", "message": "..."}}`.
 #[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct ErrorBody {
@@ -20,8 +22,8 @@ pub(crate) struct ErrorDetail {
     pub message: String,
     /// With `already_ordered`: the caller's existing order.
     #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(pattern = "^[1-9][0-9]{0,18}$")]
-    pub order_id: Option<String>,
+    #[schema(value_type = Option<String>, pattern = "^[1-9][0-9]{0,18}$")]
+    pub order_id: Option<OrderId>,
     /// `unknown` on a grab's 503 whose Redis call failed after it was sent: the order
     /// may exist. Retrying tells (202, or `already_ordered` with its `order_id`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -127,15 +129,15 @@ pub enum AppError {
     #[error("sold out")]
     SoldOut,
     #[error("already ordered: {order_id}")]
-    AlreadyOrdered { order_id: i64 },
+    AlreadyOrdered { order_id: OrderId },
     /// The order is admitted but not written to Postgres yet: retry shortly.
     #[error("order {0} is still pending")]
-    OrderPending(i64),
+    OrderPending(OrderId),
     #[error("order {0} is paid")]
-    OrderPaid(i64),
+    OrderPaid(OrderId),
     /// Cancelled or expired (the status says which).
     #[error("order {0} is {1}")]
-    OrderClosed(i64, String),
+    OrderClosed(OrderId, OrderStatus),
     /// Too many requests; try again after this many seconds.
     #[error("rate limited")]
     RateLimited { retry_after_secs: u64 },
@@ -320,7 +322,7 @@ impl IntoResponse for AppError {
             _ => None,
         };
         let order_id = match &self {
-            AppError::AlreadyOrdered { order_id } => Some(order_id.to_string()),
+            AppError::AlreadyOrdered { order_id } => Some(*order_id),
             _ => None,
         };
         let body = ErrorBody {
@@ -384,6 +386,7 @@ mod tests {
     #[tokio::test]
     async fn every_error_answers_a_code_of_the_one_enum() {
         let redis = || redis::RedisError::from(std::io::Error::other("gone"));
+        let seven = OrderId::new(7).unwrap();
         let errors = [
             AppError::Unauthorized("missing bearer token"),
             AppError::Forbidden,
@@ -393,10 +396,10 @@ mod tests {
             AppError::NotStarted,
             AppError::Ended,
             AppError::SoldOut,
-            AppError::AlreadyOrdered { order_id: 7 },
-            AppError::OrderPending(7),
-            AppError::OrderPaid(7),
-            AppError::OrderClosed(7, "expired".into()),
+            AppError::AlreadyOrdered { order_id: seven },
+            AppError::OrderPending(seven),
+            AppError::OrderPaid(seven),
+            AppError::OrderClosed(seven, OrderStatus::Expired),
             AppError::RateLimited {
                 retry_after_secs: 1,
             },

@@ -1,5 +1,6 @@
 //! Extractors whose rejections speak the contract's JSON error format.
 
+use std::str::FromStr;
 use std::sync::Arc;
 
 use axum::extract::rejection::JsonRejection;
@@ -7,7 +8,6 @@ use axum::extract::{FromRef, FromRequest, FromRequestParts, Path, Request};
 use axum::http::{header, request::Parts, StatusCode};
 use serde::de::DeserializeOwned;
 
-use crate::auth::parse_id;
 use crate::auth::{Admin, AuthUser, Verifier};
 use crate::http::error::AppError;
 
@@ -199,18 +199,19 @@ fn json_rejection(rejection: JsonRejection) -> AppError {
     }
 }
 
-/// The single id in a route's path (`/vouchers/{id}`, `/orders/{order_id}`, ...).
+/// The single id in a route's path (`/vouchers/{id}`, `/orders/{order_id}`, ...), of
+/// the route's id type (`PathId<VoucherId>`, `PathId<OrderId>`).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct PathId(pub i64);
+pub(crate) struct PathId<T>(pub T);
 
-impl<S: Send + Sync> FromRequestParts<S> for PathId {
+impl<S: Send + Sync, T: FromStr> FromRequestParts<S> for PathId<T> {
     type Rejection = AppError;
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, AppError> {
         let Path(raw) = Path::<String>::from_request_parts(parts, state)
             .await
             .map_err(|e| AppError::bad_request(e.body_text()))?;
-        parse_id(&raw).map(PathId).ok_or_else(|| {
+        raw.parse().map(PathId).map_err(|_| {
             AppError::bad_request(format!(
                 "`{raw}` is not a valid id: expected a positive 64-bit integer"
             ))
@@ -267,7 +268,7 @@ where
 
 #[cfg(test)]
 mod tests {
-    use super::parse_id;
+    use crate::domain::parse_id;
     use proptest::prelude::*;
 
     #[derive(Debug, serde::Deserialize)]

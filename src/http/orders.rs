@@ -12,6 +12,7 @@ use utoipa::ToSchema;
 
 use crate::admission::{self, PendingOrder};
 use crate::auth::AuthUser;
+use crate::domain::{OrderId, OrderStatus, UserId, VoucherId};
 use crate::http::error::{AppError, AppResult, ErrorBody};
 use crate::http::extract::{MaybeJson, PathId};
 use crate::http::state::AppState;
@@ -25,10 +26,12 @@ use crate::store::vouchers;
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub(crate) struct OrderResponse {
     /// 64-bit, as a string.
-    #[schema(pattern = "^[1-9][0-9]{0,18}$")]
-    pub order_id: String,
-    pub voucher_id: i64,
-    pub user_id: i64,
+    #[schema(value_type = String, pattern = "^[1-9][0-9]{0,18}$")]
+    pub order_id: OrderId,
+    #[schema(inline)]
+    pub voucher_id: VoucherId,
+    #[schema(inline)]
+    pub user_id: UserId,
     /// `pending` until the worker has written it to Postgres, then `created`; then
     /// `paid`, `cancelled` or `expired` (final).
     #[schema(example = "created")]
@@ -45,35 +48,13 @@ pub(crate) struct OrderResponse {
     pub payment_ref: Option<String>,
 }
 
-/// Where an order is in its life.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-#[serde(rename_all = "lowercase")]
-pub(crate) enum OrderStatus {
-    Pending,
-    Created,
-    Paid,
-    Cancelled,
-    Expired,
-}
-
-impl OrderStatus {
-    fn of(status: &str) -> Self {
-        match status {
-            "paid" => Self::Paid,
-            "cancelled" => Self::Cancelled,
-            "expired" => Self::Expired,
-            _ => Self::Created,
-        }
-    }
-}
-
 impl From<OrderRow> for OrderResponse {
     fn from(row: OrderRow) -> Self {
         Self {
-            order_id: row.id.to_string(),
+            order_id: row.id,
             voucher_id: row.voucher_id,
             user_id: row.user_id,
-            status: OrderStatus::of(&row.status),
+            status: row.status,
             created_at: row.created_at,
             pay_before: Some(row.pay_before),
             paid_at: row.paid_at,
@@ -88,7 +69,7 @@ impl OrderResponse {
     fn pending(p: PendingOrder, pay_within_secs: Option<i32>) -> Self {
         let created_at = DateTime::from_timestamp_millis(p.admitted_ms).unwrap_or_default();
         Self {
-            order_id: p.order_id.to_string(),
+            order_id: p.order_id,
             voucher_id: p.voucher_id,
             user_id: p.user_id,
             status: OrderStatus::Pending,
@@ -127,7 +108,7 @@ impl PayOrder {
 
 /// Sales whose Redis state may still hold buyer records (not ended longer ago than the
 /// retention).
-async fn recent_sales(state: &AppState) -> AppResult<Vec<i64>> {
+async fn recent_sales(state: &AppState) -> AppResult<Vec<VoucherId>> {
     let since = chrono::Utc::now()
         - chrono::Duration::from_std(state.settings.sale_state_retention).unwrap_or_default();
     Ok(crate::store::vouchers::sales_ending_after(&state.db, since)
@@ -153,7 +134,7 @@ const ADMIN_STREAM_SCAN: usize = 200_000;
 pub(crate) async fn get(
     State(state): State<AppState>,
     user: AuthUser,
-    PathId(order_id): PathId,
+    PathId(order_id): PathId<OrderId>,
 ) -> AppResult<Json<OrderResponse>> {
     match find_order(&state, &user, order_id).await? {
         Found::Stored(row) => Ok(Json(row.into())),
@@ -175,9 +156,9 @@ enum Found {
 
 /// The order if the caller may see it (its owner, or an admin): from Postgres, else
 /// pending in Redis; `not_found` when it is unknown or somebody else's.
-async fn find_order(state: &AppState, user: &AuthUser, order_id: i64) -> AppResult<Found> {
+async fn find_order(state: &AppState, user: &AuthUser, order_id: OrderId) -> AppResult<Found> {
     let not_found = || AppError::NotFound(format!("order {order_id} not found"));
-    let visible = |owner: i64| user.admin || owner == user.user_id;
+    let visible = |owner: UserId| user.admin || owner == user.user_id;
     if let Some(row) = orders::get(&state.db, order_id).await? {
         return if visible(row.user_id) {
             Ok(Found::Stored(row))
@@ -197,7 +178,7 @@ async fn find_order(state: &AppState, user: &AuthUser, order_id: i64) -> AppResu
 async fn pending(
     state: &AppState,
     user: &AuthUser,
-    order_id: i64,
+    order_id: OrderId,
 ) -> AppResult<Option<PendingOrder>> {
     let redis_down = || {
         AppError::Unavailable(format!(
@@ -227,7 +208,7 @@ async fn pending(
 
 /// The caller's order as Postgres holds it, before a transition: `order_pending` while
 /// only Redis knows it, `not_found` when it is unknown or somebody else's.
-async fn own_order(state: &AppState, user: &AuthUser, order_id: i64) -> AppResult<OrderRow> {
+async fn own_order(state: &AppState, user: &AuthUser, order_id: OrderId) -> AppResult<OrderRow> {
     match find_order(state, user, order_id).await? {
         Found::Stored(row) => Ok(row),
         Found::Pending(_) => Err(AppError::OrderPending(order_id)),
@@ -251,7 +232,7 @@ async fn own_order(state: &AppState, user: &AuthUser, order_id: i64) -> AppResul
 pub(crate) async fn pay(
     State(state): State<AppState>,
     user: AuthUser,
-    PathId(order_id): PathId,
+    PathId(order_id): PathId<OrderId>,
     MaybeJson(body): MaybeJson<PayOrder>,
 ) -> AppResult<Json<OrderResponse>> {
     let payment_ref = match body {
@@ -271,10 +252,10 @@ pub(crate) async fn pay(
     .await?;
     match done {
         Transition::Moved(row) => Ok(Json(row.into())),
-        Transition::Unchanged(row) if row.status == "paid" => Ok(Json(row.into())),
-        Transition::Unchanged(row) if row.status == "created" => Err(AppError::Internal(
-            anyhow::anyhow!("order {order_id} neither payable nor due"),
-        )),
+        Transition::Unchanged(row) if row.status == OrderStatus::Paid => Ok(Json(row.into())),
+        Transition::Unchanged(row) if row.status == OrderStatus::Created => Err(
+            AppError::Internal(anyhow::anyhow!("order {order_id} neither payable nor due")),
+        ),
         Transition::Unchanged(row) => Err(AppError::OrderClosed(row.id, row.status)),
         Transition::Missing => Err(AppError::NotFound(format!("order {order_id} not found"))),
     }
@@ -296,19 +277,23 @@ pub(crate) async fn pay(
 pub(crate) async fn cancel(
     State(state): State<AppState>,
     user: AuthUser,
-    PathId(order_id): PathId,
+    PathId(order_id): PathId<OrderId>,
 ) -> AppResult<Json<OrderResponse>> {
     let row = own_order(&state, &user, order_id).await?;
     let mut conn = state.redis.clone();
     let replicas = state.settings.replicas;
     match lifecycle::cancel(&state.db, &mut conn, &state.keys, replicas, row.id).await? {
-        Transition::Moved(row) | Transition::Unchanged(row) if row.status == "cancelled" => {
+        Transition::Moved(row) | Transition::Unchanged(row)
+            if row.status == OrderStatus::Cancelled =>
+        {
             Ok(Json(row.into()))
         }
-        Transition::Unchanged(row) if row.status == "paid" => Err(AppError::OrderPaid(row.id)),
-        Transition::Unchanged(row) if row.status == "created" => Err(AppError::Internal(
-            anyhow::anyhow!("order {order_id} was not closed"),
-        )),
+        Transition::Unchanged(row) if row.status == OrderStatus::Paid => {
+            Err(AppError::OrderPaid(row.id))
+        }
+        Transition::Unchanged(row) if row.status == OrderStatus::Created => Err(
+            AppError::Internal(anyhow::anyhow!("order {order_id} was not closed")),
+        ),
         Transition::Moved(row) | Transition::Unchanged(row) => {
             Err(AppError::OrderClosed(row.id, row.status))
         }
@@ -340,9 +325,9 @@ pub(crate) async fn list_mine(
     // Written already: Postgres's row is the one to show.
     let admitted: Vec<PendingOrder> = admitted
         .into_iter()
-        .filter(|p| !all.iter().any(|o| o.order_id == p.order_id.to_string()))
+        .filter(|p| !all.iter().any(|o| o.order_id == p.order_id))
         .collect();
-    let sales: Vec<i64> = admitted.iter().map(|p| p.voucher_id).collect();
+    let sales: Vec<VoucherId> = admitted.iter().map(|p| p.voucher_id).collect();
     let windows = vouchers::pay_windows(&state.db, &sales).await?;
     for p in admitted {
         let window = windows.get(&p.voucher_id).copied();

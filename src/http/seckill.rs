@@ -13,6 +13,7 @@ use std::time::Instant;
 use crate::admission::edge::EdgeAnswer;
 use crate::admission::{self, loader, Outcome};
 use crate::auth::AuthUser;
+use crate::domain::{OrderId, VoucherId};
 use crate::http::error::{AppError, AppResult, ErrorBody};
 use crate::http::extract::PathId;
 use crate::http::state::AppState;
@@ -21,8 +22,8 @@ use crate::store::vouchers;
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub(crate) struct Admitted {
     /// 64-bit, as a string (JavaScript loses precision above 2^53).
-    #[schema(pattern = "^[1-9][0-9]{0,18}$", example = "117514385399746560")]
-    pub order_id: String,
+    #[schema(value_type = String, pattern = "^[1-9][0-9]{0,18}$", example = "117514385399746560")]
+    pub order_id: OrderId,
     /// Always `pending`: the order is written to Postgres moments later.
     #[schema(example = "pending")]
     pub status: String,
@@ -47,7 +48,7 @@ impl<S: Send + Sync> axum::extract::FromRequestParts<S> for PeerIp {
     }
 }
 
-fn limited(state: &AppState, voucher_id: i64, wait: std::time::Duration) -> AppError {
+fn limited(state: &AppState, voucher_id: VoucherId, wait: std::time::Duration) -> AppError {
     crate::metrics::HotPath::get()
         .outcome("rate_limited")
         .increment(1);
@@ -79,7 +80,7 @@ pub(crate) async fn grab(
     State(state): State<AppState>,
     PeerIp(ip): PeerIp,
     user: AuthUser,
-    PathId(voucher_id): PathId,
+    PathId(voucher_id): PathId<VoucherId>,
 ) -> AppResult<(StatusCode, Json<Admitted>)> {
     if let (Some(limiter), Some(ip)) = (&state.per_ip, ip) {
         limiter
@@ -129,7 +130,7 @@ pub(crate) async fn grab(
         }
         Ok(Outcome::Corrupt) => {
             tracing::error!(
-                voucher_id,
+                voucher_id = voucher_id.get(),
                 "the sale's redis state is corrupt: repairing it"
             );
             reload_in_background(&state, voucher_id, loader::Mode::Repair);
@@ -140,7 +141,7 @@ pub(crate) async fn grab(
     Ok((
         StatusCode::ACCEPTED,
         Json(Admitted {
-            order_id: admitted.to_string(),
+            order_id: admitted,
             status: "pending".into(),
         }),
     ))
@@ -148,7 +149,7 @@ pub(crate) async fn grab(
 
 /// A grab answered from the instance's memory of the sale: counted, and the same error
 /// Redis's verdict would have given.
-fn at_edge(state: &AppState, voucher_id: i64, known: EdgeAnswer) -> AppError {
+fn at_edge(state: &AppState, voucher_id: VoucherId, known: EdgeAnswer) -> AppError {
     crate::metrics::HotPath::get().at_edge(known.label());
     let counted = admission::tally::OUTCOMES
         .iter()
@@ -164,13 +165,13 @@ fn at_edge(state: &AppState, voucher_id: i64, known: EdgeAnswer) -> AppError {
     }
 }
 
-fn no_sale(voucher_id: i64) -> AppError {
+fn no_sale(voucher_id: VoucherId) -> AppError {
     AppError::NotFound(format!("voucher {voucher_id} has no flash sale"))
 }
 
 /// The answer to a grab, from the script's verdict and the order id minted for this
 /// request: `Ok(order id)` is a 202.
-pub fn answer(outcome: redis::RedisResult<Outcome>, minted: i64) -> AppResult<i64> {
+pub fn answer(outcome: redis::RedisResult<Outcome>, minted: OrderId) -> AppResult<OrderId> {
     match outcome {
         Ok(Outcome::Admitted { order_id }) => Ok(order_id),
         // The script ran twice for this request (the cluster client re-sends a command
@@ -204,7 +205,7 @@ fn never_ran(e: &redis::RedisError) -> bool {
 
 /// The sale is not in Redis: an unknown voucher, an ended sale whose state expired, or
 /// state lost with Redis. Only the last is worth a reload; until it is done, fail closed.
-async fn not_loaded(state: &AppState, voucher_id: i64) -> AppError {
+async fn not_loaded(state: &AppState, voucher_id: VoucherId) -> AppError {
     // A reload is already under way: a storm of presses must not become a storm of
     // Postgres queries.
     if state
@@ -242,7 +243,7 @@ async fn not_loaded(state: &AppState, voucher_id: i64) -> AppError {
 }
 
 /// Starts a reload of one sale in the background unless one is already running.
-fn reload_in_background(state: &AppState, voucher_id: i64, mode: loader::Mode) {
+fn reload_in_background(state: &AppState, voucher_id: VoucherId, mode: loader::Mode) {
     if !state.reloading.lock().expect("poisoned").insert(voucher_id) {
         return;
     }
@@ -260,7 +261,7 @@ fn reload_in_background(state: &AppState, voucher_id: i64, mode: loader::Mode) {
         )
         .await;
         if let Err(e) = result {
-            tracing::warn!(voucher_id, error = %e, "reloading sale state failed");
+            tracing::warn!(voucher_id = voucher_id.get(), error = %e, "reloading sale state failed");
         }
         state
             .reloading
@@ -281,15 +282,16 @@ mod tests {
 
     #[test]
     fn the_script_answering_with_this_requests_own_order_is_an_admission() {
-        let mine = 117_514_385_399_746_560;
+        let mine = OrderId::new(117_514_385_399_746_560).unwrap();
+        let seven = OrderId::new(7).unwrap();
         assert_eq!(
             answer(Ok(Outcome::AlreadyOrdered { order_id: mine }), mine).unwrap(),
             mine
         );
-        let other = answer(Ok(Outcome::AlreadyOrdered { order_id: 7 }), mine);
+        let other = answer(Ok(Outcome::AlreadyOrdered { order_id: seven }), mine);
         assert!(matches!(
             other,
-            Err(AppError::AlreadyOrdered { order_id: 7 })
+            Err(AppError::AlreadyOrdered { order_id }) if order_id == seven
         ));
         assert_eq!(
             answer(Ok(Outcome::Admitted { order_id: mine }), mine).unwrap(),
@@ -305,13 +307,17 @@ mod tests {
             io::ErrorKind::UnexpectedEof,
             io::ErrorKind::BrokenPipe,
         ] {
-            let err = answer(Err(io_error(kind)), 1).unwrap_err();
+            let err = answer(Err(io_error(kind)), OrderId::new(1).unwrap()).unwrap_err();
             assert!(
                 matches!(err, AppError::OutcomeUnknown(_)),
                 "{kind:?}: {err}"
             );
         }
-        let refused = answer(Err(io_error(io::ErrorKind::ConnectionRefused)), 1).unwrap_err();
+        let refused = answer(
+            Err(io_error(io::ErrorKind::ConnectionRefused)),
+            OrderId::new(1).unwrap(),
+        )
+        .unwrap_err();
         assert!(matches!(refused, AppError::Unavailable(_)), "{refused}");
     }
 }

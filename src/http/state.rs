@@ -11,6 +11,7 @@ use crate::admission::edge::Edge;
 use crate::admission::order_id::OrderIds;
 use crate::auth::Verifier;
 use crate::config::Settings;
+use crate::domain::{UserId, VoucherId};
 use crate::http::limits::RateLimiter;
 use crate::keys::Keys;
 use crate::redis_conn::RedisConn;
@@ -28,8 +29,8 @@ pub struct Shared {
     pub ids: Arc<OrderIds>,
     pub settings: Arc<Settings>,
     /// Vouchers whose Redis state is being reloaded right now (one reload at a time).
-    pub reloading: Arc<Mutex<HashSet<i64>>>,
-    pub(crate) per_user: Option<RateLimiter<i64>>,
+    pub reloading: Arc<Mutex<HashSet<VoucherId>>>,
+    pub(crate) per_user: Option<RateLimiter<UserId>>,
     pub(crate) per_ip: Option<RateLimiter<IpAddr>>,
     /// Coalesces concurrent grabs of a shard into one admission script call.
     pub(crate) admissions: Batcher,

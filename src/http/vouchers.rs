@@ -10,6 +10,7 @@ use utoipa::ToSchema;
 
 use crate::admission::{self, loader};
 use crate::auth::Admin;
+use crate::domain::{OrderId, OrderStatus, ShopId, VoucherId};
 use crate::http::error::{AppError, AppResult, ErrorBody};
 use crate::http::extract::{AppJson, PathId};
 use crate::http::fallback_headers;
@@ -169,7 +170,8 @@ impl CreateVoucher {
 
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub(crate) struct VoucherResponse {
-    pub id: i64,
+    #[schema(inline)]
+    pub id: VoucherId,
     pub shop_id: i64,
     pub title: String,
     pub sub_title: String,
@@ -288,7 +290,7 @@ pub(crate) async fn create(
         {
             Ok(loaded) => live = loaded.map(|l| l.stock),
             Err(e) => {
-                tracing::warn!(voucher_id = row.id, error = %e, "sale not loaded into redis yet")
+                tracing::warn!(voucher_id = row.id.get(), error = %e, "sale not loaded into redis yet")
             }
         }
     }
@@ -306,14 +308,17 @@ pub(crate) async fn create(
     ))]
 pub(crate) async fn get(
     State(state): State<AppState>,
-    PathId(id): PathId,
+    PathId(id): PathId<VoucherId>,
 ) -> AppResult<(HeaderMap, Json<VoucherResponse>)> {
     one_voucher(&state, id).await
 }
 
 /// A voucher as `GET /vouchers/{id}` shows it: live stock from Redis, or Postgres's
 /// with the fallback header.
-async fn one_voucher(state: &AppState, id: i64) -> AppResult<(HeaderMap, Json<VoucherResponse>)> {
+async fn one_voucher(
+    state: &AppState,
+    id: VoucherId,
+) -> AppResult<(HeaderMap, Json<VoucherResponse>)> {
     let row = vouchers::get(&state.db, id)
         .await?
         .ok_or_else(|| AppError::NotFound(format!("voucher {id} not found")))?;
@@ -334,9 +339,9 @@ async fn one_voucher(state: &AppState, id: i64) -> AppResult<(HeaderMap, Json<Vo
     ))]
 pub(crate) async fn list_by_shop(
     State(state): State<AppState>,
-    PathId(shop_id): PathId,
+    PathId(shop_id): PathId<ShopId>,
 ) -> AppResult<(HeaderMap, Json<Vec<VoucherResponse>>)> {
-    let rows = vouchers::list_by_shop(&state.db, shop_id).await?;
+    let rows = vouchers::list_by_shop(&state.db, shop_id.get()).await?;
     let live = live_stocks(&state, &rows).await;
     let headers = fallback_headers(live.is_none());
     let live = live.unwrap_or_else(|| vec![None; rows.len()]);
@@ -357,26 +362,26 @@ pub(crate) struct OrderPage {
     /// Newest first.
     items: Vec<OrderResponse>,
     /// Pass as `after` for the next page; `null` on the last page.
-    next: Option<String>,
+    #[schema(value_type = Option<String>)]
+    next: Option<OrderId>,
 }
 
 /// The query of `GET /vouchers/{id}/orders`, checked by hand so every mistake is a
 /// `validation` error in our format.
 struct PageQuery {
-    status: Option<&'static str>,
+    status: Option<ListedStatus>,
     limit: i64,
-    after: Option<i64>,
+    after: Option<OrderId>,
 }
 
 const PAGE_DEFAULT: i64 = 100;
 const PAGE_MAX: i64 = 1000;
-/// Statuses Postgres holds (a `pending` order is not written yet).
-pub(crate) const LISTED: [&str; 4] = ["created", "paid", "cancelled", "expired"];
-
-/// The statuses a sale's orders can be listed by (the document's name for [`LISTED`]).
-#[derive(Debug, ToSchema)]
-#[schema(as = ListedStatus)]
-#[allow(dead_code)]
+/// The statuses a sale's orders can be listed by: those Postgres holds (a `pending`
+/// order is not written yet).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ToSchema)]
+#[schema(
+    description = "The statuses a sale's orders can be listed by (the document's name for [`LISTED`])."
+)]
 pub(crate) enum ListedStatus {
     #[schema(rename = "created")]
     Created,
@@ -386,6 +391,38 @@ pub(crate) enum ListedStatus {
     Cancelled,
     #[schema(rename = "expired")]
     Expired,
+}
+
+impl ListedStatus {
+    pub(crate) const ALL: [ListedStatus; 4] =
+        [Self::Created, Self::Paid, Self::Cancelled, Self::Expired];
+
+    fn parse(value: &str) -> AppResult<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|s| OrderStatus::from(*s).as_str() == value)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL
+                    .iter()
+                    .map(|s| OrderStatus::from(*s).as_str())
+                    .collect();
+                AppError::bad_request(format!(
+                    "status must be one of {} (pending orders are not written yet)",
+                    names.join(", ")
+                ))
+            })
+    }
+}
+
+impl From<ListedStatus> for OrderStatus {
+    fn from(s: ListedStatus) -> Self {
+        match s {
+            ListedStatus::Created => OrderStatus::Created,
+            ListedStatus::Paid => OrderStatus::Paid,
+            ListedStatus::Cancelled => OrderStatus::Cancelled,
+            ListedStatus::Expired => OrderStatus::Expired,
+        }
+    }
 }
 
 impl PageQuery {
@@ -398,15 +435,7 @@ impl PageQuery {
         for (key, value) in form_urlencoded::parse(raw.unwrap_or("").as_bytes()) {
             match key.as_ref() {
                 "status" if value.is_empty() => {}
-                "status" => {
-                    query.status =
-                        Some(LISTED.into_iter().find(|s| *s == value).ok_or_else(|| {
-                            AppError::bad_request(format!(
-                                "status must be one of {} (pending orders are not written yet)",
-                                LISTED.join(", ")
-                            ))
-                        })?)
-                }
+                "status" => query.status = Some(ListedStatus::parse(&value)?),
                 "limit" => {
                     query.limit = Some(value.as_ref())
                         .filter(|v| v.len() <= 4 && v.bytes().all(|b| b.is_ascii_digit()))
@@ -417,9 +446,10 @@ impl PageQuery {
                         })?
                 }
                 "after" => {
-                    query.after = Some(crate::auth::parse_id(&value).ok_or_else(|| {
-                        AppError::bad_request("after is not a cursor of this list")
-                    })?)
+                    query.after =
+                        Some(value.parse().map_err(|_| {
+                            AppError::bad_request("after is not a cursor of this list")
+                        })?)
                 }
                 _ => {}
             }
@@ -449,7 +479,7 @@ impl PageQuery {
 pub(crate) async fn list_orders(
     State(state): State<AppState>,
     _admin: Admin,
-    PathId(id): PathId,
+    PathId(id): PathId<VoucherId>,
     axum::extract::RawQuery(raw): axum::extract::RawQuery,
 ) -> AppResult<Json<OrderPage>> {
     let query = PageQuery::parse(raw.as_deref())?;
@@ -457,13 +487,17 @@ pub(crate) async fn list_orders(
         .await?
         .ok_or_else(|| AppError::NotFound(format!("voucher {id} not found")))?;
     // One more than asked: whether a next page exists, without an empty last page.
-    let mut rows =
-        orders::page_of_sale(&state.db, id, query.status, query.after, query.limit + 1).await?;
+    let mut rows = orders::page_of_sale(
+        &state.db,
+        id,
+        query.status.map(Into::into),
+        query.after,
+        query.limit + 1,
+    )
+    .await?;
     let more = rows.len() as i64 > query.limit;
     rows.truncate(query.limit as usize);
-    let next = more
-        .then(|| rows.last().map(|r| r.id.to_string()))
-        .flatten();
+    let next = more.then(|| rows.last().map(|r| r.id)).flatten();
     Ok(Json(OrderPage {
         items: rows.into_iter().map(Into::into).collect(),
         next,
@@ -486,7 +520,7 @@ pub(crate) async fn list_orders(
 pub(crate) async fn close(
     State(state): State<AppState>,
     _admin: Admin,
-    PathId(id): PathId,
+    PathId(id): PathId<VoucherId>,
 ) -> AppResult<(HeaderMap, Json<VoucherResponse>)> {
     let mut conn = state.redis.clone();
     let replicas = state.settings.replicas;

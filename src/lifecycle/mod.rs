@@ -17,6 +17,7 @@ use redis::aio::ConnectionLike;
 use redis::Script;
 use sqlx::PgPool;
 
+use crate::domain::{OrderId, OrderStatus};
 use crate::keys::{self, Keys};
 use crate::metrics::{TRANSITIONS, UNITS_RETURNED};
 use crate::scripts::{Call, Replicas};
@@ -60,8 +61,8 @@ pub async fn release<C: ConnectionLike + Send>(
 
 /// Counts a transition made now (and, for a closed order, the unit Postgres got back).
 fn count(row: &OrderRow) {
-    metrics::counter!(TRANSITIONS, "to" => row.status.clone()).increment(1);
-    if matches!(row.status.as_str(), "cancelled" | "expired") {
+    metrics::counter!(TRANSITIONS, "to" => row.status.as_str()).increment(1);
+    if row.status.is_closed() {
         metrics::counter!(UNITS_RETURNED, "store" => "postgres").increment(1);
     }
 }
@@ -88,12 +89,12 @@ async fn release_now<C: ConnectionLike + Send>(
     match tokio::time::timeout(RELEASE_DEADLINE, settle).await {
         Ok(Ok(_)) => {}
         Ok(Err(e)) => tracing::warn!(
-            order_id = row.id,
+            order_id = row.id.get(),
             error = format!("{e:#}"),
             "release left owed; the sweeper will make it"
         ),
         Err(_) => tracing::warn!(
-            order_id = row.id,
+            order_id = row.id.get(),
             "redis did not take the release in time; the sweeper will make it"
         ),
     }
@@ -107,7 +108,7 @@ pub async fn pay<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     replicas: Replicas,
-    order_id: i64,
+    order_id: OrderId,
     payment_ref: Option<&str>,
 ) -> anyhow::Result<Transition> {
     match transitions::pay(db, order_id, payment_ref).await? {
@@ -115,7 +116,7 @@ pub async fn pay<C: ConnectionLike + Send>(
             count(&row);
             Ok(Transition::Moved(row))
         }
-        Transition::Unchanged(row) if row.status == "created" => {
+        Transition::Unchanged(row) if row.status == OrderStatus::Created => {
             // Past its deadline, not yet swept: expire it now rather than leave the
             // shopper a window the sweeper is about to close.
             match transitions::close(db, order_id, Close::ExpireIfDue).await? {
@@ -138,7 +139,7 @@ pub async fn cancel<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     replicas: Replicas,
-    order_id: i64,
+    order_id: OrderId,
 ) -> anyhow::Result<Transition> {
     let done = transitions::close(db, order_id, Close::Cancel).await?;
     if let Transition::Moved(row) = &done {

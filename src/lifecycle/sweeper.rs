@@ -13,6 +13,7 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
+use crate::domain::OrderStatus;
 use crate::keys::Keys;
 use crate::metrics::{RELEASES_OWED, TRANSITIONS, UNITS_RETURNED};
 use crate::redis_conn::RedisConn;
@@ -49,7 +50,7 @@ pub async fn expire_all_due(db: &PgPool, batch: i64) -> anyhow::Result<u64> {
     loop {
         let closed = transitions::expire_due(db, batch).await?.len() as u64;
         expired += closed;
-        metrics::counter!(TRANSITIONS, "to" => "expired").increment(closed);
+        metrics::counter!(TRANSITIONS, "to" => OrderStatus::Expired.as_str()).increment(closed);
         metrics::counter!(UNITS_RETURNED, "store" => "postgres").increment(closed);
         if closed < batch as u64 {
             return Ok(expired);

@@ -24,6 +24,7 @@ use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 
 use crate::admission::tally::{self, Tally};
+use crate::domain::VoucherId;
 use crate::keys::Keys;
 use crate::redis_conn::RedisConn;
 use crate::store::live::{self as store, SaleRow};
@@ -62,7 +63,7 @@ pub struct Snapshot {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct SaleView {
-    pub id: i64,
+    pub id: VoucherId,
     pub title: String,
     /// `upcoming`, `open` or `ended`, by Postgres's clock (one for every instance).
     pub state: &'static str,
@@ -345,9 +346,9 @@ async fn timeout<T, E: std::fmt::Display>(
 #[derive(Default)]
 struct Producer {
     sales: store::Sales,
-    redis: HashMap<i64, Figures>,
+    redis: HashMap<VoucherId, Figures>,
     worker: StreamStats,
-    totals: HashMap<i64, VecDeque<(Instant, u64)>>,
+    totals: HashMap<VoucherId, VecDeque<(Instant, u64)>>,
     /// Postgres's clock less ours at the last read: a snapshot's `at` is Postgres's
     /// time, like its sales' states, so that every instance's page counts down alike.
     clock_offset: chrono::TimeDelta,
@@ -355,7 +356,7 @@ struct Producer {
     /// still counts the units of orders in flight, so without this a sale sold out in
     /// Redis could take a selling sale's place when not every sale can be shown (see
     /// `store::live::sales`).
-    sold_out: HashMap<i64, i32>,
+    sold_out: HashMap<VoucherId, i32>,
 }
 
 /// Sales remembered sold out, at most (beyond it the memory starts again).
@@ -381,7 +382,7 @@ impl Producer {
                 break;
             }
         }
-        let ids: Vec<i64> = self.sales.rows.iter().map(|s| s.voucher_id).collect();
+        let ids: Vec<VoucherId> = self.sales.rows.iter().map(|s| s.voucher_id).collect();
         let now = Utc::now() + self.clock_offset;
         let clock = Instant::now();
         let fresh = unavailable.is_empty();
@@ -435,7 +436,7 @@ impl Producer {
         unavailable: &mut Vec<&'static str>,
     ) {
         let asked = Utc::now();
-        let sold_out: Vec<(i64, i32)> = self.sold_out.iter().map(|(&v, &s)| (v, s)).collect();
+        let sold_out: Vec<(VoucherId, i32)> = self.sold_out.iter().map(|(&v, &s)| (v, s)).collect();
         match timeout(store::sales(db, max_sales, &sold_out)).await {
             Ok(sales) => {
                 // Postgres read its clock somewhere within the round trip: take the
@@ -449,7 +450,7 @@ impl Producer {
                 unavailable.push("postgres");
             }
         }
-        let ids: Vec<i64> = self.sales.rows.iter().map(|s| s.voucher_id).collect();
+        let ids: Vec<VoucherId> = self.sales.rows.iter().map(|s| s.voucher_id).collect();
         match timeout(read_redis(redis, keys, &ids)).await {
             Ok((figures, worker)) => {
                 self.redis = ids.iter().copied().zip(figures).collect();
@@ -493,7 +494,7 @@ impl Producer {
 async fn read_redis(
     redis: &RedisConn,
     keys: &Keys,
-    ids: &[i64],
+    ids: &[VoucherId],
 ) -> redis::RedisResult<(Vec<Figures>, StreamStats)> {
     let stocks = ids.iter().map(|&id| {
         let mut conn = redis.clone();

@@ -3,12 +3,14 @@
 
 use chrono::{DateTime, Utc};
 
+use crate::domain::{OrderId, UserId, VoucherId};
+
 /// An admitted order on its way from the stream into Postgres.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NewOrder {
-    pub id: i64,
-    pub user_id: i64,
-    pub voucher_id: i64,
+    pub id: OrderId,
+    pub user_id: UserId,
+    pub voucher_id: VoucherId,
     pub admitted_at: DateTime<Utc>,
 }
 

@@ -13,6 +13,7 @@ use sqlx::{PgPool, Postgres, Transaction};
 
 use super::admitted::{NewOrder, Rejection};
 use super::vouchers::lock_sales;
+use crate::domain::{OrderId, UserId, VoucherId};
 
 /// The end of an order that will not be written, decided under the sale's row lock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,7 +27,7 @@ pub enum Burial {
     /// [`Rejection::IdTaken`], whatever the caller's reason).
     Dead {
         newly: bool,
-        holder: Option<i64>,
+        holder: Option<OrderId>,
         returns_unit: bool,
         duplicate: bool,
     },
@@ -57,7 +58,7 @@ pub async fn bury(
         true => (Rejection::IdTaken.reason(), true),
         false => (reason.to_string(), returns_unit),
     };
-    let newly: Option<i64> = sqlx::query_scalar(
+    let newly: Option<OrderId> = sqlx::query_scalar(
         "INSERT INTO dead_orders (id, user_id, voucher_id, reason, returns_unit) \
          VALUES ($1, $2, $3, $4, $5) \
          ON CONFLICT (id, user_id, voucher_id) DO NOTHING RETURNING id",
@@ -84,7 +85,7 @@ pub async fn bury(
             .await?
         }
     };
-    let holder: Option<i64> = sqlx::query_scalar(&format!(
+    let holder: Option<OrderId> = sqlx::query_scalar(&format!(
         "SELECT id FROM voucher_orders WHERE user_id = $1 AND voucher_id = $2 AND {}",
         super::admitted::ACTIVE
     ))
@@ -111,7 +112,7 @@ enum Owner {
 }
 
 async fn owner(tx: &mut Transaction<'_, Postgres>, order: &NewOrder) -> sqlx::Result<Owner> {
-    let written: Option<(i64, i64)> =
+    let written: Option<(UserId, VoucherId)> =
         sqlx::query_as("SELECT user_id, voucher_id FROM voucher_orders WHERE id = $1")
             .bind(order.id)
             .fetch_optional(&mut **tx)
@@ -121,7 +122,7 @@ async fn owner(tx: &mut Transaction<'_, Postgres>, order: &NewOrder) -> sqlx::Re
         Some(theirs) if theirs == mine => Owner::This,
         Some(_) => Owner::Another,
         None => {
-            let buried: Vec<(i64, i64)> =
+            let buried: Vec<(UserId, VoucherId)> =
                 sqlx::query_as("SELECT user_id, voucher_id FROM dead_orders WHERE id = $1")
                     .bind(order.id)
                     .fetch_all(&mut **tx)
@@ -138,8 +139,8 @@ async fn owner(tx: &mut Transaction<'_, Postgres>, order: &NewOrder) -> sqlx::Re
 /// such an id, it is never written.
 pub(crate) async fn buried_among(
     tx: &mut Transaction<'_, Postgres>,
-    ids: &[i64],
-) -> Result<Vec<i64>, sqlx::Error> {
+    ids: &[OrderId],
+) -> Result<Vec<OrderId>, sqlx::Error> {
     if ids.is_empty() {
         return Ok(Vec::new());
     }
@@ -152,8 +153,8 @@ pub(crate) async fn buried_among(
 /// `(id, user_id, voucher_id)` of the orders buried under these ids.
 pub(crate) async fn orders_among(
     tx: &mut Transaction<'_, Postgres>,
-    ids: &[i64],
-) -> Result<Vec<(i64, i64, i64)>, sqlx::Error> {
+    ids: &[OrderId],
+) -> Result<Vec<(OrderId, UserId, VoucherId)>, sqlx::Error> {
     if ids.is_empty() {
         return Ok(Vec::new());
     }
@@ -165,8 +166,8 @@ pub(crate) async fn orders_among(
 
 /// Buried (dead-lettered) orders per voucher.
 #[tracing::instrument(skip(db))]
-pub(crate) async fn dead_per_voucher(db: &PgPool) -> Result<HashMap<i64, i64>, sqlx::Error> {
-    Ok(sqlx::query_as::<_, (i64, i64)>(
+pub(crate) async fn dead_per_voucher(db: &PgPool) -> Result<HashMap<VoucherId, i64>, sqlx::Error> {
+    Ok(sqlx::query_as::<_, (VoucherId, i64)>(
         "SELECT voucher_id, count(*) FROM dead_orders GROUP BY voucher_id",
     )
     .fetch_all(db)

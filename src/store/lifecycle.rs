@@ -23,13 +23,14 @@ use sqlx::{FromRow, PgPool, Postgres, Transaction};
 
 use super::orders::{OrderRow, ORDER_COLUMNS};
 use super::vouchers::lock_sales;
+use crate::domain::{OrderId, OrderStatus, UserId, VoucherId};
 
 /// A unit owed back to a sale's live stock in Redis, for a closed order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, FromRow)]
 pub struct Release {
-    pub order_id: i64,
-    pub voucher_id: i64,
-    pub user_id: i64,
+    pub order_id: OrderId,
+    pub voucher_id: VoucherId,
+    pub user_id: UserId,
 }
 
 /// How a request wants an order closed.
@@ -58,11 +59,11 @@ pub enum Transition {
 #[tracing::instrument(skip(db))]
 pub(crate) async fn pay(
     db: &PgPool,
-    order_id: i64,
+    order_id: OrderId,
     payment_ref: Option<&str>,
 ) -> Result<Transition, sqlx::Error> {
     let mut tx = db.begin().await?;
-    let payable: Option<i64> = sqlx::query_scalar(
+    let payable: Option<VoucherId> = sqlx::query_scalar(
         "SELECT voucher_id FROM voucher_orders \
          WHERE id = $1 AND status = 'created' AND pay_before > now() FOR UPDATE",
     )
@@ -104,11 +105,11 @@ pub(crate) async fn pay(
 #[tracing::instrument(skip(db))]
 pub(crate) async fn close(
     db: &PgPool,
-    order_id: i64,
+    order_id: OrderId,
     how: Close,
 ) -> Result<Transition, sqlx::Error> {
     let mut tx = db.begin().await?;
-    let found: Option<(String, bool)> = sqlx::query_as(
+    let found: Option<(OrderStatus, bool)> = sqlx::query_as(
         "SELECT status, pay_before <= now() FROM voucher_orders WHERE id = $1 FOR UPDATE",
     )
     .bind(order_id)
@@ -117,9 +118,9 @@ pub(crate) async fn close(
     let Some((status, due)) = found else {
         return Ok(Transition::Missing);
     };
-    let to = match (status.as_str(), how, due) {
-        ("created", _, true) => "expired",
-        ("created", Close::Cancel, false) => "cancelled",
+    let to = match (status, how, due) {
+        (OrderStatus::Created, _, true) => OrderStatus::Expired,
+        (OrderStatus::Created, Close::Cancel, false) => OrderStatus::Cancelled,
         _ => {
             let row = super::orders::get(&mut *tx, order_id).await?;
             tx.rollback().await?;
@@ -139,7 +140,7 @@ pub(crate) async fn close(
 #[tracing::instrument(skip(db))]
 pub(crate) async fn expire_due(db: &PgPool, limit: i64) -> Result<Vec<Release>, sqlx::Error> {
     let mut tx = db.begin().await?;
-    let due: Vec<i64> = sqlx::query_scalar(
+    let due: Vec<OrderId> = sqlx::query_scalar(
         "SELECT id FROM voucher_orders WHERE status = 'created' AND pay_before <= now() \
          ORDER BY pay_before LIMIT $1 FOR UPDATE SKIP LOCKED",
     )
@@ -150,7 +151,7 @@ pub(crate) async fn expire_due(db: &PgPool, limit: i64) -> Result<Vec<Release>, 
         tx.rollback().await?;
         return Ok(Vec::new());
     }
-    let released = close_rows(&mut tx, &due, "expired").await?;
+    let released = close_rows(&mut tx, &due, OrderStatus::Expired).await?;
     tx.commit().await?;
     Ok(released)
 }
@@ -160,15 +161,15 @@ pub(crate) async fn expire_due(db: &PgPool, limit: i64) -> Result<Vec<Release>, 
 /// `to`, and their releases recorded as owed.
 async fn close_rows(
     tx: &mut Transaction<'_, Postgres>,
-    order_ids: &[i64],
-    to: &str,
+    order_ids: &[OrderId],
+    to: OrderStatus,
 ) -> Result<Vec<Release>, sqlx::Error> {
-    let owners: Vec<(i64, i64)> =
+    let owners: Vec<(VoucherId, UserId)> =
         sqlx::query_as("SELECT voucher_id, user_id FROM voucher_orders WHERE id = ANY($1)")
             .bind(order_ids)
             .fetch_all(&mut **tx)
             .await?;
-    let vouchers: Vec<i64> = owners.iter().map(|&(v, _)| v).collect();
+    let vouchers: Vec<VoucherId> = owners.iter().map(|&(v, _)| v).collect();
     lock_sales(tx, &vouchers).await?;
     let released: Vec<Release> = sqlx::query_as(
         "UPDATE voucher_orders SET status = $2, closed_at = now() \
@@ -179,11 +180,11 @@ async fn close_rows(
     .bind(to)
     .fetch_all(&mut **tx)
     .await?;
-    let mut per_voucher: std::collections::BTreeMap<i64, i32> = Default::default();
+    let mut per_voucher: std::collections::BTreeMap<VoucherId, i32> = Default::default();
     for r in &released {
         *per_voucher.entry(r.voucher_id).or_default() += 1;
     }
-    let (ids, counts): (Vec<i64>, Vec<i32>) = per_voucher.into_iter().unzip();
+    let (ids, counts): (Vec<VoucherId>, Vec<i32>) = per_voucher.into_iter().unzip();
     // The unit back, and the order counted as `to` (the live view's figures).
     sqlx::query(
         "UPDATE seckill_vouchers s SET stock = s.stock + d.n, updated_at = now(), \
@@ -197,7 +198,7 @@ async fn close_rows(
     .bind(to)
     .execute(&mut **tx)
     .await?;
-    let (orders, (vouchers, users)): (Vec<i64>, (Vec<i64>, Vec<i64>)) = released
+    let (orders, (vouchers, users)): (Vec<OrderId>, (Vec<VoucherId>, Vec<UserId>)) = released
         .iter()
         .map(|r| (r.order_id, (r.voucher_id, r.user_id)))
         .unzip();
@@ -232,7 +233,7 @@ pub(crate) async fn take_owed(
 #[tracing::instrument(skip_all, fields(n = order_ids.len()))]
 pub(crate) async fn released<'e>(
     db: impl sqlx::PgExecutor<'e>,
-    order_ids: &[i64],
+    order_ids: &[OrderId],
 ) -> Result<(), sqlx::Error> {
     sqlx::query("DELETE FROM stock_releases WHERE order_id = ANY($1)")
         .bind(order_ids)
@@ -244,8 +245,8 @@ pub(crate) async fn released<'e>(
 /// `(user_id, order_id)` of a sale's releases still owed (for reconcile's books).
 pub(crate) async fn owed_for(
     tx: &mut Transaction<'_, Postgres>,
-    voucher_id: i64,
-) -> Result<Vec<(i64, i64)>, sqlx::Error> {
+    voucher_id: VoucherId,
+) -> Result<Vec<(UserId, OrderId)>, sqlx::Error> {
     sqlx::query_as("SELECT user_id, order_id FROM stock_releases WHERE voucher_id = $1")
         .bind(voucher_id)
         .fetch_all(&mut **tx)
@@ -264,8 +265,8 @@ pub(crate) async fn owed_count(db: &PgPool) -> Result<i64, sqlx::Error> {
 #[tracing::instrument(skip(db))]
 pub(crate) async fn status_counts(
     db: &PgPool,
-    voucher_id: i64,
-) -> Result<Vec<(String, i64)>, sqlx::Error> {
+    voucher_id: VoucherId,
+) -> Result<Vec<(OrderStatus, i64)>, sqlx::Error> {
     sqlx::query_as(
         "SELECT status, count(*) FROM voucher_orders WHERE voucher_id = $1 GROUP BY status",
     )

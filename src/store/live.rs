@@ -4,6 +4,8 @@
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
+use crate::domain::VoucherId;
+
 /// How long an ended sale stays on the page.
 pub const ENDED_SHOWN_SECS: i64 = 300;
 
@@ -12,7 +14,7 @@ pub const STATEMENT_TIMEOUT: std::time::Duration = std::time::Duration::from_mil
 
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct SaleRow {
-    pub voucher_id: i64,
+    pub voucher_id: VoucherId,
     pub title: String,
     /// `upcoming`, `open` or `ended`, by Postgres's clock: one clock for every instance,
     /// whatever their own clocks say.
@@ -55,8 +57,8 @@ pub struct Sales {
 /// limit never leaves a selling sale out for another kind, once the caller has told the
 /// ones Redis has sold out.
 #[tracing::instrument(level = "debug", skip(db, sold_out))]
-pub async fn sales(db: &PgPool, limit: i64, sold_out: &[(i64, i32)]) -> sqlx::Result<Sales> {
-    let (sold_ids, sold_stock): (Vec<i64>, Vec<i32>) = sold_out.iter().copied().unzip();
+pub async fn sales(db: &PgPool, limit: i64, sold_out: &[(VoucherId, i32)]) -> sqlx::Result<Sales> {
+    let (sold_ids, sold_stock): (Vec<VoucherId>, Vec<i32>) = sold_out.iter().copied().unzip();
     let mut tx = db.begin().await?;
     // The timeout, and Postgres's clock (the one the states below are decided by) in
     // the same round trip.

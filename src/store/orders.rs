@@ -6,6 +6,8 @@ use chrono::{DateTime, Utc};
 use futures_util::future::BoxFuture;
 use sqlx::{FromRow, PgPool, Postgres, Transaction};
 
+use crate::domain::{OrderId, OrderStatus, UserId, VoucherId};
+
 pub(crate) use super::admitted::ACTIVE;
 pub use super::admitted::{NewOrder, Rejection};
 use super::vouchers::lock_sales;
@@ -29,15 +31,15 @@ pub enum Persisted {
 /// left out of a reload that ran meanwhile (it saw neither the entry nor the row), so
 /// writing it would sell a unit twice.
 pub(crate) type LiveCheck<'a> =
-    &'a (dyn Fn(Vec<i64>) -> BoxFuture<'a, anyhow::Result<HashSet<i64>>> + Send + Sync);
+    &'a (dyn Fn(Vec<OrderId>) -> BoxFuture<'a, anyhow::Result<HashSet<OrderId>>> + Send + Sync);
 
 #[derive(Debug, Clone, FromRow)]
 pub struct OrderRow {
-    pub id: i64,
-    pub user_id: i64,
-    pub voucher_id: i64,
-    /// `created`, `paid`, `cancelled` or `expired`.
-    pub status: String,
+    pub id: OrderId,
+    pub user_id: UserId,
+    pub voucher_id: VoucherId,
+    /// Never `pending`: Postgres holds written orders only.
+    pub status: OrderStatus,
     pub created_at: DateTime<Utc>,
     pub pay_before: DateTime<Utc>,
     pub paid_at: Option<DateTime<Utc>>,
@@ -98,8 +100,10 @@ pub async fn persist_batch(
 
 /// Splits a batch into rounds in which no order id repeats: the n-th occurrence of an
 /// id goes to the n-th round, items without an id to the first. Indices, in order.
-pub(crate) fn rounds_of_unique_ids(ids: impl IntoIterator<Item = Option<i64>>) -> Vec<Vec<usize>> {
-    let mut seen: HashMap<i64, usize> = HashMap::new();
+pub(crate) fn rounds_of_unique_ids(
+    ids: impl IntoIterator<Item = Option<OrderId>>,
+) -> Vec<Vec<usize>> {
+    let mut seen: HashMap<OrderId, usize> = HashMap::new();
     let mut rounds: Vec<Vec<usize>> = Vec::new();
     for (i, id) in ids.into_iter().enumerate() {
         let round = id.map_or(0, |id| {
@@ -153,18 +157,18 @@ async fn write(
     live: LiveCheck<'_>,
 ) -> anyhow::Result<Option<Vec<Persisted>>> {
     let mut inserted = insert_orders(tx, all).await?;
-    let vouchers: Vec<i64> = all.iter().map(|o| o.voucher_id).collect();
+    let vouchers: Vec<VoucherId> = all.iter().map(|o| o.voucher_id).collect();
     lock_sales(tx, &vouchers).await?;
     // Under the lock, as the loader and burials see it: a reload may have run without
     // seeing an entry Redis lost (nor our row), a burial may have tombstoned an order
     // whose row we had not committed yet. Neither may be written.
     let alive = live(all.iter().map(|o| o.id).collect()).await?;
-    let mut unwanted: Vec<i64> = inserted
+    let mut unwanted: Vec<OrderId> = inserted
         .iter()
         .filter(|id| !alive.contains(id))
         .copied()
         .collect();
-    let rows: Vec<i64> = inserted.iter().copied().collect();
+    let rows: Vec<OrderId> = inserted.iter().copied().collect();
     unwanted.extend(super::dead_orders::buried_among(tx, &rows).await?);
     if !unwanted.is_empty() {
         for id in delete_rows(tx, &unwanted).await? {
@@ -188,7 +192,7 @@ async fn write(
         inserted.extend(insert_orders(tx, &skipped).await?);
     }
 
-    let mut per_voucher: BTreeMap<i64, i32> = BTreeMap::new();
+    let mut per_voucher: BTreeMap<VoucherId, i32> = BTreeMap::new();
     for o in orders.iter().filter(|o| inserted.contains(&o.id)) {
         *per_voucher.entry(o.voucher_id).or_default() += 1;
     }
@@ -258,16 +262,16 @@ fn rejection(e: &sqlx::Error) -> Rejection {
 async fn insert_orders(
     tx: &mut Transaction<'_, Postgres>,
     orders: &[NewOrder],
-) -> Result<HashSet<i64>, sqlx::Error> {
+) -> Result<HashSet<OrderId>, sqlx::Error> {
     let mut sorted = orders.to_vec();
     sorted.sort_unstable_by_key(|o| o.id);
-    let ids: Vec<i64> = sorted.iter().map(|o| o.id).collect();
-    let users: Vec<i64> = sorted.iter().map(|o| o.user_id).collect();
-    let vouchers: Vec<i64> = sorted.iter().map(|o| o.voucher_id).collect();
+    let ids: Vec<OrderId> = sorted.iter().map(|o| o.id).collect();
+    let users: Vec<UserId> = sorted.iter().map(|o| o.user_id).collect();
+    let vouchers: Vec<VoucherId> = sorted.iter().map(|o| o.voucher_id).collect();
     let times: Vec<DateTime<Utc>> = sorted.iter().map(|o| o.admitted_at).collect();
     // An order of a voucher without a sale gets a window of 0 and then fails its
     // foreign key, as it should.
-    let inserted: Vec<i64> = sqlx::query_scalar(
+    let inserted: Vec<OrderId> = sqlx::query_scalar(
         "INSERT INTO voucher_orders (id, user_id, voucher_id, created_at, pay_before) \
          SELECT t.id, t.user_id, t.voucher_id, t.created_at, \
                 t.created_at + make_interval(secs => coalesce(s.pay_within_secs, 0)) \
@@ -290,8 +294,8 @@ async fn insert_orders(
 /// Takes back rows this transaction inserted; returns the ids deleted.
 async fn delete_rows(
     tx: &mut Transaction<'_, Postgres>,
-    ids: &[i64],
-) -> Result<Vec<i64>, sqlx::Error> {
+    ids: &[OrderId],
+) -> Result<Vec<OrderId>, sqlx::Error> {
     sqlx::query_scalar("DELETE FROM voucher_orders WHERE id = ANY($1) RETURNING id")
         .bind(ids)
         .fetch_all(&mut **tx)
@@ -301,7 +305,7 @@ async fn delete_rows(
 /// `false` when the voucher has fewer than `n` units left (or no flash sale).
 async fn take_stock(
     tx: &mut Transaction<'_, Postgres>,
-    voucher_id: i64,
+    voucher_id: VoucherId,
     n: i32,
 ) -> Result<bool, sqlx::Error> {
     let done = sqlx::query(
@@ -319,17 +323,17 @@ async fn take_stock(
 async fn classify(
     tx: &mut Transaction<'_, Postgres>,
     orders: &[NewOrder],
-    inserted: &HashSet<i64>,
+    inserted: &HashSet<OrderId>,
 ) -> Result<Vec<Persisted>, sqlx::Error> {
-    let skipped: Vec<i64> = orders
+    let skipped: Vec<OrderId> = orders
         .iter()
         .filter(|o| !inserted.contains(&o.id))
         .map(|o| o.id)
         .collect();
-    let stored: HashMap<i64, (i64, i64)> = if skipped.is_empty() {
+    let stored: HashMap<OrderId, (UserId, VoucherId)> = if skipped.is_empty() {
         HashMap::new()
     } else {
-        sqlx::query_as::<_, (i64, i64, i64)>(
+        sqlx::query_as::<_, (OrderId, UserId, VoucherId)>(
             "SELECT id, user_id, voucher_id FROM voucher_orders WHERE id = ANY($1)",
         )
         .bind(&skipped)
@@ -339,7 +343,7 @@ async fn classify(
         .map(|(id, u, v)| (id, (u, v)))
         .collect()
     };
-    let mut dead: HashMap<i64, Vec<(i64, i64)>> = HashMap::new();
+    let mut dead: HashMap<OrderId, Vec<(UserId, VoucherId)>> = HashMap::new();
     for (id, u, v) in super::dead_orders::orders_among(tx, &skipped).await? {
         dead.entry(id).or_default().push((u, v));
     }
@@ -366,7 +370,7 @@ async fn classify(
 #[tracing::instrument(skip(db))]
 pub(crate) async fn get<'e>(
     db: impl sqlx::PgExecutor<'e>,
-    order_id: i64,
+    order_id: OrderId,
 ) -> Result<Option<OrderRow>, sqlx::Error> {
     sqlx::query_as(&format!(
         "SELECT {ORDER_COLUMNS} FROM voucher_orders WHERE id = $1"
@@ -379,7 +383,10 @@ pub(crate) async fn get<'e>(
 /// The user's newest 1000 orders. Active and closed orders are found through two
 /// partial indexes (the worker's inserts touch only the first).
 #[tracing::instrument(skip(db))]
-pub(crate) async fn list_by_user(db: &PgPool, user_id: i64) -> Result<Vec<OrderRow>, sqlx::Error> {
+pub(crate) async fn list_by_user(
+    db: &PgPool,
+    user_id: UserId,
+) -> Result<Vec<OrderRow>, sqlx::Error> {
     sqlx::query_as(&format!(
         "(SELECT {ORDER_COLUMNS} FROM voucher_orders WHERE user_id = $1 AND {ACTIVE}) \
          UNION ALL \
@@ -398,8 +405,8 @@ pub(crate) async fn list_by_user(db: &PgPool, user_id: i64) -> Result<Vec<OrderR
 /// written, and if it is closed its unit is back in Postgres's stock already.
 pub(crate) async fn written_among(
     tx: &mut Transaction<'_, Postgres>,
-    ids: &[i64],
-) -> Result<Vec<i64>, sqlx::Error> {
+    ids: &[OrderId],
+) -> Result<Vec<OrderId>, sqlx::Error> {
     if ids.is_empty() {
         return Ok(Vec::new());
     }
@@ -418,9 +425,9 @@ pub(crate) async fn written_among(
 #[tracing::instrument(skip(db))]
 pub(crate) async fn page_of_sale(
     db: &PgPool,
-    voucher_id: i64,
-    status: Option<&str>,
-    below: Option<i64>,
+    voucher_id: VoucherId,
+    status: Option<OrderStatus>,
+    below: Option<OrderId>,
     limit: i64,
 ) -> Result<Vec<OrderRow>, sqlx::Error> {
     sqlx::query_as(&format!(

@@ -3,6 +3,8 @@
 use chrono::{DateTime, Utc};
 use sqlx::{FromRow, PgPool};
 
+use crate::domain::{OrderId, UserId, VoucherId};
+
 /// A validated voucher to create.
 #[derive(Debug, Clone)]
 pub struct NewVoucher {
@@ -26,7 +28,7 @@ pub struct NewSeckill {
 
 #[derive(Debug, Clone, FromRow)]
 pub(crate) struct VoucherRow {
-    pub id: i64,
+    pub id: VoucherId,
     pub shop_id: i64,
     pub title: String,
     pub sub_title: String,
@@ -44,7 +46,7 @@ pub(crate) struct VoucherRow {
 /// A flash sale, as far as finding the ones to load needs.
 #[derive(Debug, Clone, FromRow)]
 pub(crate) struct SeckillState {
-    pub voucher_id: i64,
+    pub voucher_id: VoucherId,
     pub end_time: DateTime<Utc>,
 }
 
@@ -57,7 +59,7 @@ const SELECT_VOUCHER: &str = "SELECT v.id, v.shop_id, v.title, v.sub_title, v.ru
 #[tracing::instrument(skip_all, fields(shop_id = new.shop_id))]
 pub(crate) async fn insert(db: &PgPool, new: &NewVoucher) -> Result<VoucherRow, sqlx::Error> {
     let mut tx = db.begin().await?;
-    let id: i64 = sqlx::query_scalar(
+    let id: VoucherId = sqlx::query_scalar(
         "INSERT INTO vouchers (shop_id, title, sub_title, rules, pay_value, actual_value) \
          VALUES ($1, $2, $3, $4, $5, $6) RETURNING id",
     )
@@ -92,7 +94,7 @@ pub(crate) async fn insert(db: &PgPool, new: &NewVoucher) -> Result<VoucherRow, 
 }
 
 #[tracing::instrument(skip(db))]
-pub(crate) async fn get(db: &PgPool, id: i64) -> Result<Option<VoucherRow>, sqlx::Error> {
+pub(crate) async fn get(db: &PgPool, id: VoucherId) -> Result<Option<VoucherRow>, sqlx::Error> {
     sqlx::query_as(&format!("{SELECT_VOUCHER} WHERE v.id = $1"))
         .bind(id)
         .fetch_optional(db)
@@ -139,7 +141,7 @@ pub(crate) async fn sales_ending_after(
 #[tracing::instrument(skip(db))]
 pub(crate) async fn sale(
     db: &PgPool,
-    voucher_id: i64,
+    voucher_id: VoucherId,
 ) -> Result<Option<SeckillState>, sqlx::Error> {
     sqlx::query_as("SELECT voucher_id, end_time FROM seckill_vouchers WHERE voucher_id = $1")
         .bind(voucher_id)
@@ -151,12 +153,12 @@ pub(crate) async fn sale(
 #[tracing::instrument(skip(db))]
 pub(crate) async fn pay_windows(
     db: &PgPool,
-    voucher_ids: &[i64],
-) -> Result<std::collections::HashMap<i64, i32>, sqlx::Error> {
+    voucher_ids: &[VoucherId],
+) -> Result<std::collections::HashMap<VoucherId, i32>, sqlx::Error> {
     if voucher_ids.is_empty() {
         return Ok(Default::default());
     }
-    Ok(sqlx::query_as::<_, (i64, i32)>(
+    Ok(sqlx::query_as::<_, (VoucherId, i32)>(
         "SELECT voucher_id, pay_within_secs FROM seckill_vouchers WHERE voucher_id = ANY($1)",
     )
     .bind(voucher_ids)
@@ -167,14 +169,14 @@ pub(crate) async fn pay_windows(
 }
 
 /// `(user_id, order_id)` of every order of a sale: the buyers Redis must know.
-pub(crate) type Buyers = Vec<(i64, i64)>;
+pub(crate) type Buyers = Vec<(UserId, OrderId)>;
 
 /// `(user_id, order_id)` of the sale's active orders (created or paid: the ones holding
 /// a unit), without a lock (a hint, re-read under it).
 #[tracing::instrument(skip(db))]
 pub(crate) async fn buyers<'e>(
     db: impl sqlx::PgExecutor<'e>,
-    voucher_id: i64,
+    voucher_id: VoucherId,
 ) -> Result<Buyers, sqlx::Error> {
     sqlx::query_as(&format!(
         "SELECT user_id, id FROM voucher_orders WHERE voucher_id = $1 AND {}",
@@ -200,7 +202,7 @@ pub(crate) struct LockedSale {
 #[tracing::instrument(skip(tx))]
 pub(crate) async fn lock_sale(
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
-    voucher_id: i64,
+    voucher_id: VoucherId,
 ) -> Result<Option<(LockedSale, Buyers)>, sqlx::Error> {
     let sale: Option<LockedSale> = sqlx::query_as(
         "SELECT initial_stock, stock, begin_time, end_time FROM seckill_vouchers \
@@ -222,7 +224,7 @@ pub(crate) async fn lock_sale(
 #[tracing::instrument(skip(tx))]
 pub(crate) async fn end_sale_at(
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
-    voucher_id: i64,
+    voucher_id: VoucherId,
     end_ms: i64,
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
@@ -245,7 +247,7 @@ pub(crate) async fn end_sale_at(
 /// most the session's `lock_timeout`.
 pub(crate) async fn lock_sales(
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
-    voucher_ids: &[i64],
+    voucher_ids: &[VoucherId],
 ) -> Result<u64, sqlx::Error> {
     let mut ids = voucher_ids.to_vec();
     ids.sort_unstable();

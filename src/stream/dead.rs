@@ -4,6 +4,7 @@
 use redis::aio::ConnectionLike;
 use redis::RedisResult;
 
+use crate::domain::{OrderId, UserId, VoucherId};
 use crate::keys::{Keys, Shard};
 use crate::scripts::{Call, Replicas};
 
@@ -55,10 +56,10 @@ pub(crate) async fn settle_dead<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     entry_id: &str,
-    voucher_id: i64,
-    user_id: i64,
-    order_id: i64,
-    holder: Option<i64>,
+    voucher_id: VoucherId,
+    user_id: UserId,
+    order_id: OrderId,
+    holder: Option<OrderId>,
     return_unit: bool,
     replicas: Replicas,
 ) -> RedisResult<bool> {

@@ -4,6 +4,7 @@
 use chrono::{DateTime, Utc};
 use redis::{RedisResult, Value};
 
+use crate::domain::{OrderId, UserId, VoucherId};
 use crate::keys::entry_field;
 use crate::store::orders::NewOrder;
 
@@ -109,9 +110,9 @@ impl Entry {
         };
         let order = (|| {
             Some(NewOrder {
-                id: get(entry_field::ORDER_ID)?,
-                voucher_id: get(entry_field::VOUCHER_ID)?,
-                user_id: get(entry_field::USER_ID)?,
+                id: OrderId::new(get(entry_field::ORDER_ID)?)?,
+                voucher_id: VoucherId::new(get(entry_field::VOUCHER_ID)?)?,
+                user_id: UserId::new(get(entry_field::USER_ID)?)?,
                 admitted_at: DateTime::<Utc>::from_timestamp_millis(get(
                     entry_field::ADMITTED_MS,
                 )?)?,
@@ -251,7 +252,10 @@ mod tests {
         let Entry::Order { order, .. } = e else {
             panic!("not an order: {e:?}")
         };
-        assert_eq!((order.id, order.voucher_id, order.user_id), (9, 2, 3));
+        assert_eq!(
+            (order.id.get(), order.voucher_id.get(), order.user_id.get()),
+            (9, 2, 3)
+        );
     }
 
     #[test]

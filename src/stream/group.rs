@@ -6,6 +6,7 @@ use redis::aio::ConnectionLike;
 use redis::streams::StreamPendingCountReply;
 use redis::{RedisResult, Value};
 
+use crate::domain::OrderId;
 use crate::keys::{Keys, Shard};
 
 use super::entry::{parse_entries, parse_id, parse_raw, parse_read_reply, unexpected, Entry};
@@ -204,7 +205,7 @@ async fn orders_among<C: ConnectionLike + Send>(
     keys: &Keys,
     shard: Shard,
     ids: &[&str],
-) -> RedisResult<HashMap<String, Option<i64>>> {
+) -> RedisResult<HashMap<String, Option<OrderId>>> {
     let xrange = |first: &str, last: &str, count: usize| {
         let mut cmd = redis::cmd("XRANGE");
         cmd.arg(keys.stream(shard))
@@ -219,7 +220,8 @@ async fn orders_among<C: ConnectionLike + Send>(
         .into_iter()
         .map(|(id, fields)| {
             let order = fields.into_iter().flatten().find_map(|(k, v)| {
-                (k == crate::keys::entry_field::ORDER_ID).then(|| v.parse().ok())?
+                (k == crate::keys::entry_field::ORDER_ID)
+                    .then(|| v.parse::<i64>().ok().and_then(OrderId::new))?
             });
             (id, order)
         })
@@ -254,7 +256,7 @@ pub(crate) async fn still_pending<C: ConnectionLike + Clone + Send>(
     conn: &C,
     keys: &Keys,
     shard: Shard,
-    wanted: &[(&str, i64)],
+    wanted: &[(&str, OrderId)],
 ) -> RedisResult<StillPending> {
     let ids: Vec<&str> = wanted.iter().map(|(id, _)| *id).collect();
     let (mut pending_conn, mut orders_conn) = (conn.clone(), conn.clone());

@@ -10,6 +10,7 @@ use tokio::time::Instant;
 
 use super::read::Held;
 use super::{BatchReport, Worker};
+use crate::domain::OrderId;
 use crate::keys::Shard;
 use crate::redis_conn::RedisConn;
 use crate::store::dead_orders::{self, Burial};
@@ -140,15 +141,15 @@ impl Worker {
                 _ => None,
             })
             .collect();
-        let entry_of: HashMap<i64, &str> = entries
+        let entry_of: HashMap<OrderId, &str> = entries
             .iter()
             .filter_map(|e| Some((e.order()?.id, e.entry_id())))
             .collect();
         let reused: Mutex<HashSet<String>> = Mutex::default();
-        let live = |ids: Vec<i64>| -> BoxFuture<'_, anyhow::Result<HashSet<i64>>> {
+        let live = |ids: Vec<OrderId>| -> BoxFuture<'_, anyhow::Result<HashSet<OrderId>>> {
             let (entry_of, reused) = (&entry_of, &reused);
             Box::pin(async move {
-                let wanted: Vec<(&str, i64)> = ids
+                let wanted: Vec<(&str, OrderId)> = ids
                     .iter()
                     .filter_map(|id| Some((*entry_of.get(id)?, *id)))
                     .collect();
@@ -178,7 +179,7 @@ impl Worker {
                     Persisted::AlreadyThere => report.already_there += 1,
                     Persisted::Vanished => {
                         tracing::warn!(
-                            order_id = order.id,
+                            order_id = order.id.get(),
                             "not writing an order whose stream entry is gone (redis lost it)"
                         );
                         report.vanished += 1;
@@ -283,7 +284,7 @@ impl Worker {
                     false => (why, reason),
                 };
                 if newly {
-                    tracing::warn!(entry_id = entry.entry_id(), order_id = order.id, %reason, "dead-lettering order");
+                    tracing::warn!(entry_id = entry.entry_id(), order_id = order.id.get(), %reason, "dead-lettering order");
                     let dead = entry.clone().into_dead_letter(DeadReason::Refused(reason));
                     stream::dead_letter(conn, &self.keys, shard, &dead).await?;
                     metrics::counter!(crate::metrics::DEAD_LETTERED, "kind" => why.kind())

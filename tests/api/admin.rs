@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 
-use crate::common::{press_all, TestApp};
+use crate::common::{press_all, vid, TestApp};
 use reqwest::StatusCode;
 use serde_json::Value;
 use sqlx::PgPool;
@@ -315,7 +315,7 @@ async fn a_close_that_only_reached_redis_survives_a_repair_and_a_second_close_fi
     let voucher = app.open_sale(10).await;
     assert_eq!(app.grab(voucher, 1).await.0, StatusCode::ACCEPTED);
     let end_ms: i64 = redis::Script::new(include_str!("../../lua/close_sale.lua"))
-        .key(app.keys.voucher(voucher))
+        .key(app.keys.voucher(vid(voucher)))
         .invoke_async(&mut app.redis.clone())
         .await
         .unwrap();

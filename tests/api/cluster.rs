@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::common::cluster::PrivateCluster;
 use crate::common::faults::{self, Process};
-use crate::common::{metric_value, metrics_at};
+use crate::common::{metric_value, metrics_at, vid};
 use futures::StreamExt;
 use reqwest::StatusCode;
 use seckill::auth::JwtKeys;
@@ -335,11 +335,11 @@ async fn a_master_killed_mid_storm_on_a_cluster_with_replicas_loses_no_202_and_h
         sales.push(crate::common::open_sale_at(&http, &bases[0], stock).await);
     }
     let keys = seckill::keys::Keys::with_shards("", 3).unwrap();
-    let victim = cluster.master_of(&keys.voucher(sales[0])).await;
+    let victim = cluster.master_of(&keys.voucher(vid(sales[0]))).await;
     let replica = cluster.replica_of(victim).await;
     let mut on_victim = Vec::new();
     for &sale in &sales {
-        if cluster.master_of(&keys.voucher(sale)).await == victim {
+        if cluster.master_of(&keys.voucher(vid(sale))).await == victim {
             on_victim.push(sale);
         }
     }

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::common::faults::{self, PrivateRedis, Proxy};
 use crate::common::sentinel::{PrivateSentinel, MASTER};
-use crate::common::{metric_value, metrics_at, open_sale_at, TestApp};
+use crate::common::{metric_value, metrics_at, open_sale_at, vid, TestApp};
 use seckill::config::Settings;
 use seckill::scripts::Replicas;
 
@@ -68,10 +68,11 @@ async fn a_grab_is_answered_202_only_once_a_replica_holds_it_and_unknown_when_no
     assert_eq!(status, StatusCode::ACCEPTED, "{body}");
     let order = body["order_id"].as_str().unwrap().to_string();
     // The answer came after the replica held the order: read it there.
-    let on_replica: Option<String> = replica
-        .as_ref()
-        .unwrap()
-        .run_command(redis::cmd("HGET").arg(app.keys.voucher(voucher)).arg("u:1"));
+    let on_replica: Option<String> = replica.as_ref().unwrap().run_command(
+        redis::cmd("HGET")
+            .arg(app.keys.voucher(vid(voucher)))
+            .arg("u:1"),
+    );
     assert_eq!(on_replica.as_deref(), Some(order.as_str()));
 
     // No replica answers: the grab ran on the master, but a failover could undo it.

@@ -11,7 +11,7 @@ use serde_json::Value;
 use sqlx::PgPool;
 
 use crate::common::faults::{Process, Proxy};
-use crate::common::{metric_value, metrics_at, press_all, TestApp};
+use crate::common::{metric_value, metrics_at, press_all, vid, TestApp};
 
 /// How long a memory stands unconfirmed by default (`EDGE_VERDICT_TTL_MS`).
 const TTL: Duration = Duration::from_millis(500);
@@ -231,7 +231,7 @@ async fn wrongly_sold_out(app: &TestApp, b: &str, sale: i64) {
     app.drain().await;
     app.redis_cmd::<()>(
         redis::cmd("HSET")
-            .arg(app.keys.voucher(sale))
+            .arg(app.keys.voucher(vid(sale)))
             .arg("stock")
             .arg(0),
     )
@@ -276,7 +276,7 @@ async fn a_sale_reloaded_after_its_state_was_lost_sells_through_an_instance_that
     wrongly_sold_out(&app, &b, sale).await;
 
     // The state is lost: the next press that reaches Redis reloads it from Postgres.
-    app.redis_cmd::<()>(redis::cmd("DEL").arg(app.keys.voucher(sale)))
+    app.redis_cmd::<()>(redis::cmd("DEL").arg(app.keys.voucher(vid(sale))))
         .await;
     let lost = Instant::now();
     let (took, _) = until_admitted(&app, &b, sale, &mut (1000..), lost).await;
@@ -343,7 +343,7 @@ async fn a_sale_opening_while_an_instance_is_stormed_admits_nobody_early_and_ope
     let begin_ms: i64 = app
         .redis_cmd::<Option<String>>(
             redis::cmd("HGET")
-                .arg(app.keys.voucher(sale))
+                .arg(app.keys.voucher(vid(sale)))
                 .arg("begin_ms"),
         )
         .await
@@ -389,7 +389,7 @@ async fn a_sale_opening_while_an_instance_is_stormed_admits_nobody_early_and_ope
     let entries: Vec<(String, Vec<(String, String)>)> = app
         .redis_cmd(
             redis::cmd("XRANGE")
-                .arg(app.keys.stream(app.keys.shard_of(sale)))
+                .arg(app.keys.stream(app.keys.shard_of(vid(sale))))
                 .arg("-")
                 .arg("+"),
         )
@@ -517,7 +517,7 @@ async fn a_shopper_who_won_a_returned_unit_elsewhere_while_announcements_were_lo
     assert_eq!(status, StatusCode::OK, "{body}");
     let (_, order) = until_admitted(&app, &app.base, sale, &mut (500..), Instant::now()).await;
     let fields: Vec<(String, String)> = app
-        .redis_cmd(redis::cmd("HGETALL").arg(app.keys.voucher(sale)))
+        .redis_cmd(redis::cmd("HGETALL").arg(app.keys.voucher(vid(sale))))
         .await;
     let winner: i64 = fields
         .iter()
@@ -547,7 +547,7 @@ async fn an_instance_whose_subscription_drops_forgets_every_sale(db: PgPool) {
     // to a second. Its subscription drops, and it forgets at once.
     app.redis_cmd::<()>(
         redis::cmd("HSET")
-            .arg(app.keys.voucher(sale))
+            .arg(app.keys.voucher(vid(sale)))
             .arg("stock")
             .arg(2),
     )

@@ -2,7 +2,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::common::TestApp;
+use crate::common::{oid, uid, vid, TestApp};
 use chrono::{Duration, Utc};
 use reqwest::StatusCode;
 use serde_json::Value;
@@ -141,7 +141,7 @@ async fn grabbing_after_the_sale_closes_says_ended(db: PgPool) {
 
     // Once the sale's Redis state has expired as well, it still says ended (not 503).
     let _: () = app
-        .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(voucher)))
+        .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(vid(voucher))))
         .await;
     let (status, body) = app.grab(voucher, 3).await;
     assert_eq!(
@@ -255,7 +255,7 @@ async fn a_sale_whose_redis_state_vanished_fails_closed_then_reloads_from_postgr
     app.drain().await;
 
     let _: () = app
-        .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(voucher)))
+        .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(vid(voucher))))
         .await;
     let (status, body) = app.grab(voucher, 2).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
@@ -296,7 +296,7 @@ async fn start_up_loading_fills_missing_sales_and_leaves_live_ones_alone(db: PgP
     app.drain().await;
     app.grab(live, 2).await; // pending: Redis knows it, Postgres does not yet
     let _: () = app
-        .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(lost)))
+        .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(vid(lost))))
         .await;
 
     let retention = std::time::Duration::from_secs(60);
@@ -323,11 +323,11 @@ async fn grabs_coalesced_into_one_script_call_are_decided_in_order_each_as_if_al
     let app = TestApp::spawn(db).await;
     let voucher = app.open_sale(1).await;
     let other = app.open_sale(5).await;
-    let shard = app.keys.shard_of(voucher);
+    let shard = app.keys.shard_of(vid(voucher));
     let grab = |voucher_id, user_id, order_id| Grab {
-        voucher_id,
-        user_id,
-        order_id,
+        voucher_id: vid(voucher_id),
+        user_id: uid(user_id),
+        order_id: oid(order_id),
     };
     let outcomes = admit_many(
         &mut app.redis.clone(),
@@ -346,10 +346,16 @@ async fn grabs_coalesced_into_one_script_call_are_decided_in_order_each_as_if_al
     assert_eq!(
         outcomes,
         [
-            Outcome::Admitted { order_id: 1001 },
-            Outcome::AlreadyOrdered { order_id: 1001 },
+            Outcome::Admitted {
+                order_id: oid(1001)
+            },
+            Outcome::AlreadyOrdered {
+                order_id: oid(1001)
+            },
             Outcome::SoldOut,
-            Outcome::Admitted { order_id: 1004 },
+            Outcome::Admitted {
+                order_id: oid(1004)
+            },
         ]
     );
     let report = app.drain().await;
@@ -369,22 +375,22 @@ async fn a_corrupt_sale_in_a_coalesced_call_reserves_nothing_for_itself_and_spoi
     let _: () = app
         .redis_cmd(
             redis::cmd("HSET")
-                .arg(app.keys.voucher(corrupt))
+                .arg(app.keys.voucher(vid(corrupt)))
                 .arg("stock")
                 .arg("five"),
         )
         .await;
     let grab = |voucher_id, user_id, order_id| Grab {
-        voucher_id,
-        user_id,
-        order_id,
+        voucher_id: vid(voucher_id),
+        user_id: uid(user_id),
+        order_id: oid(order_id),
     };
     // The sound sale's grab comes first: its XADD must not be followed by a failure
     // that tells its caller nothing was reserved.
     let outcomes = admit_many(
         &mut app.redis.clone(),
         &app.keys,
-        app.keys.shard_of(sound),
+        app.keys.shard_of(vid(sound)),
         &[grab(sound, 1, 2001), grab(corrupt, 2, 2002)],
         seckill::scripts::Replicas::NONE,
     )
@@ -392,7 +398,12 @@ async fn a_corrupt_sale_in_a_coalesced_call_reserves_nothing_for_itself_and_spoi
     .unwrap();
     assert_eq!(
         outcomes,
-        [Outcome::Admitted { order_id: 2001 }, Outcome::Corrupt]
+        [
+            Outcome::Admitted {
+                order_id: oid(2001)
+            },
+            Outcome::Corrupt
+        ]
     );
     assert_eq!(app.drain().await.inserted, 1, "the sound sale's order only");
 

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use crate::common::TestApp;
+use crate::common::{oid, uid, vid, TestApp};
 use reqwest::StatusCode;
 use serde_json::json;
 use sqlx::PgPool;
@@ -45,11 +45,11 @@ async fn a_script_run_twice_for_one_request_answers_202_with_the_order_it_minted
     let voucher = app.open_sale(5).await;
     let minted = app.state.ids.next().unwrap();
     let mut conn = app.redis.clone();
-    let first = admit(&mut conn, &app.keys, voucher, 42, minted)
+    let first = admit(&mut conn, &app.keys, vid(voucher), uid(42), minted)
         .await
         .unwrap();
     assert_eq!(first, Outcome::Admitted { order_id: minted });
-    let second = admit(&mut conn, &app.keys, voucher, 42, minted).await;
+    let second = admit(&mut conn, &app.keys, vid(voucher), uid(42), minted).await;
     assert_eq!(
         second.as_ref().unwrap(),
         &Outcome::AlreadyOrdered { order_id: minted }
@@ -126,12 +126,13 @@ async fn a_grab_whose_redis_call_times_out_says_the_outcome_is_unknown_and_a_ret
     assert_eq!(body["error"]["code"], "already_ordered", "{body}");
     let order_id: i64 = body["error"]["order_id"].as_str().unwrap().parse().unwrap();
     assert_eq!(app.live_stock(voucher).await, Some(3));
-    let orders = seckill::admission::orders_of(&mut app.redis.clone(), &app.keys, 7, &[voucher])
-        .await
-        .unwrap();
+    let orders =
+        seckill::admission::orders_of(&mut app.redis.clone(), &app.keys, uid(7), &[vid(voucher)])
+            .await
+            .unwrap();
     assert_eq!(
         orders.iter().map(|o| o.order_id).collect::<Vec<_>>(),
-        [order_id]
+        [oid(order_id)]
     );
 }
 
@@ -658,9 +659,9 @@ async fn a_grab_abandoned_while_queued_behind_a_slow_call_is_never_sent(db: PgPo
         tokio::spawn(async move {
             batcher
                 .admit(Grab {
-                    voucher_id: voucher,
-                    user_id: 7,
-                    order_id: 7007,
+                    voucher_id: vid(voucher),
+                    user_id: uid(7),
+                    order_id: oid(7007),
                 })
                 .await
         })
@@ -669,20 +670,26 @@ async fn a_grab_abandoned_while_queued_behind_a_slow_call_is_never_sent(db: PgPo
     let abandoned = tokio::time::timeout(
         Duration::from_millis(100),
         batcher.admit(Grab {
-            voucher_id: voucher,
-            user_id: 8,
-            order_id: 8008,
+            voucher_id: vid(voucher),
+            user_id: uid(8),
+            order_id: oid(8008),
         }),
     )
     .await;
     assert!(abandoned.is_err(), "still queued behind the slow call");
     assert_eq!(
         in_flight.await.unwrap().unwrap(),
-        Outcome::Admitted { order_id: 7007 }
+        Outcome::Admitted {
+            order_id: oid(7007)
+        }
     );
     blocked.await.unwrap();
     let record: Option<i64> = app
-        .redis_cmd(redis::cmd("HGET").arg(app.keys.voucher(voucher)).arg("u:8"))
+        .redis_cmd(
+            redis::cmd("HGET")
+                .arg(app.keys.voucher(vid(voucher)))
+                .arg("u:8"),
+        )
         .await;
     assert_eq!(record, None, "the abandoned grab was not sent");
     assert_eq!(app.live_stock(voucher).await, Some(3));

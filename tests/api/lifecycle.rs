@@ -8,7 +8,8 @@ use serde_json::{json, Value};
 use sqlx::PgPool;
 
 use crate::common::faults::{database_url, Process, Proxy};
-use crate::common::TestApp;
+use crate::common::{oid, uid, vid, TestApp};
+use seckill::domain::OrderId;
 
 /// Grabs as `user` and returns the order id (the grab must succeed).
 async fn grab_id(app: &TestApp, voucher: i64, user: i64) -> String {
@@ -91,19 +92,26 @@ async fn a_payment_meeting_a_batch_with_a_second_order_of_the_payer_under_the_sa
     let first: i64 = grab_id(&app, voucher, 7).await.parse().unwrap();
     app.drain().await;
     let _: () = app
-        .redis_cmd(redis::cmd("HDEL").arg(app.keys.voucher(voucher)).arg("u:7"))
+        .redis_cmd(
+            redis::cmd("HDEL")
+                .arg(app.keys.voucher(vid(voucher)))
+                .arg("u:7"),
+        )
         .await;
     let second: i64 = grab_id(&app, voucher, 7).await.parse().unwrap();
     let reader = app.worker_named("worker-holding");
     reader.ensure_groups().await.unwrap();
     let held = reader
-        .read_batch(app.keys.shard_of(voucher), ReadFrom::New { block_ms: 1 })
+        .read_batch(
+            app.keys.shard_of(vid(voucher)),
+            ReadFrom::New { block_ms: 1 },
+        )
         .await
         .unwrap();
     let orders: Vec<NewOrder> = held.iter().filter_map(|e| e.order().copied()).collect();
     assert_eq!(
         orders.iter().map(|o| (o.id, o.user_id)).collect::<Vec<_>>(),
-        [(second, 7)]
+        [(oid(second), uid(7))]
     );
 
     // The live check runs under the batch's sale lock, just before the skipped order is
@@ -111,7 +119,7 @@ async fn a_payment_meeting_a_batch_with_a_second_order_of_the_payer_under_the_sa
     // handler makes), and the check returns once it waits for a sale's row.
     let payment = std::sync::Mutex::new(None);
     let (app_ref, payment_ref) = (&app, &payment);
-    let live = move |ids: Vec<i64>| {
+    let live = move |ids: Vec<OrderId>| {
         async move {
             let started = {
                 let mut slot = payment_ref.lock().unwrap();
@@ -125,7 +133,7 @@ async fn a_payment_meeting_a_batch_with_a_second_order_of_the_payer_under_the_sa
                             &mut conn,
                             &keys,
                             Default::default(),
-                            first,
+                            oid(first),
                             Some("psp-7"),
                         )
                         .await
@@ -157,7 +165,7 @@ async fn a_payment_meeting_a_batch_with_a_second_order_of_the_payer_under_the_sa
     );
     match paid {
         Ok(Transition::Moved(row)) => {
-            assert_eq!((row.id, row.status.as_str()), (first, "paid"));
+            assert_eq!((row.id.get(), row.status.as_str()), (first, "paid"));
             assert_eq!(row.payment_ref.as_deref(), Some("psp-7"));
         }
         other => panic!("the payment: {other:?}"),
@@ -508,7 +516,7 @@ async fn a_replayed_entry_never_resurrects_a_cancelled_order_nor_does_a_reload_c
     grab_id(&app, voucher, 2).await;
 
     // A worker commits the batch and dies before XACK: the entries stay pending.
-    app.commit_without_ack("dies-before-ack", app.keys.shard_of(voucher))
+    app.commit_without_ack("dies-before-ack", app.keys.shard_of(vid(voucher)))
         .await;
     assert_eq!(app.pending_count().await, 2);
 
@@ -848,7 +856,7 @@ async fn cancel_pay_and_expiry_racing_at_the_deadline_with_workers_killed_return
         );
     }
     let dead: i64 = app
-        .redis_cmd(redis::cmd("XLEN").arg(app.keys.dead_letters(app.keys.shard_of(voucher))))
+        .redis_cmd(redis::cmd("XLEN").arg(app.keys.dead_letters(app.keys.shard_of(vid(voucher)))))
         .await;
     assert_eq!(dead, 0, "nothing dead-lettered: no 202 beyond stock");
     assert_eq!(
@@ -997,7 +1005,7 @@ async fn a_unit_returned_while_the_sale_is_missing_from_redis_comes_back_through
     // Redis loses the sale's state; the cancel is decided by Postgres alone, and its
     // release finds nothing to release.
     let _: i64 = app
-        .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(voucher)))
+        .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(vid(voucher))))
         .await;
     let (status, body) = app.cancel(&first, 1).await;
     assert_eq!(status, StatusCode::OK, "{body}");

@@ -9,7 +9,7 @@ use serde_json::Value;
 use sqlx::PgPool;
 
 use crate::common::browser::Browser;
-use crate::common::TestApp;
+use crate::common::{vid, TestApp};
 
 /// An open `/live/events` stream, read event by event.
 pub(crate) struct Events {
@@ -513,7 +513,7 @@ impl Counter {
             .position(|o| *o == outcome)
             .unwrap();
         for _ in 0..n {
-            self.tally.add(voucher, index);
+            self.tally.add(vid(voucher), index);
         }
     }
 
@@ -529,7 +529,7 @@ impl Counter {
     async fn count(&self, voucher: i64, outcome: &str) -> Option<u64> {
         self.cmd(
             redis::cmd("HGET")
-                .arg(self.keys.live_counts(voucher))
+                .arg(self.keys.live_counts(vid(voucher)))
                 .arg(outcome),
         )
         .await
@@ -584,7 +584,7 @@ async fn a_flush_whose_answer_is_lost_is_not_counted_twice() {
     assert_eq!(counter.count(voucher, "admitted").await, Some(5));
     counter.flush().await.unwrap();
     // What the live view reads (the hash's `seq:*` field is no outcome).
-    let read = seckill::admission::tally::read(&counter.conn, &counter.keys, &[voucher]).await;
+    let read = seckill::admission::tally::read(&counter.conn, &counter.keys, &[vid(voucher)]).await;
     assert_eq!(read.unwrap(), vec![[6, 1, 0, 0, 0, 0, 0]]);
 }
 
@@ -599,7 +599,7 @@ async fn one_sale_whose_flush_fails_does_not_hold_back_the_others() {
     let () = counter
         .cmd(
             redis::cmd("SET")
-                .arg(counter.keys.live_counts(bad))
+                .arg(counter.keys.live_counts(vid(bad)))
                 .arg("x"),
         )
         .await;
@@ -619,7 +619,7 @@ async fn one_sale_whose_flush_fails_does_not_hold_back_the_others() {
     }
 
     let () = counter
-        .cmd(redis::cmd("DEL").arg(counter.keys.live_counts(bad)))
+        .cmd(redis::cmd("DEL").arg(counter.keys.live_counts(vid(bad))))
         .await;
     counter.flush().await.unwrap();
     assert_eq!(counter.count(bad, "admitted").await, Some(3));
@@ -642,13 +642,13 @@ async fn recent_figures_are_read_over_the_last_whole_seconds_and_then_leave() {
     let voucher = 1;
     let waited = Duration::from_millis(3);
     counter.tally.add_answers([
-        (voucher, Answer::Outcome(0), waited),
-        (voucher, Answer::Outcome(1), waited),
-        (voucher, Answer::Failed(tally::UNKNOWN), waited),
+        (vid(voucher), Answer::Outcome(0), waited),
+        (vid(voucher), Answer::Outcome(1), waited),
+        (vid(voucher), Answer::Failed(tally::UNKNOWN), waited),
     ]);
     counter.flush().await.unwrap();
     let read = || async {
-        tally::read_live(&counter.conn, &counter.keys, &[voucher])
+        tally::read_live(&counter.conn, &counter.keys, &[vid(voucher)])
             .await
             .unwrap()[0]
     };
@@ -722,7 +722,7 @@ async fn a_stalled_flush_delays_no_snapshot(db: PgPool) {
         "{gaps:?}"
     );
 
-    let key = app.keys.live_counts(voucher);
+    let key = app.keys.live_counts(vid(voucher));
     let deadline = Instant::now() + WAIT;
     loop {
         let admitted: Option<u64> = app
@@ -947,7 +947,7 @@ async fn a_lag_redis_cannot_tell_is_null_not_zero(db: PgPool) {
         assert!(Instant::now() < deadline, "lag never 3: {snapshot}");
     }
 
-    let stream = app.keys.stream(app.keys.shard_of(0));
+    let stream = app.keys.stream(seckill::keys::Shard(0));
     let entries: Vec<(String, Vec<(String, String)>)> = app
         .redis_cmd(redis::cmd("XRANGE").arg(stream).arg("-").arg("+"))
         .await;
@@ -981,7 +981,7 @@ async fn with_no_worker_ever_started_the_lag_is_the_whole_stream(db: PgPool) {
         .redis_cmd(
             redis::cmd("XINFO")
                 .arg("GROUPS")
-                .arg(app.keys.stream(app.keys.shard_of(voucher))),
+                .arg(app.keys.stream(app.keys.shard_of(vid(voucher)))),
         )
         .await;
     assert!(groups.is_empty(), "no group yet: {groups:?}");
@@ -1083,7 +1083,7 @@ async fn a_corrupt_stock_in_redis_neither_stops_the_stream_nor_overflows(db: PgP
     let mut events = Events::open(&app.client, &app.base).await;
     events.until(voucher, WAIT, |v| v["remaining"] == 4).await;
 
-    let key = app.keys.voucher(voucher);
+    let key = app.keys.voucher(vid(voucher));
     let _: i64 = app
         .redis_cmd(redis::cmd("HSET").arg(&key).arg("stock").arg(i64::MIN))
         .await;
@@ -1183,7 +1183,7 @@ async fn a_hostile_title_is_shown_as_text_in_a_real_browser_and_runs_nothing(db:
     // Not loaded in Redis: no remaining figure. (Deleted only now: the process's
     // start-up load of open sales, racing the test's start, would put it back.)
     let _: i64 = app
-        .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(voucher)))
+        .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(vid(voucher))))
         .await;
     let bar = browser
         .wait_for(
@@ -1587,7 +1587,7 @@ async fn grabs_answered_503_are_counted_as_their_sales_errors_with_their_rate(db
     let _: i64 = app
         .redis_cmd(
             redis::cmd("HSET")
-                .arg(app.keys.voucher(voucher))
+                .arg(app.keys.voucher(vid(voucher)))
                 .arg("stock")
                 .arg("x"),
         )

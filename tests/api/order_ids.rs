@@ -57,7 +57,7 @@ async fn a_lease_redis_forgot_is_not_minted_with_by_a_new_holder_until_the_old_o
     // renewals fail, so nothing tells it the number was forgotten.
     let path = Proxy::start(redis.addr()).await;
     let old = TestApp::spawn_on(db, format!("redis://{}", path.addr), Settings::default()).await;
-    let node = node_of(old.state.ids.next().unwrap());
+    let node = node_of(old.state.ids.next().unwrap().get());
 
     path.cut();
     // The last id the old holder can mint, asked until it stops.
@@ -110,7 +110,7 @@ async fn a_lease_redis_forgot_is_not_minted_with_by_a_new_holder_until_the_old_o
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
     assert_eq!(node_of(new_first), node, "the only number left");
-    let old_last = old_last.await.unwrap().unwrap();
+    let old_last = old_last.await.unwrap().unwrap().get();
     // Ids carry their millisecond: the new holder's first comes after the old one's last.
     let ms = |id: i64| id >> 22;
     println!(

@@ -3,7 +3,7 @@
 use std::process::Command;
 
 use crate::common::faults::{database_url, BIN};
-use crate::common::TestApp;
+use crate::common::{vid, TestApp};
 use reqwest::StatusCode;
 use sqlx::PgPool;
 
@@ -52,13 +52,17 @@ async fn drift_is_reported_with_a_failing_exit_and_repair_rebuilds_redis(db: PgP
     let _: () = app
         .redis_cmd(
             redis::cmd("HINCRBY")
-                .arg(app.keys.voucher(voucher))
+                .arg(app.keys.voucher(vid(voucher)))
                 .arg("stock")
                 .arg(5),
         )
         .await;
     let _: () = app
-        .redis_cmd(redis::cmd("HDEL").arg(app.keys.voucher(voucher)).arg("u:1"))
+        .redis_cmd(
+            redis::cmd("HDEL")
+                .arg(app.keys.voucher(vid(voucher)))
+                .arg("u:1"),
+        )
         .await;
 
     let (code, table) = seckill(&app, &["reconcile"]);
@@ -86,7 +90,7 @@ async fn an_open_sale_missing_from_redis_is_reported_and_repaired(db: PgPool) {
     let app = TestApp::spawn(db).await;
     let voucher = app.open_sale(5).await;
     let _: () = app
-        .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(voucher)))
+        .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(vid(voucher))))
         .await;
     let (code, table) = seckill(&app, &["reconcile"]);
     assert_eq!(code, 1);
@@ -103,7 +107,7 @@ async fn an_open_sale_missing_from_redis_is_reported_and_repaired(db: PgPool) {
 async fn dead_letters_are_listed_with_their_reason(db: PgPool) {
     let app = TestApp::spawn(db).await;
     let voucher = app.open_sale(5).await;
-    let stream = app.keys.stream(app.keys.shard_of(voucher));
+    let stream = app.keys.stream(app.keys.shard_of(vid(voucher)));
     let _: String = app
         .redis_cmd(
             redis::cmd("XADD")
@@ -141,7 +145,11 @@ async fn a_phantom_order_waiting_to_be_buried_is_no_drift_before_or_after(db: Pg
     app.drain().await;
     // Redis forgets the buyer; their next press is a phantom the worker will bury.
     let _: () = app
-        .redis_cmd(redis::cmd("HDEL").arg(app.keys.voucher(voucher)).arg("u:5"))
+        .redis_cmd(
+            redis::cmd("HDEL")
+                .arg(app.keys.voucher(vid(voucher)))
+                .arg("u:5"),
+        )
         .await;
     assert_eq!(app.grab(voucher, 5).await.0, StatusCode::ACCEPTED);
     let (code, table) = seckill(&app, &["reconcile", "--voucher", &voucher.to_string()]);
@@ -204,7 +212,7 @@ async fn a_sale_with_three_hundred_thousand_buyers_is_repaired_in_chunks(db: PgP
         .await
         .unwrap();
     let _: () = app
-        .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(voucher)))
+        .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(vid(voucher))))
         .await;
 
     let started = std::time::Instant::now();
@@ -219,7 +227,7 @@ async fn a_sale_with_three_hundred_thousand_buyers_is_repaired_in_chunks(db: PgP
     assert_eq!(code, 0, "{out}");
     assert_eq!(app.live_stock(voucher).await, Some(5));
     let fields: i64 = app
-        .redis_cmd(redis::cmd("HLEN").arg(app.keys.voucher(voucher)))
+        .redis_cmd(redis::cmd("HLEN").arg(app.keys.voucher(vid(voucher))))
         .await;
     assert_eq!(
         fields,

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::common::faults::{self, Process, BIN};
-use crate::common::{press_all, TestApp};
+use crate::common::{press_all, vid, TestApp};
 use reqwest::StatusCode;
 use seckill::keys::{Keys, Shard};
 use serde_json::Value;
@@ -155,7 +155,7 @@ async fn online_reloads_racing_the_worker_lose_no_buyer_and_oversell_nothing(db:
             .unwrap();
         tokio::time::sleep(Duration::from_millis(40)).await;
         let _: i64 = app
-            .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(voucher)))
+            .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(vid(voucher))))
             .await;
         persisted_at_reload.push(pg_order_count(&app, voucher).await);
         let user = 100_000 + i;
@@ -180,7 +180,7 @@ async fn online_reloads_racing_the_worker_lose_no_buyer_and_oversell_nothing(db:
         let held: Vec<Option<i64>> = app
             .redis_cmd(
                 redis::cmd("HMGET")
-                    .arg(app.keys.voucher(voucher))
+                    .arg(app.keys.voucher(vid(voucher)))
                     .arg(&fields),
             )
             .await;
@@ -367,7 +367,7 @@ async fn a_buyer_redis_forgot_is_restored_from_postgres_and_gets_no_more_phantom
 
     let user = 7;
     let pg_order = winners[&user];
-    let sale = app.keys.voucher(voucher);
+    let sale = app.keys.voucher(vid(voucher));
     let _: i64 = app
         .redis_cmd(redis::cmd("HDEL").arg(&sale).arg(format!("u:{user}")))
         .await;
@@ -500,7 +500,7 @@ async fn repairing_a_sale_behind_a_long_backlog_does_not_stall_redis(db: PgPool)
     let run_time = RunTime::start();
     let app = TestApp::spawn(db).await;
     let voucher = app.open_sale(100).await;
-    let stream = app.keys.stream(app.keys.shard_of(voucher)).to_string();
+    let stream = app.keys.stream(app.keys.shard_of(vid(voucher))).to_string();
     let _: () = app
         .redis_cmd(
             redis::cmd("XGROUP")
@@ -514,7 +514,10 @@ async fn repairing_a_sale_behind_a_long_backlog_does_not_stall_redis(db: PgPool)
     let backlog = 200_000;
     // Another sale's orders, with nobody working on them yet.
     let other = app.open_sale(backlog).await;
-    assert_eq!(app.keys.shard_of(other), app.keys.shard_of(voucher));
+    assert_eq!(
+        app.keys.shard_of(vid(other)),
+        app.keys.shard_of(vid(voucher))
+    );
     xadd_orders(&app, &stream, other, 1, backlog, 50_000_000).await;
     let len: i64 = app.redis_cmd(redis::cmd("XLEN").arg(&stream)).await;
     assert_eq!(len, backlog);
@@ -550,7 +553,7 @@ async fn reloading_a_lost_sale_on_line_behind_a_long_backlog_does_not_stall_redi
     let _run_time = RunTime::start();
     let app = TestApp::spawn(db).await;
     let voucher = app.open_sale(100).await;
-    let stream = app.keys.stream(app.keys.shard_of(voucher)).to_string();
+    let stream = app.keys.stream(app.keys.shard_of(vid(voucher))).to_string();
     let (_api, base) = app.spawn_server("api", &[]).await;
     let backlog = 200_000;
     let other = app.open_sale(backlog).await;
@@ -558,7 +561,7 @@ async fn reloading_a_lost_sale_on_line_behind_a_long_backlog_does_not_stall_redi
 
     let probe = PingProbe::start(&app.redis_url);
     let _: i64 = app
-        .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(voucher)))
+        .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(vid(voucher))))
         .await;
     let (status, body) = press(&app, &base, voucher, 1).await;
     let reload_started = Instant::now();
@@ -597,14 +600,14 @@ async fn an_order_on_a_quiet_shard_is_written_before_a_busy_shards_backlog_drain
     let mut quiet = None;
     for _ in 0..4 {
         let id = crate::common::open_sale_at(&app.client, &base, backlog).await;
-        match keys.shard_of(id) {
+        match keys.shard_of(vid(id)) {
             Shard(0) => busy = busy.or(Some(id)),
             _ => quiet = quiet.or(Some(id)),
         }
     }
     let (busy, quiet) = (busy.unwrap(), quiet.unwrap());
-    assert_eq!(keys.shard_of(busy), Shard(0));
-    assert_eq!(keys.shard_of(quiet), Shard(1));
+    assert_eq!(keys.shard_of(vid(busy)), Shard(0));
+    assert_eq!(keys.shard_of(vid(quiet)), Shard(1));
 
     // Real orders of the busy sale, queued on shard 0 before any worker runs.
     xadd_orders(&app, keys.stream(Shard(0)), busy, 1, backlog, 70_000_000).await;
@@ -960,7 +963,7 @@ async fn a_worker_writes_through_one_consumer_per_lane_and_a_kill_loses_nothing_
     let app = TestApp::spawn(db.clone()).await;
     let n = 20_000;
     let voucher = app.open_sale(n).await;
-    let stream = app.keys.stream(app.keys.shard_of(voucher)).to_string();
+    let stream = app.keys.stream(app.keys.shard_of(vid(voucher))).to_string();
     xadd_orders(&app, &stream, voucher, 1, n, 60_000_000).await;
     let url = faults::database_url(&db, None);
     let count = || async {

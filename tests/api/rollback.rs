@@ -11,7 +11,7 @@ use serde_json::Value;
 use sqlx::PgPool;
 
 use crate::common::faults::PrivateRedis;
-use crate::common::{metric_value, metrics_at, open_sale_at, TestApp};
+use crate::common::{metric_value, metrics_at, open_sale_at, vid, TestApp};
 
 /// Presses "grab" once per user against `base`, pressing again while the answer is 503
 /// (the sale being rebuilt), for at most a minute each. Each user's final answer.
@@ -223,7 +223,7 @@ async fn a_server_promoted_again_under_the_same_term_gets_a_new_one_and_its_sale
     assert_eq!(status, StatusCode::ACCEPTED, "{body}");
     let term_of_sale = || {
         let cmd = redis::cmd("HGET")
-            .arg(app.keys.voucher(sale))
+            .arg(app.keys.voucher(vid(sale)))
             .arg("term")
             .clone();
         let app = &app;

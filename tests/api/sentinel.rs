@@ -19,6 +19,7 @@ use tokio::time::Instant;
 use crate::common::faults::{self, Process};
 use crate::common::sentinel::{PrivateSentinel, MASTER};
 use crate::common::tls::Certs;
+use crate::common::vid;
 use seckill::auth::JwtKeys;
 
 /// Far more than the test's grabs: a refusal is never "sold out".
@@ -83,7 +84,7 @@ async fn the_replicas_link_can_be_cut_to_make_it_lag_and_healed(db: PgPool) {
     let (_server, base) = serve(&db, &redis, &[]).await;
     let http = reqwest::Client::new();
     let voucher = crate::common::open_sale_at(&http, &base, 10).await;
-    let key = seckill::keys::Keys::new("").unwrap().voucher(voucher);
+    let key = seckill::keys::Keys::new("").unwrap().voucher(vid(voucher));
     let stock = |port| {
         let redis = &redis;
         let cmd = redis::cmd("HGET").arg(&key).arg("stock").clone();
@@ -329,7 +330,7 @@ async fn assert_stock_read_from(redis: &PrivateSentinel, base: &str, voucher: i6
     let shown = resp.json::<Value>().await.unwrap()["seckill"]["stock"]
         .as_i64()
         .unwrap();
-    let key = seckill::keys::Keys::new("").unwrap().voucher(voucher);
+    let key = seckill::keys::Keys::new("").unwrap().voucher(vid(voucher));
     let cmd = redis::cmd("HGET").arg(key).arg("stock").clone();
     let master: i64 = redis.query(redis.replica_port, &cmd).await.unwrap();
     assert_eq!(shown, master, "the stock shown is the new master's");

@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 
-use crate::common::{all_live, TestApp};
+use crate::common::{all_live, uid, vid, TestApp};
 use reqwest::StatusCode;
 use seckill::store::orders::{self, NewOrder};
 use seckill::stream::{Entry, ReadFrom};
@@ -36,7 +36,7 @@ async fn stored_ids(app: &TestApp, voucher: i64) -> HashSet<i64> {
 async fn deliver_and_die(app: &TestApp, consumer: &str) -> usize {
     let dead = app.worker_named(consumer);
     dead.ensure_groups().await.unwrap();
-    let shard = app.keys.shard_of(0);
+    let shard = seckill::keys::Shard(0);
     let mut delivered = 0;
     loop {
         let batch = dead
@@ -92,7 +92,7 @@ async fn a_batch_committed_but_never_acked_is_not_written_twice(db: PgPool) {
     let admitted = admit(&app, voucher, 1..=20).await;
 
     // A worker reads, commits, and dies before XACK.
-    app.commit_without_ack("worker-b", app.keys.shard_of(0))
+    app.commit_without_ack("worker-b", seckill::keys::Shard(0))
         .await;
     assert_eq!(app.pg_stock(voucher).await, 10);
 
@@ -111,7 +111,7 @@ async fn a_batch_committed_but_never_acked_is_not_written_twice(db: PgPool) {
 async fn malformed_entries_are_dead_lettered_and_do_not_hold_up_real_orders(db: PgPool) {
     let app = TestApp::spawn(db).await;
     let voucher = app.open_sale(10).await;
-    let stream = app.keys.stream(app.keys.shard_of(voucher));
+    let stream = app.keys.stream(app.keys.shard_of(vid(voucher)));
     let _: String = app
         .redis_cmd(
             redis::cmd("XADD")
@@ -136,7 +136,7 @@ async fn malformed_entries_are_dead_lettered_and_do_not_hold_up_real_orders(db: 
     assert_eq!((report.inserted, report.dead_lettered), (5, 2));
     assert_eq!(stored_ids(&app, voucher).await, admitted);
     assert_eq!(app.pending_count().await, 0);
-    let dlq = app.keys.dead_letters(app.keys.shard_of(voucher));
+    let dlq = app.keys.dead_letters(app.keys.shard_of(vid(voucher)));
     let dead: usize = app.redis_cmd(redis::cmd("XLEN").arg(dlq)).await;
     assert_eq!(dead, 2);
 }
@@ -148,7 +148,7 @@ async fn postgres_never_sells_more_than_its_stock_even_if_redis_admitted_more(db
     let admitted = admit(&app, voucher, 1..=2).await;
     // Orders that Redis should never have let through (say, after state was rebuilt
     // from a stale copy): one more buyer, and a second order for a user.
-    let stream = app.keys.stream(app.keys.shard_of(voucher));
+    let stream = app.keys.stream(app.keys.shard_of(vid(voucher)));
     for (order_id, user) in [(900_001i64, 3i64), (900_002, 1)] {
         let _: String = app
             .redis_cmd(
@@ -207,7 +207,7 @@ async fn an_entry_delivered_too_often_is_dead_lettered_instead_of_retried_foreve
     let crashing = app.worker_named("worker-crashloop");
     for _ in 0..6 {
         let again = crashing
-            .read_batch(app.keys.shard_of(0), ReadFrom::OwnPending)
+            .read_batch(seckill::keys::Shard(0), ReadFrom::OwnPending)
             .await
             .unwrap();
         assert_eq!(again.len(), 2);
@@ -217,7 +217,7 @@ async fn an_entry_delivered_too_often_is_dead_lettered_instead_of_retried_foreve
     let report = crashing.drain().await.unwrap();
     assert_eq!((report.inserted, report.dead_lettered), (0, 2));
     assert_eq!(app.pending_count().await, 0);
-    let dlq = app.keys.dead_letters(app.keys.shard_of(voucher));
+    let dlq = app.keys.dead_letters(app.keys.shard_of(vid(voucher)));
     let dead: Vec<(String, Vec<(String, String)>)> = app
         .redis_cmd(redis::cmd("XRANGE").arg(dlq).arg("-").arg("+"))
         .await;
@@ -234,13 +234,13 @@ async fn an_entry_delivered_too_often_is_dead_lettered_instead_of_retried_foreve
 async fn acknowledged_entries_are_trimmed_but_pending_ones_are_kept(db: PgPool) {
     let app = TestApp::spawn(db).await;
     let voucher = app.open_sale(20).await;
-    let stream = app.keys.stream(app.keys.shard_of(voucher));
+    let stream = app.keys.stream(app.keys.shard_of(vid(voucher)));
     admit(&app, voucher, 1..=10).await;
     deliver_and_die(&app, "worker-gone").await;
     admit(&app, voucher, 11..=15).await;
 
     let live = app.worker_named("worker-live");
-    let shard = app.keys.shard_of(voucher);
+    let shard = app.keys.shard_of(vid(voucher));
     let fresh = live
         .read_batch(shard, ReadFrom::New { block_ms: 1 })
         .await
@@ -265,11 +265,15 @@ async fn buyer_records_expire_with_the_sale_state(db: PgPool) {
     admit(&app, voucher, 1..=1).await;
     // Buyers are fields of the sale's hash, so they expire with it.
     let buyer: Option<String> = app
-        .redis_cmd(redis::cmd("HGET").arg(app.keys.voucher(voucher)).arg("u:1"))
+        .redis_cmd(
+            redis::cmd("HGET")
+                .arg(app.keys.voucher(vid(voucher)))
+                .arg("u:1"),
+        )
         .await;
     assert!(buyer.is_some());
     let ttl: i64 = app
-        .redis_cmd(redis::cmd("PTTL").arg(app.keys.voucher(voucher)))
+        .redis_cmd(redis::cmd("PTTL").arg(app.keys.voucher(vid(voucher))))
         .await;
     // open_sale ends in an hour; the default retention is a day after that.
     let expected = 25 * 3600 * 1000;
@@ -282,7 +286,7 @@ async fn consumers_of_dead_workers_are_forgotten_once_they_hold_nothing(db: PgPo
     let voucher = app.open_sale(5).await;
     admit(&app, voucher, 1..=3).await;
     deliver_and_die(&app, "worker-ghost").await;
-    let stream = app.keys.stream(app.keys.shard_of(voucher));
+    let stream = app.keys.stream(app.keys.shard_of(vid(voucher)));
     let names = || async {
         let consumers: Vec<std::collections::HashMap<String, redis::Value>> = app
             .redis_cmd(
@@ -353,7 +357,7 @@ pub(crate) async fn read_new(
 ) -> (seckill::worker::Worker, seckill::keys::Shard, Vec<Entry>) {
     let worker = app.worker_named(consumer);
     worker.ensure_groups().await.unwrap();
-    let shard = app.keys.shard_of(voucher);
+    let shard = app.keys.shard_of(vid(voucher));
     let entries = worker
         .read_batch(shard, ReadFrom::New { block_ms: 1 })
         .await
@@ -367,7 +371,7 @@ pub(crate) async fn redis_sale(
     voucher: i64,
     user: i64,
 ) -> (Option<i64>, Option<String>) {
-    let key = app.keys.voucher(voucher);
+    let key = app.keys.voucher(vid(voucher));
     let stock: Option<i64> = app
         .redis_cmd(redis::cmd("HGET").arg(&key).arg("stock"))
         .await;
@@ -468,14 +472,14 @@ async fn a_batch_whose_entries_redis_lost_is_not_written(db: PgPool) {
         .redis_cmd(
             redis::cmd("DEL")
                 .arg(app.keys.stream(shard))
-                .arg(app.keys.voucher(voucher)),
+                .arg(app.keys.voucher(vid(voucher))),
         )
         .await;
     seckill::admission::loader::load_sale(
         &app.db,
         &mut app.redis.clone(),
         &app.keys,
-        voucher,
+        vid(voucher),
         std::time::Duration::from_secs(60),
         seckill::admission::loader::Mode::Heal,
         seckill::scripts::Replicas::NONE,
@@ -499,7 +503,11 @@ async fn a_buyer_redis_forgot_gets_their_real_order_back_and_the_phantom_unit_re
     app.drain().await;
     // Redis forgets the buyer (an AOF-second loss, a failover).
     let _: () = app
-        .redis_cmd(redis::cmd("HDEL").arg(app.keys.voucher(voucher)).arg("u:5"))
+        .redis_cmd(
+            redis::cmd("HDEL")
+                .arg(app.keys.voucher(vid(voucher)))
+                .arg("u:5"),
+        )
         .await;
     let (status, phantom) = app.grab(voucher, 5).await;
     assert_eq!(status, StatusCode::ACCEPTED, "{phantom}");
@@ -537,7 +545,7 @@ async fn orders_redelivered_past_the_bound_are_written_one_by_one_not_buried(db:
     let killed = app.worker_named("worker-killed");
     for _ in 0..3 {
         killed
-            .read_batch(app.keys.shard_of(0), ReadFrom::OwnPending)
+            .read_batch(seckill::keys::Shard(0), ReadFrom::OwnPending)
             .await
             .unwrap();
     }
@@ -569,11 +577,11 @@ async fn rows_inserted_before_the_row_lock_are_dropped_if_buried_or_gone_while_w
         *held
             .iter()
             .filter_map(|e| e.order())
-            .find(|o| o.user_id == user)
+            .find(|o| o.user_id == uid(user))
             .unwrap()
     };
     let (buried, gone) = (order_of(1), order_of(2));
-    let kept = HashSet::from([order_of(3).id, order_of(4).id]);
+    let kept = HashSet::from([order_of(3).id.get(), order_of(4).id.get()]);
     let gone_entry = held
         .iter()
         .find_map(|e| match e {
@@ -675,7 +683,11 @@ async fn an_order_whose_users_other_order_closed_while_the_batch_waited_is_writt
     app.drain().await;
     // Redis forgets the buyer; the user's next grab is admitted again.
     let _: () = app
-        .redis_cmd(redis::cmd("HDEL").arg(app.keys.voucher(voucher)).arg("u:7"))
+        .redis_cmd(
+            redis::cmd("HDEL")
+                .arg(app.keys.voucher(vid(voucher)))
+                .arg("u:7"),
+        )
         .await;
     let second = *admit(&app, voucher, 7..=7).await.iter().next().unwrap();
     let (worker, shard, held) = read_new(&app, voucher, "worker-waiting").await;

@@ -6,7 +6,7 @@ use std::collections::HashSet;
 
 use sqlx::PgPool;
 
-use crate::common::{metric_value, TestApp};
+use crate::common::{metric_value, oid, uid, vid, TestApp};
 use crate::worker::{admit, read_new, redis_sale};
 
 /// Appends an order entry to the sale's shard, as admission writes it (and nothing else:
@@ -14,7 +14,7 @@ use crate::worker::{admit, read_new, redis_sale};
 async fn add_entry(app: &TestApp, voucher: i64, user: i64, order_id: i64) -> String {
     app.redis_cmd(
         redis::cmd("XADD")
-            .arg(app.keys.stream(app.keys.shard_of(voucher)))
+            .arg(app.keys.stream(app.keys.shard_of(vid(voucher))))
             .arg("*")
             .arg("order_id")
             .arg(order_id)
@@ -32,7 +32,7 @@ async fn add_entry(app: &TestApp, voucher: i64, user: i64, order_id: i64) -> Str
 /// a unit of the sale and setting the user's buyer record to it.
 async fn admit_minted_again(app: &TestApp, voucher: i64, user: i64, order_id: i64) {
     add_entry(app, voucher, user, order_id).await;
-    let sale = app.keys.voucher(voucher);
+    let sale = app.keys.voucher(vid(voucher));
     let _: i64 = app
         .redis_cmd(redis::cmd("HINCRBY").arg(&sale).arg("stock").arg(-1))
         .await;
@@ -51,7 +51,7 @@ async fn dead_letter_reasons(app: &TestApp, voucher: i64) -> Vec<String> {
     let letters: Vec<(String, Vec<(String, String)>)> = app
         .redis_cmd(
             redis::cmd("XRANGE")
-                .arg(app.keys.dead_letters(app.keys.shard_of(voucher)))
+                .arg(app.keys.dead_letters(app.keys.shard_of(vid(voucher))))
                 .arg("-")
                 .arg("+"),
         )
@@ -189,13 +189,13 @@ async fn persisting_one_order_id_twice_writes_one_row_and_takes_one_unit(db: PgP
     let app = TestApp::spawn(db).await;
     let sale = app.open_sale(10).await;
     let first = NewOrder {
-        id: 4242,
-        user_id: 1,
-        voucher_id: sale,
+        id: oid(4242),
+        user_id: uid(1),
+        voucher_id: vid(sale),
         admitted_at: chrono::Utc::now(),
     };
     let other_buyer = NewOrder {
-        user_id: 2,
+        user_id: uid(2),
         ..first
     };
     let outcomes = orders::persist_batch(
@@ -223,9 +223,9 @@ async fn an_order_whose_id_a_buried_order_holds_is_dead_lettered_as_a_duplicate(
     let sale = app.open_sale(10).await;
     // Order 4242 of user 1 was buried (say, as poison) and settled.
     let first = seckill::store::orders::NewOrder {
-        id: 4242,
-        user_id: 1,
-        voucher_id: sale,
+        id: oid(4242),
+        user_id: uid(1),
+        voucher_id: vid(sale),
         admitted_at: chrono::Utc::now(),
     };
     seckill::store::dead_orders::bury(&app.db, &first, "poison: test", true)
@@ -253,7 +253,7 @@ async fn an_order_whose_id_a_buried_order_holds_is_dead_lettered_as_a_duplicate(
 /// Appends `n` entries to the voucher's shard and delivers them to `consumer`, which
 /// keeps them pending: another worker's batches, or what a dead one left behind.
 async fn pending_elsewhere(app: &TestApp, voucher: i64, consumer: &str, n: usize) {
-    let stream = app.keys.stream(app.keys.shard_of(voucher));
+    let stream = app.keys.stream(app.keys.shard_of(vid(voucher)));
     let mut pipe = redis::pipe();
     for i in 0..n {
         pipe.cmd("XADD")
@@ -436,7 +436,7 @@ async fn a_schema_this_worker_does_not_expect_holds_its_batch_instead_of_burying
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let dlq: usize = app
-        .redis_cmd(redis::cmd("XLEN").arg(app.keys.dead_letters(app.keys.shard_of(sale))))
+        .redis_cmd(redis::cmd("XLEN").arg(app.keys.dead_letters(app.keys.shard_of(vid(sale)))))
         .await;
     assert_eq!(dlq, 0, "nothing dead-lettered");
     assert!(buried(&app).await.is_empty(), "nothing tombstoned");

@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 use seckill::auth::JwtKeys;
 use seckill::config::{ApiArgs, DatabaseArgs, JwtArgs, RedisArgs, ServerArgs, Settings};
+use seckill::domain::{OrderId, UserId, VoucherId};
 use seckill::keys::Keys;
 use seckill::redis_conn::{self, RedisConn};
 use seckill::startup::Application;
@@ -57,10 +58,25 @@ fn sale_body(stock: i64, begin: DateTime<Utc>, end: DateTime<Utc>) -> Value {
     })
 }
 
+/// A voucher id the tests hold as a JSON number.
+pub fn vid(id: i64) -> VoucherId {
+    VoucherId::new(id).expect("a positive voucher id")
+}
+
+/// A user id the tests hold as a number.
+pub fn uid(id: i64) -> UserId {
+    UserId::new(id).expect("a positive user id")
+}
+
+/// An order id the tests hold as a number.
+pub fn oid(id: i64) -> OrderId {
+    OrderId::new(id).expect("a positive order id")
+}
+
 /// A live check for `persist_batch` that calls every entry still pending.
 pub fn all_live(
-    ids: Vec<i64>,
-) -> futures::future::BoxFuture<'static, anyhow::Result<std::collections::HashSet<i64>>> {
+    ids: Vec<OrderId>,
+) -> futures::future::BoxFuture<'static, anyhow::Result<std::collections::HashSet<OrderId>>> {
     Box::pin(async move { Ok(ids.into_iter().collect()) })
 }
 
@@ -494,7 +510,7 @@ impl TestApp {
 
     /// Redis's live stock of a sale (`None`: not loaded), read as the API reads it.
     pub async fn live_stock(&self, voucher_id: i64) -> Option<i64> {
-        seckill::admission::live_stock(&mut self.redis.clone(), &self.keys, voucher_id)
+        seckill::admission::live_stock(&mut self.redis.clone(), &self.keys, vid(voucher_id))
             .await
             .unwrap()
     }
@@ -562,7 +578,7 @@ impl TestApp {
 
     /// Entries of the group not yet acknowledged.
     pub async fn pending_count(&self) -> i64 {
-        let stream = self.keys.stream(self.keys.shard_of(0));
+        let stream = self.keys.stream(seckill::keys::Shard(0));
         let reply: redis::Value = self
             .redis_cmd(
                 redis::cmd("XPENDING")

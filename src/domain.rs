@@ -1,0 +1,372 @@
+//! The service's words, as types: ids that cannot be mixed up or be zero, and an
+//! order's status as an enum. Text is parsed into them once, at the edge (a path, a
+//! token, a Redis reply, a Postgres row); everything inside trusts them.
+//!
+//! The bottom layer: it uses nothing else of the crate.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use utoipa::openapi::schema::{KnownFormat, ObjectBuilder, SchemaFormat, Type};
+use utoipa::openapi::{RefOr, Schema};
+
+/// Why text is not an id: it must be a positive 64-bit integer written canonically.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("expected a positive 64-bit integer")]
+pub struct NotAnId;
+
+/// A positive 64-bit integer, written canonically: digits only, no sign, no leading
+/// zero, no spaces. Anything else is not an id (`+1`, `01` and ` 1` would otherwise
+/// name the same row as `1` under several spellings).
+pub fn parse_id(s: &str) -> Option<i64> {
+    let canonical = !s.is_empty()
+        && s.len() <= 19
+        && s.bytes().all(|b| b.is_ascii_digit())
+        && !s.starts_with('0');
+    if !canonical {
+        return None;
+    }
+    s.parse::<i64>().ok().filter(|&id| id > 0)
+}
+
+/// An id type: a `Copy` newtype over a positive `i64`, bound and decoded by sqlx as
+/// `bigint`, passed to and read from Redis as an integer, printed as its digits.
+macro_rules! id_type {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, sqlx::Type)]
+        #[sqlx(transparent)]
+        pub struct $name(i64);
+
+        impl $name {
+            /// The id, when it is positive.
+            pub fn new(raw: i64) -> Option<Self> {
+                (raw > 0).then_some(Self(raw))
+            }
+
+            /// The number itself, for arithmetic and foreign formats.
+            pub fn get(self) -> i64 {
+                self.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                self.0.fmt(f)
+            }
+        }
+
+        /// The bare number: spans (`#[tracing::instrument]`) and logs read as before.
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                self.0.fmt(f)
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = NotAnId;
+            fn from_str(s: &str) -> Result<Self, NotAnId> {
+                parse_id(s).map(Self).ok_or(NotAnId)
+            }
+        }
+
+        impl TryFrom<i64> for $name {
+            type Error = NotAnId;
+            fn try_from(raw: i64) -> Result<Self, NotAnId> {
+                Self::new(raw).ok_or(NotAnId)
+            }
+        }
+
+        impl From<$name> for i64 {
+            fn from(id: $name) -> i64 {
+                id.0
+            }
+        }
+
+        impl redis::ToRedisArgs for $name {
+            fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
+                self.0.write_redis_args(out)
+            }
+        }
+
+        impl redis::FromRedisValue for $name {
+            fn from_redis_value_ref(v: &redis::Value) -> Result<Self, redis::ParsingError> {
+                let raw = i64::from_redis_value_ref(v)?;
+                Self::new(raw).ok_or_else(|| {
+                    format!("{} must be positive, got {raw}", stringify!($name)).into()
+                })
+            }
+            fn from_redis_value(v: redis::Value) -> Result<Self, redis::ParsingError> {
+                Self::from_redis_value_ref(&v)
+            }
+        }
+    };
+}
+
+id_type!(
+    /// A voucher, and its flash sale (a sale is keyed by its voucher).
+    VoucherId
+);
+id_type!(
+    /// A shopper: a token's `sub`.
+    UserId
+);
+id_type!(
+    /// A shop (only ever read from a path: vouchers carry it as a plain number).
+    ShopId
+);
+id_type!(
+    /// An order: minted at admission (time-ordered, see `admission::order_id`), so a
+    /// larger id is a later order.
+    OrderId
+);
+
+/// Voucher and user ids are JSON numbers (they stay below 2^53 in practice).
+macro_rules! json_number {
+    ($name:ident) => {
+        impl Serialize for $name {
+            fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_i64(self.0)
+            }
+        }
+
+        impl<'de> Deserialize<'de> for $name {
+            fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                let raw = i64::deserialize(d)?;
+                Self::new(raw).ok_or_else(|| {
+                    serde::de::Error::custom(format!("{raw} is not an id: {NotAnId}"))
+                })
+            }
+        }
+
+        impl utoipa::PartialSchema for $name {
+            fn schema() -> RefOr<Schema> {
+                ObjectBuilder::new()
+                    .schema_type(Type::Integer)
+                    .format(Some(SchemaFormat::KnownFormat(KnownFormat::Int64)))
+                    .into()
+            }
+        }
+
+        impl utoipa::ToSchema for $name {}
+    };
+}
+
+json_number!(VoucherId);
+json_number!(UserId);
+
+/// The document's pattern for an order id: the digits of a positive `i64`.
+pub const ORDER_ID_PATTERN: &str = "^[1-9][0-9]{0,18}$";
+
+/// Order ids are JSON strings: they are minted above 2^53, where JavaScript's numbers
+/// lose digits.
+impl Serialize for OrderId {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(&self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for OrderId {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let raw = std::borrow::Cow::<str>::deserialize(d)?;
+        raw.parse()
+            .map_err(|e| serde::de::Error::custom(format!("`{raw}` is not an order id: {e}")))
+    }
+}
+
+impl utoipa::PartialSchema for OrderId {
+    fn schema() -> RefOr<Schema> {
+        ObjectBuilder::new()
+            .schema_type(Type::String)
+            .pattern(Some(ORDER_ID_PATTERN))
+            .into()
+    }
+}
+
+impl utoipa::ToSchema for OrderId {}
+
+/// Where an order is in its life: `pending` while only Redis knows it, `created` once
+/// written to Postgres, then `paid`, `cancelled` or `expired`. Postgres holds all but
+/// `pending`, as text.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema, sqlx::Type,
+)]
+#[serde(rename_all = "lowercase")]
+#[schema(description = "Where an order is in its life.")]
+#[sqlx(type_name = "text", rename_all = "lowercase")]
+pub enum OrderStatus {
+    Pending,
+    Created,
+    Paid,
+    Cancelled,
+    Expired,
+}
+
+impl OrderStatus {
+    /// Every status, in the order of an order's life.
+    pub const ALL: [OrderStatus; 5] = [
+        Self::Pending,
+        Self::Created,
+        Self::Paid,
+        Self::Cancelled,
+        Self::Expired,
+    ];
+
+    /// The word the contract, Postgres and the metrics use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Created => "created",
+            Self::Paid => "paid",
+            Self::Cancelled => "cancelled",
+            Self::Expired => "expired",
+        }
+    }
+
+    /// Cancelled or expired: its unit went back on sale, and it will never be paid.
+    pub fn is_closed(self) -> bool {
+        matches!(self, Self::Cancelled | Self::Expired)
+    }
+
+    /// Nothing more happens to it: paid, or closed.
+    pub fn is_final(self) -> bool {
+        self == Self::Paid || self.is_closed()
+    }
+}
+
+impl fmt::Display for OrderStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for OrderStatus {
+    type Err = UnknownStatus;
+    fn from_str(s: &str) -> Result<Self, UnknownStatus> {
+        Self::ALL
+            .into_iter()
+            .find(|status| status.as_str() == s)
+            .ok_or(UnknownStatus)
+    }
+}
+
+/// Text that names no [`OrderStatus`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("not an order status")]
+pub struct UnknownStatus;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use redis::{FromRedisValue, ToRedisArgs};
+
+    #[test]
+    fn an_order_id_is_a_string_in_json() {
+        let id: OrderId = "9007199254740993".parse().unwrap();
+        assert_eq!(serde_json::to_string(&id).unwrap(), r#""9007199254740993""#);
+        let back: OrderId = serde_json::from_str(r#""9007199254740993""#).unwrap();
+        assert_eq!(back, id);
+        assert!(serde_json::from_str::<OrderId>("9007199254740993").is_err());
+        assert!(serde_json::from_str::<OrderId>(r#""0""#).is_err());
+    }
+
+    #[test]
+    fn voucher_and_user_ids_are_numbers_in_json() {
+        let voucher = VoucherId::new(7).unwrap();
+        let user = UserId::new(42).unwrap();
+        assert_eq!(serde_json::to_string(&voucher).unwrap(), "7");
+        assert_eq!(serde_json::to_string(&user).unwrap(), "42");
+        assert_eq!(serde_json::from_str::<VoucherId>("7").unwrap(), voucher);
+        assert!(serde_json::from_str::<UserId>("0").is_err());
+        assert!(serde_json::from_str::<UserId>("-3").is_err());
+        assert!(serde_json::from_str::<UserId>(r#""42""#).is_err());
+    }
+
+    #[test]
+    fn zero_and_signs_are_not_ids() {
+        for bad in [
+            "",
+            "0",
+            "-1",
+            "+1",
+            "01",
+            " 1",
+            "1 ",
+            "1.0",
+            "1e3",
+            "abc",
+            "9223372036854775808",
+            "１",
+        ] {
+            assert_eq!(bad.parse::<OrderId>(), Err(NotAnId), "{bad:?}");
+            assert_eq!(bad.parse::<VoucherId>(), Err(NotAnId), "{bad:?}");
+        }
+        assert_eq!(VoucherId::new(0), None);
+        assert_eq!(UserId::new(-1), None);
+    }
+
+    #[test]
+    fn the_largest_id_parses_and_prints_back() {
+        let id: OrderId = "9223372036854775807".parse().unwrap();
+        assert_eq!(id.get(), i64::MAX);
+        assert_eq!(id.to_string(), "9223372036854775807");
+    }
+
+    #[test]
+    fn ids_go_to_redis_as_integers_and_come_back() {
+        let id = VoucherId::new(12).unwrap();
+        assert_eq!(id.to_redis_args(), 12i64.to_redis_args());
+        let back = VoucherId::from_redis_value(redis::Value::BulkString(b"12".to_vec())).unwrap();
+        assert_eq!(back, id);
+        assert_eq!(
+            OrderId::from_redis_value(redis::Value::Int(5)).unwrap(),
+            OrderId::new(5).unwrap()
+        );
+        assert!(OrderId::from_redis_value(redis::Value::Int(0)).is_err());
+        assert!(UserId::from_redis_value(redis::Value::Int(-4)).is_err());
+    }
+
+    #[test]
+    fn a_status_round_trips_through_its_text() {
+        for status in OrderStatus::ALL {
+            let json = serde_json::to_string(&status).unwrap();
+            assert_eq!(json, format!("\"{}\"", status.as_str()));
+            assert_eq!(serde_json::from_str::<OrderStatus>(&json).unwrap(), status);
+            assert_eq!(status.as_str().parse::<OrderStatus>(), Ok(status));
+        }
+        assert_eq!("Paid".parse::<OrderStatus>(), Err(UnknownStatus));
+    }
+
+    #[test]
+    fn only_cancelled_and_expired_are_closed() {
+        let closed: Vec<_> = OrderStatus::ALL
+            .into_iter()
+            .filter(|s| s.is_closed())
+            .collect();
+        assert_eq!(closed, [OrderStatus::Cancelled, OrderStatus::Expired]);
+        let done: Vec<_> = OrderStatus::ALL
+            .into_iter()
+            .filter(|s| s.is_final())
+            .collect();
+        assert_eq!(
+            done,
+            [
+                OrderStatus::Paid,
+                OrderStatus::Cancelled,
+                OrderStatus::Expired
+            ]
+        );
+    }
+
+    #[test]
+    fn the_documented_schemas_are_those_of_the_contract() {
+        use utoipa::PartialSchema;
+        let order = serde_json::to_value(OrderId::schema()).unwrap();
+        assert_eq!(order["type"], "string");
+        assert_eq!(order["pattern"], ORDER_ID_PATTERN);
+        let voucher = serde_json::to_value(VoucherId::schema()).unwrap();
+        assert_eq!(voucher["type"], "integer");
+        assert_eq!(voucher["format"], "int64");
+    }
+}
