@@ -20,7 +20,7 @@ pub struct LoadReport {
     /// Sales whose state was missing or stale and is now rebuilt.
     pub loaded: usize,
     /// Sales whose state was current (left alone).
-    pub live: usize,
+    pub current: usize,
 }
 
 /// How [`load_sale`] treats existing state and orders in flight.
@@ -566,7 +566,7 @@ pub async fn load_open_sales<C: ConnectionLike + Send>(
         let id = sale.voucher_id;
         match load_sale(db, conn, keys, id, retention, Mode::Heal, replicas).await? {
             Some(_) => report.loaded += 1,
-            None => report.live += 1,
+            None => report.current += 1,
         }
     }
     Ok(report)

@@ -142,7 +142,7 @@ pub async fn admit_many<C: ConnectionLike + Send>(
 }
 
 /// Remaining stock as Redis sees it (`None`: the sale is not loaded).
-pub async fn live_stock<C: ConnectionLike + Send>(
+pub async fn redis_stock<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     voucher_id: VoucherId,

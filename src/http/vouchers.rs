@@ -198,7 +198,7 @@ pub(crate) struct SeckillResponse {
 }
 
 impl VoucherResponse {
-    fn new(row: VoucherRow, live_stock: Option<i64>) -> Self {
+    fn new(row: VoucherRow, redis_stock: Option<i64>) -> Self {
         let seckill = match (
             row.initial_stock,
             row.stock,
@@ -208,7 +208,7 @@ impl VoucherResponse {
         ) {
             (Some(initial), Some(stock), Some(begin_time), Some(end_time), Some(pay_within)) => {
                 Some(SeckillResponse {
-                    stock: live_stock.unwrap_or(stock as i64),
+                    stock: redis_stock.unwrap_or(stock as i64),
                     initial_stock: initial as i64,
                     begin_time,
                     end_time,
@@ -235,13 +235,13 @@ impl VoucherResponse {
 /// Redis's live stock for each flash-sale row (`None` where not loaded), all looked up
 /// at once under one deadline; `None` in all if Redis is down or slow: the response
 /// then shows Postgres's count rather than failing or waiting.
-async fn live_stocks(state: &AppState, rows: &[VoucherRow]) -> Option<Vec<Option<i64>>> {
+async fn redis_stocks(state: &AppState, rows: &[VoucherRow]) -> Option<Vec<Option<i64>>> {
     let lookups = rows.iter().map(|row| {
         let mut conn = state.redis.clone();
         let (keys, sale) = (&state.keys, row.initial_stock.map(|_| row.id));
         async move {
             match sale {
-                Some(id) => admission::live_stock(&mut conn, keys, id).await,
+                Some(id) => admission::redis_stock(&mut conn, keys, id).await,
                 None => Ok(None),
             }
         }
@@ -322,7 +322,7 @@ async fn one_voucher(
     let row = vouchers::get(&state.db, id)
         .await?
         .ok_or_else(|| AppError::NotFound(format!("voucher {id} not found")))?;
-    let live = live_stocks(state, std::slice::from_ref(&row)).await;
+    let live = redis_stocks(state, std::slice::from_ref(&row)).await;
     Ok((
         fallback_headers(live.is_none()),
         Json(VoucherResponse::new(row, live.and_then(|l| l[0]))),
@@ -342,7 +342,7 @@ pub(crate) async fn list_by_shop(
     PathId(shop_id): PathId<ShopId>,
 ) -> AppResult<(HeaderMap, Json<Vec<VoucherResponse>>)> {
     let rows = vouchers::list_by_shop(&state.db, shop_id.get()).await?;
-    let live = live_stocks(&state, &rows).await;
+    let live = redis_stocks(&state, &rows).await;
     let headers = fallback_headers(live.is_none());
     let live = live.unwrap_or_else(|| vec![None; rows.len()]);
     Ok((

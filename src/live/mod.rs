@@ -498,7 +498,7 @@ async fn read_redis(
 ) -> redis::RedisResult<(Vec<Figures>, StreamStats)> {
     let stocks = ids.iter().map(|&id| {
         let mut conn = redis.clone();
-        async move { crate::admission::live_stock(&mut conn, keys, id).await }
+        async move { crate::admission::redis_stock(&mut conn, keys, id).await }
     });
     let stocks = futures_util::future::try_join_all(stocks).await?;
     let counts = tally::read_live(redis, keys, ids).await?;

@@ -30,7 +30,7 @@ pub enum Persisted {
 /// still have a pending stream entry. An order whose entry Redis lost may have been
 /// left out of a reload that ran meanwhile (it saw neither the entry nor the row), so
 /// writing it would sell a unit twice.
-pub(crate) type LiveCheck<'a> =
+pub(crate) type PendingCheck<'a> =
     &'a (dyn Fn(Vec<OrderId>) -> BoxFuture<'a, anyhow::Result<HashSet<OrderId>>> + Send + Sync);
 
 #[derive(Debug, Clone, FromRow)]
@@ -76,18 +76,18 @@ pub(crate) const ORDER_COLUMNS: &str =
 pub async fn persist_batch(
     db: &PgPool,
     orders: &[NewOrder],
-    live: LiveCheck<'_>,
+    still_pending: PendingCheck<'_>,
 ) -> anyhow::Result<Vec<Persisted>> {
     let rounds = rounds_of_unique_ids(orders.iter().map(|o| Some(o.id)));
     if rounds.len() <= 1 {
-        return persist_unique(db, orders, live).await;
+        return persist_unique(db, orders, still_pending).await;
     }
     let mut outcomes = vec![None; orders.len()];
     for round in rounds {
         let part: Vec<NewOrder> = round.iter().map(|&i| orders[i]).collect();
         for (i, outcome) in round
             .into_iter()
-            .zip(persist_unique(db, &part, live).await?)
+            .zip(persist_unique(db, &part, still_pending).await?)
         {
             outcomes[i] = Some(outcome);
         }
@@ -123,20 +123,20 @@ pub(crate) fn rounds_of_unique_ids(
 async fn persist_unique(
     db: &PgPool,
     orders: &[NewOrder],
-    live: LiveCheck<'_>,
+    still_pending: PendingCheck<'_>,
 ) -> anyhow::Result<Vec<Persisted>> {
     if orders.is_empty() {
         return Ok(Vec::new());
     }
     let mut tx = db.begin().await?;
-    match write(&mut tx, orders, live).await {
+    match write(&mut tx, orders, still_pending).await {
         Ok(Some(outcomes)) => {
             tx.commit().await?;
             Ok(outcomes)
         }
         Ok(None) => {
             tx.rollback().await?;
-            one_by_one(db, orders, live).await
+            one_by_one(db, orders, still_pending).await
         }
         Err(e)
             if e.downcast_ref::<sqlx::Error>()
@@ -144,7 +144,7 @@ async fn persist_unique(
         {
             tracing::warn!(error = %e, "batch refused by a constraint, writing orders one by one");
             drop(tx);
-            one_by_one(db, orders, live).await
+            one_by_one(db, orders, still_pending).await
         }
         Err(e) => Err(e),
     }
@@ -154,7 +154,7 @@ async fn persist_unique(
 async fn write(
     tx: &mut Transaction<'_, Postgres>,
     all: &[NewOrder],
-    live: LiveCheck<'_>,
+    still_pending: PendingCheck<'_>,
 ) -> anyhow::Result<Option<Vec<Persisted>>> {
     let mut inserted = insert_orders(tx, all).await?;
     let vouchers: Vec<VoucherId> = all.iter().map(|o| o.voucher_id).collect();
@@ -162,10 +162,10 @@ async fn write(
     // Under the lock, as the loader and burials see it: a reload may have run without
     // seeing an entry Redis lost (nor our row), a burial may have tombstoned an order
     // whose row we had not committed yet. Neither may be written.
-    let alive = live(all.iter().map(|o| o.id).collect()).await?;
+    let pending = still_pending(all.iter().map(|o| o.id).collect()).await?;
     let mut unwanted: Vec<OrderId> = inserted
         .iter()
-        .filter(|id| !alive.contains(id))
+        .filter(|id| !pending.contains(id))
         .copied()
         .collect();
     let rows: Vec<OrderId> = inserted.iter().copied().collect();
@@ -177,7 +177,7 @@ async fn write(
     }
     let orders: Vec<NewOrder> = all
         .iter()
-        .filter(|o| alive.contains(&o.id))
+        .filter(|o| pending.contains(&o.id))
         .copied()
         .collect();
     // An order skipped before the lock (its user held another order) may be writable
@@ -204,8 +204,10 @@ async fn write(
     let mut outcomes = classify(tx, &orders, &inserted).await?.into_iter();
     Ok(Some(
         all.iter()
-            .map(|o| match alive.contains(&o.id) {
-                true => outcomes.next().expect("one outcome per live order"),
+            .map(|o| match pending.contains(&o.id) {
+                true => outcomes
+                    .next()
+                    .expect("one outcome per order still pending"),
                 false => Persisted::Vanished,
             })
             .collect(),
@@ -216,20 +218,20 @@ async fn write(
 async fn one_by_one(
     db: &PgPool,
     orders: &[NewOrder],
-    live: LiveCheck<'_>,
+    still_pending: PendingCheck<'_>,
 ) -> anyhow::Result<Vec<Persisted>> {
     let mut outcomes = Vec::with_capacity(orders.len());
     for order in orders {
         let one = std::slice::from_ref(order);
         let mut tx = db.begin().await?;
-        let outcome = match write(&mut tx, one, live).await {
+        let outcome = match write(&mut tx, one, still_pending).await {
             Ok(Some(mut outcome)) => outcome.remove(0),
             Ok(None) => Persisted::Rejected(Rejection::NoStock),
             Err(e) => match e.downcast_ref::<sqlx::Error>() {
                 // The insert ran before the pending check: an entry finished elsewhere
                 // (or lost) is not this batch's to bury.
                 Some(db_error) if super::is_data_error(db_error) => {
-                    match live(vec![order.id]).await?.contains(&order.id) {
+                    match still_pending(vec![order.id]).await?.contains(&order.id) {
                         true => Persisted::Rejected(rejection(db_error)),
                         false => Persisted::Vanished,
                     }

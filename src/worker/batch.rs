@@ -146,7 +146,7 @@ impl Worker {
             .filter_map(|e| Some((e.order()?.id, e.entry_id())))
             .collect();
         let reused: Mutex<HashSet<String>> = Mutex::default();
-        let live = |ids: Vec<OrderId>| -> BoxFuture<'_, anyhow::Result<HashSet<OrderId>>> {
+        let still_pending = |ids: Vec<OrderId>| -> BoxFuture<'_, anyhow::Result<HashSet<OrderId>>> {
             let (entry_of, reused) = (&entry_of, &reused);
             Box::pin(async move {
                 let wanted: Vec<(&str, OrderId)> = ids
@@ -162,7 +162,7 @@ impl Worker {
             })
         };
         let started = std::time::Instant::now();
-        let mut outcomes = orders::persist_batch(&self.db, &new_orders, &live)
+        let mut outcomes = orders::persist_batch(&self.db, &new_orders, &still_pending)
             .await?
             .into_iter();
         // Only batches that went to Postgres: a turn of malformed or poison entries

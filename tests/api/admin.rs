@@ -174,7 +174,7 @@ async fn closing_a_sale_mid_storm_admits_grabs_before_it_and_ends_every_grab_aft
     let storm = press_all(&app, &app.base, voucher, 1..=600, 4);
     let closer = async {
         // Close once the storm is well under way.
-        while app.live_stock(voucher).await.unwrap_or(stock) > stock - 50 {
+        while app.redis_stock(voucher).await.unwrap_or(stock) > stock - 50 {
             tokio::time::sleep(std::time::Duration::from_millis(2)).await;
         }
         close(&app, voucher).await
@@ -202,7 +202,7 @@ async fn closing_a_sale_mid_storm_admits_grabs_before_it_and_ends_every_grab_aft
         "the close did not fall inside the storm"
     );
     assert_eq!(
-        app.live_stock(voucher).await,
+        app.redis_stock(voucher).await,
         Some(stock - admitted.len() as i64)
     );
 
@@ -246,7 +246,7 @@ async fn closing_a_sale_mid_storm_admits_grabs_before_it_and_ends_every_grab_aft
         (StatusCode::CONFLICT, Some("ended"))
     );
     assert_eq!(
-        app.live_stock(voucher).await,
+        app.redis_stock(voucher).await,
         Some(stock - admitted.len() as i64)
     );
     // Closing again changes nothing.

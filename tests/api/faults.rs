@@ -257,7 +257,7 @@ async fn sigterm_under_load_finishes_in_flight_requests_and_exits_zero(db: PgPoo
 
     // What the stopped worker had not read yet stays in the stream for the next one.
     app.drain().await;
-    let live = app.live_stock(voucher).await.unwrap();
+    let live = app.redis_stock(voucher).await.unwrap();
     let stored = app.assert_consistent(voucher, stock).await;
     assert_eq!(
         stored.len() as i64,

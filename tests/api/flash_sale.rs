@@ -266,7 +266,7 @@ async fn a_sale_whose_redis_state_vanished_fails_closed_then_reloads_from_postgr
     for _ in 0..50 {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         let (_, v) = app.get(&format!("/vouchers/{voucher}"), None).await;
-        let live = app.live_stock(voucher).await;
+        let live = app.redis_stock(voucher).await;
         if live.is_some() {
             assert_eq!(v["stock"], 2);
             reloaded = true;
@@ -304,13 +304,19 @@ async fn start_up_loading_fills_missing_sales_and_leaves_live_ones_alone(db: PgP
     let report = load_open_sales(&app.db, &mut app.redis.clone(), &app.keys, retention, none)
         .await
         .unwrap();
-    assert_eq!(report, LoadReport { loaded: 1, live: 1 });
     assert_eq!(
-        app.live_stock(live).await.unwrap(),
+        report,
+        LoadReport {
+            loaded: 1,
+            current: 1
+        }
+    );
+    assert_eq!(
+        app.redis_stock(live).await.unwrap(),
         3,
         "live state untouched (one unit still pending)"
     );
-    assert_eq!(app.live_stock(lost).await.unwrap(), 6);
+    assert_eq!(app.redis_stock(lost).await.unwrap(), 6);
     assert_eq!(
         app.grab(lost, 1).await.1["error"]["code"],
         "already_ordered"
@@ -360,8 +366,8 @@ async fn grabs_coalesced_into_one_script_call_are_decided_in_order_each_as_if_al
     );
     let report = app.drain().await;
     assert_eq!(report.inserted, 2);
-    assert_eq!(app.live_stock(voucher).await, Some(0));
-    assert_eq!(app.live_stock(other).await, Some(4));
+    assert_eq!(app.redis_stock(voucher).await, Some(0));
+    assert_eq!(app.redis_stock(other).await, Some(4));
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
@@ -421,5 +427,5 @@ async fn a_corrupt_sale_in_a_coalesced_call_reserves_nothing_for_itself_and_spoi
         assert!(std::time::Instant::now() < deadline, "never repaired");
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
-    assert_eq!(app.live_stock(corrupt).await, Some(4));
+    assert_eq!(app.redis_stock(corrupt).await, Some(4));
 }

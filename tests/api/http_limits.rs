@@ -58,7 +58,7 @@ async fn a_script_run_twice_for_one_request_answers_202_with_the_order_it_minted
         seckill::http::seckill::answer(second, minted).unwrap(),
         minted
     );
-    assert_eq!(app.live_stock(voucher).await, Some(4), "one unit, once");
+    assert_eq!(app.redis_stock(voucher).await, Some(4), "one unit, once");
     // Another request of the same user (another minted id) is told about the order.
     let (status, body) = app.grab(voucher, 42).await;
     assert_eq!(status, StatusCode::CONFLICT, "{body}");
@@ -125,7 +125,7 @@ async fn a_grab_whose_redis_call_times_out_says_the_outcome_is_unknown_and_a_ret
     assert_eq!(status, StatusCode::CONFLICT, "{body}");
     assert_eq!(body["error"]["code"], "already_ordered", "{body}");
     let order_id: i64 = body["error"]["order_id"].as_str().unwrap().parse().unwrap();
-    assert_eq!(app.live_stock(voucher).await, Some(3));
+    assert_eq!(app.redis_stock(voucher).await, Some(3));
     let orders =
         seckill::admission::orders_of(&mut app.redis.clone(), &app.keys, uid(7), &[vid(voucher)])
             .await
@@ -692,5 +692,5 @@ async fn a_grab_abandoned_while_queued_behind_a_slow_call_is_never_sent(db: PgPo
         )
         .await;
     assert_eq!(record, None, "the abandoned grab was not sent");
-    assert_eq!(app.live_stock(voucher).await, Some(3));
+    assert_eq!(app.redis_stock(voucher).await, Some(3));
 }

@@ -22,7 +22,7 @@ async fn grab_id(app: &TestApp, voucher: i64, user: i64) -> String {
 async fn stocks(app: &TestApp, voucher: i64) -> (i64, Option<i64>) {
     (
         app.pg_stock(voucher).await as i64,
-        app.live_stock(voucher).await,
+        app.redis_stock(voucher).await,
     )
 }
 
@@ -469,7 +469,7 @@ async fn an_unpaid_order_expires_within_the_window_and_its_unit_sells_again(db: 
         }
     }
     assert_eq!(sold, 3);
-    assert_eq!(app.live_stock(voucher).await, Some(0));
+    assert_eq!(app.redis_stock(voucher).await, Some(0));
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
@@ -865,7 +865,7 @@ async fn cancel_pay_and_expiry_racing_at_the_deadline_with_workers_killed_return
         "every paid order was answered 200"
     );
     assert_eq!(cancelled as usize, cancelled_ok.len());
-    let (pg_stock, live_stock) = stocks(&app, voucher).await;
+    let (pg_stock, redis_stock) = stocks(&app, voucher).await;
     println!(
         "race at the deadline ({} pay/cancel requests, {} units resold meanwhile, 2 of 3 \
          workers killed mid-way):\n\
@@ -876,13 +876,13 @@ async fn cancel_pay_and_expiry_racing_at_the_deadline_with_workers_killed_return
         "cancelled",
         "expired",
         "pg_stock",
-        "live_stock",
-        live_stock.unwrap_or(-1),
+        "redis_stock",
+        redis_stock.unwrap_or(-1),
     );
     assert!(paid > 0 && cancelled > 0 && expired > 0, "{statuses:?}");
     assert_eq!(pg_stock, UNITS - paid, "postgres stock = initial - paid");
     assert_eq!(
-        live_stock,
+        redis_stock,
         Some(UNITS - paid),
         "live stock = initial - paid"
     );
@@ -1017,7 +1017,7 @@ async fn a_unit_returned_while_the_sale_is_missing_from_redis_comes_back_through
     let (status, _) = app.grab(voucher, 3).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while app.live_stock(voucher).await.is_none() {
+    while app.redis_stock(voucher).await.is_none() {
         assert!(tokio::time::Instant::now() < deadline, "never reloaded");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

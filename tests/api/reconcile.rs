@@ -72,7 +72,7 @@ async fn drift_is_reported_with_a_failing_exit_and_repair_rebuilds_redis(db: PgP
     let (code, table) = seckill(&app, &["reconcile", "--repair"]);
     assert_eq!(code, 0, "{table}");
     assert!(table.contains("books balance"));
-    let live = app.live_stock(voucher).await.unwrap();
+    let live = app.redis_stock(voucher).await.unwrap();
     assert_eq!(live, 17, "20 - 2 written - 1 in flight");
     let (status, again) = app.grab(voucher, 1).await;
     assert_eq!(status, StatusCode::CONFLICT);
@@ -225,7 +225,7 @@ async fn a_sale_with_three_hundred_thousand_buyers_is_repaired_in_chunks(db: PgP
         started.elapsed().as_secs_f64()
     );
     assert_eq!(code, 0, "{out}");
-    assert_eq!(app.live_stock(voucher).await, Some(5));
+    assert_eq!(app.redis_stock(voucher).await, Some(5));
     let fields: i64 = app
         .redis_cmd(redis::cmd("HLEN").arg(app.keys.voucher(vid(voucher))))
         .await;

@@ -84,7 +84,7 @@ async fn repair_racing_the_worker_during_a_storm_hands_out_exactly_the_stock_and
         .collect();
     let dead = dead_letters(&app, &app.keys).await;
     let pg_stock = app.pg_stock(voucher).await;
-    let live = app.live_stock(voucher).await;
+    let live = app.redis_stock(voucher).await;
     println!(
         "repair runs: {during} during the storm, {} after (exit codes {:?}); 202s: {} for \
          stock {stock}; in postgres: {}; 202'd ids not in postgres: {}; dead letters: \
@@ -171,7 +171,7 @@ async fn online_reloads_racing_the_worker_lose_no_buyer_and_oversell_nothing(db:
             reload_winners.insert(user, order_id(&body));
         }
         let deadline = Instant::now() + Duration::from_secs(5);
-        while app.live_stock(voucher).await.is_none() && Instant::now() < deadline {
+        while app.redis_stock(voucher).await.is_none() && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         // Earlier winners the reloaded sale does not know as buyers (at most 100) press
@@ -233,7 +233,7 @@ async fn online_reloads_racing_the_worker_lose_no_buyer_and_oversell_nothing(db:
     let lost = handed_out.iter().filter(|id| !stored.contains(id)).count();
     let dead = dead_letters(&app, &app.keys).await;
     let pg_stock = app.pg_stock(voucher).await;
-    let live = app.live_stock(voucher).await;
+    let live = app.redis_stock(voucher).await;
     println!(
         "202s: {} ({} of them second orders of earlier winners) for stock {stock}; \
          earlier winners not told their own order: {doubles}; in postgres: {}; \
@@ -321,7 +321,7 @@ async fn orders_committed_behind_a_long_row_lock_are_never_dead_lettered_as_pois
     let drained_again = wait_drained(&app, &app.keys, Duration::from_secs(30)).await;
     let dead_after = dead_letters(&app, &app.keys).await;
     let pg_stock = app.pg_stock(voucher).await;
-    let live = app.live_stock(voucher).await;
+    let live = app.redis_stock(voucher).await;
     println!(
         "202s: {}; in postgres: {}; 202'd ids not in postgres: {lost}; dead letters while \
          locked: {dead_during_lock}, after the drain: {dead}, after the presses again: \
@@ -371,7 +371,7 @@ async fn a_buyer_redis_forgot_is_restored_from_postgres_and_gets_no_more_phantom
     let _: i64 = app
         .redis_cmd(redis::cmd("HDEL").arg(&sale).arg(format!("u:{user}")))
         .await;
-    let stock_before = app.live_stock(voucher).await;
+    let stock_before = app.redis_stock(voucher).await;
 
     let mut answers = Vec::new();
     for _ in 0..6 {
@@ -387,7 +387,7 @@ async fn a_buyer_redis_forgot_is_restored_from_postgres_and_gets_no_more_phantom
     let buyer: Option<String> = app
         .redis_cmd(redis::cmd("HGET").arg(&sale).arg(format!("u:{user}")))
         .await;
-    let live = app.live_stock(voucher).await;
+    let live = app.redis_stock(voucher).await;
     let pg_stock = app.pg_stock(voucher).await;
     let dead = dead_letters(&app, &app.keys).await;
     println!(
@@ -539,7 +539,7 @@ async fn repairing_a_sale_behind_a_long_backlog_does_not_stall_redis(db: PgPool)
          pings\n{out}"
     );
     assert_eq!(code, Some(0), "{out}");
-    assert_eq!(app.live_stock(voucher).await, Some(100));
+    assert_eq!(app.redis_stock(voucher).await, Some(100));
     assert!(
         worst < Duration::from_millis(250),
         "Redis stalled for {worst:?} while a sale was loaded"
@@ -566,12 +566,12 @@ async fn reloading_a_lost_sale_on_line_behind_a_long_backlog_does_not_stall_redi
     let (status, body) = press(&app, &base, voucher, 1).await;
     let reload_started = Instant::now();
     let deadline = reload_started + Duration::from_secs(60);
-    while app.live_stock(voucher).await.is_none() && Instant::now() < deadline {
+    while app.redis_stock(voucher).await.is_none() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let reloaded_after = reload_started.elapsed();
     let (worst, pings) = probe.stop();
-    let live = app.live_stock(voucher).await;
+    let live = app.redis_stock(voucher).await;
     println!(
         "press while the state was lost: {status} {body}; reloaded after {reloaded_after:?} \
          (redis stock {live:?}); worst PING {worst:?} over {pings} pings"

@@ -509,8 +509,8 @@ impl TestApp {
     }
 
     /// Redis's live stock of a sale (`None`: not loaded), read as the API reads it.
-    pub async fn live_stock(&self, voucher_id: i64) -> Option<i64> {
-        seckill::admission::live_stock(&mut self.redis.clone(), &self.keys, vid(voucher_id))
+    pub async fn redis_stock(&self, voucher_id: i64) -> Option<i64> {
+        seckill::admission::redis_stock(&mut self.redis.clone(), &self.keys, vid(voucher_id))
             .await
             .unwrap()
     }
