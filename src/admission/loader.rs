@@ -197,36 +197,7 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
         stage: &stage,
         retention,
     };
-    let mut rounds = 0;
-    let figures = loop {
-        rounds += 1;
-        anyhow::ensure!(
-            rounds <= MAX_ROUNDS,
-            "the order stream grows faster than voucher {voucher_id} can be loaded"
-        );
-        if paging.scan {
-            // Under the lock: only what was added since the last page.
-            paging.page_on(conn, keys, voucher_id, &known).await?;
-            paging.stage_unsettled(&mut tx, conn, &stage, mode).await?;
-        }
-        // The script may write only while the lock is surely held: the session answers
-        // now (so it holds the lock for at least the idle-in-transaction timeout), and
-        // the script refuses to run later than STEP_DEADLINE after this (a step queued
-        // in Redis behind a client that gave up and released the lock does nothing).
-        sqlx::query("SELECT 1").execute(&mut *tx).await?;
-        let waits = match mode {
-            Mode::Check => Replicas::NONE,
-            _ => replicas,
-        };
-        match step.run(conn, paging.last.as_deref(), waits).await? {
-            StepReply::TailTooLong => continue,
-            StepReply::TooLate => anyhow::bail!(
-                "loading voucher {voucher_id} reached Redis too late; nothing was written"
-            ),
-            StepReply::LeftAlone => break None,
-            StepReply::Done(figures) => break Some(figures),
-        }
-    };
+    let figures = run_steps(&step, &mut tx, conn, &mut paging, &known, replicas).await?;
     // Announced as soon as the state may have changed, before anything else can fail.
     if mode != Mode::Check && figures.is_some() {
         crate::sale_changes::announce(conn, keys, voucher_id).await;
@@ -255,6 +226,54 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
         mismatched_buyers: figures.mismatched_buyers,
         owed_held: figures.owed_held,
     }))
+}
+
+/// Runs the load's step under the sale's lock until the script says it is done (or left
+/// the state alone), paging on through what the stream gained meanwhile.
+async fn run_steps<C: ConnectionLike + Send>(
+    step: &Step<'_>,
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    conn: &mut C,
+    paging: &mut Paging,
+    known: &HashMap<UserId, OrderId>,
+    replicas: Replicas,
+) -> anyhow::Result<Option<StepFigures>> {
+    let mut rounds = 0;
+    loop {
+        rounds += 1;
+        anyhow::ensure!(
+            rounds <= MAX_ROUNDS,
+            "the order stream grows faster than voucher {} can be loaded",
+            step.voucher_id
+        );
+        if paging.scan {
+            // Under the lock: only what was added since the last page.
+            paging
+                .page_on(conn, step.keys, step.voucher_id, known)
+                .await?;
+            paging
+                .stage_unsettled(tx, conn, step.stage, step.mode)
+                .await?;
+        }
+        // The script may write only while the lock is surely held: the session answers
+        // now (so it holds the lock for at least the idle-in-transaction timeout), and
+        // the script refuses to run later than STEP_DEADLINE after this (a step queued
+        // in Redis behind a client that gave up and released the lock does nothing).
+        sqlx::query("SELECT 1").execute(&mut **tx).await?;
+        let waits = match step.mode {
+            Mode::Check => Replicas::NONE,
+            _ => replicas,
+        };
+        match step.run(conn, paging.last.as_deref(), waits).await? {
+            StepReply::TailTooLong => continue,
+            StepReply::TooLate => anyhow::bail!(
+                "loading voucher {} reached Redis too late; nothing was written",
+                step.voucher_id
+            ),
+            StepReply::LeftAlone => return Ok(None),
+            StepReply::Done(figures) => return Ok(Some(figures)),
+        }
+    }
 }
 
 /// Whether `mode` leaves the sale's state as it is without asking Postgres: it is
