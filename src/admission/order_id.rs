@@ -173,13 +173,13 @@ impl NodeLease {
         for i in 0..NODES as u64 {
             let node = ((start + i) % NODES as u64) as u16;
             let sent = Instant::now();
-            let (claimed, term_age_ms): (i64, u64) = Call::function("seckill_claim_lease")
+            let (claimed, term_age_ms): (bool, u64) = Call::function("seckill_claim_lease")
                 .key(keys.node_lease(node))
                 .arg(&token)
                 .arg(LEASE_TTL.as_millis() as u64)
                 .invoke_waiting(conn, replicas)
                 .await?;
-            if claimed == 1 {
+            if claimed {
                 let age = Duration::from_millis(term_age_ms);
                 return Ok(Claimed {
                     lease: Self {

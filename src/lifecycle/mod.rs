@@ -41,7 +41,8 @@ pub async fn release<C: ConnectionLike + Send>(
     r: &Release,
     replicas: Replicas,
 ) -> redis::RedisResult<bool> {
-    let done: redis::RedisResult<i64> = Call::script(&RELEASE)
+    // `true`: the unit went back; `false`: nothing was left to release.
+    let returned: redis::RedisResult<bool> = Call::script(&RELEASE)
         .key(keys.voucher(r.voucher_id))
         .arg(keys::buyer_field(r.user_id))
         .arg(r.order_id)
@@ -49,14 +50,14 @@ pub async fn release<C: ConnectionLike + Send>(
         .await;
     // Announced whenever the unit may be back (an error may come after the script ran,
     // as when too few replicas acknowledged).
-    if !matches!(done, Ok(0)) {
+    if !matches!(returned, Ok(false)) {
         crate::sale_changes::announce(conn, keys, r.voucher_id).await;
     }
-    let done = done?;
-    if done == 1 {
+    let returned = returned?;
+    if returned {
         metrics::counter!(UNITS_RETURNED, "store" => "redis").increment(1);
     }
-    Ok(done == 1)
+    Ok(returned)
 }
 
 /// Counts a transition made now (and, for a closed order, the unit Postgres got back).

@@ -63,7 +63,8 @@ pub(crate) async fn settle_dead<C: ConnectionLike + Send>(
     return_unit: bool,
     replicas: Replicas,
 ) -> RedisResult<bool> {
-    let settled: RedisResult<i64> = Call::script(&SETTLE_DEAD)
+    // `true`: settled now; `false`: settled before (nothing left to do).
+    let settled: RedisResult<bool> = Call::script(&SETTLE_DEAD)
         .key(keys.voucher(voucher_id))
         .key(keys.stream(keys.shard_of(voucher_id)))
         .arg(GROUP)
@@ -75,8 +76,8 @@ pub(crate) async fn settle_dead<C: ConnectionLike + Send>(
         .invoke_waiting(conn, replicas)
         .await;
     // Announced whenever the unit may be back (an error may come after the script ran).
-    if return_unit && !matches!(settled, Ok(0)) {
+    if return_unit && !matches!(settled, Ok(false)) {
         crate::sale_changes::announce(conn, keys, voucher_id).await;
     }
-    Ok(settled? == 1)
+    settled
 }
