@@ -377,10 +377,12 @@ pub(crate) async fn close(
     let replicas = state.settings.replicas;
     match loader::close_sale(&state.db, &mut conn, &state.keys, id, replicas).await {
         Ok(true) => {}
+        // Not the grab's hot path: one more query to say which is missing.
         Ok(false) => {
-            return Err(AppError::NotFound(format!(
-                "voucher {id} has no flash sale"
-            )))
+            return Err(match vouchers::get(&state.db, id).await? {
+                Some(_) => AppError::NotFound(format!("voucher {id} has no flash sale")),
+                None => crate::http::seckill::no_voucher(id),
+            })
         }
         Err(e) => {
             return Err(match AppError::from(e) {
