@@ -20,7 +20,7 @@ pub(crate) struct OrderPage {
     /// Newest first.
     items: Vec<OrderResponse>,
     /// Pass as `after` for the next page; `null` on the last page.
-    #[schema(value_type = Option<String>)]
+    #[schema(value_type = Option<String>, pattern = "^[1-9][0-9]{0,18}$")]
     next: Option<OrderId>,
 }
 
@@ -38,7 +38,7 @@ const PAGE_MAX: i64 = 1000;
 /// order is not written yet).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ToSchema)]
 #[schema(
-    description = "The statuses a sale's orders can be listed by (the document's name for [`LISTED`])."
+    description = "The statuses a sale's orders can be listed by: those Postgres holds (a `pending` order is not written yet, so it is not listed)."
 )]
 pub(crate) enum ListedStatus {
     #[schema(rename = "created")]
@@ -83,6 +83,10 @@ impl From<ListedStatus> for OrderStatus {
     }
 }
 
+/// The parameters the listing takes: any other is refused, not ignored (a misspelt
+/// `stauts=paid` would otherwise list every order).
+const PARAMS: [&str; 3] = ["status", "limit", "after"];
+
 impl PageQuery {
     fn parse(raw: Option<&str>) -> AppResult<Self> {
         let mut query = PageQuery {
@@ -90,8 +94,23 @@ impl PageQuery {
             limit: PAGE_DEFAULT,
             after: None,
         };
+        let mut seen = Vec::with_capacity(PARAMS.len());
         for (key, value) in form_urlencoded::parse(raw.unwrap_or("").as_bytes()) {
-            match key.as_ref() {
+            let Some(&name) = PARAMS.iter().find(|p| **p == key) else {
+                return Err(AppError::bad_request(format!(
+                    "unknown query parameter `{}`: this list takes {}",
+                    shown(&key),
+                    PARAMS.map(|p| format!("`{p}`")).join(", ")
+                )));
+            };
+            // Which of two values was meant is anyone's guess: neither is picked.
+            if seen.contains(&name) {
+                return Err(AppError::bad_request(format!(
+                    "query parameter `{name}` is given more than once"
+                )));
+            }
+            seen.push(name);
+            match name {
                 "status" if value.is_empty() => {}
                 "status" => query.status = Some(ListedStatus::parse(&value)?),
                 "limit" => {
@@ -109,11 +128,20 @@ impl PageQuery {
                             AppError::bad_request("after is not a cursor of this list")
                         })?)
                 }
-                _ => {}
+                _ => unreachable!("every name in PARAMS is read"),
             }
         }
         Ok(query)
     }
+}
+
+/// A parameter name as quoted back: at most 40 characters, control characters escaped.
+fn shown(name: &str) -> String {
+    let mut out: String = name.chars().take(40).flat_map(char::escape_debug).collect();
+    if name.chars().count() > 40 {
+        out.push('…');
+    }
+    out
 }
 
 #[utoipa::path(get, path = "/vouchers/{id}/orders", operation_id = "listSaleOrders", tag = "vouchers",
@@ -122,13 +150,13 @@ impl PageQuery {
         ("id" = i64, Path, description = "voucher id", minimum = 1),
         ("status" = Option<ListedStatus>, Query, description = "only orders in this status"),
         ("limit" = Option<i64>, Query, description = "orders per page, 1 to 1000 (default 100)", minimum = 1, maximum = 1000),
-        ("after" = Option<String>, Query, description = "the `next` of the previous page", pattern = "^[1-9][0-9]{0,17}$"),
+        ("after" = Option<String>, Query, description = "the `next` of the previous page", pattern = "^[1-9][0-9]{0,18}$"),
     ),
     responses(
         (status = 200, description = "a page of the sale's orders written to Postgres, newest first \
             (keyset pagination: pages neither repeat nor skip an order while the sale goes on; an order \
             written after its page was read, with an older id, is not in later pages)", body = OrderPage),
-        (status = 400, description = "bad id, status, limit or cursor (`validation`)", body = ErrorBody),
+        (status = 400, description = "bad id, status, limit or cursor, or an unknown or repeated query parameter (`validation`)", body = ErrorBody),
         (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
         (status = 403, description = "not an administrator (`forbidden`)", body = ErrorBody),
         (status = 404, description = "no such voucher (`not_found`)", body = ErrorBody),
