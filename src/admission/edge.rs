@@ -50,8 +50,11 @@ pub enum EdgeAnswer {
     NotStarted,
     Ended,
     SoldOut,
-    /// No flash sale with this voucher id.
+    /// A voucher without a flash sale.
     NotFound,
+    /// No voucher at all with this id (said apart from `NotFound`: "no such voucher" and
+    /// "this voucher has no sale" send a caller looking in different places).
+    NoVoucher,
 }
 
 impl EdgeAnswer {
@@ -61,7 +64,7 @@ impl EdgeAnswer {
             EdgeAnswer::NotStarted => "not_started",
             EdgeAnswer::Ended => "ended",
             EdgeAnswer::SoldOut => "sold_out",
-            EdgeAnswer::NotFound => "not_found",
+            EdgeAnswer::NotFound | EdgeAnswer::NoVoucher => "not_found",
         }
     }
 }
@@ -78,6 +81,7 @@ enum Verdict {
         buyers: Arc<Buyers>,
     },
     NotFound,
+    NoVoucher,
 }
 
 /// A sold-out sale's buyers, as of one `gen` and term of its state.
@@ -160,6 +164,11 @@ impl Learning {
         self.record(asked_at, Some(Verdict::NotFound));
     }
 
+    /// Postgres has no voucher with this id at all: remembered as [`Learning::not_found`].
+    pub fn no_voucher(self, asked_at: Instant) {
+        self.record(asked_at, Some(Verdict::NoVoucher));
+    }
+
     /// Nothing to remember.
     pub fn nothing(self) {
         self.record(Instant::now(), None);
@@ -218,6 +227,7 @@ impl Edge {
             Verdict::SoldOut { buyers } if buyers.users.contains(&user_id) => None,
             Verdict::SoldOut { .. } => Some(EdgeAnswer::SoldOut),
             Verdict::NotFound => Some(EdgeAnswer::NotFound),
+            Verdict::NoVoucher => Some(EdgeAnswer::NoVoucher),
         }
     }
 

@@ -16,7 +16,7 @@ pub(crate) struct ErrorBody {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct ErrorDetail {
-    /// Machine-readable; see [`ErrorCode`].
+    /// Machine-readable: one of the codes the `ErrorCode` schema lists.
     pub code: ErrorCode,
     /// For humans.
     pub message: String,

@@ -3,7 +3,6 @@
 use std::str::FromStr;
 use std::sync::Arc;
 
-use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRef, FromRequest, FromRequestParts, Path, Request};
 use axum::http::{header, request::Parts, StatusCode};
 use serde::de::DeserializeOwned;
@@ -74,7 +73,15 @@ async fn object_body<T: DeserializeOwned, S: Send + Sync>(
         .await
         .map_err(|e| AppError::Validation {
             status: e.status(),
-            message: e.body_text(),
+            // axum's text ("Failed to buffer the request body: ...") names no limit.
+            message: if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                format!(
+                    "request body too large: at most {} KiB",
+                    crate::http::BODY_LIMIT / 1024
+                )
+            } else {
+                "the request body could not be read".into()
+            },
         })?;
     let Some(&first) = body.iter().find(|b| !b.is_ascii_whitespace()) else {
         return Ok(None);
@@ -92,9 +99,114 @@ async fn object_body<T: DeserializeOwned, S: Send + Sync>(
             },
         );
     }
-    match axum::Json::<T>::from_bytes(&body) {
-        Ok(axum::Json(value)) => Ok(Some(value)),
-        Err(rejection) => Err(json_rejection(rejection)),
+    from_json(&body).map(Some)
+}
+
+/// Reads `T` from JSON: 400 when the bytes are not JSON, 422 when the JSON does not fit
+/// `T`, with the field's path and in JSON's words (serde's speak Rust: `i64`, `map`).
+fn from_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, AppError> {
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    let value = serde_path_to_error::deserialize(&mut *de)
+        .map_err(|e| json_error(&e.path().to_string(), e.into_inner()))?;
+    de.end().map_err(|e| json_error(".", e))?;
+    Ok(value)
+}
+
+fn json_error(path: &str, e: serde_json::Error) -> AppError {
+    if e.classify() != serde_json::error::Category::Data {
+        return AppError::bad_request(format!("the body is not valid JSON: {e}"));
+    }
+    // The field's path says where; the line and column add nothing to it.
+    let full = e.to_string();
+    let at = format!(" at line {} column {}", e.line(), e.column());
+    let what = humane(full.strip_suffix(&at).unwrap_or(&full));
+    AppError::invalid(match path {
+        "." => what,
+        path => format!("{path}: {what}"),
+    })
+}
+
+/// serde's "invalid type: X, expected Y" and "invalid value: ..." in JSON's words; any
+/// other message (ours, `missing field`, `unknown field`) as it is.
+fn humane(message: &str) -> String {
+    let parts = message
+        .strip_prefix("invalid type: ")
+        .or_else(|| message.strip_prefix("invalid value: "))
+        .and_then(|rest| rest.split_once(", expected "));
+    let Some((got, wanted)) = parts else {
+        return message.to_string();
+    };
+    if let Some((low, high)) = integer_range(wanted) {
+        // serde_json reads an integer too large for 64 bits as a float (`1e23`).
+        let number = got
+            .strip_prefix("integer `")
+            .or_else(|| got.strip_prefix("floating point `"))
+            .and_then(|n| n.strip_suffix('`'))
+            .and_then(|n| n.parse::<f64>().ok())
+            .filter(|n| n.fract() == 0.0);
+        if let Some(n) = number {
+            let n = n as i128; // saturates: a huge float stays out of range
+            if n < low || n > high {
+                return format!("out of range: expected a whole number from {low} to {high}");
+            }
+        }
+    }
+    format!("expected {}, not {}", expected(wanted), unexpected(got))
+}
+
+/// The range of a Rust integer type serde names as what it expected.
+fn integer_range(wanted: &str) -> Option<(i128, i128)> {
+    Some(match wanted {
+        "i8" => (i8::MIN.into(), i8::MAX.into()),
+        "i16" => (i16::MIN.into(), i16::MAX.into()),
+        "i32" => (i32::MIN.into(), i32::MAX.into()),
+        "i64" => (i64::MIN.into(), i64::MAX.into()),
+        "u8" => (0, u8::MAX.into()),
+        "u16" => (0, u16::MAX.into()),
+        "u32" => (0, u32::MAX.into()),
+        "u64" => (0, u64::MAX.into()),
+        _ => return None,
+    })
+}
+
+fn expected(wanted: &str) -> String {
+    match wanted {
+        "i64" => "an integer".into(),
+        "f32" | "f64" => "a number".into(),
+        "a sequence" => "an array".into(),
+        "a map" => "an object".into(),
+        w if w.starts_with("struct ") => "an object".into(),
+        w => match integer_range(w) {
+            Some((low, high)) => format!("a whole number from {low} to {high}"),
+            None => w.into(),
+        },
+    }
+}
+
+/// serde's name of what it found, as JSON calls it (a long string is cut short).
+fn unexpected(got: &str) -> String {
+    if let Some(text) = got.strip_prefix("string ") {
+        // serde quotes and escapes it: `"..."`.
+        let inner = text.strip_prefix('"').unwrap_or(text);
+        let inner = inner.strip_suffix('"').unwrap_or(inner);
+        let mut short: String = inner.chars().take(40).collect();
+        if inner.chars().count() > 40 {
+            short.push('…');
+        }
+        return format!("the string \"{short}\"");
+    }
+    let quoted = |prefix: &str| got.strip_prefix(prefix).and_then(|v| v.strip_suffix('`'));
+    if let Some(n) = quoted("integer `").or_else(|| quoted("floating point `")) {
+        return format!("the number {n}");
+    }
+    if let Some(b) = quoted("boolean `") {
+        return b.into();
+    }
+    match got {
+        "unit value" | "null" => "null".into(),
+        "map" => "an object".into(),
+        "sequence" => "an array".into(),
+        other => other.into(),
     }
 }
 
@@ -182,21 +294,6 @@ pub(crate) fn rfc3339<'de, D: serde::Deserializer<'de>>(
         }
     }
     d.deserialize_str(Time)
-}
-
-fn json_rejection(rejection: JsonRejection) -> AppError {
-    let status = match &rejection {
-        JsonRejection::JsonDataError(_) => StatusCode::UNPROCESSABLE_ENTITY,
-        JsonRejection::JsonSyntaxError(_) | JsonRejection::MissingJsonContentType(_) => {
-            StatusCode::BAD_REQUEST
-        }
-        // Body too large (413) and unreadable bodies keep their own status.
-        other => other.status(),
-    };
-    AppError::Validation {
-        status,
-        message: rejection.body_text(),
-    }
 }
 
 /// The single id in a route's path (`/vouchers/{id}`, `/orders/{order_id}`, ...), of
@@ -324,6 +421,53 @@ mod tests {
             number.starts_with("inner.at: invalid type: integer"),
             "{number}"
         );
+    }
+
+    #[test]
+    fn serdes_words_become_jsons_and_a_number_too_large_is_out_of_range() {
+        use super::humane;
+        let long = "x".repeat(100);
+        for (serde, ours) in [
+            (
+                "invalid type: string \"1\", expected i64".to_string(),
+                "expected an integer, not the string \"1\"".to_string(),
+            ),
+            (
+                format!("invalid type: string \"{long}\", expected u8"),
+                format!(
+                    "expected a whole number from 0 to 255, not the string \"{}…\"",
+                    &long[..40]
+                ),
+            ),
+            (
+                "invalid value: integer `300`, expected u8".into(),
+                "out of range: expected a whole number from 0 to 255".into(),
+            ),
+            (
+                "invalid type: floating point `1e23`, expected i64".into(),
+                "out of range: expected a whole number from -9223372036854775808 to \
+                 9223372036854775807"
+                    .into(),
+            ),
+            (
+                "invalid type: floating point `2.5`, expected i32".into(),
+                "expected a whole number from -2147483648 to 2147483647, not the number 2.5".into(),
+            ),
+            (
+                "invalid type: map, expected a string".into(),
+                "expected a string, not an object".into(),
+            ),
+            (
+                "invalid type: sequence, expected struct CreateSeckill".into(),
+                "expected an object, not an array".into(),
+            ),
+            (
+                "missing field `title`".into(),
+                "missing field `title`".into(),
+            ),
+        ] {
+            assert_eq!(humane(&serde), ours);
+        }
     }
 
     proptest! {

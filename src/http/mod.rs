@@ -7,6 +7,7 @@ pub mod limits;
 pub mod live;
 pub mod openapi;
 pub mod orders;
+pub(crate) mod sale_orders;
 pub mod seckill;
 pub mod server;
 pub mod state;
@@ -90,7 +91,7 @@ pub fn build_app(state: AppState) -> Router {
         .route("/vouchers", post(vouchers::create))
         .route("/vouchers/{id}", get(vouchers::get))
         .route("/vouchers/{id}/seckill", post(seckill::grab))
-        .route("/vouchers/{id}/orders", get(vouchers::list_orders))
+        .route("/vouchers/{id}/orders", get(sale_orders::list_orders))
         .route("/vouchers/{id}/close", post(vouchers::close))
         .route("/shops/{shop_id}/vouchers", get(vouchers::list_by_shop))
         .route("/orders", get(orders::list_mine))

@@ -9,7 +9,7 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::RefOr;
 use utoipa::{Modify, OpenApi};
 
-use super::{health, live, orders, seckill, vouchers};
+use super::{health, live, orders, sale_orders, seckill, vouchers};
 use crate::http::error::{ErrorBody, ErrorCode, ErrorDetail};
 
 #[derive(OpenApi)]
@@ -26,7 +26,7 @@ use crate::http::error::{ErrorBody, ErrorCode, ErrorDetail};
         vouchers::create,
         vouchers::get,
         vouchers::list_by_shop,
-        vouchers::list_orders,
+        sale_orders::list_orders,
         vouchers::close,
         seckill::grab,
         orders::get,
@@ -46,8 +46,8 @@ use crate::http::error::{ErrorBody, ErrorCode, ErrorDetail};
         vouchers::CreateSeckill,
         vouchers::VoucherResponse,
         vouchers::SeckillResponse,
-        vouchers::OrderPage,
-        vouchers::ListedStatus,
+        sale_orders::OrderPage,
+        sale_orders::ListedStatus,
         seckill::Admitted,
         orders::OrderResponse,
         crate::domain::OrderStatus,
@@ -321,9 +321,8 @@ mod tests {
         assert_ne!(pay["requestBody"]["required"], true, "{pay}");
         assert_eq!(
             doc["components"]["schemas"]["ListedStatus"]["enum"],
-            serde_json::json!(
-                vouchers::ListedStatus::ALL.map(|s| crate::domain::OrderStatus::from(s).as_str())
-            ),
+            serde_json::json!(sale_orders::ListedStatus::ALL
+                .map(|s| crate::domain::OrderStatus::from(s).as_str())),
             "the document's statuses are the ones the listing accepts"
         );
         let statuses = &doc["components"]["schemas"]["OrderStatus"]["enum"];

@@ -17,7 +17,7 @@ use crate::domain::{OrderId, VoucherId};
 use crate::http::error::{AppError, AppResult, ErrorBody};
 use crate::http::extract::PathId;
 use crate::http::state::AppState;
-use crate::store::vouchers;
+use crate::store::vouchers::{self, SaleLookup};
 
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub(crate) struct Admitted {
@@ -162,11 +162,16 @@ fn at_edge(state: &AppState, voucher_id: VoucherId, known: EdgeAnswer) -> AppErr
         EdgeAnswer::Ended => AppError::Ended,
         EdgeAnswer::SoldOut => AppError::SoldOut,
         EdgeAnswer::NotFound => no_sale(voucher_id),
+        EdgeAnswer::NoVoucher => no_voucher(voucher_id),
     }
 }
 
 fn no_sale(voucher_id: VoucherId) -> AppError {
     AppError::NotFound(format!("voucher {voucher_id} has no flash sale"))
+}
+
+pub(crate) fn no_voucher(voucher_id: VoucherId) -> AppError {
+    AppError::NotFound(format!("voucher {voucher_id} not found"))
 }
 
 /// The answer to a grab, from the script's verdict and the order id minted for this
@@ -225,14 +230,16 @@ async fn not_loaded(state: &AppState, voucher_id: VoucherId) -> AppError {
     let sale = vouchers::sale(&state.db, voucher_id).await;
     if let Some(lookup) = lookup {
         match &sale {
-            Ok(None) => lookup.not_found(asked_at),
+            Ok(SaleLookup::NoSale) => lookup.not_found(asked_at),
+            Ok(SaleLookup::NoVoucher) => lookup.no_voucher(asked_at),
             _ => lookup.nothing(),
         }
     }
     match sale {
-        Ok(None) => no_sale(voucher_id),
-        Ok(Some(sale)) if sale.end_time <= Utc::now() => AppError::Ended,
-        Ok(Some(_)) => {
+        Ok(SaleLookup::NoVoucher) => no_voucher(voucher_id),
+        Ok(SaleLookup::NoSale) => no_sale(voucher_id),
+        Ok(SaleLookup::Sale(sale)) if sale.end_time <= Utc::now() => AppError::Ended,
+        Ok(SaleLookup::Sale(_)) => {
             reload_in_background(state, voucher_id, loader::Mode::Heal);
             AppError::Unavailable(
                 "the sale is being loaded, try again shortly; nothing was reserved".into(),

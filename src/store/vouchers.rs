@@ -138,15 +138,33 @@ pub(crate) async fn sales_ending_after(
     .await
 }
 
+/// What Postgres holds under a voucher id: [`sale`]'s answer.
+#[derive(Debug)]
+pub(crate) enum SaleLookup {
+    NoVoucher,
+    NoSale,
+    Sale(SeckillState),
+}
+
+/// The voucher's flash sale, or which of voucher and sale is missing: one query, so a
+/// grab of an unknown id can say which without asking twice.
 #[tracing::instrument(skip(db))]
-pub(crate) async fn sale(
-    db: &PgPool,
-    voucher_id: VoucherId,
-) -> Result<Option<SeckillState>, sqlx::Error> {
-    sqlx::query_as("SELECT voucher_id, end_time FROM seckill_vouchers WHERE voucher_id = $1")
-        .bind(voucher_id)
-        .fetch_optional(db)
-        .await
+pub(crate) async fn sale(db: &PgPool, voucher_id: VoucherId) -> Result<SaleLookup, sqlx::Error> {
+    let row: Option<(Option<DateTime<Utc>>,)> = sqlx::query_as(
+        "SELECT s.end_time FROM vouchers v \
+         LEFT JOIN seckill_vouchers s ON s.voucher_id = v.id WHERE v.id = $1",
+    )
+    .bind(voucher_id)
+    .fetch_optional(db)
+    .await?;
+    Ok(match row {
+        None => SaleLookup::NoVoucher,
+        Some((None,)) => SaleLookup::NoSale,
+        Some((Some(end_time),)) => SaleLookup::Sale(SeckillState {
+            voucher_id,
+            end_time,
+        }),
+    })
 }
 
 /// Payment windows (seconds) of the given sales, for showing a pending order's deadline.

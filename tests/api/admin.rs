@@ -149,7 +149,7 @@ async fn listing_a_sales_orders_refuses_bad_input_and_non_admins(db: PgPool) {
         )
         .await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
-    let (status, body) = page(&app, voucher, "limit=1000&status=&unknown=1").await;
+    let (status, body) = page(&app, voucher, "limit=1000&status=").await;
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(body, serde_json::json!({"items": [], "next": null}));
 }

@@ -88,6 +88,17 @@ fn a_learning_dropped_midway_lets_the_sale_be_learned_again() {
 }
 
 #[test]
+fn a_missing_voucher_is_remembered_apart_from_a_voucher_without_a_sale() {
+    let edge = edge(Duration::from_secs(5));
+    edge.lookup(v(7)).unwrap().no_voucher(Instant::now());
+    edge.lookup(v(8)).unwrap().not_found(Instant::now());
+    let now = Instant::now();
+    assert_eq!(edge.answer(v(7), u(1), now), Some(EdgeAnswer::NoVoucher));
+    assert_eq!(edge.answer(v(8), u(1), now), Some(EdgeAnswer::NotFound));
+    assert_eq!(EdgeAnswer::NoVoucher.label(), EdgeAnswer::NotFound.label());
+}
+
+#[test]
 fn a_sale_not_yet_open_is_answered_until_its_opening_only() {
     let edge = edge(Duration::from_secs(5));
     let now = Instant::now();
