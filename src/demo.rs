@@ -29,7 +29,7 @@ const ERROR_KINDS_SHOWN: usize = 5;
 
 /// What one shopper's press was answered.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Answer {
+pub(crate) enum Reply {
     Admitted(String),
     SoldOut,
     AlreadyOrdered,
@@ -39,24 +39,24 @@ pub(crate) enum Answer {
 }
 
 /// Reads one answer of `POST /vouchers/{id}/seckill`.
-pub(crate) fn classify(status: StatusCode, body: &Value) -> Answer {
+pub(crate) fn classify(status: StatusCode, body: &Value) -> Reply {
     let code = body["error"]["code"].as_str();
     match (status, code) {
         (StatusCode::ACCEPTED, _) => match body["order_id"].as_str() {
-            Some(id) => Answer::Admitted(id.to_string()),
-            None => Answer::Error("202 without an order_id".into()),
+            Some(id) => Reply::Admitted(id.to_string()),
+            None => Reply::Error("202 without an order_id".into()),
         },
-        (StatusCode::CONFLICT, Some("sold_out")) => Answer::SoldOut,
-        (StatusCode::CONFLICT, Some("already_ordered")) => Answer::AlreadyOrdered,
-        (StatusCode::TOO_MANY_REQUESTS, _) => Answer::RateLimited,
-        (status, Some(code)) => Answer::Error(format!("{} {code}", status.as_u16())),
-        (status, None) => Answer::Error(status.as_u16().to_string()),
+        (StatusCode::CONFLICT, Some("sold_out")) => Reply::SoldOut,
+        (StatusCode::CONFLICT, Some("already_ordered")) => Reply::AlreadyOrdered,
+        (StatusCode::TOO_MANY_REQUESTS, _) => Reply::RateLimited,
+        (status, Some(code)) => Reply::Error(format!("{} {code}", status.as_u16())),
+        (status, None) => Reply::Error(status.as_u16().to_string()),
     }
 }
 
 /// The outcomes so far.
 #[derive(Debug, Default)]
-pub(crate) struct Answers {
+pub(crate) struct Replies {
     pub admitted: Vec<String>,
     pub sold_out: u64,
     pub already_ordered: u64,
@@ -65,14 +65,14 @@ pub(crate) struct Answers {
     pub errors: BTreeMap<String, u64>,
 }
 
-impl Answers {
-    pub(crate) fn add(&mut self, outcome: Answer) {
+impl Replies {
+    pub(crate) fn add(&mut self, outcome: Reply) {
         match outcome {
-            Answer::Admitted(id) => self.admitted.push(id),
-            Answer::SoldOut => self.sold_out += 1,
-            Answer::AlreadyOrdered => self.already_ordered += 1,
-            Answer::RateLimited => self.rate_limited += 1,
-            Answer::Error(kind) => *self.errors.entry(kind).or_default() += 1,
+            Reply::Admitted(id) => self.admitted.push(id),
+            Reply::SoldOut => self.sold_out += 1,
+            Reply::AlreadyOrdered => self.already_ordered += 1,
+            Reply::RateLimited => self.rate_limited += 1,
+            Reply::Error(kind) => *self.errors.entry(kind).or_default() += 1,
         }
     }
 
@@ -158,7 +158,7 @@ impl Progress {
         }
     }
 
-    fn update(&mut self, tally: &Answers, done: bool) {
+    fn update(&mut self, tally: &Replies, done: bool) {
         let every = if self.terminal {
             Duration::from_millis(100)
         } else {
@@ -311,7 +311,7 @@ impl Api<'_> {
         }
     }
 
-    async fn grab(&self, voucher: VoucherId, token: String) -> Answer {
+    async fn grab(&self, voucher: VoucherId, token: String) -> Reply {
         let sent = self
             .http
             .post(format!("{}/vouchers/{voucher}/seckill", self.base))
@@ -323,8 +323,8 @@ impl Api<'_> {
                 let (status, body) = read(resp).await;
                 classify(status, &body)
             }
-            Err(e) if e.is_timeout() => Answer::Error("timed out".into()),
-            Err(_) => Answer::Error("no answer".into()),
+            Err(e) if e.is_timeout() => Reply::Error("timed out".into()),
+            Err(_) => Reply::Error("no answer".into()),
         }
     }
 
@@ -400,12 +400,12 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     );
     eprintln!("demo: watch it at {}/live", api.base);
 
-    let answers = press(&api, voucher, &args).await;
+    let replies = press(&api, voucher, &args).await;
     let grabbed_at = Instant::now();
     println!();
-    print!("{}", answers.table());
+    print!("{}", replies.table());
 
-    let ids: HashSet<OrderId> = answers
+    let ids: HashSet<OrderId> = replies
         .admitted
         .iter()
         .filter_map(|id| id.parse().ok())
@@ -416,7 +416,7 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         Ok(None) => {}
         Err(e) => println!("{:<16} {:>9}   ({e:#})", "stock_left", "unknown"),
     }
-    let ok = verdict(&answers, &ids, &persisted, args.persist_timeout);
+    let ok = verdict(&replies, &ids, &persisted, args.persist_timeout);
     Ok(if ok {
         ExitCode::SUCCESS
     } else {
@@ -441,7 +441,7 @@ async fn sale(api: &Api<'_>, args: &DemoArgs) -> anyhow::Result<(VoucherId, Opti
 /// Every shopper presses once: shopper i at start + i/N of the spread, at most
 /// `--concurrency` in flight, each with a token minted just before (it outlives the
 /// press's wait). Progress is shown as answers come.
-async fn press(api: &Api<'_>, voucher: VoucherId, args: &DemoArgs) -> Answers {
+async fn press(api: &Api<'_>, voucher: VoucherId, args: &DemoArgs) -> Replies {
     let shoppers = args.shoppers;
     let started = tokio::time::Instant::now();
     let step = Duration::from_secs_f64(args.seconds).div_f64(shoppers as f64);
@@ -451,18 +451,18 @@ async fn press(api: &Api<'_>, voucher: VoucherId, args: &DemoArgs) -> Answers {
             tokio::time::sleep_until(started + step.mul_f64(i as f64)).await;
             match api.jwt.mint(first_user + i as i64, false, 600) {
                 Ok(token) => api.grab(voucher, token).await,
-                Err(e) => Answer::Error(format!("minting a token: {e}")),
+                Err(e) => Reply::Error(format!("minting a token: {e}")),
             }
         })
         .buffer_unordered(args.concurrency as usize);
-    let mut answers = Answers::default();
+    let mut replies = Replies::default();
     let mut progress = Progress::new(shoppers);
     while let Some(answer) = pressed.next().await {
-        answers.add(answer);
-        progress.update(&answers, false);
+        replies.add(answer);
+        progress.update(&replies, false);
     }
-    progress.update(&answers, true);
-    answers
+    progress.update(&replies, true);
+    replies
 }
 
 /// How many admitted orders were read back from Postgres (through the admin listing),
@@ -527,7 +527,7 @@ async fn persisted(
 /// Whether the demo showed what it should: every admitted order in Postgres, every
 /// press answered as expected, not every press refused by a limit. Says why not.
 fn verdict(
-    answers: &Answers,
+    answers: &Replies,
     ids: &HashSet<OrderId>,
     persisted: &Persisted,
     persist_timeout: u64,

@@ -7,16 +7,16 @@ fn answers_are_sorted_into_the_table_outcomes() {
     let admitted = json!({"order_id": "12", "status": "pending"});
     let err = |code: &str| json!({"error": {"code": code, "message": "m"}});
     let cases = [
-        (202, admitted, Answer::Admitted("12".into())),
-        (409, err("sold_out"), Answer::SoldOut),
-        (409, err("already_ordered"), Answer::AlreadyOrdered),
-        (429, err("rate_limited"), Answer::RateLimited),
-        (409, err("ended"), Answer::Error("409 ended".into())),
-        (503, Value::Null, Answer::Error("503".into())),
+        (202, admitted, Reply::Admitted("12".into())),
+        (409, err("sold_out"), Reply::SoldOut),
+        (409, err("already_ordered"), Reply::AlreadyOrdered),
+        (429, err("rate_limited"), Reply::RateLimited),
+        (409, err("ended"), Reply::Error("409 ended".into())),
+        (503, Value::Null, Reply::Error("503".into())),
         (
             202,
             json!({}),
-            Answer::Error("202 without an order_id".into()),
+            Reply::Error("202 without an order_id".into()),
         ),
     ];
     for (status, body, want) in cases {
@@ -26,11 +26,11 @@ fn answers_are_sorted_into_the_table_outcomes() {
 
 #[test]
 fn the_table_adds_up_and_names_the_errors() {
-    let mut t = Answers::default();
-    t.add(Answer::Admitted("1".into()));
-    t.add(Answer::SoldOut);
-    t.add(Answer::SoldOut);
-    t.add(Answer::Error("409 ended".into()));
+    let mut t = Replies::default();
+    t.add(Reply::Admitted("1".into()));
+    t.add(Reply::SoldOut);
+    t.add(Reply::SoldOut);
+    t.add(Reply::Error("409 ended".into()));
     let table = t.table();
     assert!(table.contains("admitted                 1\n"), "{table}");
     assert!(table.contains("sold_out                 2\n"), "{table}");
