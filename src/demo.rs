@@ -467,7 +467,7 @@ async fn press(api: &Api<'_>, voucher: VoucherId, args: &DemoArgs) -> Replies {
 
 /// How many admitted orders were read back from Postgres (through the admin listing),
 /// and the last listing's error if it failed.
-struct Persisted {
+struct Landed {
     found: usize,
     last_error: Option<String>,
 }
@@ -482,7 +482,7 @@ async fn persisted(
     ids: &HashSet<OrderId>,
     args: &DemoArgs,
     grabbed_at: Instant,
-) -> Persisted {
+) -> Landed {
     if !ids.is_empty() {
         eprintln!(
             "demo: waiting up to {} s for the {} admitted orders to reach Postgres",
@@ -491,7 +491,7 @@ async fn persisted(
         );
     }
     let deadline = grabbed_at + Duration::from_secs(args.persist_timeout);
-    let mut seen = Persisted {
+    let mut seen = Landed {
         found: 0,
         last_error: None,
     };
@@ -529,7 +529,7 @@ async fn persisted(
 fn verdict(
     answers: &Replies,
     ids: &HashSet<OrderId>,
-    persisted: &Persisted,
+    persisted: &Landed,
     persist_timeout: u64,
 ) -> bool {
     let mut ok = true;

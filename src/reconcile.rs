@@ -57,7 +57,7 @@ pub(crate) struct VoucherBooks {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Verdict {
+pub(crate) enum Finding {
     Balanced,
     /// An ended sale whose Redis state has expired: nothing to compare.
     Expired,
@@ -66,17 +66,17 @@ pub(crate) enum Verdict {
     Drift,
 }
 
-impl Verdict {
+impl Finding {
     pub(crate) fn is_ok(self) -> bool {
-        matches!(self, Verdict::Balanced | Verdict::Expired)
+        matches!(self, Finding::Balanced | Finding::Expired)
     }
 
     fn as_str(self) -> &'static str {
         match self {
-            Verdict::Balanced => "ok",
-            Verdict::Expired => "expired",
-            Verdict::Missing => "MISSING",
-            Verdict::Drift => "DRIFT",
+            Finding::Balanced => "ok",
+            Finding::Expired => "expired",
+            Finding::Missing => "MISSING",
+            Finding::Drift => "DRIFT",
         }
     }
 }
@@ -124,21 +124,21 @@ impl VoucherBooks {
         self.redis_buyers - self.expected_buyers
     }
 
-    pub(crate) fn verdict(&self) -> Verdict {
+    pub(crate) fn verdict(&self) -> Finding {
         if self.initial_stock != self.pg_stock + self.pg_orders {
-            return Verdict::Drift;
+            return Finding::Drift;
         }
         let Some(stock_drift) = self.stock_drift() else {
             return if self.open {
-                Verdict::Missing
+                Finding::Missing
             } else {
-                Verdict::Expired
+                Finding::Expired
             };
         };
         if stock_drift == 0 && self.buyers_drift() == 0 && self.mismatched_buyers == 0 {
-            Verdict::Balanced
+            Finding::Balanced
         } else {
-            Verdict::Drift
+            Finding::Drift
         }
     }
 }
@@ -387,7 +387,7 @@ mod tests {
 
     #[test]
     fn books_that_balance_with_orders_in_flight_are_ok() {
-        assert_eq!(books().verdict(), Verdict::Balanced);
+        assert_eq!(books().verdict(), Finding::Balanced);
     }
 
     #[test]
@@ -397,7 +397,7 @@ mod tests {
                 redis_stock: Some(stock),
                 ..books()
             };
-            assert_eq!(b.verdict(), Verdict::Drift);
+            assert_eq!(b.verdict(), Finding::Drift);
         }
     }
 
@@ -409,7 +409,7 @@ mod tests {
             dead_letters: 2,
             ..books()
         };
-        assert_eq!(b.verdict(), Verdict::Drift);
+        assert_eq!(b.verdict(), Finding::Drift);
     }
 
     #[test]
@@ -418,17 +418,17 @@ mod tests {
             redis_buyers: 49,
             ..books()
         };
-        assert_eq!(b.verdict(), Verdict::Drift);
+        assert_eq!(b.verdict(), Finding::Drift);
         let b = VoucherBooks {
             mismatched_buyers: 1,
             ..books()
         };
-        assert_eq!(b.verdict(), Verdict::Drift);
+        assert_eq!(b.verdict(), Finding::Drift);
         let b = VoucherBooks {
             pg_stock: 61,
             ..books()
         };
-        assert_eq!(b.verdict(), Verdict::Drift);
+        assert_eq!(b.verdict(), Finding::Drift);
     }
 
     #[test]
@@ -438,10 +438,10 @@ mod tests {
             redis_buyers: 0,
             ..books()
         };
-        assert_eq!(b.verdict(), Verdict::Missing);
+        assert_eq!(b.verdict(), Finding::Missing);
         assert_eq!(
             VoucherBooks { open: false, ..b }.verdict(),
-            Verdict::Expired
+            Finding::Expired
         );
     }
 }

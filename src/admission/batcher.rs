@@ -26,11 +26,11 @@ pub const MAX_BATCH: usize = 128;
 /// Grabs queued per shard before senders wait (back-pressure, not loss).
 const QUEUE: usize = 16_384;
 
-type Reply = oneshot::Sender<RedisResult<Outcome>>;
+type ReplyTo = oneshot::Sender<RedisResult<Outcome>>;
 
 /// A grab, when it was handed to its shard (its answer's wait is counted for the live
 /// view from then), and where its answer goes.
-type Queued = (Grab, Instant, Reply);
+type Queued = (Grab, Instant, ReplyTo);
 
 /// The senders to each shard's task; the tasks end when this is dropped.
 pub struct Batcher {

@@ -78,7 +78,7 @@ enum Verdict {
     },
     Ended,
     SoldOut {
-        buyers: Arc<Buyers>,
+        buyers: Arc<KnownBuyers>,
     },
     NotFound,
     NoVoucher,
@@ -86,7 +86,7 @@ enum Verdict {
 
 /// A sold-out sale's buyers, as of one `gen` and term of its state.
 #[derive(Debug)]
-struct Buyers {
+struct KnownBuyers {
     users: HashSet<UserId>,
     signature: Signature,
 }
@@ -101,12 +101,12 @@ struct Signature {
 }
 
 #[derive(Debug)]
-struct Entry {
+struct Remembered {
     verdict: Option<Verdict>,
     /// When the read behind the verdict was sent.
     read_at: Instant,
     /// The last buyers read, kept across forgets: reused only under the same signature.
-    buyers: Option<Arc<Buyers>>,
+    buyers: Option<Arc<KnownBuyers>>,
     /// When the buyers were last scanned, and how many there were.
     scanned: Option<(Instant, usize)>,
     /// Bumped by every forget: a learning that began before it must not record.
@@ -117,7 +117,7 @@ struct Entry {
 
 #[derive(Default)]
 struct Memory {
-    sales: HashMap<VoucherId, Entry>,
+    sales: HashMap<VoucherId, Remembered>,
     /// Bumped by [`Edge::forget_all`].
     epoch: u64,
     /// When idle sales were last dropped.
@@ -256,14 +256,17 @@ impl Edge {
             return None;
         }
         let all = memory.epoch;
-        let entry = memory.sales.entry(voucher_id).or_insert_with(|| Entry {
-            verdict: None,
-            read_at: Instant::now(),
-            buyers: None,
-            scanned: None,
-            epoch: 0,
-            learning: false,
-        });
+        let entry = memory
+            .sales
+            .entry(voucher_id)
+            .or_insert_with(|| Remembered {
+                verdict: None,
+                read_at: Instant::now(),
+                buyers: None,
+                scanned: None,
+                epoch: 0,
+                learning: false,
+            });
         if entry.learning {
             return None;
         }
@@ -319,7 +322,10 @@ impl Edge {
 
     /// The buyers last read for a sale (reused while their signature holds), and when
     /// its buyers were last scanned and how many.
-    fn buyers(&self, voucher_id: VoucherId) -> (Option<Arc<Buyers>>, Option<(Instant, usize)>) {
+    fn buyers(
+        &self,
+        voucher_id: VoucherId,
+    ) -> (Option<Arc<KnownBuyers>>, Option<(Instant, usize)>) {
         match self.read().sales.get(&voucher_id) {
             Some(e) => (e.buyers.clone(), e.scanned),
             None => (None, None),
@@ -432,7 +438,7 @@ impl Edge {
                     && after.term == signature.term =>
             {
                 Ok(Some(Verdict::SoldOut {
-                    buyers: Arc::new(Buyers { users, signature }),
+                    buyers: Arc::new(KnownBuyers { users, signature }),
                 }))
             }
             _ => Ok(None),

@@ -426,7 +426,7 @@ static READ: LazyLock<Script> =
 
 /// A sale's counts as the live view shows them: the totals and the recent figures.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Live {
+pub struct ShownCounts {
     pub outcomes: Counts,
     /// Indexed as [`ERRORS`].
     pub errors: [u64; ERRORS.len()],
@@ -502,7 +502,7 @@ pub async fn read_live<C: ConnectionLike + Send + Clone>(
     conn: &C,
     keys: &Keys,
     voucher_ids: &[VoucherId],
-) -> redis::RedisResult<Vec<Live>> {
+) -> redis::RedisResult<Vec<ShownCounts>> {
     let reads = voucher_ids.iter().map(|&voucher_id| {
         let mut conn = conn.clone();
         let mut call = READ.key(keys.live_counts(voucher_id));
@@ -514,7 +514,7 @@ pub async fn read_live<C: ConnectionLike + Send + Clone>(
         async move {
             let (totals, recent): (Vec<Option<u64>>, Vec<u64>) =
                 call.invoke_async(&mut conn).await?;
-            let mut live = Live::default();
+            let mut live = ShownCounts::default();
             let counts = live.outcomes.iter_mut().chain(live.errors.iter_mut());
             for (c, n) in counts.zip(totals) {
                 *c = n.unwrap_or(0);

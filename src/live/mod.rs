@@ -154,8 +154,8 @@ struct Figures {
     recent: tally::Recent,
 }
 
-impl From<(Option<i64>, tally::Live)> for Figures {
-    fn from((remaining, live): (Option<i64>, tally::Live)) -> Self {
+impl From<(Option<i64>, tally::ShownCounts)> for Figures {
+    fn from((remaining, live): (Option<i64>, tally::ShownCounts)) -> Self {
         let [unavailable, unknown] = live.errors;
         Self {
             remaining,

@@ -16,7 +16,7 @@ fn edge(ttl: Duration) -> Arc<Edge> {
 
 fn sold_out(edge: &Arc<Edge>, voucher_id: i64, buyers: &[i64]) {
     let learning = edge.begin(v(voucher_id), Purpose::Verdict).unwrap();
-    let buyers = Arc::new(Buyers {
+    let buyers = Arc::new(KnownBuyers {
         users: buyers.iter().map(|&b| u(b)).collect(),
         signature: Signature {
             gen: "1".into(),
