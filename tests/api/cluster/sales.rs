@@ -5,7 +5,32 @@ use super::*;
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn a_dozen_sales_on_a_three_master_cluster_sell_exactly_their_stock(db: PgPool) {
     let cluster = PrivateCluster::start(3);
-    let url = faults::database_url(&db, None);
+    let (_apis, _workers, bases) = start_apis_and_workers(&cluster, &db).await;
+
+    let jwt = JwtKeys::new(crate::common::SECRET).unwrap();
+    let http = reqwest::Client::new();
+    let stock = 40i64;
+    let mut vouchers = Vec::new();
+    for _ in 0..12 {
+        vouchers.push(crate::common::open_sale_at(&http, &bases[0], stock).await);
+    }
+
+    let (results, admitted) = storm_every_sale(&http, &jwt, &bases, &vouchers).await;
+
+    assert_each_sale_persisted_exactly_its_stock(&db, &vouchers, &admitted, stock).await;
+    cancel_each_first_buyer_and_resell_the_unit(&http, &jwt, &bases, &vouchers, &results).await;
+
+    assert_both_live_views_agree(&http, &bases, &vouchers, stock).await;
+
+    assert_sales_and_streams_spread_over_nodes(&cluster);
+}
+
+/// Two APIs and two workers on the cluster, ready; returns them and the APIs' base URLs.
+async fn start_apis_and_workers(
+    cluster: &PrivateCluster,
+    db: &PgPool,
+) -> (Vec<Process>, Vec<Process>, Vec<String>) {
+    let url = faults::database_url(db, None);
     let env = |extra: Vec<(&'static str, String)>| {
         let mut env = vec![
             ("REDIS_CLUSTER_URLS", cluster.urls()),
@@ -38,15 +63,19 @@ async fn a_dozen_sales_on_a_three_master_cluster_sell_exactly_their_stock(db: Pg
     for base in &bases {
         faults::wait_ready(base).await;
     }
+    (_apis, _workers, bases)
+}
 
-    let jwt = JwtKeys::new(crate::common::SECRET).unwrap();
-    let http = reqwest::Client::new();
-    let stock = 40i64;
-    let mut vouchers = Vec::new();
-    for _ in 0..12 {
-        vouchers.push(crate::common::open_sale_at(&http, &bases[0], stock).await);
-    }
-
+/// Every sale stormed at once; returns each press and the orders admitted per sale.
+async fn storm_every_sale(
+    http: &reqwest::Client,
+    jwt: &JwtKeys,
+    bases: &[String],
+    vouchers: &[i64],
+) -> (
+    Vec<(i64, i64, StatusCode, Value)>,
+    HashMap<i64, HashSet<i64>>,
+) {
     // 60 shoppers per sale (each a different user), all sales at once, alternating
     // between the two APIs.
     let presses: Vec<(i64, i64, usize)> = vouchers
@@ -81,9 +110,17 @@ async fn a_dozen_sales_on_a_three_master_cluster_sell_exactly_their_stock(db: Pg
             assert_eq!(body["error"]["code"], "sold_out", "{body}");
         }
     }
+    (results, admitted)
+}
 
+async fn assert_each_sale_persisted_exactly_its_stock(
+    db: &PgPool,
+    vouchers: &[i64],
+    admitted: &HashMap<i64, HashSet<i64>>,
+    stock: i64,
+) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    for &voucher in &vouchers {
+    for &voucher in vouchers {
         let ids = &admitted[&voucher];
         assert_eq!(
             ids.len() as i64,
@@ -94,7 +131,7 @@ async fn a_dozen_sales_on_a_three_master_cluster_sell_exactly_their_stock(db: Pg
             let rows: Vec<(i64, i64)> =
                 sqlx::query_as("SELECT id, user_id FROM voucher_orders WHERE voucher_id = $1")
                     .bind(voucher)
-                    .fetch_all(&db)
+                    .fetch_all(db)
                     .await
                     .unwrap();
             if rows.len() as i64 >= stock || tokio::time::Instant::now() > deadline {
@@ -113,18 +150,27 @@ async fn a_dozen_sales_on_a_three_master_cluster_sell_exactly_their_stock(db: Pg
         let pg_stock: i32 =
             sqlx::query_scalar("SELECT stock FROM seckill_vouchers WHERE voucher_id = $1")
                 .bind(voucher)
-                .fetch_one(&db)
+                .fetch_one(db)
                 .await
                 .unwrap();
         assert_eq!(pg_stock, 0);
     }
+}
+
+async fn cancel_each_first_buyer_and_resell_the_unit(
+    http: &reqwest::Client,
+    jwt: &JwtKeys,
+    bases: &[String],
+    vouchers: &[i64],
+    results: &[(i64, i64, StatusCode, Value)],
+) {
     // The lifecycle on the cluster: each sale's first buyer cancels; the unit goes back
     // to the sale's live stock on its node, and a new shopper gets it.
     let heard = |text: String| {
         crate::common::metric_value(&text, "seckill_sale_changes_heard_total").unwrap_or(0.0)
     };
-    let heard_before = heard(crate::common::metrics_at(&http, &bases[1]).await);
-    for &voucher in &vouchers {
+    let heard_before = heard(crate::common::metrics_at(http, &bases[1]).await);
+    for &voucher in vouchers {
         let (user, order) = results
             .iter()
             .find(|(v, _, s, _)| *v == voucher && *s == StatusCode::ACCEPTED)
@@ -171,20 +217,27 @@ async fn a_dozen_sales_on_a_three_master_cluster_sell_exactly_their_stock(db: Pg
     }
     // Each return was announced through the cluster to the other instance (which may
     // have remembered the sale sold out), whichever node it listens to.
-    let heard_after = heard(crate::common::metrics_at(&http, &bases[1]).await);
+    let heard_after = heard(crate::common::metrics_at(http, &bases[1]).await);
     assert!(
         heard_after - heard_before >= 12.0,
         "the other instance heard {} of 12 returns",
         heard_after - heard_before
     );
+}
 
+async fn assert_both_live_views_agree(
+    http: &reqwest::Client,
+    bases: &[String],
+    vouchers: &[i64],
+    stock: i64,
+) {
     // The live view of both instances: the same figures for every sale, from the
     // cluster's nodes and Postgres.
     let mut pages = [
-        crate::live::Events::open(&http, &bases[0]).await,
-        crate::live::Events::open(&http, &bases[1]).await,
+        crate::live::Events::open(http, &bases[0]).await,
+        crate::live::Events::open(http, &bases[1]).await,
     ];
-    for &voucher in &vouchers {
+    for &voucher in vouchers {
         let settled = |v: &Value| {
             v["outcomes"]["admitted"] == stock + 1
                 // (and any press that met a memory not yet told of the cancel)
@@ -203,7 +256,9 @@ async fn a_dozen_sales_on_a_three_master_cluster_sell_exactly_their_stock(db: Pg
         assert_eq!(a["orders"], b["orders"], "voucher {voucher}");
     }
     println!("live view: both instances show the same figures for all 12 sales");
+}
 
+fn assert_sales_and_streams_spread_over_nodes(cluster: &PrivateCluster) {
     let per_node = cluster.keys_per_node("seckill:*:voucher:*");
     println!("sale keys per node: {per_node:?}");
     assert_eq!(per_node.iter().sum::<usize>(), 12);
