@@ -61,35 +61,10 @@ async fn a_payment_meeting_a_batch_with_a_second_order_of_the_payer_under_the_sa
 ) {
     use futures::FutureExt;
     use seckill::store::lifecycle::Transition;
-    use seckill::store::orders::{persist_batch, NewOrder, Persisted, Rejection};
-    use seckill::stream::ReadFrom;
+    use seckill::store::orders::{persist_batch, Persisted, Rejection};
 
     let app = TestApp::spawn(db).await;
-    let voucher = app.open_sale(5).await;
-    let first: i64 = grab_id(&app, voucher, 7).await.parse().unwrap();
-    app.drain().await;
-    let _: () = app
-        .redis_cmd(
-            redis::cmd("HDEL")
-                .arg(app.keys.voucher(vid(voucher)))
-                .arg("u:7"),
-        )
-        .await;
-    let second: i64 = grab_id(&app, voucher, 7).await.parse().unwrap();
-    let reader = app.worker_named("worker-holding");
-    reader.ensure_groups().await.unwrap();
-    let held = reader
-        .read_batch(
-            app.keys.shard_of(vid(voucher)),
-            ReadFrom::New { block_ms: 1 },
-        )
-        .await
-        .unwrap();
-    let orders: Vec<NewOrder> = held.iter().filter_map(|e| e.order().copied()).collect();
-    assert_eq!(
-        orders.iter().map(|o| (o.id, o.user_id)).collect::<Vec<_>>(),
-        [(oid(second), uid(7))]
-    );
+    let (voucher, first, second, orders) = hold_a_second_order_of_the_payer(&app).await;
 
     // The live check runs under the batch's sale lock, just before the skipped order is
     // inserted again: the payment starts there (the app's own pool, the very call its
@@ -158,6 +133,42 @@ async fn a_payment_meeting_a_batch_with_a_second_order_of_the_payer_under_the_sa
     assert_eq!(app.pg_stock(voucher).await, 4, "one unit sold, once");
     // (Checked against the sale row's counts: the payment counted there too.)
     assert_eq!(app.pg_statuses(voucher).await.get("paid"), Some(&1));
+}
+
+/// User 7's first order written and paid for next; a second order of theirs (Redis
+/// forgot the first) read into a batch and held. Returns the sale, both order ids, and
+/// the batch's orders.
+async fn hold_a_second_order_of_the_payer(
+    app: &TestApp,
+) -> (i64, i64, i64, Vec<seckill::store::orders::NewOrder>) {
+    use seckill::store::orders::NewOrder;
+    use seckill::stream::ReadFrom;
+    let voucher = app.open_sale(5).await;
+    let first: i64 = grab_id(app, voucher, 7).await.parse().unwrap();
+    app.drain().await;
+    let _: () = app
+        .redis_cmd(
+            redis::cmd("HDEL")
+                .arg(app.keys.voucher(vid(voucher)))
+                .arg("u:7"),
+        )
+        .await;
+    let second: i64 = grab_id(app, voucher, 7).await.parse().unwrap();
+    let reader = app.worker_named("worker-holding");
+    reader.ensure_groups().await.unwrap();
+    let held = reader
+        .read_batch(
+            app.keys.shard_of(vid(voucher)),
+            ReadFrom::New { block_ms: 1 },
+        )
+        .await
+        .unwrap();
+    let orders: Vec<NewOrder> = held.iter().filter_map(|e| e.order().copied()).collect();
+    assert_eq!(
+        orders.iter().map(|o| (o.id, o.user_id)).collect::<Vec<_>>(),
+        [(oid(second), uid(7))]
+    );
+    (voucher, first, second, orders)
 }
 
 /// Waits (up to 10 s) until a session of the test's database waits for a lock on a
