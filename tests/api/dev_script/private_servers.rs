@@ -28,28 +28,7 @@ fn scripts_dev_starts_private_servers_serves_and_ctrl_c_stops_everything_it_star
     let mut child = Script(child);
     let log = || std::fs::read_to_string(&stderr_log).unwrap_or_default();
 
-    // Its output, line by line, until the closing "Ctrl-C stops ..." line.
-    let (tx, rx) = mpsc::channel();
-    let stdout = child.0.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let mut lines = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(180);
-    while !lines.iter().any(|l: &String| l.starts_with("Ctrl-C stops")) {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match rx.recv_timeout(left) {
-            Ok(line) => lines.push(line),
-            Err(_) => {
-                panic!("no banner within 180 s:\n{}\n{}", lines.join("\n"), log());
-            }
-        }
-    }
+    let lines = lines_until_ctrl_c_banner(&mut child, log);
     let out = lines.join("\n");
     println!("{out}");
     // The binary is the one named, not a build of the script's.
@@ -98,6 +77,54 @@ fn scripts_dev_starts_private_servers_serves_and_ctrl_c_stops_everything_it_star
     );
     assert!(out.contains(&format!("JWT_SECRET=dev-{key} ")), "{out}");
 
+    the_service_answers_and_the_printed_curl_grabs(&lines, &base, &out, field);
+
+    let code = exit_code_after_ctrl_c(&mut child, log);
+    assert_eq!(code, Some(130), "{}", log());
+    for (what, port) in [
+        ("seckill", port),
+        ("redis", redis_port),
+        ("postgres", postgres_port),
+    ] {
+        assert!(!port_open(port), "{what} still listens on {port}");
+    }
+    assert!(!std::path::Path::new(dir).exists(), "{dir} left behind");
+    let _ = std::fs::remove_file(&stderr_log);
+}
+
+/// The script's output, line by line, until its banner's last line.
+fn lines_until_ctrl_c_banner(child: &mut Script, log: impl Fn() -> String) -> Vec<String> {
+    // Its output, line by line, until the closing "Ctrl-C stops ..." line.
+    let (tx, rx) = mpsc::channel();
+    let stdout = child.0.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut lines = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while !lines.iter().any(|l: &String| l.starts_with("Ctrl-C stops")) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => lines.push(line),
+            Err(_) => {
+                panic!("no banner within 180 s:\n{}\n{}", lines.join("\n"), log());
+            }
+        }
+    }
+    lines
+}
+
+fn the_service_answers_and_the_printed_curl_grabs(
+    lines: &[String],
+    base: &str,
+    out: &str,
+    field: impl Fn(&str) -> String,
+) {
     // The service answers, and the printed curl opens a sale and grabs from it.
     let health = Command::new("curl")
         .args(["-fsS", &format!("{base}/healthz")])
@@ -121,7 +148,9 @@ fn scripts_dev_starts_private_servers_serves_and_ctrl_c_stops_everything_it_star
     assert!(grab.status.success(), "{answer} {grab:?}");
     assert!(answer.contains(r#""status":"pending""#), "{answer}");
     assert!(field("JWT_SECRET=").contains(" demo --url "), "{out}");
+}
 
+fn exit_code_after_ctrl_c(child: &mut Script, log: impl Fn() -> String) -> Option<i32> {
     // Ctrl-C: exit 130, everything it started gone.
     child.interrupt();
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -134,16 +163,7 @@ fn scripts_dev_starts_private_servers_serves_and_ctrl_c_stops_everything_it_star
         }
         std::thread::sleep(Duration::from_millis(50));
     };
-    assert_eq!(code, Some(130), "{}", log());
-    for (what, port) in [
-        ("seckill", port),
-        ("redis", redis_port),
-        ("postgres", postgres_port),
-    ] {
-        assert!(!port_open(port), "{what} still listens on {port}");
-    }
-    assert!(!std::path::Path::new(dir).exists(), "{dir} left behind");
-    let _ = std::fs::remove_file(&stderr_log);
+    code
 }
 
 #[test]
