@@ -184,77 +184,11 @@ fn on_your_servers_scripts_dev_drops_its_database_and_deletes_its_keys_at_exit_u
             &[],
             args,
         );
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while !log().contains("Ctrl-C stops") {
-            assert!(
-                Instant::now() < deadline,
-                "no banner within 120 s:\n{}",
-                log()
-            );
-            assert!(
-                matches!(script.0.try_wait(), Ok(None)),
-                "exited:\n{}",
-                log()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_for_the_banner(&mut script, log);
         let said = log();
-        let line = |name: &str| {
-            said.lines()
-                .find(|l| l.trim_start().starts_with(name))
-                .unwrap_or_else(|| panic!("no {name} line:\n{said}"))
-                .trim()
-                .to_string()
-        };
-        let (redis, postgres) = (line("Redis "), line("Postgres "));
-        let at_exit = if keep { "kept" } else { "dropped" };
-        let database = postgres
-            .split("(yours, database ")
-            .nth(1)
-            .and_then(|rest| rest.strip_suffix(&format!(" {at_exit} at exit)")))
-            .unwrap_or_else(|| panic!("{postgres}"))
-            .to_string();
-        assert!(database.starts_with("seckill_dev_"), "{postgres}");
-        assert!(
-            postgres
-                .split_whitespace()
-                .nth(1)
-                .unwrap()
-                .ends_with(&format!("/{database}")),
-            "served from its own database: {postgres}"
-        );
-        let at_exit = if keep { "kept" } else { "deleted" };
-        let prefix = redis
-            .split("(yours, keys under ")
-            .nth(1)
-            .and_then(|rest| rest.strip_suffix(&format!(" {at_exit} at exit)")))
-            .unwrap_or_else(|| panic!("{redis}"))
-            .to_string();
-        assert!(
-            prefix.starts_with("dev-") && prefix.ends_with(':'),
-            "{redis}"
-        );
+        let (database, prefix) = database_and_prefix_it_names(&said, keep);
 
-        // The printed curl: a sale and a grab, in its database and under its prefix.
-        let lines: Vec<&str> = said.lines().collect();
-        let start = lines
-            .iter()
-            .position(|l| l.ends_with("(paste into a shell):"))
-            .expect("a curl to paste");
-        let block: Vec<&str> = lines[start + 2..]
-            .iter()
-            .take_while(|l| !l.is_empty())
-            .copied()
-            .collect();
-        let grab = Command::new("bash")
-            .args(["-euo", "pipefail", "-c", &block.join("\n")])
-            .output()
-            .unwrap();
-        let answer = String::from_utf8_lossy(&grab.stdout);
-        assert!(
-            answer.contains(r#""status":"pending""#),
-            "{answer} {grab:?}"
-        );
+        the_printed_curl_grabs(&said);
         assert!(database_exists(&database_url, &database));
         assert!(!keys_under(&redis_url, &prefix).is_empty());
 
@@ -297,4 +231,84 @@ fn on_your_servers_scripts_dev_drops_its_database_and_deletes_its_keys_at_exit_u
         let _ = std::fs::remove_dir_all(&tmp);
         let _ = std::fs::remove_file(&stderr_log);
     }
+}
+
+fn wait_for_the_banner(script: &mut Script, log: impl Fn() -> String) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !log().contains("Ctrl-C stops") {
+        assert!(
+            Instant::now() < deadline,
+            "no banner within 120 s:\n{}",
+            log()
+        );
+        assert!(
+            matches!(script.0.try_wait(), Ok(None)),
+            "exited:\n{}",
+            log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The database and the key prefix the banner names as the run's own.
+fn database_and_prefix_it_names(said: &str, keep: bool) -> (String, String) {
+    let line = |name: &str| {
+        said.lines()
+            .find(|l| l.trim_start().starts_with(name))
+            .unwrap_or_else(|| panic!("no {name} line:\n{said}"))
+            .trim()
+            .to_string()
+    };
+    let (redis, postgres) = (line("Redis "), line("Postgres "));
+    let at_exit = if keep { "kept" } else { "dropped" };
+    let database = postgres
+        .split("(yours, database ")
+        .nth(1)
+        .and_then(|rest| rest.strip_suffix(&format!(" {at_exit} at exit)")))
+        .unwrap_or_else(|| panic!("{postgres}"))
+        .to_string();
+    assert!(database.starts_with("seckill_dev_"), "{postgres}");
+    assert!(
+        postgres
+            .split_whitespace()
+            .nth(1)
+            .unwrap()
+            .ends_with(&format!("/{database}")),
+        "served from its own database: {postgres}"
+    );
+    let at_exit = if keep { "kept" } else { "deleted" };
+    let prefix = redis
+        .split("(yours, keys under ")
+        .nth(1)
+        .and_then(|rest| rest.strip_suffix(&format!(" {at_exit} at exit)")))
+        .unwrap_or_else(|| panic!("{redis}"))
+        .to_string();
+    assert!(
+        prefix.starts_with("dev-") && prefix.ends_with(':'),
+        "{redis}"
+    );
+    (database, prefix)
+}
+
+fn the_printed_curl_grabs(said: &str) {
+    // The printed curl: a sale and a grab, in its database and under its prefix.
+    let lines: Vec<&str> = said.lines().collect();
+    let start = lines
+        .iter()
+        .position(|l| l.ends_with("(paste into a shell):"))
+        .expect("a curl to paste");
+    let block: Vec<&str> = lines[start + 2..]
+        .iter()
+        .take_while(|l| !l.is_empty())
+        .copied()
+        .collect();
+    let grab = Command::new("bash")
+        .args(["-euo", "pipefail", "-c", &block.join("\n")])
+        .output()
+        .unwrap();
+    let answer = String::from_utf8_lossy(&grab.stdout);
+    assert!(
+        answer.contains(r#""status":"pending""#),
+        "{answer} {grab:?}"
+    );
 }
