@@ -54,37 +54,9 @@ async fn every_metric_the_dashboard_queries_is_on_a_live_metrics_page_with_its_h
         .spawn_server("serve", &[("WORKER_BLOCK_MS", "200".to_string())])
         .await;
 
-    // Before anything happened, the counters alerts watch are there, at zero.
-    let fresh = crate::common::metrics_at(&app.client, &base).await;
-    for series in [
-        "seckill_dead_lettered_total{kind=\"malformed\"} 0",
-        "seckill_dead_lettered_total{kind=\"poison\"} 0",
-        "seckill_dead_lettered_total{kind=\"rejected\"} 0",
-        "seckill_dead_lettered_total{kind=\"no_stock\"} 0",
-        "seckill_dead_lettered_total{kind=\"duplicate_id\"} 0",
-        "seckill_worker_batch_errors_total 0",
-        "seckill_worker_schema_errors_total 0",
-        "seckill_dependency_errors_total{dependency=\"postgres\",in=\"worker\"} 0",
-    ] {
-        assert!(
-            fresh.lines().any(|l| l == series),
-            "{series} missing at start-up from\n{fresh}"
-        );
-    }
+    the_counters_alerts_watch_are_there_at_zero(&app, &base).await;
 
-    // A small sale: two admitted, one sold out, both written by the process's worker.
-    let voucher = crate::common::open_sale_at(&app.client, &base, 2).await;
-    let answers = crate::common::press_all(&app, &base, voucher, [1, 2, 3], 3).await;
-    let admitted = answers
-        .iter()
-        .filter(|(_, a)| a.as_ref().is_some_and(|(s, _)| *s == StatusCode::ACCEPTED))
-        .count();
-    assert_eq!(admitted, 2, "{answers:?}");
-    assert_eq!(
-        app.wait_for_orders(voucher, 2, Duration::from_secs(10))
-            .await,
-        2
-    );
+    sell_a_small_sale(&app, &base).await;
 
     // Sampled gauges (stream, releases owed) come with the scrape and the sweeper's
     // passes: wait for them, boundedly.
@@ -119,12 +91,64 @@ async fn every_metric_the_dashboard_queries_is_on_a_live_metrics_page_with_its_h
             "{name}"
         );
     }
+    let (wrong, checks) = what_the_queries_ask_that_is_wrong(&queries, &asked, &live);
+    assert!(wrong.is_empty(), "{wrong:#?}\nagainst\n{text}");
+    println!(
+        "dashboard and alerting rules: {} queries, {} metric names, {checks} label and type checks, all met by a live /metrics",
+        queries.len(),
+        wanted.len()
+    );
+}
+
+async fn the_counters_alerts_watch_are_there_at_zero(app: &TestApp, base: &str) {
+    // Before anything happened, the counters alerts watch are there, at zero.
+    let fresh = crate::common::metrics_at(&app.client, base).await;
+    for series in [
+        "seckill_dead_lettered_total{kind=\"malformed\"} 0",
+        "seckill_dead_lettered_total{kind=\"poison\"} 0",
+        "seckill_dead_lettered_total{kind=\"rejected\"} 0",
+        "seckill_dead_lettered_total{kind=\"no_stock\"} 0",
+        "seckill_dead_lettered_total{kind=\"duplicate_id\"} 0",
+        "seckill_worker_batch_errors_total 0",
+        "seckill_worker_schema_errors_total 0",
+        "seckill_dependency_errors_total{dependency=\"postgres\",in=\"worker\"} 0",
+    ] {
+        assert!(
+            fresh.lines().any(|l| l == series),
+            "{series} missing at start-up from\n{fresh}"
+        );
+    }
+}
+
+async fn sell_a_small_sale(app: &TestApp, base: &str) {
+    // A small sale: two admitted, one sold out, both written by the process's worker.
+    let voucher = crate::common::open_sale_at(&app.client, base, 2).await;
+    let answers = crate::common::press_all(app, base, voucher, [1, 2, 3], 3).await;
+    let admitted = answers
+        .iter()
+        .filter(|(_, a)| a.as_ref().is_some_and(|(s, _)| *s == StatusCode::ACCEPTED))
+        .count();
+    assert_eq!(admitted, 2, "{answers:?}");
+    assert_eq!(
+        app.wait_for_orders(voucher, 2, Duration::from_secs(10))
+            .await,
+        2
+    );
+}
+
+/// Each query's labels, values, rates, groupings and quantiles checked against the live
+/// page; returns what is wrong and how many checks were made.
+fn what_the_queries_ask_that_is_wrong(
+    queries: &[String],
+    asked: &[Asks],
+    live: &Exposition,
+) -> (Vec<String>, i32) {
     // Every label a query matches or groups by is on the series it reads, every value
     // it asks for with `=` exists, rates read counters (or a histogram's parts), and
     // quantiles keep `le`: a typo in any of them is an empty panel, not an error.
     let mut wrong = Vec::new();
     let mut checks = 0;
-    for (query, asks) in queries.iter().zip(&asked) {
+    for (query, asks) in queries.iter().zip(asked) {
         for s in &asks.selectors {
             for label in &s.labels {
                 checks += 1;
@@ -172,10 +196,5 @@ async fn every_metric_the_dashboard_queries_is_on_a_live_metrics_page_with_its_h
             wrong.push(format!("{query}: {q} drops the le label"));
         }
     }
-    assert!(wrong.is_empty(), "{wrong:#?}\nagainst\n{text}");
-    println!(
-        "dashboard and alerting rules: {} queries, {} metric names, {checks} label and type checks, all met by a live /metrics",
-        queries.len(),
-        wanted.len()
-    );
+    (wrong, checks)
 }
