@@ -119,77 +119,8 @@ async fn online_reloads_racing_the_worker_lose_no_buyer_and_oversell_nothing(db:
         .map(|_| Process::spawn("worker", &app.redis_url, app.keys.prefix(), &url, &env))
         .collect();
 
-    // During the drain, 40 times: the sale's row is briefly locked (say, an admin's
-    // transaction), so the workers' commits bunch up behind it; the sale's state is
-    // lost; a press answers 503 and starts the reload; the lock is released meanwhile —
-    // the workers commit and acknowledge while the reload runs — and the reload ends.
-    let mut lock = sqlx::PgConnection::connect(&url).await.unwrap();
-    let mut statuses: HashMap<u16, usize> = HashMap::new();
-    let mut reload_winners: HashMap<i64, i64> = HashMap::new();
-    let mut persisted_at_reload = Vec::new();
-    let mut forgotten_after_reload = Vec::new();
-    let mut second_orders: Vec<i64> = Vec::new();
-    let mut doubles = 0;
-    for i in 0..40i64 {
-        sqlx::query("BEGIN").execute(&mut lock).await.unwrap();
-        sqlx::query("SELECT 1 FROM seckill_vouchers WHERE voucher_id = $1 FOR UPDATE")
-            .bind(voucher)
-            .execute(&mut lock)
-            .await
-            .unwrap();
-        tokio::time::sleep(Duration::from_millis(40)).await;
-        let _: i64 = app
-            .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(vid(voucher))))
-            .await;
-        persisted_at_reload.push(pg_order_count(&app, voucher).await);
-        let user = 100_000 + i;
-        // The release goes out while the press is on its way, a little later each time
-        // (0 to 5 ms), so that some releases land inside the reload.
-        let release = async {
-            tokio::time::sleep(Duration::from_micros(1000 * (i as u64 % 6))).await;
-            sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
-        };
-        let ((status, body), ()) = tokio::join!(press(&app, &base, voucher, user), release);
-        *statuses.entry(status.as_u16()).or_default() += 1;
-        if status == StatusCode::ACCEPTED {
-            reload_winners.insert(user, order_id(&body));
-        }
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while app.redis_stock(voucher).await.is_none() && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        // Earlier winners the reloaded sale does not know as buyers (at most 100) press
-        // again before the next reload: each must hear of their own order.
-        let fields: Vec<String> = (1..=2400).map(|u| format!("u:{u}")).collect();
-        let held: Vec<Option<i64>> = app
-            .redis_cmd(
-                redis::cmd("HMGET")
-                    .arg(app.keys.voucher(vid(voucher)))
-                    .arg(&fields),
-            )
-            .await;
-        let unknown: Vec<i64> = (1..=2400)
-            .zip(held)
-            .filter(|(u, held)| *held != Some(first[u]))
-            .map(|(u, _)| u)
-            .take(100)
-            .collect();
-        forgotten_after_reload.push(unknown.len());
-        for (user, answer) in press_all(&app, &base, voucher, unknown, 16).await {
-            let (status, body) = answer.expect("an answer");
-            if status == StatusCode::ACCEPTED {
-                second_orders.push(order_id(&body));
-            }
-            if status == StatusCode::ACCEPTED || !names_order(&body, first[&user]) {
-                doubles += 1;
-            }
-        }
-    }
-    println!(
-        "answers to presses that found the state missing: {statuses:?}; \
-         orders in postgres at each reload: {persisted_at_reload:?}; earlier winners \
-         missing from the buyers after each reload: {forgotten_after_reload:?}"
-    );
+    let (reload_winners, persisted_at_reload, mut second_orders, mut doubles) =
+        forty_reloads_during_the_drain(&app, &base, voucher, &url, &first).await;
 
     // The rest of the sale, then every earlier winner presses again.
     let rest = admitted(&press_all(&app, &base, voucher, 2401..=3600, 64).await);
@@ -241,6 +172,90 @@ async fn online_reloads_racing_the_worker_lose_no_buyer_and_oversell_nothing(db:
     assert_eq!(dead, 0, "dead letters");
     assert_eq!(live, Some(pg_stock as i64), "redis stock vs postgres stock");
     assert_eq!(pg_stock, 0);
+}
+
+/// Forty reloads of the sale during the drain, each racing the workers' commits; returns
+/// the orders the reloading presses won, the orders in Postgres at each reload, second
+/// orders of earlier winners, and how many earlier winners were not told their own order.
+async fn forty_reloads_during_the_drain(
+    app: &TestApp,
+    base: &str,
+    voucher: i64,
+    url: &str,
+    first: &HashMap<i64, i64>,
+) -> (HashMap<i64, i64>, Vec<i64>, Vec<i64>, i32) {
+    // During the drain, 40 times: the sale's row is briefly locked (say, an admin's
+    // transaction), so the workers' commits bunch up behind it; the sale's state is
+    // lost; a press answers 503 and starts the reload; the lock is released meanwhile —
+    // the workers commit and acknowledge while the reload runs — and the reload ends.
+    let mut lock = sqlx::PgConnection::connect(url).await.unwrap();
+    let mut statuses: HashMap<u16, usize> = HashMap::new();
+    let mut reload_winners: HashMap<i64, i64> = HashMap::new();
+    let mut persisted_at_reload = Vec::new();
+    let mut forgotten_after_reload = Vec::new();
+    let mut second_orders: Vec<i64> = Vec::new();
+    let mut doubles = 0;
+    for i in 0..40i64 {
+        sqlx::query("BEGIN").execute(&mut lock).await.unwrap();
+        sqlx::query("SELECT 1 FROM seckill_vouchers WHERE voucher_id = $1 FOR UPDATE")
+            .bind(voucher)
+            .execute(&mut lock)
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        let _: i64 = app
+            .redis_cmd(redis::cmd("DEL").arg(app.keys.voucher(vid(voucher))))
+            .await;
+        persisted_at_reload.push(pg_order_count(app, voucher).await);
+        let user = 100_000 + i;
+        // The release goes out while the press is on its way, a little later each time
+        // (0 to 5 ms), so that some releases land inside the reload.
+        let release = async {
+            tokio::time::sleep(Duration::from_micros(1000 * (i as u64 % 6))).await;
+            sqlx::query("COMMIT").execute(&mut lock).await.unwrap();
+        };
+        let ((status, body), ()) = tokio::join!(press(app, base, voucher, user), release);
+        *statuses.entry(status.as_u16()).or_default() += 1;
+        if status == StatusCode::ACCEPTED {
+            reload_winners.insert(user, order_id(&body));
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while app.redis_stock(voucher).await.is_none() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        // Earlier winners the reloaded sale does not know as buyers (at most 100) press
+        // again before the next reload: each must hear of their own order.
+        let fields: Vec<String> = (1..=2400).map(|u| format!("u:{u}")).collect();
+        let held: Vec<Option<i64>> = app
+            .redis_cmd(
+                redis::cmd("HMGET")
+                    .arg(app.keys.voucher(vid(voucher)))
+                    .arg(&fields),
+            )
+            .await;
+        let unknown: Vec<i64> = (1..=2400)
+            .zip(held)
+            .filter(|(u, held)| *held != Some(first[u]))
+            .map(|(u, _)| u)
+            .take(100)
+            .collect();
+        forgotten_after_reload.push(unknown.len());
+        for (user, answer) in press_all(app, base, voucher, unknown, 16).await {
+            let (status, body) = answer.expect("an answer");
+            if status == StatusCode::ACCEPTED {
+                second_orders.push(order_id(&body));
+            }
+            if status == StatusCode::ACCEPTED || !names_order(&body, first[&user]) {
+                doubles += 1;
+            }
+        }
+    }
+    println!(
+        "answers to presses that found the state missing: {statuses:?}; \
+         orders in postgres at each reload: {persisted_at_reload:?}; earlier winners \
+         missing from the buyers after each reload: {forgotten_after_reload:?}"
+    );
+    (reload_winners, persisted_at_reload, second_orders, doubles)
 }
 
 /// A healthy live sale under load is not drift. Reconcile without
