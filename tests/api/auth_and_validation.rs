@@ -93,6 +93,51 @@ async fn an_admin_creates_a_voucher_and_anyone_can_read_it(db: PgPool) {
 async fn every_kind_of_bad_voucher_is_a_4xx_json_error_and_stores_nothing(db: PgPool) {
     let app = TestApp::spawn(db).await;
     let admin = app.admin_token();
+    let cases = bad_voucher_bodies();
+
+    for (what, body) in cases {
+        let (status, reply) = app.post_json("/vouchers", Some(&admin), &body).await;
+        assert!(
+            status == StatusCode::BAD_REQUEST || status == StatusCode::UNPROCESSABLE_ENTITY,
+            "{what}: {status} {reply}"
+        );
+        assert_eq!(reply["error"]["code"], "validation", "{what}");
+        assert!(reply["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()));
+    }
+
+    // Not JSON at all, or not declared as JSON.
+    for (content_type, raw) in [
+        ("application/json", "{\"shop_id\": 1,"),
+        ("text/plain", "{}"),
+    ] {
+        let req = app
+            .client
+            .post(app.url("/vouchers"))
+            .bearer_auth(&admin)
+            .header("content-type", content_type)
+            .body(raw);
+        let (status, reply) = app.send(req).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{raw}");
+        assert_eq!(reply["error"]["code"], "validation");
+    }
+    // Too large a body.
+    let req = app
+        .client
+        .post(app.url("/vouchers"))
+        .bearer_auth(&admin)
+        .header("content-type", "application/json")
+        .body(format!("{{\"title\": \"{}\"}}", "x".repeat(100_000)));
+    let (status, reply) = app.send(req).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(reply["error"]["code"], "validation");
+
+    assert_eq!(vouchers_stored(&app).await, 0);
+}
+
+/// Every kind of bad voucher body: (what is wrong, the body).
+fn bad_voucher_bodies() -> Vec<(&'static str, Value)> {
     let mut cases: Vec<(&str, Value)> = Vec::new();
     let mut with = |what: &'static str, pointer: &str, value: Value| {
         let mut body = voucher_body();
@@ -166,46 +211,7 @@ async fn every_kind_of_bad_voucher_is_a_4xx_json_error_and_stores_nothing(db: Pg
         "the voucher as an array of its fields",
         Value::Array(fields),
     ));
-
-    for (what, body) in cases {
-        let (status, reply) = app.post_json("/vouchers", Some(&admin), &body).await;
-        assert!(
-            status == StatusCode::BAD_REQUEST || status == StatusCode::UNPROCESSABLE_ENTITY,
-            "{what}: {status} {reply}"
-        );
-        assert_eq!(reply["error"]["code"], "validation", "{what}");
-        assert!(reply["error"]["message"]
-            .as_str()
-            .is_some_and(|m| !m.is_empty()));
-    }
-
-    // Not JSON at all, or not declared as JSON.
-    for (content_type, raw) in [
-        ("application/json", "{\"shop_id\": 1,"),
-        ("text/plain", "{}"),
-    ] {
-        let req = app
-            .client
-            .post(app.url("/vouchers"))
-            .bearer_auth(&admin)
-            .header("content-type", content_type)
-            .body(raw);
-        let (status, reply) = app.send(req).await;
-        assert_eq!(status, StatusCode::BAD_REQUEST, "{raw}");
-        assert_eq!(reply["error"]["code"], "validation");
-    }
-    // Too large a body.
-    let req = app
-        .client
-        .post(app.url("/vouchers"))
-        .bearer_auth(&admin)
-        .header("content-type", "application/json")
-        .body(format!("{{\"title\": \"{}\"}}", "x".repeat(100_000)));
-    let (status, reply) = app.send(req).await;
-    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
-    assert_eq!(reply["error"]["code"], "validation");
-
-    assert_eq!(vouchers_stored(&app).await, 0);
+    cases
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
@@ -277,6 +283,41 @@ async fn a_refused_token_is_told_which_rule_it_broke(db: PgPool) {
     let (status, body) = app.get("/orders", Some(&good)).await;
     assert_eq!(status, StatusCode::OK, "the good token: {body}");
 
+    let cases = refused_token_cases(claims, now);
+    let mut messages: std::collections::BTreeMap<String, &str> = Default::default();
+    for (what, header, words) in cases {
+        let mut req = app.client.get(app.url("/orders"));
+        if let Some(h) = header {
+            req = req.header("authorization", h);
+        }
+        let (status, body) = app.send(req).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{what}: {body}");
+        assert_eq!(body["error"]["code"], "unauthorized", "{what}");
+        let message = body["error"]["message"].as_str().unwrap().to_string();
+        for word in words {
+            assert!(message.contains(word), "{what}: {message:?} lacks {word:?}");
+        }
+        assert!(
+            !message.contains(crate::common::SECRET),
+            "{what}: {message}"
+        );
+        // Tokens that break the same rule may share a message; other rules may not.
+        let rule = match what {
+            w if w.contains("sub") => "sub",
+            "not a JWT" | "two parts" => "malformed",
+            w => w,
+        };
+        if let Some(before) = messages.insert(message.clone(), rule) {
+            assert_eq!(before, rule, "{what} and {before} both say {message:?}");
+        }
+    }
+}
+
+/// The refused tokens: (what, Authorization header or none, words its message must hold).
+fn refused_token_cases(
+    claims: impl Fn(&dyn Fn(&mut Value)) -> Value,
+    now: i64,
+) -> Vec<(&'static str, Option<String>, &'static [&'static str])> {
     let ours = |c: Value| signed(c, crate::common::SECRET);
     // (what, Authorization header or none, words its message must hold)
     let cases: Vec<(&str, Option<String>, &[&str])> = vec![
@@ -346,33 +387,7 @@ async fn a_refused_token_is_told_which_rule_it_broke(db: PgPool) {
             &["audience"],
         ),
     ];
-    let mut messages: std::collections::BTreeMap<String, &str> = Default::default();
-    for (what, header, words) in cases {
-        let mut req = app.client.get(app.url("/orders"));
-        if let Some(h) = header {
-            req = req.header("authorization", h);
-        }
-        let (status, body) = app.send(req).await;
-        assert_eq!(status, StatusCode::UNAUTHORIZED, "{what}: {body}");
-        assert_eq!(body["error"]["code"], "unauthorized", "{what}");
-        let message = body["error"]["message"].as_str().unwrap().to_string();
-        for word in words {
-            assert!(message.contains(word), "{what}: {message:?} lacks {word:?}");
-        }
-        assert!(
-            !message.contains(crate::common::SECRET),
-            "{what}: {message}"
-        );
-        // Tokens that break the same rule may share a message; other rules may not.
-        let rule = match what {
-            w if w.contains("sub") => "sub",
-            "not a JWT" | "two parts" => "malformed",
-            w => w,
-        };
-        if let Some(before) = messages.insert(message.clone(), rule) {
-            assert_eq!(before, rule, "{what} and {before} both say {message:?}");
-        }
-    }
+    cases
 }
 
 /// A sale time without a zone or offset cannot be placed in time: the answer names the

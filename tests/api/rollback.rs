@@ -85,21 +85,7 @@ async fn a_restart_from_an_older_snapshot_mid_sale_heals_itself_and_sells_exactl
     let sale = open_sale_at(&app.client, &base, stock).await;
     let closing = open_sale_at(&app.client, &base, 100).await;
 
-    // 300 winners, written to Postgres; then the snapshot.
-    let first = won(&press_through_503s(&app, &base, sale, 1..=300).await);
-    assert_eq!(first.len(), 300);
-    let early = won(&press_through_503s(&app, &base, closing, 1..=10).await);
-    assert_eq!(early.len(), 10);
-    assert_eq!(
-        app.wait_for_orders(sale, 300, Duration::from_secs(30))
-            .await,
-        300
-    );
-    assert_eq!(
-        app.wait_for_orders(closing, 10, Duration::from_secs(30))
-            .await,
-        10
-    );
+    let (first, _early) = winners_written_before_the_snapshot(&app, &base, sale, closing).await;
     redis.save();
 
     // After the snapshot, all of it in Postgres: 150 winners, 5 cancels, a close.
@@ -131,39 +117,8 @@ async fn a_restart_from_an_older_snapshot_mid_sale_heals_itself_and_sells_exactl
     let crowd = press_through_503s(&app, &base, sale, 1001..=1200).await;
     let closed = press_through_503s(&app, &base, closing, 11..=20).await;
 
-    // Earlier winners still hold their orders, the cancelled ones could grab again.
-    let mut cancelled_won = HashMap::new();
-    for (user, (status, body)) in &again {
-        let held = first.get(user).or(second.get(user)).unwrap();
-        if *user <= 5 {
-            assert_eq!(
-                *status,
-                StatusCode::ACCEPTED,
-                "cancelled buyer {user}: {body}"
-            );
-            cancelled_won.insert(
-                *user,
-                body["order_id"].as_str().unwrap().parse::<i64>().unwrap(),
-            );
-        } else {
-            assert_eq!(*status, StatusCode::CONFLICT, "user {user}: {body}");
-            assert_eq!(body["error"]["code"], "already_ordered");
-            assert_eq!(body["error"]["order_id"], held.to_string(), "user {user}");
-        }
-    }
-    // Exactly the units Postgres had left were sold: 500 - 445 active - 5 again.
-    let fresh = won(&crowd);
-    assert_eq!(fresh.len(), 50, "the units left, no more");
-    for (status, body) in crowd.values() {
-        if *status != StatusCode::ACCEPTED {
-            assert_eq!(body["error"]["code"], "sold_out", "{body}");
-        }
-    }
-    // The close held.
-    for (status, body) in closed.values() {
-        assert_eq!(*status, StatusCode::CONFLICT, "{body}");
-        assert_eq!(body["error"]["code"], "ended", "{body}");
-    }
+    let (cancelled_won, fresh) =
+        check_the_answers_after_the_restart(&again, &crowd, &closed, &first, &second);
 
     // No id handed out twice, every 202 in Postgres, no unit sold twice.
     let all: Vec<i64> = [&first, &second, &cancelled_won, &fresh]
@@ -206,6 +161,76 @@ async fn a_restart_from_an_older_snapshot_mid_sale_heals_itself_and_sells_exactl
         healed_in.as_secs_f64(),
         reconciled_in.as_secs_f64(),
     );
+}
+
+/// 300 winners of `sale` and 10 of `closing`, written to Postgres; returns their orders.
+async fn winners_written_before_the_snapshot(
+    app: &TestApp,
+    base: &str,
+    sale: i64,
+    closing: i64,
+) -> (HashMap<i64, i64>, HashMap<i64, i64>) {
+    // 300 winners, written to Postgres; then the snapshot.
+    let first = won(&press_through_503s(app, base, sale, 1..=300).await);
+    assert_eq!(first.len(), 300);
+    let early = won(&press_through_503s(app, base, closing, 1..=10).await);
+    assert_eq!(early.len(), 10);
+    assert_eq!(
+        app.wait_for_orders(sale, 300, Duration::from_secs(30))
+            .await,
+        300
+    );
+    assert_eq!(
+        app.wait_for_orders(closing, 10, Duration::from_secs(30))
+            .await,
+        10
+    );
+    (first, early)
+}
+
+/// Checks what the shoppers heard after the restart; returns the orders the cancelled
+/// buyers won again and those the crowd won.
+fn check_the_answers_after_the_restart(
+    again: &HashMap<i64, (StatusCode, Value)>,
+    crowd: &HashMap<i64, (StatusCode, Value)>,
+    closed: &HashMap<i64, (StatusCode, Value)>,
+    first: &HashMap<i64, i64>,
+    second: &HashMap<i64, i64>,
+) -> (HashMap<i64, i64>, HashMap<i64, i64>) {
+    // Earlier winners still hold their orders, the cancelled ones could grab again.
+    let mut cancelled_won = HashMap::new();
+    for (user, (status, body)) in again {
+        let held = first.get(user).or(second.get(user)).unwrap();
+        if *user <= 5 {
+            assert_eq!(
+                *status,
+                StatusCode::ACCEPTED,
+                "cancelled buyer {user}: {body}"
+            );
+            cancelled_won.insert(
+                *user,
+                body["order_id"].as_str().unwrap().parse::<i64>().unwrap(),
+            );
+        } else {
+            assert_eq!(*status, StatusCode::CONFLICT, "user {user}: {body}");
+            assert_eq!(body["error"]["code"], "already_ordered");
+            assert_eq!(body["error"]["order_id"], held.to_string(), "user {user}");
+        }
+    }
+    // Exactly the units Postgres had left were sold: 500 - 445 active - 5 again.
+    let fresh = won(crowd);
+    assert_eq!(fresh.len(), 50, "the units left, no more");
+    for (status, body) in crowd.values() {
+        if *status != StatusCode::ACCEPTED {
+            assert_eq!(body["error"]["code"], "sold_out", "{body}");
+        }
+    }
+    // The close held.
+    for (status, body) in closed.values() {
+        assert_eq!(*status, StatusCode::CONFLICT, "{body}");
+        assert_eq!(body["error"]["code"], "ended", "{body}");
+    }
+    (cancelled_won, fresh)
 }
 
 /// A server that was a replica for a moment and is a master again (as after a partial

@@ -197,6 +197,45 @@ async fn a_tls_mistake_stops_every_command_at_once_with_an_error_naming_the_sett
         ("REDIS_TLS_CA_FILE", ca.clone()),
     ];
 
+    every_postgres_mistake_stops_every_command(&certs, &pg, &ca, &other, &good_redis).await;
+    verify_ca_connects_and_the_environments_settings_count(&pg, &ca, &other).await;
+
+    every_redis_mistake_stops_every_command(&redis, &ca, &other, &good_db).await;
+
+    // A scheme that does not match the port: a plain port never finishes a TLS
+    // handshake, a TLS port drops plain RESP. Neither is certain (a slow or restarting
+    // node looks alike), so the start goes on, but the warning says what to check.
+    let plain = crate::common::redis_url().replacen("redis://", "rediss://", 1);
+    let tls_as_plain = format!("redis://127.0.0.1:{}", redis.port);
+    for (url, needle) in [
+        (
+            plain,
+            "if this is a plain (non-TLS) port, the URL must be redis://",
+        ),
+        (
+            tls_as_plain,
+            "if this port speaks only TLS, the URL must be rediss://",
+        ),
+    ] {
+        let env = [
+            ("DATABASE_URL", good_db.clone()),
+            ("REDIS_URL", url.clone()),
+        ];
+        let (_, err) = cli(&["dead-letters"], &env).await;
+        assert!(
+            err.contains(needle) && err.contains("check REDIS_URL"),
+            "{url}: {err}"
+        );
+    }
+}
+
+async fn every_postgres_mistake_stops_every_command(
+    certs: &Certs,
+    pg: &TlsPostgres,
+    ca: &str,
+    other: &str,
+    good_redis: &[(&'static str, String)],
+) {
     // Postgres: the wrong CA, a host the certificate does not name (verify-ca does not
     // check names: it connects), TLS demanded of a server without it, a missing CA file.
     let no_tls = refuses_tls().await;
@@ -279,6 +318,13 @@ async fn a_tls_mistake_stops_every_command_at_once_with_an_error_naming_the_sett
             }
         }
     }
+}
+
+async fn verify_ca_connects_and_the_environments_settings_count(
+    pg: &TlsPostgres,
+    ca: &str,
+    other: &str,
+) {
     // verify-ca checks the chain. (It should skip the host name as libpq does, but sqlx
     // 0.8.6 with rustls >= 0.23.24 checks it too, a known sqlx limitation; see
     // docs/operations.md, "TLS".)
@@ -297,7 +343,7 @@ async fn a_tls_mistake_stops_every_command_at_once_with_an_error_naming_the_sett
         &[
             ("DATABASE_URL", pg.url("localhost", "")),
             ("PGSSLMODE", "require".into()),
-            ("PGSSLROOTCERT", other.clone()),
+            ("PGSSLROOTCERT", other.to_string()),
         ],
     )
     .await;
@@ -305,7 +351,14 @@ async fn a_tls_mistake_stops_every_command_at_once_with_an_error_naming_the_sett
     for needle in ["UnknownIssuer", "PGSSLMODE=require", "PGSSLROOTCERT="] {
         assert!(err.contains(needle), "{needle:?} not in {err}");
     }
+}
 
+async fn every_redis_mistake_stops_every_command(
+    redis: &TlsRedis,
+    ca: &str,
+    other: &str,
+    good_db: &str,
+) {
     // Redis: no CA file (the system's roots do not know the test's CA), the wrong CA,
     // a CA file with a plaintext URL, an unreadable CA file.
     let rediss = redis.url("localhost");
@@ -322,7 +375,7 @@ async fn a_tls_mistake_stops_every_command_at_once_with_an_error_naming_the_sett
         (
             vec![
                 ("REDIS_URL", rediss.clone()),
-                ("REDIS_TLS_CA_FILE", other.clone()),
+                ("REDIS_TLS_CA_FILE", other.to_string()),
             ],
             vec![
                 "TLS with Redis failed",
@@ -333,7 +386,7 @@ async fn a_tls_mistake_stops_every_command_at_once_with_an_error_naming_the_sett
         (
             vec![
                 ("REDIS_URL", format!("redis://127.0.0.1:{}", redis.port)),
-                ("REDIS_TLS_CA_FILE", ca.clone()),
+                ("REDIS_TLS_CA_FILE", ca.to_string()),
             ],
             vec!["REDIS_TLS_CA_FILE is set but REDIS_URL is not a rediss:// URL"],
         ),
@@ -347,7 +400,7 @@ async fn a_tls_mistake_stops_every_command_at_once_with_an_error_naming_the_sett
     ];
     for (redis_env, expected) in cases {
         for command in [&["dead-letters"][..], &["worker"], &["serve"]] {
-            let mut env = vec![("DATABASE_URL", good_db.clone())];
+            let mut env = vec![("DATABASE_URL", good_db.to_string())];
             env.extend(redis_env.iter().cloned());
             env.push(("BIND", format!("127.0.0.1:{}", faults::free_port())));
             let (code, err) = cli(command, &env).await;
@@ -363,32 +416,6 @@ async fn a_tls_mistake_stops_every_command_at_once_with_an_error_naming_the_sett
                 );
             }
         }
-    }
-
-    // A scheme that does not match the port: a plain port never finishes a TLS
-    // handshake, a TLS port drops plain RESP. Neither is certain (a slow or restarting
-    // node looks alike), so the start goes on, but the warning says what to check.
-    let plain = crate::common::redis_url().replacen("redis://", "rediss://", 1);
-    let tls_as_plain = format!("redis://127.0.0.1:{}", redis.port);
-    for (url, needle) in [
-        (
-            plain,
-            "if this is a plain (non-TLS) port, the URL must be redis://",
-        ),
-        (
-            tls_as_plain,
-            "if this port speaks only TLS, the URL must be rediss://",
-        ),
-    ] {
-        let env = [
-            ("DATABASE_URL", good_db.clone()),
-            ("REDIS_URL", url.clone()),
-        ];
-        let (_, err) = cli(&["dead-letters"], &env).await;
-        assert!(
-            err.contains(needle) && err.contains("check REDIS_URL"),
-            "{url}: {err}"
-        );
     }
 }
 

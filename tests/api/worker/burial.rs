@@ -1,111 +1,7 @@
-//! The worker: replays, take-overs, idempotent writes and entries that can never be orders.
+//! Entries the worker buries or dead-letters: malformed entries, stock Postgres lacks,
+//! late replays, entries Redis lost, phantom buyers and row-lock races.
 
-use std::collections::HashSet;
-
-use crate::common::{all_live, uid, vid, TestApp};
-use reqwest::StatusCode;
-use seckill::store::orders::{self, NewOrder};
-use seckill::stream::{Entry, ReadFrom};
-use sqlx::PgPool;
-
-/// Admits `n` users and returns their order ids.
-pub(crate) async fn admit(
-    app: &TestApp,
-    voucher: i64,
-    users: std::ops::RangeInclusive<i64>,
-) -> HashSet<i64> {
-    let mut ids = HashSet::new();
-    for user in users {
-        let (status, body) = app.grab(voucher, user).await;
-        assert_eq!(status, StatusCode::ACCEPTED, "{body}");
-        ids.insert(body["order_id"].as_str().unwrap().parse().unwrap());
-    }
-    ids
-}
-
-async fn stored_ids(app: &TestApp, voucher: i64) -> HashSet<i64> {
-    app.pg_orders(voucher)
-        .await
-        .into_iter()
-        .map(|(id, _)| id)
-        .collect()
-}
-
-/// Delivers every new entry to `consumer` and never acknowledges them: a worker that
-/// died between read and commit.
-async fn deliver_and_die(app: &TestApp, consumer: &str) -> usize {
-    let dead = app.worker_named(consumer);
-    dead.ensure_groups().await.unwrap();
-    let shard = seckill::keys::Shard(0);
-    let mut delivered = 0;
-    loop {
-        let batch = dead
-            .read_batch(shard, ReadFrom::New { block_ms: 1 })
-            .await
-            .unwrap();
-        if batch.is_empty() {
-            return delivered;
-        }
-        delivered += batch.len();
-    }
-}
-
-#[sqlx::test(migrator = "seckill::MIGRATOR")]
-async fn entries_a_dead_worker_never_acked_are_persisted_once_when_it_starts_again(db: PgPool) {
-    let app = TestApp::spawn(db).await;
-    let voucher = app.open_sale(50).await;
-    let admitted = admit(&app, voucher, 1..=40).await;
-    assert_eq!(deliver_and_die(&app, "worker-a").await, 40);
-    assert_eq!(app.pending_count().await, 40);
-    assert!(stored_ids(&app, voucher).await.is_empty());
-
-    // The same consumer starts again: it replays its own pending list first.
-    let report = app.worker_named("worker-a").drain().await.unwrap();
-    assert_eq!(report.inserted, 40);
-    assert_eq!(stored_ids(&app, voucher).await, admitted);
-    assert_eq!(app.pg_stock(voucher).await, 10);
-    assert_eq!(app.pending_count().await, 0);
-}
-
-#[sqlx::test(migrator = "seckill::MIGRATOR")]
-async fn another_worker_takes_over_what_a_dead_consumer_left_pending(db: PgPool) {
-    let app = TestApp::spawn(db).await;
-    let voucher = app.open_sale(50).await;
-    let admitted = admit(&app, voucher, 1..=25).await;
-    deliver_and_die(&app, "worker-dead").await;
-
-    // Not yet idle long enough: a live worker leaves them alone.
-    let survivor = app.worker_named("worker-live");
-    assert_eq!(survivor.reclaim().await.unwrap().entries, 0);
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    let report = survivor.reclaim().await.unwrap();
-    assert_eq!((report.entries, report.inserted), (25, 25));
-    assert_eq!(stored_ids(&app, voucher).await, admitted);
-    assert_eq!(app.pg_stock(voucher).await, 25);
-    assert_eq!(app.pending_count().await, 0);
-}
-
-#[sqlx::test(migrator = "seckill::MIGRATOR")]
-async fn a_batch_committed_but_never_acked_is_not_written_twice(db: PgPool) {
-    let app = TestApp::spawn(db).await;
-    let voucher = app.open_sale(30).await;
-    let admitted = admit(&app, voucher, 1..=20).await;
-
-    // A worker reads, commits, and dies before XACK.
-    app.commit_without_ack("worker-b", seckill::keys::Shard(0))
-        .await;
-    assert_eq!(app.pg_stock(voucher).await, 10);
-
-    let report = app.worker_named("worker-b").drain().await.unwrap();
-    assert_eq!((report.inserted, report.already_there), (0, 20));
-    assert_eq!(stored_ids(&app, voucher).await, admitted);
-    assert_eq!(
-        app.pg_stock(voucher).await,
-        10,
-        "stock taken once, not twice"
-    );
-    assert_eq!(app.pending_count().await, 0);
-}
+use super::*;
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn malformed_entries_are_dead_lettered_and_do_not_hold_up_real_orders(db: PgPool) {
@@ -174,91 +70,6 @@ async fn postgres_never_sells_more_than_its_stock_even_if_redis_admitted_more(db
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
-async fn the_service_loop_drains_the_stream_and_stops_when_cancelled(db: PgPool) {
-    let app = TestApp::spawn(db).await;
-    let voucher = app.open_sale(20).await;
-    let cancel = tokio_util::sync::CancellationToken::new();
-    let running = tokio::spawn(app.worker().run(cancel.clone()));
-    let admitted = admit(&app, voucher, 1..=20).await;
-    let mut stored = HashSet::new();
-    for _ in 0..100 {
-        stored = stored_ids(&app, voucher).await;
-        if stored.len() == admitted.len() {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
-    assert_eq!(stored, admitted);
-    cancel.cancel();
-    tokio::time::timeout(std::time::Duration::from_secs(5), running)
-        .await
-        .expect("worker stops promptly")
-        .unwrap();
-    assert_eq!(app.pg_stock(voucher).await, 0);
-}
-
-#[sqlx::test(migrator = "seckill::MIGRATOR")]
-async fn an_entry_delivered_too_often_is_dead_lettered_instead_of_retried_forever(db: PgPool) {
-    let app = TestApp::spawn(db).await;
-    let voucher = app.open_sale(10).await;
-    admit(&app, voucher, 1..=2).await;
-    // Delivered once, then re-read six more times by a consumer that keeps dying.
-    deliver_and_die(&app, "worker-crashloop").await;
-    let crashing = app.worker_named("worker-crashloop");
-    for _ in 0..6 {
-        let again = crashing
-            .read_batch(seckill::keys::Shard(0), ReadFrom::OwnPending)
-            .await
-            .unwrap();
-        assert_eq!(again.len(), 2);
-    }
-    // The harness allows 3 deliveries (then entries are written alone) and gives up
-    // past twice that: the next replay, the 8th delivery, buries them.
-    let report = crashing.drain().await.unwrap();
-    assert_eq!((report.inserted, report.dead_lettered), (0, 2));
-    assert_eq!(app.pending_count().await, 0);
-    let dlq = app.keys.dead_letters(app.keys.shard_of(vid(voucher)));
-    let dead: Vec<(String, Vec<(String, String)>)> = app
-        .redis_cmd(redis::cmd("XRANGE").arg(dlq).arg("-").arg("+"))
-        .await;
-    assert_eq!(dead.len(), 2);
-    let reason = &dead[0].1.iter().find(|(k, _)| k == "reason").unwrap().1;
-    assert!(reason.starts_with("poison: delivered 8 times"), "{reason}");
-    assert!(dead[0]
-        .1
-        .iter()
-        .any(|(k, v)| k == "orig.voucher_id" && *v == voucher.to_string()));
-}
-
-#[sqlx::test(migrator = "seckill::MIGRATOR")]
-async fn acknowledged_entries_are_trimmed_but_pending_ones_are_kept(db: PgPool) {
-    let app = TestApp::spawn(db).await;
-    let voucher = app.open_sale(20).await;
-    let stream = app.keys.stream(app.keys.shard_of(vid(voucher)));
-    admit(&app, voucher, 1..=10).await;
-    deliver_and_die(&app, "worker-gone").await;
-    admit(&app, voucher, 11..=15).await;
-
-    let live = app.worker_named("worker-live");
-    let shard = app.keys.shard_of(vid(voucher));
-    let fresh = live
-        .read_batch(shard, ReadFrom::New { block_ms: 1 })
-        .await
-        .unwrap();
-    assert_eq!(fresh.len(), 5);
-    live.process_batch(shard, &fresh).await.unwrap();
-    live.trim().await.unwrap();
-    let len: usize = app.redis_cmd(redis::cmd("XLEN").arg(stream)).await;
-    assert_eq!(len, 15, "nothing older than a pending entry goes");
-
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    live.drain().await.unwrap();
-    let len: usize = app.redis_cmd(redis::cmd("XLEN").arg(stream)).await;
-    assert_eq!(len, 0);
-    assert_eq!(stored_ids(&app, voucher).await.len(), 15);
-}
-
-#[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn buyer_records_expire_with_the_sale_state(db: PgPool) {
     let app = TestApp::spawn(db).await;
     let voucher = app.open_sale(5).await;
@@ -278,40 +89,6 @@ async fn buyer_records_expire_with_the_sale_state(db: PgPool) {
     // open_sale ends in an hour; the default retention is a day after that.
     let expected = 25 * 3600 * 1000;
     assert!((expected - ttl).abs() < 60_000, "{ttl}");
-}
-
-#[sqlx::test(migrator = "seckill::MIGRATOR")]
-async fn consumers_of_dead_workers_are_forgotten_once_they_hold_nothing(db: PgPool) {
-    let app = TestApp::spawn(db).await;
-    let voucher = app.open_sale(5).await;
-    admit(&app, voucher, 1..=3).await;
-    deliver_and_die(&app, "worker-ghost").await;
-    let stream = app.keys.stream(app.keys.shard_of(vid(voucher)));
-    let names = || async {
-        let consumers: Vec<std::collections::HashMap<String, redis::Value>> = app
-            .redis_cmd(
-                redis::cmd("XINFO")
-                    .arg("CONSUMERS")
-                    .arg(stream)
-                    .arg(seckill::stream::GROUP),
-            )
-            .await;
-        consumers
-            .iter()
-            .map(|c| redis::from_redis_value_ref::<String>(&c["name"]).unwrap())
-            .collect::<Vec<_>>()
-    };
-    let live = app.worker_named("worker-live");
-    // Idle long enough, but still holding entries: kept.
-    tokio::time::sleep(std::time::Duration::from_millis(900)).await;
-    live.trim().await.unwrap();
-    assert!(names().await.contains(&"worker-ghost".to_string()));
-    // Its entries taken over, and idle on: forgotten.
-    live.reclaim().await.unwrap();
-    tokio::time::sleep(std::time::Duration::from_millis(900)).await;
-    live.trim().await.unwrap();
-    assert!(!names().await.contains(&"worker-ghost".to_string()));
-    assert_eq!(stored_ids(&app, voucher).await.len(), 3);
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
@@ -346,71 +123,6 @@ async fn a_dead_lettered_order_releases_its_buyer_who_may_try_again(db: PgPool) 
     assert_ne!(again["order_id"].as_str().unwrap(), order_id);
     app.drain().await;
     assert!(stored_ids(&app, voucher).await.is_empty());
-}
-
-/// A worker named `consumer` that has read (and holds, unacknowledged) the new entries
-/// of the voucher's shard.
-pub(crate) async fn read_new(
-    app: &TestApp,
-    voucher: i64,
-    consumer: &str,
-) -> (seckill::worker::Worker, seckill::keys::Shard, Vec<Entry>) {
-    let worker = app.worker_named(consumer);
-    worker.ensure_groups().await.unwrap();
-    let shard = app.keys.shard_of(vid(voucher));
-    let entries = worker
-        .read_batch(shard, ReadFrom::New { block_ms: 1 })
-        .await
-        .unwrap();
-    (worker, shard, entries)
-}
-
-/// Reads the sale's live stock and a user's buyer record straight from Redis.
-pub(crate) async fn redis_sale(
-    app: &TestApp,
-    voucher: i64,
-    user: i64,
-) -> (Option<i64>, Option<String>) {
-    let key = app.keys.voucher(vid(voucher));
-    let stock: Option<i64> = app
-        .redis_cmd(redis::cmd("HGET").arg(&key).arg("stock"))
-        .await;
-    let buyer: Option<String> = app
-        .redis_cmd(redis::cmd("HGET").arg(&key).arg(format!("u:{user}")))
-        .await;
-    (stock, buyer)
-}
-
-#[sqlx::test(migrator = "seckill::MIGRATOR")]
-async fn a_committed_order_delivered_too_often_is_acknowledged_not_dead_lettered(db: PgPool) {
-    let app = TestApp::spawn(db).await;
-    let voucher = app.open_sale(10).await;
-    admit(&app, voucher, 1..=2).await;
-    // A slow worker committed the batch but never acknowledged it ...
-    let (slow, shard, batch) = read_new(&app, voucher, "worker-slow").await;
-    let orders: Vec<NewOrder> = batch.iter().filter_map(|e| e.order().copied()).collect();
-    orders::persist_batch(&app.db, &orders, &all_live)
-        .await
-        .unwrap();
-    // ... and its entries were re-read until they counted as poison.
-    for _ in 0..6 {
-        slow.read_batch(shard, ReadFrom::OwnPending).await.unwrap();
-    }
-    let report = slow.drain().await.unwrap();
-    assert_eq!(
-        (report.dead_lettered, report.already_there),
-        (0, 2),
-        "{report:?}"
-    );
-    let dlq: usize = app
-        .redis_cmd(redis::cmd("XLEN").arg(app.keys.dead_letters(shard)))
-        .await;
-    assert_eq!(dlq, 0, "a committed order is never a dead letter");
-    assert_eq!(stored_ids(&app, voucher).await.len(), 2);
-    assert_eq!(app.pending_count().await, 0);
-    let (stock, buyer) = redis_sale(&app, voucher, 1).await;
-    assert_eq!(stock, Some(8));
-    assert!(buyer.is_some(), "the buyer record stays");
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
@@ -533,31 +245,6 @@ async fn a_buyer_redis_forgot_gets_their_real_order_back_and_the_phantom_unit_re
         assert_eq!(body["error"]["order_id"], real.to_string());
     }
     assert_eq!(redis_sale(&app, voucher, 5).await.0, Some(9));
-}
-
-#[sqlx::test(migrator = "seckill::MIGRATOR")]
-async fn orders_redelivered_past_the_bound_are_written_one_by_one_not_buried(db: PgPool) {
-    let app = TestApp::spawn(db).await;
-    let voucher = app.open_sale(10).await;
-    let admitted = admit(&app, voucher, 1..=4).await;
-    // Workers kept dying while holding the batch (killed, not poisoned by it).
-    deliver_and_die(&app, "worker-killed").await;
-    let killed = app.worker_named("worker-killed");
-    for _ in 0..3 {
-        killed
-            .read_batch(seckill::keys::Shard(0), ReadFrom::OwnPending)
-            .await
-            .unwrap();
-    }
-    // Fifth delivery: past the bound of 3, within twice it: written, entry by entry.
-    let report = killed.drain().await.unwrap();
-    assert_eq!(
-        (report.inserted, report.dead_lettered),
-        (4, 0),
-        "{report:?}"
-    );
-    assert_eq!(stored_ids(&app, voucher).await, admitted);
-    assert_eq!(app.pending_count().await, 0);
 }
 
 /// A batch inserts its rows before it takes the sale's row lock (so batches of one sale
@@ -714,45 +401,4 @@ async fn an_order_whose_users_other_order_closed_while_the_batch_waited_is_writt
         Some("created"),
         "the second order is the user's live order now"
     );
-}
-
-/// Takes the sale's row lock, then starts `worker` on the batch `held`, and returns once
-/// the batch (its rows inserted) waits for that lock: the lock's transaction, to commit
-/// when the test has done what happens meanwhile, and the batch's task.
-async fn batch_waiting_for_the_row_lock(
-    app: &TestApp,
-    voucher: i64,
-    worker: seckill::worker::Worker,
-    shard: seckill::keys::Shard,
-    held: Vec<Entry>,
-) -> (
-    sqlx::Transaction<'static, sqlx::Postgres>,
-    tokio::task::JoinHandle<anyhow::Result<seckill::worker::BatchReport>>,
-) {
-    let mut lock = app.db.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM seckill_vouchers WHERE voucher_id = $1 FOR UPDATE")
-        .bind(voucher)
-        .execute(&mut *lock)
-        .await
-        .unwrap();
-    let batch = tokio::spawn(async move { worker.process_batch(shard, &held).await });
-    let waiting = async {
-        loop {
-            let n: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-                 AND wait_event_type = 'Lock' AND query LIKE '%seckill_vouchers%'",
-            )
-            .fetch_one(&app.db)
-            .await
-            .unwrap();
-            if n > 0 {
-                return;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
-    };
-    tokio::time::timeout(std::time::Duration::from_secs(10), waiting)
-        .await
-        .expect("the batch never waited for the row lock");
-    (lock, batch)
 }
