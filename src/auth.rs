@@ -421,7 +421,8 @@ impl Verifier {
             .transpose()?;
         let jwks = args
             .jwt_jwks_url
-            .as_deref()
+            .as_ref()
+            .map(crate::secret::ServerUrl::expose)
             .filter(|url| !url.is_empty())
             .map(|url| Jwks::new(url, &expected))
             .transpose()?;

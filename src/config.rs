@@ -248,7 +248,7 @@ pub struct JwtArgs {
     /// An identity provider's JWKS (`https://.../.well-known/jwks.json`): RS256 and ES256
     /// tokens whose `kid` names one of its keys are accepted.
     #[arg(long, env = "JWT_JWKS_URL")]
-    pub jwt_jwks_url: Option<String>,
+    pub jwt_jwks_url: Option<ServerUrl>,
     /// When set, every token's `iss` must be this (HS256 ones too).
     #[arg(long, env = "JWT_ISSUER")]
     pub jwt_issuer: Option<String>,

@@ -393,7 +393,7 @@ fn a_secret_or_a_jwks_is_required_and_the_jwks_url_must_be_http() {
         "{err}"
     );
     let args = crate::config::JwtArgs {
-        jwt_jwks_url: Some(String::new()),
+        jwt_jwks_url: Some("".into()),
         jwt_issuer: Some("https://idp.example".into()),
         ..Default::default()
     };

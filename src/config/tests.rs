@@ -26,13 +26,18 @@ fn no_secret_of_any_command_shows_when_its_settings_are_printed() {
         "--redis-url=redis://:redis-pass-4b2d@cache:6379",
     ];
     let cluster = "--redis-cluster-urls=redis://:seed-pass-1@a:7000,redis://:seed-pass-2@b:7001";
-    let commands: [&[&str]; 5] = [
+    let commands: [&[&str]; 6] = [
         &["serve", secrets[0], secrets[1], secrets[2], cluster],
         &[
             "api",
             secrets[0],
             secrets[1],
             "--redis-pubsub-url=redis://:seed-pass-3@h",
+        ],
+        &[
+            "api",
+            secrets[1],
+            "--jwt-jwks-url=https://svc:seed-pass-4@idp.example/jwks",
         ],
         &["worker", secrets[1], secrets[2]],
         &["token", secrets[0], "--user", "1"],

@@ -239,7 +239,7 @@ async fn app_with_idp(db: PgPool, idp: &Idp) -> TestApp {
 fn jwt_args(secret: Option<&str>, jwks_url: &str) -> JwtArgs {
     JwtArgs {
         jwt_secret: secret.map(Into::into),
-        jwt_jwks_url: Some(jwks_url.to_string()),
+        jwt_jwks_url: Some(jwks_url.into()),
         jwt_issuer: Some(ISSUER.into()),
         jwt_audience: Some(AUDIENCE.into()),
     }
