@@ -33,17 +33,13 @@ async fn a_master_killed_mid_storm_on_a_cluster_with_replicas_loses_no_202_and_h
     assert!(on_victim.len() < sales.len(), "sales on other masters too");
     let warm_up = warm_up_both_apis(&http, &jwt, &bases, &sales).await;
 
-    let (mut presses, killed, promoted, restarted, rejoined) = storm_through_a_failover(
-        &http,
-        &jwt,
-        &bases,
-        &sales,
-        &mut cluster,
-        &on_victim,
+    let failover = Failover {
         victim,
         replica,
-    )
-    .await;
+        on_victim: &on_victim,
+    };
+    let (mut presses, killed, promoted, restarted, rejoined) =
+        storm_through_a_failover(&http, &jwt, &bases, &sales, &mut cluster, &failover).await;
 
     let (given, unavailable, unknown) = given_and_refusals(&presses);
     let admitted_after =
@@ -166,20 +162,30 @@ async fn warm_up_both_apis(
     warm_up
 }
 
+/// The master killed (its port), the replica promoted in its place, and the sales the
+/// victim held.
+struct Failover<'a> {
+    victim: u16,
+    replica: u16,
+    on_victim: &'a [i64],
+}
+
 /// Both APIs stormed while the victim is killed, its replica promoted, and the victim
 /// restarted as its replica; returns every press, when the victim was killed, how long
 /// the promotion took, when the victim restarted and how long it took to rejoin.
-#[allow(clippy::too_many_arguments)]
 async fn storm_through_a_failover(
     http: &reqwest::Client,
     jwt: &JwtKeys,
     bases: &[String],
     sales: &[i64],
     cluster: &mut PrivateCluster,
-    on_victim: &[i64],
-    victim: u16,
-    replica: u16,
+    failover: &Failover<'_>,
 ) -> (Vec<Press>, Instant, Duration, Instant, Duration) {
+    let Failover {
+        victim,
+        replica,
+        on_victim,
+    } = *failover;
     let stop = CancellationToken::new();
     let storm = {
         let (http, jwt, bases, sales, stop) = (http, jwt, bases, sales, stop.clone());
