@@ -283,27 +283,58 @@ mod tests {
         assert!(serde_json::from_str::<UserId>(r#""42""#).is_err());
     }
 
+    /// Texts that are no id: empty, zero, signed, padded, not decimal, too large.
+    const NOT_IDS: [&str; 13] = [
+        "",
+        "0",
+        "-1",
+        "+1",
+        "01",
+        " 1",
+        "1 ",
+        "1.0",
+        "1e3",
+        "abc",
+        "9223372036854775808",
+        "99999999999999999999",
+        "１",
+    ];
+
+    #[test]
+    fn ids_are_parsed_strictly() {
+        assert_eq!(parse_id("1"), Some(1));
+        assert_eq!(parse_id("9223372036854775807"), Some(i64::MAX));
+        for bad in NOT_IDS {
+            assert_eq!(parse_id(bad), None, "{bad:?}");
+        }
+    }
+
     #[test]
     fn zero_and_signs_are_not_ids() {
-        for bad in [
-            "",
-            "0",
-            "-1",
-            "+1",
-            "01",
-            " 1",
-            "1 ",
-            "1.0",
-            "1e3",
-            "abc",
-            "9223372036854775808",
-            "１",
-        ] {
+        for bad in NOT_IDS {
             assert_eq!(bad.parse::<OrderId>(), Err(NotAnId), "{bad:?}");
             assert_eq!(bad.parse::<VoucherId>(), Err(NotAnId), "{bad:?}");
         }
         assert_eq!(VoucherId::new(0), None);
         assert_eq!(UserId::new(-1), None);
+    }
+
+    proptest::proptest! {
+        /// Every positive i64 written canonically parses back to itself.
+        #[test]
+        fn canonical_ids_round_trip(id in 1i64..=i64::MAX) {
+            proptest::prop_assert_eq!(parse_id(&id.to_string()), Some(id));
+        }
+
+        /// Whatever the input, the answer is either None or a positive id that prints back
+        /// as exactly the input: no lenient parse slips through.
+        #[test]
+        fn anything_parsed_is_canonical(s in "\\PC{0,24}") {
+            if let Some(id) = parse_id(&s) {
+                proptest::prop_assert!(id > 0);
+                proptest::prop_assert_eq!(id.to_string(), s);
+            }
+        }
     }
 
     #[test]
