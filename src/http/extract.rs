@@ -138,10 +138,7 @@ fn humane(message: &str) -> String {
     };
     if let Some((low, high)) = integer_range(wanted) {
         // serde_json reads an integer too large for 64 bits as a float (`1e23`).
-        let number = got
-            .strip_prefix("integer `")
-            .or_else(|| got.strip_prefix("floating point `"))
-            .and_then(|n| n.strip_suffix('`'))
+        let number = number_text(got)
             .and_then(|n| n.parse::<f64>().ok())
             .filter(|n| n.fract() == 0.0);
         if let Some(n) = number {
@@ -183,6 +180,16 @@ fn expected(wanted: &str) -> String {
     }
 }
 
+/// What serde quotes after `prefix` (`` integer `5` ``), without its quotes.
+fn quoted<'a>(got: &'a str, prefix: &str) -> Option<&'a str> {
+    got.strip_prefix(prefix)?.strip_suffix('`')
+}
+
+/// The number serde found (`` integer `5` ``, `` floating point `1e23` ``), as written.
+fn number_text(got: &str) -> Option<&str> {
+    quoted(got, "integer `").or_else(|| quoted(got, "floating point `"))
+}
+
 /// serde's name of what it found, as JSON calls it (a long string is cut short).
 fn unexpected(got: &str) -> String {
     if let Some(text) = got.strip_prefix("string ") {
@@ -195,11 +202,10 @@ fn unexpected(got: &str) -> String {
         }
         return format!("the string \"{short}\"");
     }
-    let quoted = |prefix: &str| got.strip_prefix(prefix).and_then(|v| v.strip_suffix('`'));
-    if let Some(n) = quoted("integer `").or_else(|| quoted("floating point `")) {
+    if let Some(n) = number_text(got) {
         return format!("the number {n}");
     }
-    if let Some(b) = quoted("boolean `") {
+    if let Some(b) = quoted(got, "boolean `") {
         return b.into();
     }
     match got {
@@ -365,7 +371,6 @@ where
 
 #[cfg(test)]
 mod tests {
-
     #[derive(Debug, serde::Deserialize)]
     #[serde(deny_unknown_fields)]
     struct Inner {
