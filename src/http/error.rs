@@ -6,7 +6,7 @@ use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::domain::{OrderId, OrderStatus};
+use crate::domain::{OrderId, OrderStatus, VoucherId};
 
 /// Every error answer: `{"error": {"code": "...", "message": "..."}}`.
 #[derive(Debug, Serialize, ToSchema)]
@@ -197,6 +197,16 @@ impl From<crate::auth::Refused> for AppError {
 }
 
 impl AppError {
+    /// 404 for a voucher id no voucher has.
+    pub(crate) fn no_voucher(id: VoucherId) -> Self {
+        Self::NotFound(format!("voucher {id} not found"))
+    }
+
+    /// 404 for a voucher that has no flash sale.
+    pub(crate) fn no_sale(id: VoucherId) -> Self {
+        Self::NotFound(format!("voucher {id} has no flash sale"))
+    }
+
     pub(crate) fn invalid(message: impl Into<String>) -> Self {
         Self::Validation {
             status: StatusCode::UNPROCESSABLE_ENTITY,

@@ -171,7 +171,7 @@ pub(crate) async fn list_orders(
     let query = PageQuery::parse(raw.as_deref())?;
     vouchers::get(&state.db, id)
         .await?
-        .ok_or_else(|| AppError::NotFound(format!("voucher {id} not found")))?;
+        .ok_or_else(|| AppError::no_voucher(id))?;
     // One more than asked: whether a next page exists, without an empty last page.
     let mut rows = orders::page_of_sale(
         &state.db,

@@ -161,17 +161,9 @@ fn at_edge(state: &AppState, voucher_id: VoucherId, known: EdgeAnswer) -> AppErr
         EdgeAnswer::NotStarted => AppError::NotStarted,
         EdgeAnswer::Ended => AppError::Ended,
         EdgeAnswer::SoldOut => AppError::SoldOut,
-        EdgeAnswer::NotFound => no_sale(voucher_id),
-        EdgeAnswer::NoVoucher => no_voucher(voucher_id),
+        EdgeAnswer::NotFound => AppError::no_sale(voucher_id),
+        EdgeAnswer::NoVoucher => AppError::no_voucher(voucher_id),
     }
-}
-
-fn no_sale(voucher_id: VoucherId) -> AppError {
-    AppError::NotFound(format!("voucher {voucher_id} has no flash sale"))
-}
-
-pub(crate) fn no_voucher(voucher_id: VoucherId) -> AppError {
-    AppError::NotFound(format!("voucher {voucher_id} not found"))
 }
 
 /// The answer to a grab, from the script's verdict and the order id minted for this
@@ -236,8 +228,8 @@ async fn not_loaded(state: &AppState, voucher_id: VoucherId) -> AppError {
         }
     }
     match sale {
-        Ok(SaleLookup::NoVoucher) => no_voucher(voucher_id),
-        Ok(SaleLookup::NoSale) => no_sale(voucher_id),
+        Ok(SaleLookup::NoVoucher) => AppError::no_voucher(voucher_id),
+        Ok(SaleLookup::NoSale) => AppError::no_sale(voucher_id),
         Ok(SaleLookup::Sale(sale)) if sale.end_time <= Utc::now() => AppError::Ended,
         Ok(SaleLookup::Sale(_)) => {
             reload_in_background(state, voucher_id, loader::Mode::Heal);

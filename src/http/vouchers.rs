@@ -320,7 +320,7 @@ async fn one_voucher(
 ) -> AppResult<(HeaderMap, Json<VoucherResponse>)> {
     let row = vouchers::get(&state.db, id)
         .await?
-        .ok_or_else(|| AppError::NotFound(format!("voucher {id} not found")))?;
+        .ok_or_else(|| AppError::no_voucher(id))?;
     let live = redis_stocks(state, std::slice::from_ref(&row)).await;
     Ok((
         fallback_headers(live.is_none()),
@@ -380,8 +380,8 @@ pub(crate) async fn close(
         // Not the grab's hot path: one more query to say which is missing.
         Ok(false) => {
             return Err(match vouchers::get(&state.db, id).await? {
-                Some(_) => AppError::NotFound(format!("voucher {id} has no flash sale")),
-                None => crate::http::seckill::no_voucher(id),
+                Some(_) => AppError::no_sale(id),
+                None => AppError::no_voucher(id),
             })
         }
         Err(e) => {
