@@ -14,9 +14,11 @@
 -- Orders in flight = the candidates still unacknowledged now (pending in the group,
 -- or not delivered yet), one per user. Stock = Postgres's stock minus those.
 --
--- KEYS[1] the sale hash  KEYS[2] the shard's order stream  KEYS[3] the staged buyers
--- (`u:<user>` -> order: Postgres's active orders; the step consumes it)  KEYS[4] the
--- staged candidates (a list of "entry_id user_id order_id", in stream order; deleted)
+-- KEYS[1] the sale hash (of a segmented sale: one part's)  KEYS[2] the shard's order
+-- stream  KEYS[3] the staged buyers (`u:<user>` -> order: Postgres's active orders; the
+-- step consumes it)  KEYS[4] the staged candidates (a list of "entry_id user_id
+-- order_id", in stream order; deleted)  KEYS[5] the part's moves-out hash  KEYS[6] its
+-- moves-in hash (lua/move_units.lua)
 -- ARGV[1] mode: 'create' (only if missing), 'heal' (if missing, or built in another
 --         term, or corrupt), 'repair' (overwrite), 'check' (write nothing; compare)
 -- ARGV[2] voucher_id  ARGV[3] Postgres stock  ARGV[4] begin_ms  ARGV[5] end_ms
@@ -25,7 +27,14 @@
 -- stream ('0' for a new sale)  ARGV[11] deadline (ms, Redis clock): later, do nothing
 -- (the caller may have given up and released the lock)  ARGV[12] Postgres's buyers
 -- (as staged)  ARGV[13] m, then m pairs user_id, order_id (closed orders whose release
--- to Redis is still owed; 'check' only)
+-- to Redis is still owed; 'check' only); then the part ('' for a sale in one part: its
+-- entries carry no part); then i, and i pairs move id, units (moves into the part
+-- Postgres recorded and has not seen credited: counted in Postgres's stock, so marked
+-- credited here); then r, and r move ids (moves out of the part Postgres recorded:
+-- 'check' only)
+--
+-- A write drops the part's moves-out records: a move Postgres has not recorded is void
+-- (Postgres's stock, from the part's allotment, still counts its units).
 --
 -- Returns {-1} when live state was left alone, {-2} when the tail is too long, {-3}
 -- past the deadline, else
@@ -60,6 +69,18 @@ local function load_sale(keys, argv)
   for k = 1, n_owed do
     owed[#owed + 1] = {argv[12 + 2 * k], argv[13 + 2 * k]}
   end
+  local at = 14 + 2 * n_owed
+  local part = argv[at] or ''
+  local moved_in = {}
+  for k = 1, tonumber(argv[at + 1] or '0') do
+    moved_in[#moved_in + 1] = {argv[at + 2 * k], argv[at + 1 + 2 * k]}
+  end
+  at = at + 2 + 2 * #moved_in
+  local recorded_out = {}
+  for k = 1, tonumber(argv[at] or '0') do
+    recorded_out[argv[at + k]] = true
+  end
+  local moves_out, moves_in = keys[5], keys[6]
 
   -- The candidates: staged, then the stream's tail after the last page.
   local cands = {}
@@ -85,13 +106,14 @@ local function load_sale(keys, argv)
     end
     for _, e in ipairs(tail) do
       local f = e[2]
-      local order, v, user
+      local order, v, user, p = nil, nil, nil, '0'
       for j = 1, #f, 2 do
         if f[j] == 'order_id' then order = f[j + 1]
         elseif f[j] == 'voucher_id' then v = f[j + 1]
-        elseif f[j] == 'user_id' then user = f[j + 1] end
+        elseif f[j] == 'user_id' then user = f[j + 1]
+        elseif f[j] == 'part' then p = f[j + 1] end
       end
-      if v == voucher and user and order then
+      if v == voucher and user and order and (part == '' or p == part) then
         cands[#cands + 1] = {e[1], user, order}
       end
     end
@@ -176,6 +198,19 @@ local function load_sale(keys, argv)
         end
       end
       stock = stock - owed_held
+      -- Units on their way: taken out here and not yet recorded in Postgres (its
+      -- allotment still counts them), or recorded as moved in and not yet credited.
+      local out = redis.call('HGETALL', moves_out)
+      for j = 1, #out, 2 do
+        if not recorded_out[out[j]] then
+          stock = stock - (tonumber(string.match(out[j + 1], ' (%d+)$')) or 0)
+        end
+      end
+      for _, m in ipairs(moved_in) do
+        if redis.call('HEXISTS', moves_in, m[1]) == 0 then
+          stock = stock - tonumber(m[2])
+        end
+      end
       -- Every expected record against the live one: Postgres's (staged), then the
       -- orders in flight.
       local function compare(users, want)
@@ -247,6 +282,10 @@ local function load_sale(keys, argv)
   -- (the state may be gone, its gen with it): the clock in microseconds.
   local t = redis.call('TIME')
   local gen = math.max((tonumber(now_fields[5]) or 0) + 1, tonumber(t[1]) * 1000000 + tonumber(t[2]))
+  if part ~= '' then
+    fields[#fields + 1] = 'part'
+    fields[#fields + 1] = part
+  end
   redis.call('HSET', staged, 'stock', stock, 'begin_ms', string.format('%d', begin_ms),
     'end_ms', string.format('%d', end_ms), 'term', this_term,
     'gen', string.format('%d', gen), unpack(fields))
@@ -254,6 +293,13 @@ local function load_sale(keys, argv)
   redis.call('UNLINK', sale)
   redis.call('RENAME', staged, sale)
   redis.call('PEXPIREAT', sale, argv[6])
+  redis.call('DEL', moves_out, moves_in)
+  for _, m in ipairs(moved_in) do
+    redis.call('HSET', moves_in, m[1], m[2])
+  end
+  if #moved_in > 0 then
+    redis.call('PEXPIREAT', moves_in, argv[6])
+  end
   return done({stock, n_pg + n_in, n_in, actual_stock, actual_buyers, 0, 0})
 end
 

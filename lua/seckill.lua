@@ -13,7 +13,7 @@
 -- Raised with every change of this library (a unit test in src/scripts.rs holds it to
 -- the code): a process replaces a loaded library only if it is older, or of the same
 -- version with other code, so two releases never take turns replacing each other.
-local VERSION = 2
+local VERSION = 3
 -- A hash of this code, filled in when it is loaded.
 local CODE = '__CODE__'
 
@@ -41,7 +41,9 @@ end
 -- A sale's fields that are not buyer records. `gen` changes with every move that can
 -- add a buyer or bring a unit back (an admission, a release, a settle, a load): while it
 -- stays, a sold-out sale's buyers are the same (see seckill_peek).
-local SALE_FIELDS = {'stock', 'begin_ms', 'end_ms', 'term', 'gen'}
+-- `part` is set only in the parts of a segmented sale: the part's number, carried by
+-- its orders' stream entries.
+local SALE_FIELDS = {'stock', 'begin_ms', 'end_ms', 'term', 'gen', 'part'}
 
 -- A count as Redis stored it (stock): nil when missing or corrupt.
 local function whole(v)
@@ -83,7 +85,8 @@ end
 --   0 admitted (order_id), 1 not loaded, 2 not started, 3 ended,
 --   4 already ordered (the existing order_id), 5 sold out, 6 stale (built in another
 --   term: to be rebuilt from Postgres), 7 corrupt (a field that is not a number: to be
---   rebuilt from Postgres)
+--   rebuilt from Postgres), 8 part drained (a part of a segmented sale has no unit left:
+--   the caller moves units to it from the sale's other parts, or answers sold out)
 local function admit(keys, argv)
   local now, t = clock()
   local now_s = string.format('%d', now)
@@ -96,7 +99,7 @@ local function admit(keys, argv)
     local k = argv[i]
     local s = sales[k]
     if not s then
-      s = {key = keys[tonumber(k)], fields = {'stock', 'begin_ms', 'end_ms', 'term', 'gen'}, held = {}, new = {}}
+      s = {key = keys[tonumber(k)], fields = {'stock', 'begin_ms', 'end_ms', 'term', 'gen', 'part'}, held = {}, new = {}}
       sales[k] = s
       order_of_sales[#order_of_sales + 1] = s
     end
@@ -120,8 +123,9 @@ local function admit(keys, argv)
     else
       s.stock = stock
       s.gen = tonumber(v[5])
+      s.part = v[6]
     end
-    for j = 6, #s.fields do
+    for j = 7, #s.fields do
       if v[j] then
         if not order_like(v[j]) then
           s.closed = 7
@@ -144,14 +148,19 @@ local function admit(keys, argv)
       -- Already ordered comes before sold out.
       code, id = 4, held
     elseif s.stock <= 0 then
-      code = 5
+      code = s.part and 8 or 5
     else
       s.stock = s.stock - 1
       s.held[buyer] = order
       s.new[#s.new + 1] = buyer
       s.new[#s.new + 1] = order
-      redis.call('XADD', keys[1], '*',
-        'order_id', order, 'voucher_id', argv[i + 1], 'user_id', user, 'admitted_ms', now_s)
+      if s.part then
+        redis.call('XADD', keys[1], '*', 'order_id', order, 'voucher_id', argv[i + 1],
+          'user_id', user, 'admitted_ms', now_s, 'part', s.part)
+      else
+        redis.call('XADD', keys[1], '*',
+          'order_id', order, 'voucher_id', argv[i + 1], 'user_id', user, 'admitted_ms', now_s)
+      end
       id = order
     end
     out[#out + 1] = code

@@ -40,6 +40,47 @@ pub(crate) mod entry_field {
     pub(crate) const VOUCHER_ID: &str = "voucher_id";
     pub(crate) const USER_ID: &str = "user_id";
     pub(crate) const ADMITTED_MS: &str = "admitted_ms";
+    /// Only in the entries of a segmented sale: the part that took the unit.
+    pub(crate) const PART: &str = "part";
+}
+
+/// One part of a sale's stock. A sale in K parts (its `segments`) keeps part p on the
+/// slot of stream shard (voucher + p) mod S, so the parts spread over the shards (and a
+/// cluster's masters) and each part's orders go to its own shard's stream. Part 0 is the
+/// sale's own key: a sale in one part is laid out exactly as an unsegmented sale.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SalePart {
+    pub voucher_id: VoucherId,
+    pub part: u8,
+}
+
+impl SalePart {
+    pub fn new(voucher_id: VoucherId, part: u8) -> Self {
+        Self { voucher_id, part }
+    }
+
+    /// Every part of a sale in `parts` parts.
+    pub fn all(voucher_id: VoucherId, parts: u8) -> impl Iterator<Item = SalePart> {
+        (0..parts.max(1)).map(move |part| SalePart { voucher_id, part })
+    }
+}
+
+/// The most parts a sale may be split into.
+pub const MAX_PARTS: u8 = 64;
+
+/// The part a user's grabs of a sale in `parts` parts go to: it holds their buyer
+/// record, so one order per user holds across parts without a cross-slot step. A mix
+/// of the id (not the id mod K): ids handed out in patterns still spread evenly.
+pub fn home_part(user_id: UserId, parts: u8) -> u8 {
+    if parts <= 1 {
+        return 0;
+    }
+    let mut x = user_id.get() as u64;
+    // splitmix64's finaliser.
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^= x >> 31;
+    (x % parts as u64) as u8
 }
 
 /// Which stream shard a voucher's orders go to.
@@ -102,6 +143,12 @@ impl Keys {
         Shard(voucher_id.get().rem_euclid(self.shards.len() as i64) as u32)
     }
 
+    /// The shard of one part of a sale (part 0: the voucher's shard).
+    pub fn shard_of_part(&self, part: SalePart) -> Shard {
+        let n = self.shards.len() as i64;
+        Shard((part.voucher_id.get().rem_euclid(n) + part.part as i64).rem_euclid(n) as u32)
+    }
+
     fn shard(&self, shard: Shard) -> &ShardKeys {
         &self.shards[shard.0 as usize]
     }
@@ -124,6 +171,27 @@ impl Keys {
         key.push_str(prefix);
         key.push_str(itoa::Buffer::new().format(voucher_id.get()));
         key
+    }
+
+    /// One part's hash (as [`Keys::voucher`]; part 0 is the voucher's own key).
+    pub fn part(&self, part: SalePart) -> String {
+        if part.part == 0 {
+            return self.voucher(part.voucher_id);
+        }
+        let prefix = &self.shard(self.shard_of_part(part)).voucher_prefix;
+        format!("{prefix}{}:part:{}", part.voucher_id, part.part)
+    }
+
+    /// Units taken out of a part for another, not yet recorded in Postgres (move id ->
+    /// `<to part> <units>`); in the part's slot.
+    pub fn moves_out(&self, part: SalePart) -> String {
+        format!("{}:moves-out", self.part(part))
+    }
+
+    /// Moves credited to a part (move id -> units), so a credit is applied once; in
+    /// the part's slot.
+    pub fn moves_in(&self, part: SalePart) -> String {
+        format!("{}:moves-in", self.part(part))
     }
 
     /// A sale's grab outcomes counted for the live view (see `admission::tally`);

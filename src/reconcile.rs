@@ -28,7 +28,7 @@ use sqlx::PgPool;
 
 use crate::admission::loader::{self, Fenced, Mode};
 use crate::domain::{OrderStatus, VoucherId};
-use crate::keys::Keys;
+use crate::keys::{Keys, SalePart};
 use crate::scripts::Replicas;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,6 +54,10 @@ pub(crate) struct VoucherBooks {
     /// Releases owed to Redis whose buyer record still holds the unit (counted in the
     /// expected stock and buyers).
     pub owed: i64,
+    /// Parts the sale is split over, and how many of them are out of balance (a
+    /// segmented sale balances part by part, not only in sum).
+    pub parts: u8,
+    pub drifting_parts: u8,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -111,6 +115,8 @@ impl VoucherBooks {
             paid: count(|s| s == OrderStatus::Paid),
             closed: count(OrderStatus::is_closed),
             owed: f.owed_held,
+            parts: 1,
+            drifting_parts: 0,
         }
     }
 
@@ -135,7 +141,11 @@ impl VoucherBooks {
                 Finding::Expired
             };
         };
-        if stock_drift == 0 && self.buyers_drift() == 0 && self.mismatched_buyers == 0 {
+        if stock_drift == 0
+            && self.buyers_drift() == 0
+            && self.mismatched_buyers == 0
+            && self.drifting_parts == 0
+        {
             Finding::Balanced
         } else {
             Finding::Drift
@@ -166,21 +176,77 @@ pub(crate) async fn books<C: ConnectionLike + Send>(
     let dead = crate::store::dead_orders::dead_per_voucher(db).await?;
     let mut out = Vec::with_capacity(ids.len());
     for id in ids {
-        match loader::fenced(db, conn, keys, id, retention, Mode::Check, Replicas::NONE).await? {
-            Some(f) => {
+        match checked(db, conn, keys, id, retention).await? {
+            Some((f, parts, drifting_parts)) => {
                 let statuses = crate::store::lifecycle::status_counts(db, id).await?;
-                out.push(VoucherBooks::new(
-                    id,
-                    &f,
-                    dead.get(&id).copied().unwrap_or(0),
-                    &statuses,
-                ))
+                let mut books =
+                    VoucherBooks::new(id, &f, dead.get(&id).copied().unwrap_or(0), &statuses);
+                books.parts = parts;
+                books.drifting_parts = drifting_parts;
+                out.push(books)
             }
             None if voucher.is_some() => anyhow::bail!("voucher {id} has no flash sale"),
             None => {}
         }
     }
     Ok(out)
+}
+
+/// A sale read through the fence part by part: the parts' figures summed (Redis's
+/// stock known only if every part's is), how many parts it has, and how many of them
+/// are out of balance on their own.
+async fn checked<C: ConnectionLike + Send>(
+    db: &PgPool,
+    conn: &mut C,
+    keys: &Keys,
+    voucher_id: VoucherId,
+    retention: Duration,
+) -> anyhow::Result<Option<(Fenced, u8, u8)>> {
+    let Some(parts) = crate::store::parts::parts_of(db, voucher_id).await? else {
+        return Ok(None);
+    };
+    let mut sum: Option<Fenced> = None;
+    let mut drifting = 0;
+    for part in SalePart::all(voucher_id, parts) {
+        let Some(f) = loader::fenced(
+            db,
+            conn,
+            keys,
+            part,
+            parts,
+            retention,
+            Mode::Check,
+            Replicas::NONE,
+        )
+        .await?
+        else {
+            return Ok(None);
+        };
+        if f.actual_stock.is_some_and(|s| s != f.expected.stock)
+            || f.actual_buyers != f.expected.buyers
+            || f.mismatched_buyers != 0
+        {
+            drifting += 1;
+        }
+        sum = Some(match sum {
+            None => f,
+            Some(s) => Fenced {
+                pg_stock: s.pg_stock + f.pg_stock,
+                pg_orders: s.pg_orders + f.pg_orders,
+                expected: loader::Loaded {
+                    stock: s.expected.stock + f.expected.stock,
+                    buyers: s.expected.buyers + f.expected.buyers,
+                    in_flight: s.expected.in_flight + f.expected.in_flight,
+                },
+                actual_stock: s.actual_stock.zip(f.actual_stock).map(|(a, b)| a + b),
+                actual_buyers: s.actual_buyers + f.actual_buyers,
+                mismatched_buyers: s.mismatched_buyers + f.mismatched_buyers,
+                owed_held: s.owed_held + f.owed_held,
+                ..s
+            },
+        });
+    }
+    Ok(sum.map(|s| (s, parts, drifting)))
 }
 
 /// Where the report goes, a piece at a time (standard output, in the binary).

@@ -1,5 +1,5 @@
 //! Lua on Redis. The `seckill` function library (`lua/seckill.lua`, with
-//! `lua/load_voucher.lua` appended) is called with FCALL; the other scripts with
+//! `lua/load_voucher.lua` and `lua/move_units.lua` appended) is called with FCALL; the other scripts with
 //! EVALSHA. Either is sent again once after the server says it does not know it (a
 //! restart, a failover, a flush). When replicas must acknowledge a state move
 //! (`REDIS_WAIT_REPLICAS`), WAIT follows the call in the same round trip, on the same
@@ -12,12 +12,14 @@ use std::time::Duration;
 use redis::aio::ConnectionLike;
 use redis::{Cmd, FromRedisValue, RedisError, RedisResult, Script, ToRedisArgs, Value};
 
-/// The library's source: `lua/seckill.lua` with `lua/load_voucher.lua` appended.
+/// The library's source: `lua/seckill.lua` with `lua/load_voucher.lua` and
+/// `lua/move_units.lua` appended.
 fn library_source() -> String {
     format!(
-        "{}\n{}",
+        "{}\n{}\n{}",
         include_str!("../lua/seckill.lua"),
-        include_str!("../lua/load_voucher.lua")
+        include_str!("../lua/load_voucher.lua"),
+        include_str!("../lua/move_units.lua")
     )
 }
 
@@ -270,7 +272,7 @@ mod tests {
         assert_eq!(
             (*LIBRARY_VERSION, LIBRARY_CODE.as_str()),
             pinned,
-            "lua/seckill.lua or lua/load_voucher.lua changed: raise VERSION in \
+            "lua/seckill.lua, lua/load_voucher.lua or lua/move_units.lua changed: raise VERSION in \
              lua/seckill.lua and pin the new version and hash here"
         );
     }

@@ -11,7 +11,7 @@ use redis::Script;
 use sqlx::PgPool;
 
 use crate::domain::{OrderId, UserId, VoucherId};
-use crate::keys::Keys;
+use crate::keys::{home_part, Keys, SalePart};
 use crate::scripts::{Call, Replicas};
 use crate::store;
 
@@ -50,18 +50,19 @@ impl Mode {
 }
 
 /// What [`load_sale`] put into Redis.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Loaded {
     pub stock: i64,
     pub buyers: i64,
     pub in_flight: i64,
 }
 
-/// One sale seen from both stores at one moment: Postgres under the sale's row lock,
-/// Redis (sale state and stream position) in one script.
+/// One sale (one part of it) seen from both stores at one moment: Postgres under the
+/// sale's row lock, Redis (the part's state and stream position) in one script.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Fenced {
     pub initial_stock: i64,
+    /// Postgres's stock (of a part: its allotment less its buyers' active orders).
     pub pg_stock: i64,
     pub pg_orders: i64,
     pub end_time: chrono::DateTime<chrono::Utc>,
@@ -93,9 +94,10 @@ const STEP_DEADLINE: Duration = Duration::from_millis(500);
 /// Rounds of paging before giving up (the stream grew faster than it could be read).
 const MAX_ROUNDS: usize = 100;
 
-/// Loads one sale (see `lua/load_voucher.lua`): buyers are Postgres's buyers plus the
-/// orders in flight, stock is Postgres's minus those. `None` when live state was left
-/// alone or the voucher has no flash sale. A write waits for `replicas`.
+/// Loads one sale (see `lua/load_voucher.lua`), each of its parts in turn: buyers are
+/// Postgres's buyers plus the orders in flight, stock is Postgres's minus those. `None`
+/// when live state was left alone in every part or the voucher has no flash sale; else
+/// the sum over the parts written. A write waits for `replicas`.
 pub async fn load_sale<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
@@ -105,20 +107,30 @@ pub async fn load_sale<C: ConnectionLike + Send>(
     mode: Mode,
     replicas: Replicas,
 ) -> anyhow::Result<Option<Loaded>> {
-    let done = fenced(db, conn, keys, voucher_id, retention, mode, replicas).await?;
-    Ok(done.map(|f| f.expected))
+    let Some(parts) = store::parts::parts_of(db, voucher_id).await? else {
+        return Ok(None);
+    };
+    let mut sum: Option<Loaded> = None;
+    for part in SalePart::all(voucher_id, parts) {
+        let done = fenced(db, conn, keys, part, parts, retention, mode, replicas).await?;
+        if let Some(f) = done {
+            let s = sum.get_or_insert(Loaded::default());
+            s.stock += f.expected.stock;
+            s.buyers += f.expected.buyers;
+            s.in_flight += f.expected.in_flight;
+        }
+    }
+    Ok(sum)
 }
 
-/// Whether the sale's state is there, built in the server's current term, and sound:
+/// Whether the part's state is there, built in the server's current term, and sound:
 /// then a heal leaves it alone (the last step checks again, atomically).
 async fn current<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
-    voucher_id: VoucherId,
+    part: SalePart,
 ) -> anyhow::Result<bool> {
-    Ok(super::edge::peek(conn, &keys.voucher(voucher_id))
-        .await?
-        .is_some())
+    Ok(super::edge::peek(conn, &keys.part(part)).await?.is_some())
 }
 
 /// The fenced step behind every move of a sale's state from Postgres into Redis, and
@@ -139,19 +151,26 @@ async fn current<C: ConnectionLike + Send>(
 /// cannot be committed before step 4, so its entry is still unacknowledged in step 3
 /// and counted in flight. Either way it is counted once: no unit is given out twice
 /// and no buyer record is lost.
+///
+/// A segmented sale is loaded a part at a time, each under the same lock: a part's
+/// buyers are those whose home it is, its stock its allotment less their orders.
+#[allow(clippy::too_many_arguments)]
 #[tracing::instrument(skip(db, conn, keys, replicas))]
 pub(crate) async fn fenced<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,
-    voucher_id: VoucherId,
+    part: SalePart,
+    parts: u8,
     retention: Duration,
     mode: Mode,
     replicas: Replicas,
 ) -> anyhow::Result<Option<Fenced>> {
-    if leave_alone(conn, keys, voucher_id, mode).await? {
+    let voucher_id = part.voucher_id;
+    if leave_alone(conn, keys, part, mode).await? {
         return Ok(None);
     }
+    let mine = |user: UserId| home_part(user, parts) == part.part;
     // The long part, before the lock: page through the stream as it is now. Orders
     // Postgres already holds are skipped (an order once written stays written); the
     // rest are re-checked under the lock and in the script. Entries of users Postgres
@@ -167,15 +186,27 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
         let early: HashMap<UserId, OrderId> = store::vouchers::buyers(db, voucher_id)
             .await?
             .into_iter()
+            .filter(|(u, _)| mine(*u))
             .collect();
-        paging.page_on(conn, keys, voucher_id, &early).await?;
+        paging.page_on(conn, keys, part, &early).await?;
     }
 
     let mut tx = db.begin().await?;
-    let Some((sale, buyers)) = store::vouchers::lock_sale(&mut tx, voucher_id).await? else {
+    let Some((sale, mut buyers)) = store::vouchers::lock_sale(&mut tx, voucher_id).await? else {
         return Ok(None);
     };
-    let stage = Stage::new(&keys.voucher(voucher_id));
+    anyhow::ensure!(
+        sale.segments as u8 == parts,
+        "voucher {voucher_id} is in {} parts, not {parts}",
+        sale.segments
+    );
+    buyers.retain(|(u, _)| mine(*u));
+    let moves = PartMoves::read(&mut tx, conn, keys, part, parts, mode).await?;
+    let pg_stock = match parts {
+        1 => sale.stock as i64,
+        _ => store::parts::allotted(&mut tx, part).await? as i64 - buyers.len() as i64,
+    };
+    let stage = Stage::new(&keys.part(part));
     stage.buyers(conn, &buyers).await?;
     let known: HashMap<UserId, OrderId> = buyers.iter().copied().collect();
     paging
@@ -183,15 +214,18 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
         .retain(|c| known.get(&c.user_id) != Some(&c.order_id));
     // Releases owed to Redis explain a difference only to the comparison; a write
     // rebuilds the records without them (and the release then finds nothing to do).
-    let owed = match mode {
+    let mut owed = match mode {
         Mode::Check => store::lifecycle::owed_for(&mut tx, voucher_id).await?,
         _ => Vec::new(),
     };
+    owed.retain(|(u, _)| mine(*u));
     let step = Step {
         keys,
-        voucher_id,
+        part,
         mode,
         sale: &sale,
+        pg_stock,
+        moves: &moves,
         buyers: buyers.len(),
         owed: &owed,
         stage: &stage,
@@ -217,7 +251,7 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
     }
     Ok(Some(Fenced {
         initial_stock: sale.initial_stock as i64,
-        pg_stock: sale.stock as i64,
+        pg_stock,
         pg_orders: buyers.len() as i64,
         end_time: sale.end_time,
         expected: figures.expected,
@@ -244,13 +278,11 @@ async fn run_steps<C: ConnectionLike + Send>(
         anyhow::ensure!(
             rounds <= MAX_ROUNDS,
             "the order stream grows faster than voucher {} can be loaded",
-            step.voucher_id
+            step.part.voucher_id
         );
         if paging.scan {
             // Under the lock: only what was added since the last page.
-            paging
-                .page_on(conn, step.keys, step.voucher_id, known)
-                .await?;
+            paging.page_on(conn, step.keys, step.part, known).await?;
             paging
                 .stage_unsettled(tx, conn, step.stage, step.mode)
                 .await?;
@@ -268,7 +300,7 @@ async fn run_steps<C: ConnectionLike + Send>(
             StepReply::TailTooLong => continue,
             StepReply::TooLate => anyhow::bail!(
                 "loading voucher {} reached Redis too late; nothing was written",
-                step.voucher_id
+                step.part.voucher_id
             ),
             StepReply::LeftAlone => return Ok(None),
             StepReply::Done(figures) => return Ok(Some(figures)),
@@ -281,17 +313,17 @@ async fn run_steps<C: ConnectionLike + Send>(
 async fn leave_alone<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
-    voucher_id: VoucherId,
+    part: SalePart,
     mode: Mode,
 ) -> anyhow::Result<bool> {
     Ok(match mode {
         Mode::Create => {
             redis::cmd("EXISTS")
-                .arg(keys.voucher(voucher_id))
+                .arg(keys.part(part))
                 .query_async(conn)
                 .await?
         }
-        Mode::Heal => current(conn, keys, voucher_id).await?,
+        Mode::Heal => current(conn, keys, part).await?,
         Mode::Repair | Mode::Check => false,
     })
 }
@@ -314,13 +346,13 @@ impl Paging {
         &mut self,
         conn: &mut C,
         keys: &Keys,
-        voucher_id: VoucherId,
+        part: SalePart,
         known: &HashMap<UserId, OrderId>,
     ) -> anyhow::Result<()> {
         page_on(
             conn,
             keys,
-            voucher_id,
+            part,
             known,
             &mut self.last,
             &mut self.candidates,
@@ -366,9 +398,12 @@ impl Paging {
 /// sale read under its lock.
 struct Step<'a> {
     keys: &'a Keys,
-    voucher_id: VoucherId,
+    part: SalePart,
     mode: Mode,
     sale: &'a store::vouchers::LockedSale,
+    /// Postgres's stock for this part.
+    pg_stock: i64,
+    moves: &'a PartMoves,
     /// Postgres's buyers, as staged.
     buyers: usize,
     /// Closed orders whose release is owed (user, order), for a check.
@@ -434,13 +469,15 @@ impl Step<'_> {
         let deadline_ms = secs * 1000 + micros / 1000 + STEP_DEADLINE.as_millis() as i64;
         let end_ms = self.sale.end_time.timestamp_millis();
         let mut call = Call::function("seckill_load");
-        call.key(self.keys.voucher(self.voucher_id))
-            .key(self.keys.stream(self.keys.shard_of(self.voucher_id)))
+        call.key(self.keys.part(self.part))
+            .key(self.keys.stream(self.keys.shard_of_part(self.part)))
             .key(&self.stage.buyers)
             .key(&self.stage.candidates)
+            .key(self.keys.moves_out(self.part))
+            .key(self.keys.moves_in(self.part))
             .arg(self.mode.as_str())
-            .arg(self.voucher_id)
-            .arg(self.sale.stock)
+            .arg(self.part.voucher_id)
+            .arg(self.pg_stock)
             .arg(self.sale.begin_time.timestamp_millis())
             .arg(end_ms)
             .arg(end_ms.saturating_add(self.retention.as_millis() as i64))
@@ -454,8 +491,72 @@ impl Step<'_> {
         for (user_id, order_id) in self.owed {
             call.arg(user_id).arg(order_id);
         }
+        self.moves.args(&mut call);
         let reply: Vec<i64> = call.invoke_waiting(conn, waits).await?;
         StepReply::parse(&reply)
+    }
+}
+
+/// The moves of a part a load must know of (a segmented sale's only): moves into it
+/// Postgres recorded and has not seen credited (their units are in its allotment, so the
+/// load marks them credited), and, for a check, which of the moves taken out of it
+/// Postgres recorded (the others are units on their way, not in Redis's stock).
+#[derive(Default)]
+struct PartMoves {
+    segmented: bool,
+    part: u8,
+    moved_in: Vec<(i64, i32)>,
+    recorded_out: Vec<i64>,
+}
+
+impl PartMoves {
+    async fn read<C: ConnectionLike + Send>(
+        tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+        conn: &mut C,
+        keys: &Keys,
+        part: SalePart,
+        parts: u8,
+        mode: Mode,
+    ) -> anyhow::Result<Self> {
+        if parts <= 1 {
+            return Ok(Self::default());
+        }
+        let moved_in = store::parts::uncredited(&mut **tx, part.voucher_id)
+            .await?
+            .into_iter()
+            .filter(|m| m.to == part.part)
+            .map(|m| (m.id, m.units))
+            .collect();
+        let mut recorded_out = Vec::new();
+        if mode == Mode::Check {
+            let taken: Vec<i64> = redis::cmd("HKEYS")
+                .arg(keys.moves_out(part))
+                .query_async(conn)
+                .await?;
+            recorded_out = store::parts::recorded_among(tx, &taken).await?;
+        }
+        Ok(Self {
+            segmented: true,
+            part: part.part,
+            moved_in,
+            recorded_out,
+        })
+    }
+
+    /// The load step's arguments after the owed releases.
+    fn args(&self, call: &mut Call) {
+        if !self.segmented {
+            call.arg("").arg(0).arg(0);
+            return;
+        }
+        call.arg(self.part).arg(self.moved_in.len());
+        for (id, units) in &self.moved_in {
+            call.arg(id).arg(units);
+        }
+        call.arg(self.recorded_out.len());
+        for id in &self.recorded_out {
+            call.arg(id);
+        }
     }
 }
 
@@ -544,12 +645,12 @@ struct Candidate {
 async fn page_on<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
-    voucher_id: VoucherId,
+    part: SalePart,
     known: &HashMap<UserId, OrderId>,
     last: &mut Option<String>,
     candidates: &mut Vec<Candidate>,
 ) -> anyhow::Result<()> {
-    let shard = keys.shard_of(voucher_id);
+    let shard = keys.shard_of_part(part);
     loop {
         let page = crate::stream::page(conn, keys, shard, last.as_deref(), PAGE).await?;
         if let Some(e) = page.last() {
@@ -557,7 +658,10 @@ async fn page_on<C: ConnectionLike + Send>(
         }
         for e in &page {
             if let Some(o) = e.order() {
-                if o.voucher_id == voucher_id && known.get(&o.user_id) != Some(&o.id) {
+                if o.voucher_id == part.voucher_id
+                    && o.part == part.part
+                    && known.get(&o.user_id) != Some(&o.id)
+                {
                     candidates.push(Candidate {
                         entry_id: e.entry_id().to_string(),
                         user_id: o.user_id,
@@ -572,7 +676,8 @@ async fn page_on<C: ConnectionLike + Send>(
     }
 }
 
-/// Loads every sale that has not ended whose Redis state is missing or stale.
+/// Loads every sale that has not ended whose Redis state (of some part) is missing or
+/// stale.
 pub async fn load_open_sales<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
@@ -612,13 +717,21 @@ pub async fn close_sale<C: ConnectionLike + Send>(
     if store::vouchers::lock_sales(&mut tx, &[voucher_id]).await? == 0 {
         return Ok(false);
     }
+    let parts = store::parts::parts_of(&mut *tx, voucher_id)
+        .await?
+        .unwrap_or(1);
     // Postgres commits only once the replicas hold the close: a failover cannot reopen
     // a sale Postgres says is closed (and if it loses the close before that, the
-    // request fails and closing again finishes it).
-    let end_ms: i64 = Call::script(&CLOSE)
-        .key(keys.voucher(voucher_id))
-        .invoke_waiting(conn, replicas)
-        .await?;
+    // request fails and closing again finishes it). Every part closes; Postgres's end
+    // is the latest of theirs, so no admission lies after it.
+    let mut end_ms = i64::MIN;
+    for part in SalePart::all(voucher_id, parts) {
+        let ended: i64 = Call::script(&CLOSE)
+            .key(keys.part(part))
+            .invoke_waiting(conn, replicas)
+            .await?;
+        end_ms = end_ms.max(ended);
+    }
     crate::sale_changes::announce(conn, keys, voucher_id).await;
     store::vouchers::end_sale_at(&mut tx, voucher_id, end_ms).await?;
     tx.commit().await?;

@@ -12,7 +12,7 @@ use redis::aio::ConnectionLike;
 use redis::RedisResult;
 
 use crate::domain::{OrderId, UserId, VoucherId};
-use crate::keys::{self, Keys};
+use crate::keys::{self, Keys, SalePart};
 use crate::scripts::{Call, Replicas};
 
 /// The verdict of the admission script.
@@ -141,17 +141,23 @@ pub async fn admit_many<C: ConnectionLike + Send>(
         .collect()
 }
 
-/// Remaining stock as Redis sees it (`None`: the sale is not loaded).
-pub async fn redis_stock<C: ConnectionLike + Send>(
+/// Remaining stock as Redis sees it, summed over the sale's parts (`None`: some part is
+/// not loaded). Units on their way between parts are not counted.
+pub async fn redis_stock<C: ConnectionLike + Send + Clone>(
     conn: &mut C,
     keys: &Keys,
     voucher_id: VoucherId,
+    parts: u8,
 ) -> RedisResult<Option<i64>> {
-    redis::cmd("HGET")
-        .arg(keys.voucher(voucher_id))
-        .arg("stock")
-        .query_async(conn)
-        .await
+    // One command per part, all in flight at once (the parts may live on different
+    // cluster nodes, so no pipeline).
+    let lookups = SalePart::all(voucher_id, parts).map(|part| {
+        let mut conn = conn.clone();
+        let cmd = redis::cmd("HGET").arg(keys.part(part)).arg("stock").clone();
+        async move { cmd.query_async::<Option<i64>>(&mut conn).await }
+    });
+    let stocks = futures_util::future::try_join_all(lookups).await?;
+    Ok(stocks.into_iter().sum())
 }
 
 /// An order admitted in Redis and not (yet) in Postgres.
@@ -175,33 +181,34 @@ impl PendingOrder {
     }
 }
 
-/// The user's orders in the given sales, as their buyer records in Redis say: the
-/// orders admitted there, whether or not the worker has written them yet.
+/// The user's orders in the given sales (voucher, parts), as their buyer records in
+/// Redis say (in the user's home part): the orders admitted there, whether or not the
+/// worker has written them yet.
 pub async fn orders_of<C: ConnectionLike + Send + Clone>(
     conn: &mut C,
     keys: &Keys,
     user_id: UserId,
-    voucher_ids: &[VoucherId],
+    sales: &[(VoucherId, u8)],
 ) -> RedisResult<Vec<PendingOrder>> {
-    if voucher_ids.is_empty() {
+    if sales.is_empty() {
         return Ok(Vec::new());
     }
     let field = keys::buyer_field(user_id);
     // One command per sale, all in flight at once: the sales may live on different
     // cluster nodes, so no pipeline.
-    let lookups = voucher_ids.iter().map(|&voucher_id| {
+    let lookups = sales.iter().map(|&(voucher_id, parts)| {
         let mut conn = conn.clone();
-        let cmd = redis::cmd("HGET")
-            .arg(keys.voucher(voucher_id))
-            .arg(&field)
-            .clone();
+        let home = SalePart::new(voucher_id, keys::home_part(user_id, parts));
+        let cmd = redis::cmd("HGET").arg(keys.part(home)).arg(&field).clone();
         async move { cmd.query_async::<Option<OrderId>>(&mut conn).await }
     });
     let held: Vec<Option<OrderId>> = futures_util::future::try_join_all(lookups).await?;
-    Ok(voucher_ids
+    Ok(sales
         .iter()
         .zip(held)
-        .filter_map(|(&voucher_id, order)| Some(PendingOrder::new(order?, voucher_id, user_id)))
+        .filter_map(|(&(voucher_id, _), order)| {
+            Some(PendingOrder::new(order?, voucher_id, user_id))
+        })
         .collect())
 }
 

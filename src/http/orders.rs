@@ -108,13 +108,13 @@ impl PayOrder {
 
 /// Sales whose Redis state may still hold buyer records (not ended longer ago than the
 /// retention).
-async fn recent_sales(state: &AppState) -> AppResult<Vec<VoucherId>> {
+async fn recent_sales(state: &AppState) -> AppResult<Vec<(VoucherId, u8)>> {
     let since = chrono::Utc::now()
         - chrono::Duration::from_std(state.settings.sale_state_retention).unwrap_or_default();
     Ok(crate::store::vouchers::sales_ending_after(&state.db, since)
         .await?
         .into_iter()
-        .map(|s| s.voucher_id)
+        .map(|s| (s.voucher_id, s.parts()))
         .collect())
 }
 

@@ -91,6 +91,17 @@ pub(crate) struct CreateSeckill {
     #[serde(default = "default_pay_within")]
     #[schema(minimum = 1, maximum = 86400, default = 900)]
     pub pay_within_secs: i64,
+    /// Parts the stock is split over (1 to 64, default 1), each on its own Redis hash
+    /// slot: on Redis Cluster one hot sale's admissions spread over several masters. It
+    /// still behaves as one sale (one order per user, `sold_out` only when no part has a
+    /// unit, `stock` the total). At most `stock` parts.
+    #[serde(default = "one_part")]
+    #[schema(minimum = 1, maximum = 64, default = 1)]
+    pub segments: i64,
+}
+
+fn one_part() -> i64 {
+    1
 }
 
 fn default_pay_within() -> i64 {
@@ -147,7 +158,21 @@ impl CreateVoucher {
                         "seckill.pay_within_secs must be between 1 and {MAX_PAY_WITHIN_SECS}"
                     )));
                 }
+                if !(1..=crate::keys::MAX_PARTS as i64).contains(&s.segments) {
+                    return Err(AppError::invalid(format!(
+                        "seckill.segments must be between 1 and {}",
+                        crate::keys::MAX_PARTS
+                    )));
+                }
+                if s.segments > s.stock {
+                    return Err(AppError::invalid(format!(
+                        "seckill.segments ({}) must not exceed seckill.stock ({}): every \
+                         part starts with at least one unit",
+                        s.segments, s.stock
+                    )));
+                }
                 Some(NewSeckill {
+                    segments: s.segments as u8,
                     stock: s.stock as i32,
                     begin_time: s.begin_time,
                     end_time: s.end_time,
@@ -194,6 +219,8 @@ pub(crate) struct SeckillResponse {
     pub end_time: DateTime<Utc>,
     /// Seconds an order has to be paid after admission.
     pub pay_within_secs: i64,
+    /// Parts the stock is split over (`stock` is their total).
+    pub segments: i64,
 }
 
 impl VoucherResponse {
@@ -204,14 +231,23 @@ impl VoucherResponse {
             row.begin_time,
             row.end_time,
             row.pay_within_secs,
+            row.segments,
         ) {
-            (Some(initial), Some(stock), Some(begin_time), Some(end_time), Some(pay_within)) => {
+            (
+                Some(initial),
+                Some(stock),
+                Some(begin_time),
+                Some(end_time),
+                Some(pay_within),
+                Some(segments),
+            ) => {
                 Some(SeckillResponse {
                     stock: redis_stock.unwrap_or(stock as i64),
                     initial_stock: initial as i64,
                     begin_time,
                     end_time,
                     pay_within_secs: pay_within as i64,
+                    segments: segments as i64,
                 })
             }
             _ => None,
@@ -237,10 +273,11 @@ impl VoucherResponse {
 async fn redis_stocks(state: &AppState, rows: &[VoucherRow]) -> Option<Vec<Option<i64>>> {
     let lookups = rows.iter().map(|row| {
         let mut conn = state.redis.clone();
-        let (keys, sale) = (&state.keys, row.initial_stock.map(|_| row.id));
+        let keys = &state.keys;
+        let sale = row.segments.map(|k| (row.id, k as u8));
         async move {
             match sale {
-                Some(id) => admission::redis_stock(&mut conn, keys, id).await,
+                Some((id, parts)) => admission::redis_stock(&mut conn, keys, id, parts).await,
                 None => Ok(None),
             }
         }

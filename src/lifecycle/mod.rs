@@ -43,7 +43,7 @@ pub async fn release<C: ConnectionLike + Send>(
 ) -> redis::RedisResult<bool> {
     // `true`: the unit went back; `false`: nothing was left to release.
     let returned: redis::RedisResult<bool> = Call::script(&RELEASE)
-        .key(keys.voucher(r.voucher_id))
+        .key(keys.part(r.sale_part()))
         .arg(keys::buyer_field(r.user_id))
         .arg(r.order_id)
         .invoke_waiting(conn, replicas)
@@ -77,12 +77,16 @@ async fn release_now<C: ConnectionLike + Send>(
     replicas: Replicas,
     row: &OrderRow,
 ) {
-    let r = Release {
-        order_id: row.id,
-        voucher_id: row.voucher_id,
-        user_id: row.user_id,
-    };
     let settle = async {
+        let segments = crate::store::parts::parts_of(db, row.voucher_id)
+            .await?
+            .unwrap_or(1);
+        let r = Release {
+            order_id: row.id,
+            voucher_id: row.voucher_id,
+            user_id: row.user_id,
+            segments: segments as i16,
+        };
         release(conn, keys, &r, replicas).await?;
         transitions::released(db, &[r.order_id]).await?;
         anyhow::Ok(())

@@ -77,7 +77,7 @@ pub async fn release_owed(
         let owed = transitions::take_owed(&mut tx, batch).await?;
         let mut made = Vec::with_capacity(owed.len());
         for r in &owed {
-            let shard = keys.shard_of(r.voucher_id);
+            let shard = keys.shard_of_part(r.sale_part());
             if failed.contains(&shard) {
                 continue;
             }

@@ -451,7 +451,8 @@ impl Producer {
             }
         }
         let ids: Vec<VoucherId> = self.sales.rows.iter().map(|s| s.voucher_id).collect();
-        match timeout(read_redis(redis, keys, &ids)).await {
+        let parts: Vec<u8> = self.sales.rows.iter().map(|s| s.segments as u8).collect();
+        match timeout(read_redis(redis, keys, &ids, &parts)).await {
             Ok((figures, worker)) => {
                 self.redis = ids.iter().copied().zip(figures).collect();
                 self.worker = worker;
@@ -495,10 +496,11 @@ async fn read_redis(
     redis: &RedisConn,
     keys: &Keys,
     ids: &[VoucherId],
+    parts: &[u8],
 ) -> redis::RedisResult<(Vec<Figures>, StreamStats)> {
-    let stocks = ids.iter().map(|&id| {
+    let stocks = ids.iter().zip(parts).map(|(&id, &parts)| {
         let mut conn = redis.clone();
-        async move { crate::admission::redis_stock(&mut conn, keys, id).await }
+        async move { crate::admission::redis_stock(&mut conn, keys, id, parts).await }
     });
     let stocks = futures_util::future::try_join_all(stocks).await?;
     let counts = tally::read_live(redis, keys, ids).await?;

@@ -31,6 +31,16 @@ pub struct Release {
     pub order_id: OrderId,
     pub voucher_id: VoucherId,
     pub user_id: UserId,
+    /// Parts of the sale (the user's home part holds the buyer record and takes the unit).
+    pub segments: i16,
+}
+
+impl Release {
+    /// The part whose state holds the order's buyer record.
+    pub fn sale_part(&self) -> crate::keys::SalePart {
+        let home = crate::keys::home_part(self.user_id, self.segments as u8);
+        crate::keys::SalePart::new(self.voucher_id, home)
+    }
 }
 
 /// How a request wants an order closed.
@@ -174,7 +184,9 @@ async fn close_rows(
     let released: Vec<Release> = sqlx::query_as(
         "UPDATE voucher_orders SET status = $2, closed_at = now() \
          WHERE id = ANY($1) AND status = 'created' \
-         RETURNING id AS order_id, voucher_id, user_id",
+         RETURNING id AS order_id, voucher_id, user_id, \
+           (SELECT segments FROM seckill_vouchers s \
+            WHERE s.voucher_id = voucher_orders.voucher_id) AS segments",
     )
     .bind(order_ids)
     .bind(to)
@@ -221,8 +233,10 @@ pub(crate) async fn take_owed(
     limit: i64,
 ) -> Result<Vec<Release>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT order_id, voucher_id, user_id FROM stock_releases \
-         ORDER BY owed_since LIMIT $1 FOR UPDATE SKIP LOCKED",
+        "SELECT order_id, voucher_id, user_id, \
+           (SELECT segments FROM seckill_vouchers s \
+            WHERE s.voucher_id = r.voucher_id) AS segments \
+         FROM stock_releases r ORDER BY owed_since LIMIT $1 FOR UPDATE SKIP LOCKED",
     )
     .bind(limit)
     .fetch_all(&mut **tx)

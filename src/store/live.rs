@@ -30,6 +30,8 @@ pub struct SaleRow {
     pub expired: i64,
     pub dead_letters: i64,
     pub releases_owed: i64,
+    /// Parts the sale's stock is split over.
+    pub segments: i16,
     /// Sales qualifying for the page, however many were returned.
     #[sqlx(rename = "total")]
     pub qualifying: i64,
@@ -77,7 +79,7 @@ pub async fn sales(db: &PgPool, limit: i64, sold_out: &[(VoucherId, i32)]) -> sq
                s.paid::int8 AS paid, s.cancelled::int8 AS cancelled, s.expired::int8 AS expired,
                (SELECT count(*) FROM dead_orders d WHERE d.voucher_id = s.voucher_id) AS dead_letters,
                (SELECT count(*) FROM stock_releases r WHERE r.voucher_id = s.voucher_id) AS releases_owed,
-               count(*) OVER () AS total
+               s.segments, count(*) OVER () AS total
         FROM seckill_vouchers s
         JOIN vouchers v ON v.id = s.voucher_id
         WHERE s.end_time > now() - make_interval(secs => $1)

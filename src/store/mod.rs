@@ -5,6 +5,7 @@ pub mod dead_orders;
 pub mod lifecycle;
 pub mod live;
 pub mod orders;
+pub mod parts;
 mod tls;
 pub mod vouchers;
 

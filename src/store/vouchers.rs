@@ -24,6 +24,8 @@ pub struct NewSeckill {
     pub end_time: DateTime<Utc>,
     /// An order's payment deadline is its admission time plus this.
     pub pay_within_secs: i32,
+    /// Parts the stock is split over (1 to 64).
+    pub segments: u8,
 }
 
 #[derive(Debug, Clone, FromRow)]
@@ -41,6 +43,7 @@ pub(crate) struct VoucherRow {
     pub begin_time: Option<DateTime<Utc>>,
     pub end_time: Option<DateTime<Utc>>,
     pub pay_within_secs: Option<i32>,
+    pub segments: Option<i16>,
 }
 
 /// A flash sale, as far as finding the ones to load needs.
@@ -48,11 +51,18 @@ pub(crate) struct VoucherRow {
 pub(crate) struct SeckillState {
     pub voucher_id: VoucherId,
     pub end_time: DateTime<Utc>,
+    pub segments: i16,
+}
+
+impl SeckillState {
+    pub fn parts(&self) -> u8 {
+        self.segments as u8
+    }
 }
 
 const SELECT_VOUCHER: &str = "SELECT v.id, v.shop_id, v.title, v.sub_title, v.rules, \
      v.pay_value, v.actual_value, v.created_at, \
-     s.initial_stock, s.stock, s.begin_time, s.end_time, s.pay_within_secs \
+     s.initial_stock, s.stock, s.begin_time, s.end_time, s.pay_within_secs, s.segments \
      FROM vouchers v LEFT JOIN seckill_vouchers s ON s.voucher_id = v.id";
 
 /// Creates the voucher and its flash-sale part in one transaction.
@@ -74,16 +84,19 @@ pub(crate) async fn insert(db: &PgPool, new: &NewVoucher) -> Result<VoucherRow, 
     if let Some(s) = &new.seckill {
         sqlx::query(
             "INSERT INTO seckill_vouchers \
-                 (voucher_id, initial_stock, stock, begin_time, end_time, pay_within_secs) \
-             VALUES ($1, $2, $2, $3, $4, $5)",
+                 (voucher_id, initial_stock, stock, begin_time, end_time, pay_within_secs, \
+                  segments) \
+             VALUES ($1, $2, $2, $3, $4, $5, $6)",
         )
         .bind(id)
         .bind(s.stock)
         .bind(s.begin_time)
         .bind(s.end_time)
         .bind(s.pay_within_secs)
+        .bind(s.segments as i16)
         .execute(&mut *tx)
         .await?;
+        super::parts::insert_allotments(&mut tx, id, s.stock, s.segments).await?;
     }
     let row = sqlx::query_as::<_, VoucherRow>(&format!("{SELECT_VOUCHER} WHERE v.id = $1"))
         .bind(id)
@@ -118,7 +131,8 @@ pub(crate) async fn list_by_shop(
 #[tracing::instrument(skip(db))]
 pub(crate) async fn open_sales(db: &PgPool) -> Result<Vec<SeckillState>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT voucher_id, end_time FROM seckill_vouchers WHERE end_time > now() ORDER BY voucher_id",
+        "SELECT voucher_id, end_time, segments FROM seckill_vouchers \
+         WHERE end_time > now() ORDER BY voucher_id",
     )
     .fetch_all(db)
     .await
@@ -131,7 +145,8 @@ pub(crate) async fn sales_ending_after(
     since: DateTime<Utc>,
 ) -> Result<Vec<SeckillState>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT voucher_id, end_time FROM seckill_vouchers WHERE end_time > $1 ORDER BY voucher_id",
+        "SELECT voucher_id, end_time, segments FROM seckill_vouchers \
+         WHERE end_time > $1 ORDER BY voucher_id",
     )
     .bind(since)
     .fetch_all(db)
@@ -150,8 +165,8 @@ pub(crate) enum SaleLookup {
 /// grab of an unknown id can say which without asking twice.
 #[tracing::instrument(skip(db))]
 pub(crate) async fn sale(db: &PgPool, voucher_id: VoucherId) -> Result<SaleLookup, sqlx::Error> {
-    let row: Option<(Option<DateTime<Utc>>,)> = sqlx::query_as(
-        "SELECT s.end_time FROM vouchers v \
+    let row: Option<(Option<DateTime<Utc>>, Option<i16>)> = sqlx::query_as(
+        "SELECT s.end_time, s.segments FROM vouchers v \
          LEFT JOIN seckill_vouchers s ON s.voucher_id = v.id WHERE v.id = $1",
     )
     .bind(voucher_id)
@@ -159,11 +174,12 @@ pub(crate) async fn sale(db: &PgPool, voucher_id: VoucherId) -> Result<SaleLooku
     .await?;
     Ok(match row {
         None => SaleLookup::NoVoucher,
-        Some((None,)) => SaleLookup::NoSale,
-        Some((Some(end_time),)) => SaleLookup::Sale(SeckillState {
+        Some((Some(end_time), Some(segments))) => SaleLookup::Sale(SeckillState {
             voucher_id,
             end_time,
+            segments,
         }),
+        Some(_) => SaleLookup::NoSale,
     })
 }
 
@@ -212,6 +228,7 @@ pub(crate) struct LockedSale {
     pub stock: i32,
     pub begin_time: DateTime<Utc>,
     pub end_time: DateTime<Utc>,
+    pub segments: i16,
 }
 
 /// Locks a sale's row (the fence against the worker's commits and burials for it, which
@@ -223,7 +240,7 @@ pub(crate) async fn lock_sale(
     voucher_id: VoucherId,
 ) -> Result<Option<(LockedSale, Buyers)>, sqlx::Error> {
     let sale: Option<LockedSale> = sqlx::query_as(
-        "SELECT initial_stock, stock, begin_time, end_time FROM seckill_vouchers \
+        "SELECT initial_stock, stock, begin_time, end_time, segments FROM seckill_vouchers \
          WHERE voucher_id = $1 FOR NO KEY UPDATE",
     )
     .bind(voucher_id)

@@ -4,8 +4,8 @@
 use redis::aio::ConnectionLike;
 use redis::RedisResult;
 
-use crate::domain::{OrderId, UserId, VoucherId};
-use crate::keys::{Keys, Shard};
+use crate::domain::{OrderId, UserId};
+use crate::keys::{Keys, SalePart, Shard};
 use crate::scripts::{Call, Replicas};
 
 use super::entry::Entry;
@@ -56,7 +56,7 @@ pub(crate) async fn settle_dead<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     entry_id: &str,
-    voucher_id: VoucherId,
+    part: SalePart,
     user_id: UserId,
     order_id: OrderId,
     holder: Option<OrderId>,
@@ -65,8 +65,8 @@ pub(crate) async fn settle_dead<C: ConnectionLike + Send>(
 ) -> RedisResult<bool> {
     // `true`: settled now; `false`: settled before (nothing left to do).
     let settled: RedisResult<bool> = Call::script(&SETTLE_DEAD)
-        .key(keys.voucher(voucher_id))
-        .key(keys.stream(keys.shard_of(voucher_id)))
+        .key(keys.part(part))
+        .key(keys.stream(keys.shard_of_part(part)))
         .arg(GROUP)
         .arg(entry_id)
         .arg(crate::keys::buyer_field(user_id))
@@ -77,7 +77,7 @@ pub(crate) async fn settle_dead<C: ConnectionLike + Send>(
         .await;
     // Announced whenever the unit may be back (an error may come after the script ran).
     if return_unit && !matches!(settled, Ok(false)) {
-        crate::sale_changes::announce(conn, keys, voucher_id).await;
+        crate::sale_changes::announce(conn, keys, part.voucher_id).await;
     }
     settled
 }

@@ -108,8 +108,14 @@ impl Entry {
                 .and_then(|(_, v)| v.parse::<i64>().ok())
                 .filter(|n| *n > 0)
         };
+        // Absent in a sale of one part; else a part number.
+        let part = match fields.iter().find(|(k, _)| k == entry_field::PART) {
+            None => Some(0),
+            Some((_, v)) => v.parse::<u8>().ok().filter(|p| *p < crate::keys::MAX_PARTS),
+        };
         let order = (|| {
             Some(NewOrder {
+                part: part?,
                 id: OrderId::new(get(entry_field::ORDER_ID)?)?,
                 voucher_id: VoucherId::new(get(entry_field::VOUCHER_ID)?)?,
                 user_id: UserId::new(get(entry_field::USER_ID)?)?,
@@ -131,7 +137,7 @@ impl Entry {
 }
 
 fn order_fields(order: &NewOrder) -> Vec<(String, String)> {
-    vec![
+    let mut fields = vec![
         (entry_field::ORDER_ID.into(), order.id.to_string()),
         (entry_field::VOUCHER_ID.into(), order.voucher_id.to_string()),
         (entry_field::USER_ID.into(), order.user_id.to_string()),
@@ -139,7 +145,11 @@ fn order_fields(order: &NewOrder) -> Vec<(String, String)> {
             entry_field::ADMITTED_MS.into(),
             order.admitted_at.timestamp_millis().to_string(),
         ),
-    ]
+    ];
+    if order.part > 0 {
+        fields.push((entry_field::PART.into(), order.part.to_string()));
+    }
+    fields
 }
 
 /// `[[stream, [[id, [field, value, ...] | nil], ...]], ...]` or nil on timeout.
@@ -256,6 +266,30 @@ mod tests {
             (order.id.get(), order.voucher_id.get(), order.user_id.get()),
             (9, 2, 3)
         );
+        assert_eq!(order.part, 0, "an entry without a part is of part 0");
+    }
+
+    #[test]
+    fn an_entry_of_a_segmented_sale_carries_its_part_and_a_bad_part_is_malformed() {
+        let with = |part: &str| {
+            Entry::parse(
+                "1-0".into(),
+                fields(&[
+                    ("order_id", "9"),
+                    ("voucher_id", "2"),
+                    ("user_id", "3"),
+                    ("admitted_ms", "1790000000000"),
+                    ("part", part),
+                ]),
+            )
+        };
+        assert_eq!(with("5").order().map(|o| o.part), Some(5));
+        for bad in ["64", "-1", "x", ""] {
+            assert!(
+                matches!(with(bad), Entry::DeadLetter { .. }),
+                "part {bad:?}"
+            );
+        }
     }
 
     #[test]

@@ -108,7 +108,7 @@ impl Worker {
             .map(|e| match e {
                 // An order naming a voucher of another shard was not written by the
                 // admission script: nothing of it is in that sale's state.
-                Entry::Order { order, .. } if self.keys.shard_of(order.voucher_id) != shard => {
+                Entry::Order { order, .. } if self.keys.shard_of_part(order.sale_part()) != shard => {
                     Fate::Malformed
                 }
                 Entry::Order { order, .. } => Fate::Write(*order),
@@ -116,7 +116,7 @@ impl Worker {
                     order: Some(order),
                     reason: reason @ DeadReason::Poison { .. },
                     ..
-                } if self.keys.shard_of(order.voucher_id) == shard => {
+                } if self.keys.shard_of_part(order.sale_part()) == shard => {
                     Fate::Bury(*order, Rejection::Poison(reason.to_string()))
                 }
                 Entry::DeadLetter { .. } => Fate::Malformed,
@@ -294,7 +294,7 @@ impl Worker {
                     conn,
                     &self.keys,
                     entry.entry_id(),
-                    order.voucher_id,
+                    order.sale_part(),
                     order.user_id,
                     order.id,
                     holder,

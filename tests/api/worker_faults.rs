@@ -193,6 +193,7 @@ async fn persisting_one_order_id_twice_writes_one_row_and_takes_one_unit(db: PgP
         user_id: uid(1),
         voucher_id: vid(sale),
         admitted_at: chrono::Utc::now(),
+        part: 0,
     };
     let other_buyer = NewOrder {
         user_id: uid(2),
@@ -227,6 +228,7 @@ async fn an_order_whose_id_a_buried_order_holds_is_dead_lettered_as_a_duplicate(
         user_id: uid(1),
         voucher_id: vid(sale),
         admitted_at: chrono::Utc::now(),
+        part: 0,
     };
     seckill::store::dead_orders::bury(&app.db, &first, "poison: test", true)
         .await

@@ -1,0 +1,77 @@
+-- Part of the library in lua/seckill.lua (appended to it when loaded): moving units
+-- between the parts of a segmented sale (src/admission/parts.rs).
+--
+-- A move is taken out of the donor here first (with a record of it beside the donor's
+-- state), then recorded in Postgres under the sale's lock only while that record is
+-- still there, then credited to the recipient here, once. A state rebuilt from
+-- Postgres drops the donor's records: a move not yet in Postgres is then void, and the
+-- donor has its units back from its allotment.
+
+-- Whether a part's state is loaded, of this term and sound: {stock} or nil.
+local function sound_stock(sale)
+  local v = redis.call('HMGET', sale, 'stock', 'begin_ms', 'end_ms', 'term')
+  local stock = whole(v[1])
+  if not stock or not tonumber(v[2]) or not tonumber(v[3]) or v[4] ~= current_term() then
+    return nil
+  end
+  return stock
+end
+
+-- Takes up to ARGV[2] units out of a part for part ARGV[3], as move ARGV[1].
+-- KEYS[1] the donor's hash  KEYS[2] its moves-out hash
+-- Returns the units taken (0: none left), or -1 when the state is not sound (missing,
+-- stale or corrupt: it is rebuilt before it gives anything).
+local function take_units(keys, argv)
+  local stock = sound_stock(keys[1])
+  if not stock then
+    return -1
+  end
+  local n = math.min(stock, tonumber(argv[2]))
+  if n <= 0 then
+    return 0
+  end
+  redis.call('HSET', keys[1], 'stock', stock - n)
+  redis.call('HSET', keys[2], argv[1], argv[3] .. ' ' .. n)
+  local expires = redis.call('PEXPIRETIME', keys[1])
+  if expires > 0 then
+    redis.call('PEXPIREAT', keys[2], expires)
+  end
+  return n
+end
+
+-- The units move ARGV[1] took out of a part, if its record is still there (0: not).
+-- KEYS[1] the donor's moves-out hash
+local function taken(keys, argv)
+  local v = redis.call('HGET', keys[1], argv[1])
+  if not v then
+    return 0
+  end
+  return tonumber(string.match(v, ' (%d+)$')) or 0
+end
+
+-- Credits move ARGV[1] of ARGV[2] units to a part, once.
+-- KEYS[1] the recipient's hash  KEYS[2] its moves-in hash
+-- Returns 1 credited, 0 credited before, -1 the state is not sound (a rebuild from
+-- Postgres, whose allotment holds the move, will count the units).
+local function credit_units(keys, argv)
+  if redis.call('HEXISTS', keys[2], argv[1]) == 1 then
+    return 0
+  end
+  local stock = sound_stock(keys[1])
+  if not stock then
+    return -1
+  end
+  redis.call('HSET', keys[1], 'stock', stock + tonumber(argv[2]))
+  -- Units came in: API instances that remember the sale sold out must look again.
+  redis.call('HINCRBY', keys[1], 'gen', 1)
+  redis.call('HSET', keys[2], argv[1], argv[2])
+  local expires = redis.call('PEXPIRETIME', keys[1])
+  if expires > 0 then
+    redis.call('PEXPIREAT', keys[2], expires)
+  end
+  return 1
+end
+
+redis.register_function('seckill_take', take_units)
+redis.register_function{function_name = 'seckill_taken', callback = taken, flags = {'no-writes'}}
+redis.register_function('seckill_credit', credit_units)

@@ -1,0 +1,241 @@
+//! `seckill_parts` and `seckill_part_moves`: how a segmented sale's units are shared
+//! out over its parts, and the units moved between them.
+
+use sqlx::{FromRow, PgExecutor, Postgres, Transaction};
+
+use crate::domain::VoucherId;
+use crate::keys::SalePart;
+
+/// Units moved from one part of a sale to another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Move {
+    /// Minted like an order id: unique across instances and restarts.
+    pub id: i64,
+    pub from: SalePart,
+    pub to: u8,
+    pub units: i32,
+}
+
+impl Move {
+    pub fn recipient(&self) -> SalePart {
+        SalePart::new(self.from.voucher_id, self.to)
+    }
+}
+
+#[derive(FromRow)]
+struct MoveRow {
+    id: i64,
+    voucher_id: VoucherId,
+    from_part: i16,
+    to_part: i16,
+    units: i32,
+}
+
+impl From<MoveRow> for Move {
+    fn from(r: MoveRow) -> Self {
+        Move {
+            id: r.id,
+            from: SalePart::new(r.voucher_id, r.from_part as u8),
+            to: r.to_part as u8,
+            units: r.units,
+        }
+    }
+}
+
+/// The first allotment of each of `parts` parts: the stock shared out evenly, the
+/// first parts one more when it does not divide.
+pub fn first_allotments(stock: i32, parts: u8) -> Vec<i32> {
+    let k = parts.max(1) as i32;
+    (0..k).map(|p| stock / k + i32::from(p < stock % k)).collect()
+}
+
+/// Records the first allotments of a new sale in `parts` parts (nothing for one part).
+#[tracing::instrument(skip(tx))]
+pub(crate) async fn insert_allotments(
+    tx: &mut Transaction<'_, Postgres>,
+    voucher_id: VoucherId,
+    stock: i32,
+    parts: u8,
+) -> Result<(), sqlx::Error> {
+    if parts <= 1 {
+        return Ok(());
+    }
+    let allotted = first_allotments(stock, parts);
+    let part: Vec<i16> = (0..parts as i16).collect();
+    sqlx::query(
+        "INSERT INTO seckill_parts (voucher_id, part, allotted) \
+         SELECT $1, p, a FROM unnest($2::smallint[], $3::int[]) AS t(p, a)",
+    )
+    .bind(voucher_id)
+    .bind(&part)
+    .bind(&allotted)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// How many parts a sale has (`None`: the voucher has no flash sale).
+#[tracing::instrument(skip(db))]
+pub(crate) async fn parts_of<'e>(
+    db: impl PgExecutor<'e>,
+    voucher_id: VoucherId,
+) -> Result<Option<u8>, sqlx::Error> {
+    let parts: Option<i16> =
+        sqlx::query_scalar("SELECT segments FROM seckill_vouchers WHERE voucher_id = $1")
+            .bind(voucher_id)
+            .fetch_optional(db)
+            .await?;
+    Ok(parts.map(|p| p as u8))
+}
+
+/// A part's allotment (under the sale's lock, for a load).
+#[tracing::instrument(skip(tx))]
+pub(crate) async fn allotted(
+    tx: &mut Transaction<'_, Postgres>,
+    part: SalePart,
+) -> Result<i32, sqlx::Error> {
+    sqlx::query_scalar("SELECT allotted FROM seckill_parts WHERE voucher_id = $1 AND part = $2")
+        .bind(part.voucher_id)
+        .bind(part.part as i16)
+        .fetch_one(&mut **tx)
+        .await
+}
+
+/// Records a move and shifts the two allotments, once: `false` when it was recorded
+/// already. Call under the sale's lock.
+#[tracing::instrument(skip(tx))]
+pub(crate) async fn record_move(
+    tx: &mut Transaction<'_, Postgres>,
+    m: &Move,
+) -> Result<bool, sqlx::Error> {
+    let inserted = sqlx::query(
+        "INSERT INTO seckill_part_moves (id, voucher_id, from_part, to_part, units) \
+         VALUES ($1, $2, $3, $4, $5) ON CONFLICT (id) DO NOTHING",
+    )
+    .bind(m.id)
+    .bind(m.from.voucher_id)
+    .bind(m.from.part as i16)
+    .bind(m.to as i16)
+    .bind(m.units)
+    .execute(&mut **tx)
+    .await?
+    .rows_affected()
+        == 1;
+    if inserted {
+        sqlx::query(
+            "UPDATE seckill_parts SET allotted = allotted + \
+               CASE WHEN part = $2 THEN -$4 ELSE $4 END \
+             WHERE voucher_id = $1 AND part IN ($2, $3)",
+        )
+        .bind(m.from.voucher_id)
+        .bind(m.from.part as i16)
+        .bind(m.to as i16)
+        .bind(m.units)
+        .execute(&mut **tx)
+        .await?;
+    }
+    Ok(inserted)
+}
+
+/// Whether a move is recorded, and if so whether it was credited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MoveState {
+    Unknown,
+    Recorded,
+    Credited,
+}
+
+#[tracing::instrument(skip(tx))]
+pub(crate) async fn move_state(
+    tx: &mut Transaction<'_, Postgres>,
+    id: i64,
+) -> Result<MoveState, sqlx::Error> {
+    let row: Option<(bool,)> = sqlx::query_as(
+        "SELECT credited_at IS NOT NULL FROM seckill_part_moves WHERE id = $1",
+    )
+    .bind(id)
+    .fetch_optional(&mut **tx)
+    .await?;
+    Ok(match row {
+        None => MoveState::Unknown,
+        Some((false,)) => MoveState::Recorded,
+        Some((true,)) => MoveState::Credited,
+    })
+}
+
+#[tracing::instrument(skip(tx))]
+pub(crate) async fn mark_credited(
+    tx: &mut Transaction<'_, Postgres>,
+    id: i64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE seckill_part_moves SET credited_at = now() WHERE id = $1")
+        .bind(id)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// Recorded moves of a sale not yet credited to their recipient.
+#[tracing::instrument(skip(db))]
+pub(crate) async fn uncredited<'e>(
+    db: impl PgExecutor<'e>,
+    voucher_id: VoucherId,
+) -> Result<Vec<Move>, sqlx::Error> {
+    Ok(sqlx::query_as::<_, MoveRow>(
+        "SELECT id, voucher_id, from_part, to_part, units FROM seckill_part_moves \
+         WHERE voucher_id = $1 AND credited_at IS NULL ORDER BY id",
+    )
+    .bind(voucher_id)
+    .fetch_all(db)
+    .await?
+    .into_iter()
+    .map(Move::from)
+    .collect())
+}
+
+/// Which of the given move ids are recorded.
+#[tracing::instrument(skip(tx, ids))]
+pub(crate) async fn recorded_among(
+    tx: &mut Transaction<'_, Postgres>,
+    ids: &[i64],
+) -> Result<Vec<i64>, sqlx::Error> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    sqlx::query_scalar("SELECT id FROM seckill_part_moves WHERE id = ANY($1)")
+        .bind(ids)
+        .fetch_all(&mut **tx)
+        .await
+}
+
+/// Segmented sales that have not ended (the ones whose moves may need finishing).
+#[tracing::instrument(skip(db))]
+pub(crate) async fn open_segmented<'e>(
+    db: impl PgExecutor<'e>,
+) -> Result<Vec<(VoucherId, u8)>, sqlx::Error> {
+    Ok(sqlx::query_as::<_, (VoucherId, i16)>(
+        "SELECT voucher_id, segments FROM seckill_vouchers \
+         WHERE segments > 1 AND end_time > now() - interval '1 hour' ORDER BY voucher_id",
+    )
+    .fetch_all(db)
+    .await?
+    .into_iter()
+    .map(|(v, k)| (v, k as u8))
+    .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_allotments;
+
+    #[test]
+    fn the_first_allotments_share_the_stock_out_evenly() {
+        assert_eq!(first_allotments(3000, 3), vec![1000, 1000, 1000]);
+        assert_eq!(first_allotments(10, 4), vec![3, 3, 2, 2]);
+        assert_eq!(first_allotments(2, 3), vec![1, 1, 0]);
+        assert_eq!(first_allotments(7, 1), vec![7]);
+        for (stock, k) in [(0, 5), (1_000_000, 64), (63, 64)] {
+            assert_eq!(first_allotments(stock, k).iter().sum::<i32>(), stock);
+        }
+    }
+}
