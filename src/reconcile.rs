@@ -421,7 +421,10 @@ pub(crate) fn render(rows: &[VoucherBooks]) -> String {
                 (Some(_), 0) => r.buyers_drift().to_string(),
                 (Some(_), m) => format!("{}/{m}≠", r.buyers_drift()),
             },
-            r.verdict().as_str()
+            match r.drifting_parts {
+                0 => r.verdict().as_str().to_string(),
+                n => format!("{} ({n} of {} parts)", r.verdict().as_str(), r.parts),
+            }
         );
     }
     out
@@ -448,12 +451,24 @@ mod tests {
             paid: 0,
             closed: 0,
             owed: 0,
+            parts: 1,
+            drifting_parts: 0,
         }
     }
 
     #[test]
     fn books_that_balance_with_orders_in_flight_are_ok() {
         assert_eq!(books().verdict(), Finding::Balanced);
+    }
+
+    #[test]
+    fn a_part_out_of_balance_is_drift_even_when_the_sums_balance() {
+        let books = VoucherBooks {
+            parts: 3,
+            drifting_parts: 2,
+            ..books()
+        };
+        assert_eq!(books.verdict(), Finding::Drift);
     }
 
     #[test]

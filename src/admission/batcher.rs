@@ -73,7 +73,7 @@ impl Batcher {
 
     /// Decides one grab, in the next call of its shard.
     pub async fn admit(&self, grab: Grab) -> RedisResult<Outcome> {
-        let shard = self.keys.shard_of(grab.voucher_id);
+        let shard = self.keys.shard_of_part(grab.sale_part());
         let (reply, answer) = oneshot::channel();
         if self.shards[shard.0 as usize]
             .send((grab, Instant::now(), reply))

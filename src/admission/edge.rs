@@ -29,7 +29,7 @@ use redis::aio::ConnectionLike;
 use redis::RedisResult;
 
 use crate::domain::{UserId, VoucherId};
-use crate::keys::{self, Keys};
+use crate::keys::{self, Keys, SalePart};
 use crate::scripts::Call;
 
 /// Sales remembered at most (a storm of made-up voucher ids must not grow memory
@@ -368,8 +368,13 @@ impl Edge {
     /// After Redis answered a grab of `voucher_id` with a verdict the edge could have
     /// given (sold out, not started, ended): reads the sale's state and remembers it, in
     /// the background, once per sale at a time.
-    pub fn learn_in_background<C>(self: &Arc<Self>, conn: &C, keys: &Keys, voucher_id: VoucherId)
-    where
+    pub fn learn_in_background<C>(
+        self: &Arc<Self>,
+        conn: &C,
+        keys: &Keys,
+        voucher_id: VoucherId,
+        parts: u8,
+    ) where
         C: ConnectionLike + Send + Clone + 'static,
     {
         let Some(learning) = self.begin(voucher_id, Purpose::Verdict) else {
@@ -378,7 +383,7 @@ impl Edge {
         let (edge, mut conn, keys) = (self.clone(), conn.clone(), keys.clone());
         tokio::spawn(async move {
             let read_at = Instant::now();
-            let verdict = match edge.learn(&mut conn, &keys, voucher_id, read_at).await {
+            let verdict = match edge.learn(&mut conn, &keys, voucher_id, parts, read_at).await {
                 Ok(v) => v,
                 Err(e) => {
                     tracing::debug!(voucher_id = voucher_id.get(), error = %e, "reading a sale for the edge failed");
@@ -389,17 +394,20 @@ impl Edge {
         });
     }
 
-    /// The verdict one read of the sale supports (`None`: the sale can still sell, or
-    /// its state cannot be trusted: nothing to remember).
+    /// The verdict one read of the sale (of every part of it) supports (`None`: the
+    /// sale can still sell, or its state cannot be trusted: nothing to remember).
     async fn learn<C: ConnectionLike + Send>(
         &self,
         conn: &mut C,
         keys: &Keys,
         voucher_id: VoucherId,
+        parts: u8,
         read_at: Instant,
     ) -> RedisResult<Option<Verdict>> {
-        let key = keys.voucher(voucher_id);
-        let Some(state) = peek(conn, &key).await? else {
+        let keys: Vec<String> = SalePart::all(voucher_id, parts)
+            .map(|p| keys.part(p))
+            .collect();
+        let Some(state) = peek_all(conn, &keys).await? else {
             return Ok(None);
         };
         if state.now_ms >= state.end_ms {
@@ -428,10 +436,13 @@ impl Edge {
         if scanned.is_some_and(|(at, n)| n > LARGE_SALE && at.elapsed() < RESCAN_EVERY) {
             return Ok(None);
         }
-        let users = scan_buyers(conn, &key).await?;
+        let mut users = HashSet::new();
+        for key in &keys {
+            users.extend(scan_buyers(conn, key).await?);
+        }
         self.scanned(voucher_id, users.len());
         // Still the same state, and still sold out: then the list is complete.
-        match peek(conn, &key).await? {
+        match peek_all(conn, &keys).await? {
             Some(after)
                 if after.stock == 0
                     && after.gen == signature.gen
@@ -572,6 +583,35 @@ pub(crate) async fn peek<C: ConnectionLike + Send>(
             _ => None,
         },
     )
+}
+
+/// A sale's parts read one after the other, as one state: the first part's window and
+/// clock, the stock summed, and the gens and terms side by side (a unit that comes back
+/// to any part changes its gen, so the whole). `None` when some part cannot be trusted.
+async fn peek_all<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &[String],
+) -> RedisResult<Option<Peeked>> {
+    let mut whole: Option<Peeked> = None;
+    for key in keys {
+        let Some(part) = peek(conn, key).await? else {
+            return Ok(None);
+        };
+        whole = Some(match whole {
+            None => part,
+            Some(w) => Peeked {
+                stock: w.stock + part.stock,
+                // (A part without a gen tells nothing: none for the whole.)
+                gen: match w.gen.is_empty() || part.gen.is_empty() {
+                    true => String::new(),
+                    false => format!("{}.{}", w.gen, part.gen),
+                },
+                term: format!("{}.{}", w.term, part.term),
+                ..w
+            },
+        });
+    }
+    Ok(whole)
 }
 
 /// Every buyer recorded in a sale's hash (a page at a time: a large sale never stalls

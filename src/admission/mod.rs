@@ -4,6 +4,7 @@ pub mod batcher;
 pub mod edge;
 pub mod loader;
 pub mod order_id;
+pub mod parts;
 pub mod tally;
 pub mod term;
 pub mod upkeep;
@@ -35,6 +36,10 @@ pub enum Outcome {
     Stale,
     /// The sale's state holds a field that is not a number: refused until repaired.
     Corrupt,
+    /// The grab's part of a segmented sale has no unit left: units are moved to it from
+    /// the other parts (see [`parts`]), or, when none has any, the sale is sold out.
+    /// Never an answer to a shopper.
+    Drained,
 }
 
 impl Outcome {
@@ -49,6 +54,7 @@ impl Outcome {
             Outcome::SoldOut => "sold_out",
             Outcome::Stale => "stale",
             Outcome::Corrupt => "corrupt",
+            Outcome::Drained => "drained",
         }
     }
 }
@@ -60,6 +66,14 @@ pub struct Grab {
     pub user_id: UserId,
     /// Minted by the API before the call.
     pub order_id: OrderId,
+    /// The user's home part of the sale (0 for a sale in one part).
+    pub part: u8,
+}
+
+impl Grab {
+    pub fn sale_part(&self) -> SalePart {
+        SalePart::new(self.voucher_id, self.part)
+    }
 }
 
 /// Runs the admission script for one grab.
@@ -75,6 +89,7 @@ pub async fn admit<C: ConnectionLike + Send>(
         voucher_id,
         user_id,
         order_id,
+        part: 0,
     };
     let shard = keys.shard_of(voucher_id);
     let mut outcomes = admit_many(conn, keys, shard, &[grab], Replicas::NONE).await?;
@@ -94,14 +109,14 @@ pub async fn admit_many<C: ConnectionLike + Send>(
     let mut call = Call::function("seckill_admit");
     call.key(keys.stream(shard))
         .arg(if replicas.waits() { "1" } else { "0" });
-    let mut sales: Vec<VoucherId> = Vec::new();
+    let mut sales: Vec<SalePart> = Vec::new();
     for g in grabs {
-        debug_assert_eq!(keys.shard_of(g.voucher_id), shard);
-        let index = match sales.iter().position(|&v| v == g.voucher_id) {
+        debug_assert_eq!(keys.shard_of_part(g.sale_part()), shard);
+        let index = match sales.iter().position(|&p| p == g.sale_part()) {
             Some(i) => i,
             None => {
-                sales.push(g.voucher_id);
-                call.key(keys.voucher(g.voucher_id));
+                sales.push(g.sale_part());
+                call.key(keys.part(g.sale_part()));
                 sales.len() - 1
             }
         };
@@ -135,6 +150,7 @@ pub async fn admit_many<C: ConnectionLike + Send>(
                 (5, _) => Outcome::SoldOut,
                 (6, _) => Outcome::Stale,
                 (7, _) => Outcome::Corrupt,
+                (8, _) => Outcome::Drained,
                 _ => return Err(unexpected()),
             })
         })

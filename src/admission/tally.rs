@@ -138,7 +138,10 @@ pub fn index(outcome: &Outcome, minted: OrderId) -> Option<usize> {
         Outcome::AlreadyOrdered { .. } => 2,
         Outcome::NotStarted => 4,
         Outcome::Ended => 5,
-        Outcome::NotLoaded | Outcome::Stale | Outcome::Corrupt => return None,
+        // (A drained part's grab is decided again once units moved: counted then.)
+        Outcome::NotLoaded | Outcome::Stale | Outcome::Corrupt | Outcome::Drained => {
+            return None
+        }
     })
 }
 

@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::loader::{self, Mode};
 use crate::domain::VoucherId;
-use crate::keys::{Keys, Shard};
+use crate::keys::{Keys, SalePart, Shard};
 use crate::redis_conn::RedisConn;
 use crate::scripts::{Call, Replicas};
 
@@ -348,14 +348,22 @@ async fn heal(w: &Watch, shards: &[Shard]) -> anyhow::Result<Vec<VoucherId>> {
     let mut conn = w.redis.clone();
     let mut rebuilt = Vec::new();
     for sale in crate::store::vouchers::sales_ending_after(&w.db, since).await? {
-        if !shards.contains(&w.keys.shard_of(sale.voucher_id)) {
+        // The sale's parts on these shards (a segmented sale's other parts live on
+        // other shards, perhaps on a node that lost nothing).
+        let here: Vec<SalePart> = SalePart::all(sale.voucher_id, sale.parts())
+            .filter(|p| shards.contains(&w.keys.shard_of_part(*p)))
+            .collect();
+        if here.is_empty() {
             continue;
         }
         if sale.end_time <= now {
-            let exists: bool = redis::cmd("EXISTS")
-                .arg(w.keys.voucher(sale.voucher_id))
-                .query_async(&mut conn)
-                .await?;
+            let mut exists = false;
+            for part in &here {
+                exists |= redis::cmd("EXISTS")
+                    .arg(w.keys.part(*part))
+                    .query_async::<bool>(&mut conn)
+                    .await?;
+            }
             if !exists {
                 continue;
             }

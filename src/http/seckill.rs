@@ -101,12 +101,10 @@ pub(crate) async fn grab(
         AppError::Unavailable("order ids are not ready yet (waiting for redis)".into())
     })?;
     let started = Instant::now();
-    let grab = admission::Grab {
-        voucher_id,
-        user_id: user.user_id,
-        order_id,
-    };
-    let outcome = state.admissions.admit(grab).await;
+    let outcome = state
+        .parts
+        .admit(&state.admissions, voucher_id, user.user_id, order_id)
+        .await;
     let hot = crate::metrics::HotPath::get();
     hot.admission_seconds
         .record(started.elapsed().as_secs_f64());
@@ -118,9 +116,11 @@ pub(crate) async fn grab(
     hot.outcome(label).increment(1);
     match outcome {
         Ok(Outcome::NotStarted | Outcome::Ended | Outcome::SoldOut) => {
+            // (Known by now: the grab was routed by it.)
+            let parts = state.parts.of(voucher_id).await.unwrap_or(1);
             state
                 .edge
-                .learn_in_background(&state.redis, &state.keys, voucher_id);
+                .learn_in_background(&state.redis, &state.keys, voucher_id, parts);
         }
         Ok(Outcome::NotLoaded) => return Err(not_loaded(&state, voucher_id).await),
         Ok(Outcome::Stale) => {
@@ -181,6 +181,8 @@ pub fn answer(outcome: redis::RedisResult<Outcome>, minted: OrderId) -> AppResul
         Ok(Outcome::NotLoaded) => Err(AppError::Unavailable(
             "the sale is being loaded, try again shortly; nothing was reserved".into(),
         )),
+        // (Never leaves admission::parts: a drained part is refilled or sold out.)
+        Ok(Outcome::Drained) => Err(AppError::SoldOut),
         Ok(Outcome::Stale | Outcome::Corrupt) => Err(AppError::Unavailable(
             "the sale is being rebuilt from the database, try again shortly; nothing was \
              reserved"

@@ -9,6 +9,7 @@ use sqlx::PgPool;
 use crate::admission::batcher::{self, Batcher};
 use crate::admission::edge::Edge;
 use crate::admission::order_id::OrderIds;
+use crate::admission::parts::Parts;
 use crate::auth::Verifier;
 use crate::config::Settings;
 use crate::domain::{UserId, VoucherId};
@@ -40,6 +41,8 @@ pub struct Shared {
     pub(crate) heal: Arc<tokio::sync::Notify>,
     /// Sales this instance answers by itself (sold out, not yet open, ended, none).
     pub edge: Arc<Edge>,
+    /// The parts of segmented sales, and the moves of units between them.
+    pub parts: Arc<Parts>,
 }
 
 impl AppState {
@@ -62,6 +65,12 @@ impl AppState {
             batcher::MAX_BATCH,
             settings.replicas,
         );
+        let parts = Arc::new(Parts::new(
+            db.clone(),
+            redis.clone(),
+            keys.clone(),
+            ids.clone(),
+        ));
         let edge = Arc::new(Edge::new(std::time::Duration::from_millis(
             settings.edge.edge_verdict_ttl_ms,
         )));
@@ -79,6 +88,7 @@ impl AppState {
             live,
             heal: Arc::default(),
             edge,
+            parts,
         }))
     }
 }

@@ -163,6 +163,18 @@ pub(crate) async fn move_state(
     })
 }
 
+/// The units of a recorded move.
+#[tracing::instrument(skip(tx))]
+pub(crate) async fn units_of(
+    tx: &mut Transaction<'_, Postgres>,
+    id: i64,
+) -> Result<i32, sqlx::Error> {
+    sqlx::query_scalar("SELECT units FROM seckill_part_moves WHERE id = $1")
+        .bind(id)
+        .fetch_one(&mut **tx)
+        .await
+}
+
 #[tracing::instrument(skip(tx))]
 pub(crate) async fn mark_credited(
     tx: &mut Transaction<'_, Postgres>,

@@ -68,11 +68,23 @@ impl TestApp {
         .unwrap()
     }
 
-    /// Redis's live stock of a sale (`None`: not loaded), read as the API reads it.
+    /// Redis's live stock of a sale (`None`: not loaded), summed over its parts, read as
+    /// the API reads it.
     pub async fn redis_stock(&self, voucher_id: i64) -> Option<i64> {
-        seckill::admission::redis_stock(&mut self.redis.clone(), &self.keys, vid(voucher_id))
-            .await
-            .unwrap()
+        let parts: i16 =
+            sqlx::query_scalar("SELECT segments FROM seckill_vouchers WHERE voucher_id = $1")
+                .bind(voucher_id)
+                .fetch_one(&self.db)
+                .await
+                .unwrap();
+        seckill::admission::redis_stock(
+            &mut self.redis.clone(),
+            &self.keys,
+            vid(voucher_id),
+            parts as u8,
+        )
+        .await
+        .unwrap()
     }
 
     pub async fn redis_cmd<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> T {

@@ -100,7 +100,7 @@ async fn a_grab_whose_redis_call_times_out_says_the_outcome_is_unknown_and_a_ret
     let order_id: i64 = body["error"]["order_id"].as_str().unwrap().parse().unwrap();
     assert_eq!(app.redis_stock(voucher).await, Some(3));
     let orders =
-        seckill::admission::orders_of(&mut app.redis.clone(), &app.keys, uid(7), &[vid(voucher)])
+        seckill::admission::orders_of(&mut app.redis.clone(), &app.keys, uid(7), &[(vid(voucher), 1)])
             .await
             .unwrap();
     assert_eq!(
@@ -199,6 +199,7 @@ async fn a_grab_abandoned_while_queued_behind_a_slow_call_is_never_sent(db: PgPo
                     voucher_id: vid(voucher),
                     user_id: uid(7),
                     order_id: oid(7007),
+                    part: 0,
                 })
                 .await
         })
@@ -210,6 +211,7 @@ async fn a_grab_abandoned_while_queued_behind_a_slow_call_is_never_sent(db: PgPo
             voucher_id: vid(voucher),
             user_id: uid(8),
             order_id: oid(8008),
+            part: 0,
         }),
     )
     .await;
