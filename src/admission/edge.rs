@@ -383,7 +383,10 @@ impl Edge {
         let (edge, mut conn, keys) = (self.clone(), conn.clone(), keys.clone());
         tokio::spawn(async move {
             let read_at = Instant::now();
-            let verdict = match edge.learn(&mut conn, &keys, voucher_id, parts, read_at).await {
+            let verdict = match edge
+                .learn(&mut conn, &keys, voucher_id, parts, read_at)
+                .await
+            {
                 Ok(v) => v,
                 Err(e) => {
                     tracing::debug!(voucher_id = voucher_id.get(), error = %e, "reading a sale for the edge failed");

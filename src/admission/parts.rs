@@ -134,12 +134,20 @@ impl Parts {
                 Ok(true) => {}
                 Ok(false) => return Ok(Outcome::SoldOut),
                 Err(e) => {
-                    tracing::warn!(voucher_id = voucher_id.get(), error = format!("{e:#}"), "moving units between parts failed");
-                    return Err(unavailable("units cannot be moved between the sale's parts now"));
+                    tracing::warn!(
+                        voucher_id = voucher_id.get(),
+                        error = format!("{e:#}"),
+                        "moving units between parts failed"
+                    );
+                    return Err(unavailable(
+                        "units cannot be moved between the sale's parts now",
+                    ));
                 }
             }
         }
-        Err(unavailable("the last units of the sale are being moved; try again"))
+        Err(unavailable(
+            "the last units of the sale are being moved; try again",
+        ))
     }
 
     /// Brings units to a drained part: `true` when units came (or may have: a move of
@@ -256,7 +264,14 @@ impl Parts {
                 // its record gone).
                 return Ok(false);
             }
-            store::record_move(&mut tx, &Move { units: held as i32, ..m }).await?;
+            store::record_move(
+                &mut tx,
+                &Move {
+                    units: held as i32,
+                    ..m
+                },
+            )
+            .await?;
         }
         tx.commit().await?;
 
@@ -306,7 +321,10 @@ impl Parts {
                 _ = tick.tick() => {}
             }
             if let Err(e) = self.finish_open().await {
-                tracing::warn!(error = format!("{e:#}"), "finishing moves between parts failed");
+                tracing::warn!(
+                    error = format!("{e:#}"),
+                    "finishing moves between parts failed"
+                );
             }
         }
     }

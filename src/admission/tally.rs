@@ -139,9 +139,7 @@ pub fn index(outcome: &Outcome, minted: OrderId) -> Option<usize> {
         Outcome::NotStarted => 4,
         Outcome::Ended => 5,
         // (A drained part's grab is decided again once units moved: counted then.)
-        Outcome::NotLoaded | Outcome::Stale | Outcome::Corrupt | Outcome::Drained => {
-            return None
-        }
+        Outcome::NotLoaded | Outcome::Stale | Outcome::Corrupt | Outcome::Drained => return None,
     })
 }
 

@@ -240,16 +240,14 @@ impl VoucherResponse {
                 Some(end_time),
                 Some(pay_within),
                 Some(segments),
-            ) => {
-                Some(SeckillResponse {
-                    stock: redis_stock.unwrap_or(stock as i64),
-                    initial_stock: initial as i64,
-                    begin_time,
-                    end_time,
-                    pay_within_secs: pay_within as i64,
-                    segments: segments as i64,
-                })
-            }
+            ) => Some(SeckillResponse {
+                stock: redis_stock.unwrap_or(stock as i64),
+                initial_stock: initial as i64,
+                begin_time,
+                end_time,
+                pay_within_secs: pay_within as i64,
+                segments: segments as i64,
+            }),
             _ => None,
         };
         Self {

@@ -46,7 +46,9 @@ impl From<MoveRow> for Move {
 /// first parts one more when it does not divide.
 pub fn first_allotments(stock: i32, parts: u8) -> Vec<i32> {
     let k = parts.max(1) as i32;
-    (0..k).map(|p| stock / k + i32::from(p < stock % k)).collect()
+    (0..k)
+        .map(|p| stock / k + i32::from(p < stock % k))
+        .collect()
 }
 
 /// Records the first allotments of a new sale in `parts` parts (nothing for one part).
@@ -150,12 +152,11 @@ pub(crate) async fn move_state(
     tx: &mut Transaction<'_, Postgres>,
     id: i64,
 ) -> Result<MoveState, sqlx::Error> {
-    let row: Option<(bool,)> = sqlx::query_as(
-        "SELECT credited_at IS NOT NULL FROM seckill_part_moves WHERE id = $1",
-    )
-    .bind(id)
-    .fetch_optional(&mut **tx)
-    .await?;
+    let row: Option<(bool,)> =
+        sqlx::query_as("SELECT credited_at IS NOT NULL FROM seckill_part_moves WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&mut **tx)
+            .await?;
     Ok(match row {
         None => MoveState::Unknown,
         Some((false,)) => MoveState::Recorded,

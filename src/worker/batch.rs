@@ -108,7 +108,9 @@ impl Worker {
             .map(|e| match e {
                 // An order naming a voucher of another shard was not written by the
                 // admission script: nothing of it is in that sale's state.
-                Entry::Order { order, .. } if self.keys.shard_of_part(order.sale_part()) != shard => {
+                Entry::Order { order, .. }
+                    if self.keys.shard_of_part(order.sale_part()) != shard =>
+                {
                     Fate::Malformed
                 }
                 Entry::Order { order, .. } => Fate::Write(*order),

@@ -29,6 +29,7 @@ mod readme;
 mod reconcile;
 mod recovery;
 mod rollback;
+mod segments;
 mod sentinel;
 mod tls;
 mod worker;

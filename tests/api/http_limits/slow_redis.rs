@@ -99,10 +99,14 @@ async fn a_grab_whose_redis_call_times_out_says_the_outcome_is_unknown_and_a_ret
     assert_eq!(body["error"]["code"], "already_ordered", "{body}");
     let order_id: i64 = body["error"]["order_id"].as_str().unwrap().parse().unwrap();
     assert_eq!(app.redis_stock(voucher).await, Some(3));
-    let orders =
-        seckill::admission::orders_of(&mut app.redis.clone(), &app.keys, uid(7), &[(vid(voucher), 1)])
-            .await
-            .unwrap();
+    let orders = seckill::admission::orders_of(
+        &mut app.redis.clone(),
+        &app.keys,
+        uid(7),
+        &[(vid(voucher), 1)],
+    )
+    .await
+    .unwrap();
     assert_eq!(
         orders.iter().map(|o| o.order_id).collect::<Vec<_>>(),
         [oid(order_id)]

@@ -1,0 +1,169 @@
+//! Segmented sales: one sale's stock split over several parts (`seckill.segments`),
+//! behaving exactly as one sale. In process on one Redis here (the parts share a node:
+//! what is tested is the behaviour); on a 3-master cluster with real processes in
+//! `cluster.rs`.
+
+use std::collections::{HashMap, HashSet};
+
+use chrono::Utc;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use sqlx::PgPool;
+
+use crate::common::{press_all, TestApp};
+
+mod cluster;
+mod moves;
+
+/// Creates a sale of `stock` open now for an hour, split over `parts`; its id.
+async fn segmented_sale_at(
+    http: &reqwest::Client,
+    base: &str,
+    admin: &str,
+    stock: i64,
+    parts: i64,
+) -> i64 {
+    let now = Utc::now();
+    let resp = http
+        .post(format!("{base}/vouchers"))
+        .bearer_auth(admin)
+        .json(&json!({
+            "shop_id": 1, "title": "hot coupons", "pay_value": 0, "actual_value": 500,
+            "seckill": {"stock": stock, "segments": parts,
+                        "begin_time": now - chrono::Duration::minutes(1),
+                        "end_time": now + chrono::Duration::hours(1)},
+        }))
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status();
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    assert_eq!(body["seckill"]["segments"], parts, "{body}");
+    assert_eq!(body["seckill"]["stock"], stock, "{body}");
+    body["id"].as_i64().unwrap()
+}
+
+async fn segmented_sale(app: &TestApp, stock: i64, parts: i64) -> i64 {
+    segmented_sale_at(&app.client, &app.base, &app.admin_token(), stock, parts).await
+}
+
+/// Each user's order id among 202 answers; every other answer must be `sold_out`.
+fn winners(answers: &[(i64, Option<(StatusCode, Value)>)]) -> HashMap<i64, String> {
+    let mut won = HashMap::new();
+    for (user, answer) in answers {
+        let (status, body) = answer.as_ref().expect("every press is answered");
+        match *status {
+            StatusCode::ACCEPTED => {
+                won.insert(*user, body["order_id"].as_str().unwrap().to_string());
+            }
+            _ => assert_eq!(body["error"]["code"], "sold_out", "{status} {body}"),
+        }
+    }
+    won
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_sale_in_three_parts_admits_exactly_its_stock_one_order_per_user(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = segmented_sale(&app, 300, 3).await;
+    let answers = press_all(&app, &app.base, voucher, 1..=360, 64).await;
+    let won = winners(&answers);
+    assert_eq!(
+        won.len(),
+        300,
+        "exactly the stock admitted, none stranded in a part"
+    );
+    let ids: HashSet<&String> = won.values().collect();
+    assert_eq!(ids.len(), 300, "no order id twice");
+
+    // Winners pressing again hear their own order, whichever part holds it.
+    for (user, order) in won.iter().take(30) {
+        let (status, body) = app.grab(voucher, *user).await;
+        assert_eq!(status, StatusCode::CONFLICT, "{body}");
+        assert_eq!(body["error"]["code"], "already_ordered", "{body}");
+        assert_eq!(body["error"]["order_id"].as_str(), Some(order.as_str()));
+    }
+    let (_, shown) = app.get(&format!("/vouchers/{voucher}"), None).await;
+    assert_eq!(shown["seckill"]["stock"], 0, "{shown}");
+    assert_eq!(shown["stock"], 0, "{shown}");
+
+    app.drain().await;
+    let stored: Vec<(i64, i64)> =
+        sqlx::query_as("SELECT id, user_id FROM voucher_orders WHERE voucher_id = $1")
+            .bind(voucher)
+            .fetch_all(&app.db)
+            .await
+            .unwrap();
+    let stored: HashMap<i64, String> = stored
+        .into_iter()
+        .map(|(id, u)| (u, id.to_string()))
+        .collect();
+    assert_eq!(stored, won, "every 202 in Postgres, as answered");
+    assert_eq!(app.pg_stock(voucher).await, 0);
+    let (code, books) = app.cli(&["reconcile", "--voucher", &voucher.to_string()]);
+    assert_eq!(code, 0, "{books}");
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_unit_cancelled_after_the_sell_out_goes_to_a_shopper_of_any_part(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let voucher = segmented_sale(&app, 6, 3).await;
+    let answers = press_all(&app, &app.base, voucher, 1..=12, 4).await;
+    let won = winners(&answers);
+    assert_eq!(won.len(), 6);
+    app.drain().await;
+    // Each cancel in turn, and a fresh shopper of every part takes the unit back.
+    let parts = |user: i64| seckill::keys::home_part(crate::common::uid(user), 3);
+    let mut fresh = 1000;
+    for (user, order) in won.iter().take(3) {
+        let (status, body) = app.cancel(order, *user).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        // A shopper whose home is not the canceller's part.
+        while parts(fresh) == parts(*user) {
+            fresh += 1;
+        }
+        let (status, body) = app.grab(voucher, fresh).await;
+        assert_eq!(
+            status,
+            StatusCode::ACCEPTED,
+            "user {fresh} of part {}, unit back in part {}: {body}",
+            parts(fresh),
+            parts(*user)
+        );
+        fresh += 1;
+        let (status, body) = app.grab(voucher, fresh + 5000).await;
+        assert_eq!(body["error"]["code"], "sold_out", "{status} {body}");
+    }
+    app.drain().await;
+    let (code, books) = app.cli(&["reconcile", "--voucher", &voucher.to_string()]);
+    assert_eq!(code, 0, "{books}");
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn segments_out_of_range_or_above_the_stock_are_refused(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let now = Utc::now();
+    for (stock, parts, says) in [
+        (10, 0, "seckill.segments must be between 1 and 64"),
+        (100, 65, "seckill.segments must be between 1 and 64"),
+        (2, 3, "must not exceed seckill.stock"),
+    ] {
+        let body = json!({
+            "shop_id": 1, "title": "t", "pay_value": 0, "actual_value": 1,
+            "seckill": {"stock": stock, "segments": parts, "begin_time": now,
+                        "end_time": now + chrono::Duration::hours(1)},
+        });
+        let (status, answer) = app
+            .post_json("/vouchers", Some(&app.admin_token()), &body)
+            .await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{answer}");
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(message.contains(says), "{message}");
+    }
+    let vouchers: i64 = sqlx::query_scalar("SELECT count(*) FROM vouchers")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(vouchers, 0, "nothing created");
+}
