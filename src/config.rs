@@ -524,7 +524,13 @@ pub struct Settings {
     pub replicas: crate::scripts::Replicas,
     /// What the instance answers by itself.
     pub edge: EdgeArgs,
+    /// How often the instance looks for moves between a segmented sale's parts left half
+    /// done (by a mover that died); `None`: never (tests that leave one on purpose).
+    pub finish_moves_every: Option<Duration>,
 }
+
+/// How often an API instance finishes half-done moves between parts.
+pub const FINISH_MOVES_EVERY: Duration = Duration::from_secs(1);
 
 impl Default for Settings {
     fn default() -> Self {
@@ -534,6 +540,7 @@ impl Default for Settings {
             cors_allowed_origins: Vec::new(),
             replicas: crate::scripts::Replicas::NONE,
             edge: EdgeArgs::default(),
+            finish_moves_every: Some(FINISH_MOVES_EVERY),
         }
     }
 }

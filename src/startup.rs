@@ -157,6 +157,7 @@ fn settings(api: &ApiArgs) -> Settings {
             .collect(),
         replicas: api.redis.durability.replicas(),
         edge: api.edge.clone(),
+        finish_moves_every: Some(crate::config::FINISH_MOVES_EVERY),
     }
 }
 
@@ -201,12 +202,9 @@ async fn start_duties(
     tasks.spawn(watcher.run(cancel.clone()));
     tasks.spawn(state.clone().forget_idle_rate_limits(cancel.clone()));
     // Moves between the parts of a segmented sale that a dead mover left half done.
-    tasks.spawn(
-        state
-            .parts
-            .clone()
-            .keep_finishing(FINISH_MOVES_EVERY, cancel.clone()),
-    );
+    if let Some(every) = state.settings.finish_moves_every {
+        tasks.spawn(state.parts.clone().keep_finishing(every, cancel.clone()));
+    }
     if state.edge.enabled() {
         let channel = state.keys.sale_changes();
         tasks.spawn(
@@ -217,9 +215,6 @@ async fn start_duties(
         );
     }
 }
-
-/// How often an API instance looks for moves between parts left half done.
-const FINISH_MOVES_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The live view's producer, which also adds this process's grab counts to Redis each
 /// second (every instance's page shows them), the last time once the last request has

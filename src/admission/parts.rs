@@ -280,7 +280,9 @@ impl Parts {
         let credited = match store::move_state(&mut tx, m.id).await? {
             MoveState::Recorded => {
                 let units = store::units_of(&mut tx, m.id).await?;
-                let _: i64 = Call::function("seckill_credit")
+                // 1: credited now; 0: a load of the recipient counted it already; -1:
+                // the recipient is not sound, and its rebuild will count it.
+                let credit: i64 = Call::function("seckill_credit")
                     .key(self.keys.part(m.recipient()))
                     .key(self.keys.moves_in(m.recipient()))
                     .arg(m.id)
@@ -288,7 +290,7 @@ impl Parts {
                     .invoke(conn)
                     .await?;
                 store::mark_credited(&mut tx, m.id).await?;
-                true
+                credit == 1
             }
             _ => false,
         };
