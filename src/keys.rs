@@ -45,23 +45,48 @@ pub(crate) mod entry_field {
 }
 
 /// One part of a sale's stock. A sale in K parts (its `segments`) keeps part p on the
-/// slot of stream shard (voucher + p) mod S, so the parts spread over the shards (and a
-/// cluster's masters) and each part's orders go to its own shard's stream. Part 0 is the
+/// slot of stream shard (voucher + p x max(1, S / K)) mod S: shards lie in order over the
+/// slot space (and so over a cluster's masters), so parts a stride apart land on
+/// different masters, and each part's orders go to its own shard's stream. Part 0 is the
 /// sale's own key: a sale in one part is laid out exactly as an unsegmented sale.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SalePart {
     pub voucher_id: VoucherId,
     pub part: u8,
+    /// How many parts the sale has.
+    pub parts: u8,
 }
 
 impl SalePart {
-    pub fn new(voucher_id: VoucherId, part: u8) -> Self {
-        Self { voucher_id, part }
+    pub fn new(voucher_id: VoucherId, part: u8, parts: u8) -> Self {
+        Self {
+            voucher_id,
+            part,
+            parts: parts.max(1),
+        }
     }
 
     /// Every part of a sale in `parts` parts.
     pub fn all(voucher_id: VoucherId, parts: u8) -> impl Iterator<Item = SalePart> {
-        (0..parts.max(1)).map(move |part| SalePart { voucher_id, part })
+        (0..parts.max(1)).map(move |part| SalePart::new(voucher_id, part, parts))
+    }
+
+    /// Another part of the same sale.
+    pub fn sibling(&self, part: u8) -> SalePart {
+        SalePart { part, ..*self }
+    }
+
+    /// How the part names itself in its state and its orders' stream entries
+    /// (`<part>/<parts>`); `None` for a sale in one part, whose entries carry no part.
+    pub fn label(&self) -> Option<String> {
+        (self.parts > 1).then(|| format!("{}/{}", self.part, self.parts))
+    }
+
+    /// The part a label names (`None`: not a label of a part).
+    pub fn parse_label(voucher_id: VoucherId, label: &str) -> Option<SalePart> {
+        let (part, parts) = label.split_once('/')?;
+        let (part, parts) = (part.parse::<u8>().ok()?, parts.parse::<u8>().ok()?);
+        (part < parts && parts <= MAX_PARTS).then(|| SalePart::new(voucher_id, part, parts))
     }
 }
 
@@ -146,7 +171,9 @@ impl Keys {
     /// The shard of one part of a sale (part 0: the voucher's shard).
     pub fn shard_of_part(&self, part: SalePart) -> Shard {
         let n = self.shards.len() as i64;
-        Shard((part.voucher_id.get().rem_euclid(n) + part.part as i64).rem_euclid(n) as u32)
+        let stride = (n / part.parts as i64).max(1);
+        let first = part.voucher_id.get().rem_euclid(n);
+        Shard((first + part.part as i64 * stride).rem_euclid(n) as u32)
     }
 
     fn shard(&self, shard: Shard) -> &ShardKeys {
@@ -309,6 +336,54 @@ mod tests {
             }
         }
         assert!(seckill.contains(&format!("'{}'", entry_field::ADMITTED_MS)));
+    }
+
+    #[test]
+    fn a_sales_parts_lie_a_stride_apart_so_they_spread_over_the_slot_space() {
+        let voucher = VoucherId::new(7).unwrap();
+        for shards in [3u32, 6, 12] {
+            let keys = Keys::with_shards("p:", shards).unwrap();
+            let thirds: Vec<usize> = SalePart::all(voucher, 3)
+                .map(|p| {
+                    let key = keys.part(p);
+                    assert_eq!(slot(&key), slot(keys.stream(keys.shard_of_part(p))));
+                    slot(&key) as usize * 3 / 16384
+                })
+                .collect();
+            let mut distinct = thirds.clone();
+            distinct.sort_unstable();
+            assert_eq!(distinct, [0, 1, 2], "{shards} shards: {thirds:?}");
+        }
+        // Part 0 is the voucher's own key; more parts than shards still fit.
+        let keys = Keys::with_shards("", 2).unwrap();
+        assert_eq!(keys.part(SalePart::new(voucher, 0, 5)), keys.voucher(voucher));
+        let parts: Vec<Shard> = SalePart::all(voucher, 5).map(|p| keys.shard_of_part(p)).collect();
+        assert_eq!(parts, [Shard(1), Shard(0), Shard(1), Shard(0), Shard(1)]);
+    }
+
+    #[test]
+    fn home_parts_spread_users_evenly_and_a_single_part_is_home_to_all() {
+        let mut counts = [0usize; 4];
+        for user in 1..=40_000 {
+            let user = UserId::new(user).unwrap();
+            assert_eq!(home_part(user, 1), 0);
+            counts[home_part(user, 4) as usize] += 1;
+        }
+        for n in counts {
+            assert!((9_500..=10_500).contains(&n), "{counts:?}");
+        }
+    }
+
+    #[test]
+    fn a_part_label_names_its_part_and_nothing_else_parses() {
+        let voucher = VoucherId::new(3).unwrap();
+        let part = SalePart::new(voucher, 2, 5);
+        assert_eq!(part.label().as_deref(), Some("2/5"));
+        assert_eq!(SalePart::parse_label(voucher, "2/5"), Some(part));
+        assert_eq!(SalePart::new(voucher, 0, 1).label(), None);
+        for bad in ["5/5", "1/65", "2", "a/b", "/3", "2/"] {
+            assert_eq!(SalePart::parse_label(voucher, bad), None, "{bad}");
+        }
     }
 
     #[test]

@@ -208,17 +208,8 @@ async fn checked<C: ConnectionLike + Send>(
     let mut sum: Option<Fenced> = None;
     let mut drifting = 0;
     for part in SalePart::all(voucher_id, parts) {
-        let Some(f) = loader::fenced(
-            db,
-            conn,
-            keys,
-            part,
-            parts,
-            retention,
-            Mode::Check,
-            Replicas::NONE,
-        )
-        .await?
+        let Some(f) =
+            loader::fenced(db, conn, keys, part, retention, Mode::Check, Replicas::NONE).await?
         else {
             return Ok(None);
         };
@@ -421,9 +412,9 @@ pub(crate) fn render(rows: &[VoucherBooks]) -> String {
                 (Some(_), 0) => r.buyers_drift().to_string(),
                 (Some(_), m) => format!("{}/{m}≠", r.buyers_drift()),
             },
-            match r.drifting_parts {
-                0 => r.verdict().as_str().to_string(),
-                n => format!("{} ({n} of {} parts)", r.verdict().as_str(), r.parts),
+            match (r.parts, r.drifting_parts) {
+                (1, _) | (_, 0) => r.verdict().as_str().to_string(),
+                (k, n) => format!("{} ({n} of {k} parts)", r.verdict().as_str()),
             }
         );
     }

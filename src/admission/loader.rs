@@ -112,7 +112,7 @@ pub async fn load_sale<C: ConnectionLike + Send>(
     };
     let mut sum: Option<Loaded> = None;
     for part in SalePart::all(voucher_id, parts) {
-        let done = fenced(db, conn, keys, part, parts, retention, mode, replicas).await?;
+        let done = fenced(db, conn, keys, part, retention, mode, replicas).await?;
         if let Some(f) = done {
             let s = sum.get_or_insert(Loaded::default());
             s.stock += f.expected.stock;
@@ -154,14 +154,12 @@ async fn current<C: ConnectionLike + Send>(
 ///
 /// A segmented sale is loaded a part at a time, each under the same lock: a part's
 /// buyers are those whose home it is, its stock its allotment less their orders.
-#[allow(clippy::too_many_arguments)]
 #[tracing::instrument(skip(db, conn, keys, replicas))]
 pub(crate) async fn fenced<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,
     part: SalePart,
-    parts: u8,
     retention: Duration,
     mode: Mode,
     replicas: Replicas,
@@ -170,6 +168,7 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
     if leave_alone(conn, keys, part, mode).await? {
         return Ok(None);
     }
+    let parts = part.parts;
     let mine = |user: UserId| home_part(user, parts) == part.part;
     // The long part, before the lock: page through the stream as it is now. Orders
     // Postgres already holds are skipped (an order once written stays written); the
@@ -201,7 +200,7 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
         sale.segments
     );
     buyers.retain(|(u, _)| mine(*u));
-    let moves = PartMoves::read(&mut tx, conn, keys, part, parts, mode).await?;
+    let moves = PartMoves::read(&mut tx, conn, keys, part, mode).await?;
     let pg_stock = match parts {
         1 => sale.stock as i64,
         _ => store::parts::allotted(&mut tx, part).await? as i64 - buyers.len() as i64,
@@ -503,8 +502,8 @@ impl Step<'_> {
 /// Postgres recorded (the others are units on their way, not in Redis's stock).
 #[derive(Default)]
 struct PartMoves {
-    segmented: bool,
-    part: u8,
+    /// The part's label (`None`: a sale in one part).
+    label: Option<String>,
     moved_in: Vec<(i64, i32)>,
     recorded_out: Vec<i64>,
 }
@@ -515,12 +514,11 @@ impl PartMoves {
         conn: &mut C,
         keys: &Keys,
         part: SalePart,
-        parts: u8,
         mode: Mode,
     ) -> anyhow::Result<Self> {
-        if parts <= 1 {
+        let Some(label) = part.label() else {
             return Ok(Self::default());
-        }
+        };
         let moved_in = store::parts::uncredited(&mut **tx, part.voucher_id)
             .await?
             .into_iter()
@@ -536,8 +534,7 @@ impl PartMoves {
             recorded_out = store::parts::recorded_among(tx, &taken).await?;
         }
         Ok(Self {
-            segmented: true,
-            part: part.part,
+            label: Some(label),
             moved_in,
             recorded_out,
         })
@@ -545,11 +542,11 @@ impl PartMoves {
 
     /// The load step's arguments after the owed releases.
     fn args(&self, call: &mut Call) {
-        if !self.segmented {
+        let Some(label) = &self.label else {
             call.arg("").arg(0).arg(0);
             return;
-        }
-        call.arg(self.part).arg(self.moved_in.len());
+        };
+        call.arg(label).arg(self.moved_in.len());
         for (id, units) in &self.moved_in {
             call.arg(id).arg(units);
         }

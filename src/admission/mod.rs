@@ -66,13 +66,15 @@ pub struct Grab {
     pub user_id: UserId,
     /// Minted by the API before the call.
     pub order_id: OrderId,
-    /// The user's home part of the sale (0 for a sale in one part).
+    /// The user's home part of the sale, and the sale's parts (0 and 1 for a sale in
+    /// one part).
     pub part: u8,
+    pub parts: u8,
 }
 
 impl Grab {
     pub fn sale_part(&self) -> SalePart {
-        SalePart::new(self.voucher_id, self.part)
+        SalePart::new(self.voucher_id, self.part, self.parts)
     }
 }
 
@@ -90,6 +92,7 @@ pub async fn admit<C: ConnectionLike + Send>(
         user_id,
         order_id,
         part: 0,
+        parts: 1,
     };
     let shard = keys.shard_of(voucher_id);
     let mut outcomes = admit_many(conn, keys, shard, &[grab], Replicas::NONE).await?;
@@ -214,7 +217,7 @@ pub async fn orders_of<C: ConnectionLike + Send + Clone>(
     // cluster nodes, so no pipeline.
     let lookups = sales.iter().map(|&(voucher_id, parts)| {
         let mut conn = conn.clone();
-        let home = SalePart::new(voucher_id, keys::home_part(user_id, parts));
+        let home = SalePart::new(voucher_id, keys::home_part(user_id, parts), parts);
         let cmd = redis::cmd("HGET").arg(keys.part(home)).arg(&field).clone();
         async move { cmd.query_async::<Option<OrderId>>(&mut conn).await }
     });

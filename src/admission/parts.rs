@@ -124,6 +124,7 @@ impl Parts {
             user_id,
             order_id,
             part: home_part(user_id, parts),
+            parts,
         };
         for _ in 0..MAX_REFILLS {
             let outcome = batcher.admit(grab).await?;
@@ -186,7 +187,7 @@ impl Parts {
             };
             let mut m = Move {
                 id: id.get(),
-                from: SalePart::new(to.voucher_id, donor as u8),
+                from: to.sibling(donor as u8),
                 to: to.part,
                 // Half of the richest part: parts that drain together share what is left.
                 units: ((stock + 1) / 2) as i32,

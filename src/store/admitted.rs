@@ -12,15 +12,16 @@ pub struct NewOrder {
     pub user_id: UserId,
     pub voucher_id: VoucherId,
     pub admitted_at: DateTime<Utc>,
-    /// The part of its sale that took the unit (0 for a sale in one part): where its
-    /// buyer record lives in Redis.
+    /// The part of its sale that took the unit, and the sale's parts (0 and 1 for a sale
+    /// in one part): where its buyer record lives in Redis.
     pub part: u8,
+    pub parts: u8,
 }
 
 impl NewOrder {
     /// The sale part whose unit the order took.
     pub fn sale_part(&self) -> crate::keys::SalePart {
-        crate::keys::SalePart::new(self.voucher_id, self.part)
+        crate::keys::SalePart::new(self.voucher_id, self.part, self.parts)
     }
 }
 

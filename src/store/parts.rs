@@ -18,7 +18,7 @@ pub struct Move {
 
 impl Move {
     pub fn recipient(&self) -> SalePart {
-        SalePart::new(self.from.voucher_id, self.to)
+        self.from.sibling(self.to)
     }
 }
 
@@ -29,13 +29,14 @@ struct MoveRow {
     from_part: i16,
     to_part: i16,
     units: i32,
+    segments: i16,
 }
 
 impl From<MoveRow> for Move {
     fn from(r: MoveRow) -> Self {
         Move {
             id: r.id,
-            from: SalePart::new(r.voucher_id, r.from_part as u8),
+            from: SalePart::new(r.voucher_id, r.from_part as u8, r.segments as u8),
             to: r.to_part as u8,
             units: r.units,
         }
@@ -195,8 +196,9 @@ pub(crate) async fn uncredited<'e>(
     voucher_id: VoucherId,
 ) -> Result<Vec<Move>, sqlx::Error> {
     Ok(sqlx::query_as::<_, MoveRow>(
-        "SELECT id, voucher_id, from_part, to_part, units FROM seckill_part_moves \
-         WHERE voucher_id = $1 AND credited_at IS NULL ORDER BY id",
+        "SELECT m.id, m.voucher_id, m.from_part, m.to_part, m.units, s.segments \
+         FROM seckill_part_moves m JOIN seckill_vouchers s USING (voucher_id) \
+         WHERE m.voucher_id = $1 AND m.credited_at IS NULL ORDER BY m.id",
     )
     .bind(voucher_id)
     .fetch_all(db)

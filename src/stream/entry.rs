@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 use redis::{RedisResult, Value};
 
 use crate::domain::{OrderId, UserId, VoucherId};
-use crate::keys::entry_field;
+use crate::keys::{entry_field, SalePart};
 use crate::store::orders::NewOrder;
 
 /// One stream entry as the worker sees it.
@@ -108,16 +108,19 @@ impl Entry {
                 .and_then(|(_, v)| v.parse::<i64>().ok())
                 .filter(|n| *n > 0)
         };
-        // Absent in a sale of one part; else a part number.
-        let part = match fields.iter().find(|(k, _)| k == entry_field::PART) {
-            None => Some(0),
-            Some((_, v)) => v.parse::<u8>().ok().filter(|p| *p < crate::keys::MAX_PARTS),
+        // Absent in a sale of one part; else `<part>/<parts>`.
+        let part = |voucher_id| match fields.iter().find(|(k, _)| k == entry_field::PART) {
+            None => Some((0, 1)),
+            Some((_, v)) => SalePart::parse_label(voucher_id, v).map(|p| (p.part, p.parts)),
         };
         let order = (|| {
+            let voucher_id = VoucherId::new(get(entry_field::VOUCHER_ID)?)?;
+            let (part, parts) = part(voucher_id)?;
             Some(NewOrder {
-                part: part?,
+                part,
+                parts,
                 id: OrderId::new(get(entry_field::ORDER_ID)?)?,
-                voucher_id: VoucherId::new(get(entry_field::VOUCHER_ID)?)?,
+                voucher_id,
                 user_id: UserId::new(get(entry_field::USER_ID)?)?,
                 admitted_at: DateTime::<Utc>::from_timestamp_millis(get(
                     entry_field::ADMITTED_MS,
@@ -146,8 +149,8 @@ fn order_fields(order: &NewOrder) -> Vec<(String, String)> {
             order.admitted_at.timestamp_millis().to_string(),
         ),
     ];
-    if order.part > 0 {
-        fields.push((entry_field::PART.into(), order.part.to_string()));
+    if let Some(label) = order.sale_part().label() {
+        fields.push((entry_field::PART.into(), label));
     }
     fields
 }
@@ -283,8 +286,8 @@ mod tests {
                 ]),
             )
         };
-        assert_eq!(with("5").order().map(|o| o.part), Some(5));
-        for bad in ["64", "-1", "x", ""] {
+        assert_eq!(with("5/8").order().map(|o| (o.part, o.parts)), Some((5, 8)));
+        for bad in ["5", "3/3", "1/65", "-1/2", "x/2", "", "1/"] {
             assert!(
                 matches!(with(bad), Entry::DeadLetter { .. }),
                 "part {bad:?}"

@@ -335,6 +335,7 @@ async fn grabs_coalesced_into_one_script_call_are_decided_in_order_each_as_if_al
         user_id: uid(user_id),
         order_id: oid(order_id),
         part: 0,
+        parts: 1,
     };
     let outcomes = admit_many(
         &mut app.redis.clone(),
@@ -392,6 +393,7 @@ async fn a_corrupt_sale_in_a_coalesced_call_reserves_nothing_for_itself_and_spoi
         user_id: uid(user_id),
         order_id: oid(order_id),
         part: 0,
+        parts: 1,
     };
     // The sound sale's grab comes first: its XADD must not be followed by a failure
     // that tells its caller nothing was reserved.

@@ -194,6 +194,7 @@ async fn persisting_one_order_id_twice_writes_one_row_and_takes_one_unit(db: PgP
         voucher_id: vid(sale),
         admitted_at: chrono::Utc::now(),
         part: 0,
+        parts: 1,
     };
     let other_buyer = NewOrder {
         user_id: uid(2),
@@ -229,6 +230,7 @@ async fn an_order_whose_id_a_buried_order_holds_is_dead_lettered_as_a_duplicate(
         voucher_id: vid(sale),
         admitted_at: chrono::Utc::now(),
         part: 0,
+        parts: 1,
     };
     seckill::store::dead_orders::bury(&app.db, &first, "poison: test", true)
         .await

@@ -204,6 +204,7 @@ async fn a_grab_abandoned_while_queued_behind_a_slow_call_is_never_sent(db: PgPo
                     user_id: uid(7),
                     order_id: oid(7007),
                     part: 0,
+                    parts: 1,
                 })
                 .await
         })
@@ -216,6 +217,7 @@ async fn a_grab_abandoned_while_queued_behind_a_slow_call_is_never_sent(db: PgPo
             user_id: uid(8),
             order_id: oid(8008),
             part: 0,
+            parts: 1,
         }),
     )
     .await;

@@ -19,7 +19,7 @@ async fn app_without_finisher(db: PgPool) -> TestApp {
 /// Takes `units` out of `from` for `to` as move `id`, as a mover does before it records
 /// the move in Postgres (and as it leaves the sale when killed right after).
 async fn take(app: &TestApp, voucher: i64, from: u8, to: u8, id: i64, units: i64) -> i64 {
-    let part = SalePart::new(vid(voucher), from);
+    let part = SalePart::new(vid(voucher), from, 3);
     app.redis_cmd(
         redis::cmd("FCALL")
             .arg("seckill_take")
@@ -83,7 +83,11 @@ async fn a_move_a_dead_mover_left_taken_is_credited_once_by_finishers_racing(db:
     let (code, books) = app.cli(&["reconcile", "--voucher", &voucher.to_string()]);
     assert_eq!(code, 0, "{books}");
 
-    assert_eq!(sell_out(&app, voucher, 1, 45).await, 30, "no unit lost or doubled");
+    assert_eq!(
+        sell_out(&app, voucher, 1, 45).await,
+        30,
+        "no unit lost or doubled"
+    );
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
@@ -99,7 +103,11 @@ async fn a_move_taken_but_not_recorded_is_void_once_a_repair_rebuilt_the_donor(d
     assert_eq!(app.state.parts.finish(vid(voucher), 3).await.unwrap(), 0);
     assert_eq!(part_stocks(&app, voucher, 3).await, [10, 10, 10]);
     assert_eq!(allotments(&app, voucher).await, [10, 10, 10]);
-    assert_eq!(sell_out(&app, voucher, 1, 45).await, 30, "no unit lost or doubled");
+    assert_eq!(
+        sell_out(&app, voucher, 1, 45).await,
+        30,
+        "no unit lost or doubled"
+    );
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
@@ -142,12 +150,15 @@ async fn a_move_recorded_but_not_credited_is_counted_by_a_rebuild_of_the_recipie
     assert_eq!(part_stocks(&app, voucher, 3).await, [7, 10, 13]);
     assert_eq!(app.state.parts.finish(vid(voucher), 3).await.unwrap(), 0);
     assert_eq!(part_stocks(&app, voucher, 3).await, [7, 10, 13]);
-    let uncredited: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM seckill_part_moves WHERE credited_at IS NULL",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+    let uncredited: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM seckill_part_moves WHERE credited_at IS NULL")
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
     assert_eq!(uncredited, 0);
-    assert_eq!(sell_out(&app, voucher, 1, 45).await, 30, "no unit lost or doubled");
+    assert_eq!(
+        sell_out(&app, voucher, 1, 45).await,
+        30,
+        "no unit lost or doubled"
+    );
 }
