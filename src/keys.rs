@@ -356,8 +356,13 @@ mod tests {
         }
         // Part 0 is the voucher's own key; more parts than shards still fit.
         let keys = Keys::with_shards("", 2).unwrap();
-        assert_eq!(keys.part(SalePart::new(voucher, 0, 5)), keys.voucher(voucher));
-        let parts: Vec<Shard> = SalePart::all(voucher, 5).map(|p| keys.shard_of_part(p)).collect();
+        assert_eq!(
+            keys.part(SalePart::new(voucher, 0, 5)),
+            keys.voucher(voucher)
+        );
+        let parts: Vec<Shard> = SalePart::all(voucher, 5)
+            .map(|p| keys.shard_of_part(p))
+            .collect();
         assert_eq!(parts, [Shard(1), Shard(0), Shard(1), Shard(0), Shard(1)]);
     }
 

@@ -102,8 +102,8 @@ impl VoucherBooks {
         Self {
             voucher_id,
             initial_stock: f.initial_stock,
-            pg_stock: f.pg_stock,
-            pg_orders: f.pg_orders,
+            pg_stock: f.sale_stock,
+            pg_orders: f.sale_orders,
             open: f.end_time > Utc::now(),
             redis_stock: f.actual_stock,
             redis_buyers: f.actual_buyers,
@@ -221,9 +221,12 @@ async fn checked<C: ConnectionLike + Send>(
         }
         sum = Some(match sum {
             None => f,
+            // Postgres's whole-sale figures from the last part's read (one lock).
             Some(s) => Fenced {
                 pg_stock: s.pg_stock + f.pg_stock,
                 pg_orders: s.pg_orders + f.pg_orders,
+                sale_stock: f.sale_stock,
+                sale_orders: f.sale_orders,
                 expected: loader::Loaded {
                     stock: s.expected.stock + f.expected.stock,
                     buyers: s.expected.buyers + f.expected.buyers,

@@ -65,6 +65,11 @@ pub(crate) struct Fenced {
     /// Postgres's stock (of a part: its allotment less its buyers' active orders).
     pub pg_stock: i64,
     pub pg_orders: i64,
+    /// The whole sale's stock and active orders in Postgres, read under the same lock
+    /// (the sums of a segmented sale's parts, each read under a lock of its own, may
+    /// straddle a move).
+    pub sale_stock: i64,
+    pub sale_orders: i64,
     pub end_time: chrono::DateTime<chrono::Utc>,
     /// What Redis must hold: stock, buyer records, and how many of those are orders in
     /// flight (admitted, not yet written).
@@ -199,6 +204,7 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
         "voucher {voucher_id} is in {} parts, not {parts}",
         sale.segments
     );
+    let sale_orders = buyers.len() as i64;
     buyers.retain(|(u, _)| mine(*u));
     let moves = PartMoves::read(&mut tx, conn, keys, part, mode).await?;
     let pg_stock = match parts {
@@ -252,6 +258,8 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
         initial_stock: sale.initial_stock as i64,
         pg_stock,
         pg_orders: buyers.len() as i64,
+        sale_stock: sale.stock as i64,
+        sale_orders,
         end_time: sale.end_time,
         expected: figures.expected,
         actual_stock: figures.actual_stock,

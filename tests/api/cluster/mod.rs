@@ -17,7 +17,7 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 mod failover;
-mod sales;
+pub(crate) mod sales;
 
 /// One shopper's press during a storm.
 struct Press {
@@ -59,7 +59,7 @@ async fn press(
 
 /// `seckill reconcile` (compare only) against the cluster, without blocking the test's
 /// runtime; its exit code and output.
-async fn reconcile(env: &[(&'static str, String)]) -> (i32, String) {
+pub(crate) async fn reconcile(env: &[(&'static str, String)]) -> (i32, String) {
     let mut cmd = tokio::process::Command::new(faults::BIN);
     cmd.arg("reconcile")
         .env("REDIS_URL", "redis://127.0.0.1:1")

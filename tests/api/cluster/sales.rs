@@ -26,7 +26,7 @@ async fn a_dozen_sales_on_a_three_master_cluster_sell_exactly_their_stock(db: Pg
 }
 
 /// Two APIs and two workers on the cluster, ready; returns them and the APIs' base URLs.
-async fn start_apis_and_workers(
+pub(crate) async fn start_apis_and_workers(
     cluster: &PrivateCluster,
     db: &PgPool,
 ) -> (Vec<Process>, Vec<Process>, Vec<String>) {
