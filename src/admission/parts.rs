@@ -133,7 +133,11 @@ impl Parts {
             }
             match self.refill(grab.sale_part(), parts).await {
                 Ok(true) => {}
-                Ok(false) => return Ok(Outcome::SoldOut),
+                Ok(false) => {
+                    // (The drained part's answer was not counted: this one is.)
+                    batcher.tally().add(voucher_id, super::tally::SOLD_OUT);
+                    return Ok(Outcome::SoldOut);
+                }
                 Err(e) => {
                     tracing::warn!(
                         voucher_id = voucher_id.get(),
@@ -180,7 +184,14 @@ impl Parts {
             let Some((donor, stock)) = donor else {
                 // Nothing anywhere: units may still be on their way (a mover died, or
                 // is between its steps). Finish those; if any did, look again.
-                return Ok(self.finish(to.voucher_id, parts).await? > 0);
+                if self.finish(to.voucher_id, parts).await? > 0 {
+                    return Ok(true);
+                }
+                // A part being rebuilt may have units: not sold out, not yet.
+                let unknown = (0..parts as usize)
+                    .any(|p| p != to.part as usize && (stocks[p].is_none() || unsound.contains(&p)));
+                anyhow::ensure!(!unknown, "a part of the sale is being rebuilt from postgres");
+                return Ok(false);
             };
             let Some(id) = self.ids.next() else {
                 anyhow::bail!("no move id can be minted yet (no node number leased)");

@@ -48,6 +48,7 @@ pub const OUTCOMES: [&str; 7] = [
     "at_edge",
 ];
 
+pub const SOLD_OUT: usize = 1;
 pub const RATE_LIMITED: usize = 3;
 /// The count of grabs answered at the edge (see [`OUTCOMES`]).
 pub const AT_EDGE: usize = 6;
