@@ -46,6 +46,9 @@ pub(crate) const LIVE_VIEWERS: &str = "seckill_live_viewers";
 pub(crate) const ROLLBACKS_HEALED: &str = "seckill_redis_rollbacks_healed_total";
 /// Sales whose Redis state this process rebuilt because it was stale or missing.
 pub(crate) const SALES_REBUILT: &str = "seckill_sales_rebuilt_total";
+/// Units this process moved between the parts of segmented sales (credited to the
+/// part that ran dry; see `admission::parts`).
+pub(crate) const PART_UNITS_MOVED: &str = "seckill_part_units_moved_total";
 /// Grabs this instance answered by itself, without Redis (see `admission::edge`).
 pub(crate) const EDGE_ANSWERS: &str = "seckill_edge_answers_total";
 /// Announcements of sale changes this instance heard (see `sale_changes`).
@@ -130,6 +133,8 @@ pub(crate) const DESCRIBED: &[Described] = &[
         "Times this process saw a Redis server in a new term (restarted, failed over or restored: it may have lost acknowledged writes) and rebuilt the sales on it from Postgres."),
     m(SALES_REBUILT, Kind::Counter, None,
         "Sales whose Redis state this process rebuilt from Postgres because it was stale (built in an earlier term of the server) or missing."),
+    m(PART_UNITS_MOVED, Kind::Counter, None,
+        "Units this process moved between the parts of segmented sales (credited to a part that had run dry)."),
 ];
 
 /// Buckets of the `_seconds` histograms: sub-millisecond Redis round trips up to past
@@ -195,6 +200,7 @@ fn register_known_series() {
     metrics::counter!(ROLLBACKS_HEALED).increment(0);
     metrics::counter!(SALE_CHANGES_HEARD).increment(0);
     metrics::counter!(SALES_REBUILT).increment(0);
+    metrics::counter!(PART_UNITS_MOVED).increment(0);
     for outcome in HotPath::OUTCOMES {
         metrics::counter!(ADMISSIONS, "outcome" => outcome).increment(0);
     }

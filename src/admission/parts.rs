@@ -302,6 +302,9 @@ impl Parts {
                     .invoke(conn)
                     .await?;
                 store::mark_credited(&mut tx, m.id).await?;
+                if credit == 1 {
+                    metrics::counter!(crate::metrics::PART_UNITS_MOVED).increment(units as u64);
+                }
                 credit == 1
             }
             _ => false,
