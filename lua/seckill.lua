@@ -41,7 +41,7 @@ end
 -- A sale's fields that are not buyer records. `gen` changes with every move that can
 -- add a buyer or bring a unit back (an admission, a release, a settle, a load): while it
 -- stays, a sold-out sale's buyers are the same (see seckill_peek).
--- `part` is set only in the parts of a segmented sale: the part's number, carried by
+-- `part` is set only in the parts of a segmented sale (`<part>/<parts>`), and carried by
 -- its orders' stream entries.
 local SALE_FIELDS = {'stock', 'begin_ms', 'end_ms', 'term', 'gen', 'part'}
 
@@ -78,8 +78,9 @@ end
 -- ARGV[1] '1': write even when nothing is admitted (the caller waits for replicas after
 -- this call: a write makes that wait cover every earlier write, other clients' included,
 -- so an `already ordered` answer never names an order a failover could still undo)
--- ARGV[2..]: per grab four values: index of its sale hash in KEYS, voucher_id, user_id,
--- order_id (minted by the API)
+-- ARGV[2..]: the grabs, in order, as runs: grabs in a row of one sale are one run, of
+-- three values (index of the sale hash in KEYS, voucher_id, the number N of its grabs)
+-- and then two per grab (user_id, order_id minted by the API): 3 + 2N values
 --
 -- Returns, per grab, two values: code, order_id (0 when none):
 --   0 admitted (order_id), 1 not loaded, 2 not started, 3 ended,
@@ -88,25 +89,42 @@ end
 --   rebuilt from Postgres), 8 part drained (a part of a segmented sale has no unit left:
 --   the caller moves units to it from the sale's other parts, or answers sold out)
 local function admit(keys, argv)
-  local now, t = clock()
+  local now = clock()
   local now_s = string.format('%d', now)
   local this_term = current_term()
 
-  -- The grabs of each sale, and the fields to read for it.
-  local sales = {}
-  local order_of_sales = {}
-  for i = 2, #argv, 4 do
+  -- Each sale once (by its index in KEYS) with the fields to read for it, and each
+  -- grab's buyer field (by the grab's number in the call).
+  local sales, order_of_sales, nsales = {}, {}, 0
+  local buyers, ngrabs = {}, 0
+  local last_arg = #argv
+  local i = 2
+  while i <= last_arg do
     local k = argv[i]
     local s = sales[k]
     if not s then
-      s = {key = keys[tonumber(k)], fields = {'stock', 'begin_ms', 'end_ms', 'term', 'gen', 'part'}, held = {}, new = {}}
+      s = {key = keys[tonumber(k)], fields = {'stock', 'begin_ms', 'end_ms', 'term', 'gen', 'part'},
+        nfields = 6, held = {}, new = {}, nnew = 0}
       sales[k] = s
-      order_of_sales[#order_of_sales + 1] = s
+      nsales = nsales + 1
+      order_of_sales[nsales] = s
     end
-    s.fields[#s.fields + 1] = 'u:' .. argv[i + 2]
+    local first = i + 3
+    i = first + 2 * tonumber(argv[i + 2])
+    local fields, n = s.fields, s.nfields
+    for j = first, i - 1, 2 do
+      local buyer = 'u:' .. argv[j]
+      n = n + 1
+      fields[n] = buyer
+      ngrabs = ngrabs + 1
+      buyers[ngrabs] = buyer
+    end
+    s.nfields = n
   end
-  for _, s in ipairs(order_of_sales) do
-    local v = redis.call('HMGET', s.key, unpack(s.fields))
+  for m = 1, nsales do
+    local s = order_of_sales[m]
+    local fields = s.fields
+    local v = redis.call('HMGET', s.key, unpack(fields, 1, s.nfields))
     local stock, begin_ms, end_ms = whole(v[1]), tonumber(v[2]), tonumber(v[3])
     -- A missing field means the state is gone (restart, flush, expiry): fail closed,
     -- never treat a missing stock as "unlimited".
@@ -125,60 +143,76 @@ local function admit(keys, argv)
       s.gen = tonumber(v[5])
       s.part = v[6]
     end
-    for j = 7, #s.fields do
-      if v[j] then
-        if not order_like(v[j]) then
+    local held = s.held
+    for j = 7, s.nfields do
+      local h = v[j]
+      if h then
+        if not order_like(h) then
           s.closed = 7
         end
-        s.held[s.fields[j]] = v[j]
+        held[fields[j]] = h
       end
     end
   end
 
   local out = {}
-  for i = 2, #argv, 4 do
-    local s = sales[argv[i]]
-    local user, order = argv[i + 2], argv[i + 3]
-    local buyer = 'u:' .. user
-    local held = s.held[buyer]
-    local code, id = 0, 0
-    if s.closed then
-      code = s.closed
-    elseif held then
-      -- Already ordered comes before sold out.
-      code, id = 4, held
-    elseif s.stock <= 0 then
-      code = s.part and 8 or 5
-    else
-      s.stock = s.stock - 1
-      s.held[buyer] = order
-      s.new[#s.new + 1] = buyer
-      s.new[#s.new + 1] = order
-      if s.part then
-        redis.call('XADD', keys[1], '*', 'order_id', order, 'voucher_id', argv[i + 1],
-          'user_id', user, 'admitted_ms', now_s, 'part', s.part)
+  local stream = keys[1]
+  local g = 0
+  i = 2
+  while i <= last_arg do
+    local s, voucher = sales[argv[i]], argv[i + 1]
+    local first = i + 3
+    i = first + 2 * tonumber(argv[i + 2])
+    for j = first, i - 1, 2 do
+      g = g + 1
+      local buyer = buyers[g]
+      local held = s.held[buyer]
+      local code, id = 0, 0
+      if s.closed then
+        code = s.closed
+      elseif held then
+        -- Already ordered comes before sold out.
+        code, id = 4, held
+      elseif s.stock <= 0 then
+        code = s.part and 8 or 5
       else
-        redis.call('XADD', keys[1], '*',
-          'order_id', order, 'voucher_id', argv[i + 1], 'user_id', user, 'admitted_ms', now_s)
+        local order = argv[j + 1]
+        s.stock = s.stock - 1
+        s.held[buyer] = order
+        local new, n = s.new, s.nnew
+        new[n + 1] = buyer
+        new[n + 2] = order
+        s.nnew = n + 2
+        if s.part then
+          redis.call('XADD', stream, '*', 'order_id', order, 'voucher_id', voucher,
+            'user_id', argv[j], 'admitted_ms', now_s, 'part', s.part)
+        else
+          redis.call('XADD', stream, '*',
+            'order_id', order, 'voucher_id', voucher, 'user_id', argv[j], 'admitted_ms', now_s)
+        end
+        id = order
       end
-      id = order
+      out[2 * g - 1] = code
+      out[2 * g] = id
     end
-    out[#out + 1] = code
-    out[#out + 1] = id
   end
   local wrote = false
-  for _, s in ipairs(order_of_sales) do
-    if #s.new > 0 then
+  for m = 1, nsales do
+    local s = order_of_sales[m]
+    if s.nnew > 0 then
+      local new, n = s.new, s.nnew
       if s.gen then
-        s.new[#s.new + 1] = 'gen'
-        s.new[#s.new + 1] = string.format('%d', s.gen + 1)
+        new[n + 1] = 'gen'
+        new[n + 2] = string.format('%d', s.gen + 1)
+        n = n + 2
       end
-      redis.call('HSET', s.key, 'stock', s.stock, unpack(s.new))
+      redis.call('HSET', s.key, 'stock', s.stock, unpack(new, 1, n))
       wrote = true
     end
   end
   if argv[1] == '1' and not wrote then
-    for _, s in ipairs(order_of_sales) do
+    for m = 1, nsales do
+      local s = order_of_sales[m]
       if s.stock then
         redis.call('HSET', s.key, 'stock', s.stock)
         break

@@ -113,21 +113,26 @@ pub async fn admit_many<C: ConnectionLike + Send>(
     call.key(keys.stream(shard))
         .arg(if replicas.waits() { "1" } else { "0" });
     let mut sales: Vec<SalePart> = Vec::new();
-    for g in grabs {
-        debug_assert_eq!(keys.shard_of_part(g.sale_part()), shard);
-        let index = match sales.iter().position(|&p| p == g.sale_part()) {
+    // The grabs in order, as runs of one sale (part): its hash's index in KEYS, its
+    // voucher_id and how many grabs, then each grab's user_id and order_id (the sale's
+    // fields once per run rather than once per grab: fewer arguments for Redis to parse
+    // and hand to Lua).
+    for run in grabs.chunk_by(|a, b| a.sale_part() == b.sale_part()) {
+        let part = run[0].sale_part();
+        debug_assert_eq!(keys.shard_of_part(part), shard);
+        let index = match sales.iter().position(|&p| p == part) {
             Some(i) => i,
             None => {
-                sales.push(g.sale_part());
-                call.key(keys.part(g.sale_part()));
+                sales.push(part);
+                call.key(keys.part(part));
                 sales.len() - 1
             }
         };
         // KEYS[1] is the stream; sale hashes from KEYS[2] (Lua counts from 1).
-        call.arg(index + 2)
-            .arg(g.voucher_id)
-            .arg(g.user_id)
-            .arg(g.order_id);
+        call.arg(index + 2).arg(part.voucher_id).arg(run.len());
+        for g in run {
+            call.arg(g.user_id).arg(g.order_id);
+        }
     }
     let reply: Vec<redis::Value> = call.invoke_waiting(conn, replicas).await?;
     let unexpected = || {

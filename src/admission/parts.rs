@@ -188,9 +188,13 @@ impl Parts {
                     return Ok(true);
                 }
                 // A part being rebuilt may have units: not sold out, not yet.
-                let unknown = (0..parts as usize)
-                    .any(|p| p != to.part as usize && (stocks[p].is_none() || unsound.contains(&p)));
-                anyhow::ensure!(!unknown, "a part of the sale is being rebuilt from postgres");
+                let unknown = (0..parts as usize).any(|p| {
+                    p != to.part as usize && (stocks[p].is_none() || unsound.contains(&p))
+                });
+                anyhow::ensure!(
+                    !unknown,
+                    "a part of the sale is being rebuilt from postgres"
+                );
                 return Ok(false);
             };
             let Some(id) = self.ids.next() else {
