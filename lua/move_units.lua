@@ -39,10 +39,16 @@ local function take_units(keys, argv)
   return n
 end
 
--- The units move ARGV[1] took out of a part, if its record is still there (0: not).
--- KEYS[1] the donor's moves-out hash
+-- The units move ARGV[1] took out of a part, if its record is still there and the
+-- part's state is sound and of this term (0: not). A record in a state of another term
+-- may be one a rebuild voided, brought back by an older copy of the server: never
+-- recorded; the state is rebuilt (and the record dropped) first.
+-- KEYS[1] the donor's hash  KEYS[2] its moves-out hash
 local function taken(keys, argv)
-  local v = redis.call('HGET', keys[1], argv[1])
+  if not sound_stock(keys[1]) then
+    return 0
+  end
+  local v = redis.call('HGET', keys[2], argv[1])
   if not v then
     return 0
   end

@@ -79,8 +79,11 @@ end
 -- this call: a write makes that wait cover every earlier write, other clients' included,
 -- so an `already ordered` answer never names an order a failover could still undo)
 -- ARGV[2..]: the grabs, in order, as runs: grabs in a row of one sale are one run, of
--- three values (index of the sale hash in KEYS, voucher_id, the number N of its grabs)
--- and then two per grab (user_id, order_id minted by the API): 3 + 2N values
+-- four values (index of the sale hash in KEYS, voucher_id, the part's label as the
+-- caller routed it ('' for a sale in one part), the number N of its grabs) and then two
+-- per grab (user_id, order_id minted by the API): 4 + 2N values. A state whose `part`
+-- is not the label the caller expects is answered as not loaded (1): a grab routed
+-- before the caller knew the sale's parts must not be decided in another user's part.
 --
 -- Returns, per grab, two values: code, order_id (0 when none):
 --   0 admitted (order_id), 1 not loaded, 2 not started, 3 ended,
@@ -109,8 +112,9 @@ local function admit(keys, argv)
       nsales = nsales + 1
       order_of_sales[nsales] = s
     end
-    local first = i + 3
-    i = first + 2 * tonumber(argv[i + 2])
+    s.label = argv[i + 2]
+    local first = i + 4
+    i = first + 2 * tonumber(argv[i + 3])
     local fields, n = s.fields, s.nfields
     for j = first, i - 1, 2 do
       local buyer = 'u:' .. argv[j]
@@ -128,7 +132,7 @@ local function admit(keys, argv)
     local stock, begin_ms, end_ms = whole(v[1]), tonumber(v[2]), tonumber(v[3])
     -- A missing field means the state is gone (restart, flush, expiry): fail closed,
     -- never treat a missing stock as "unlimited".
-    if not v[1] or not v[2] or not v[3] then
+    if not v[1] or not v[2] or not v[3] or (v[6] or '') ~= s.label then
       s.closed = 1
     elseif not stock or not begin_ms or not end_ms then
       s.closed = 7
@@ -161,8 +165,8 @@ local function admit(keys, argv)
   i = 2
   while i <= last_arg do
     local s, voucher = sales[argv[i]], argv[i + 1]
-    local first = i + 3
-    i = first + 2 * tonumber(argv[i + 2])
+    local first = i + 4
+    i = first + 2 * tonumber(argv[i + 3])
     for j = first, i - 1, 2 do
       g = g + 1
       local buyer = buyers[g]

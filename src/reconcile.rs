@@ -213,9 +213,12 @@ async fn checked<C: ConnectionLike + Send>(
         else {
             return Ok(None);
         };
+        // (A part whose buyers hold more units than its allotment was sold into by
+        // units it never had: drift, whatever Redis holds.)
         if f.actual_stock.is_some_and(|s| s != f.expected.stock)
             || f.actual_buyers != f.expected.buyers
             || f.mismatched_buyers != 0
+            || f.pg_stock < 0
         {
             drifting += 1;
         }

@@ -407,6 +407,12 @@ impl Edge {
         parts: u8,
         read_at: Instant,
     ) -> RedisResult<Option<Verdict>> {
+        let moves: Vec<String> = match parts {
+            1 => Vec::new(),
+            _ => SalePart::all(voucher_id, parts)
+                .map(|p| keys.moves_out(p))
+                .collect(),
+        };
         let keys: Vec<String> = SalePart::all(voucher_id, parts)
             .map(|p| keys.part(p))
             .collect();
@@ -425,7 +431,7 @@ impl Edge {
                 opens: read_at + wait,
             }));
         }
-        if state.stock > 0 || state.gen.is_empty() {
+        if state.stock > 0 || state.gen.is_empty() || on_their_way(conn, &moves).await? {
             return Ok(None);
         }
         let signature = Signature {
@@ -557,6 +563,12 @@ pub(crate) struct Peeked {
     term: String,
 }
 
+impl Peeked {
+    pub(crate) fn stock(&self) -> i64 {
+        self.stock
+    }
+}
+
 /// Reads a sale's state; `None` when it is not loaded, stale (built in an earlier term
 /// of the server) or corrupt.
 pub(crate) async fn peek<C: ConnectionLike + Send>(
@@ -615,6 +627,21 @@ async fn peek_all<C: ConnectionLike + Send>(
         });
     }
     Ok(whole)
+}
+
+/// Whether units are on their way between a segmented sale's parts: a move's record
+/// stays beside its donor from the take until after the credit (see `admission::parts`).
+async fn on_their_way<C: ConnectionLike + Send>(
+    conn: &mut C,
+    moves_out: &[String],
+) -> RedisResult<bool> {
+    for key in moves_out {
+        let n: i64 = redis::cmd("HLEN").arg(key).query_async(conn).await?;
+        if n > 0 {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 /// Every buyer recorded in a sale's hash (a page at a time: a large sale never stalls

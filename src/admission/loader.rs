@@ -211,6 +211,14 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
         1 => sale.stock as i64,
         _ => store::parts::allotted(&mut tx, part).await? as i64 - buyers.len() as i64,
     };
+    if pg_stock < 0 {
+        tracing::error!(
+            voucher_id = voucher_id.get(),
+            part = part.part,
+            pg_stock,
+            "a part's buyers hold more units than its allotment: loaded with none left"
+        );
+    }
     let stage = Stage::new(&keys.part(part));
     stage.buyers(conn, &buyers).await?;
     let known: HashMap<UserId, OrderId> = buyers.iter().copied().collect();

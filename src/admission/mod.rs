@@ -114,7 +114,7 @@ pub async fn admit_many<C: ConnectionLike + Send>(
         .arg(if replicas.waits() { "1" } else { "0" });
     let mut sales: Vec<SalePart> = Vec::new();
     // The grabs in order, as runs of one sale (part): its hash's index in KEYS, its
-    // voucher_id and how many grabs, then each grab's user_id and order_id (the sale's
+    // voucher_id, its label and how many grabs, then each grab's user_id and order_id (the sale's
     // fields once per run rather than once per grab: fewer arguments for Redis to parse
     // and hand to Lua).
     for run in grabs.chunk_by(|a, b| a.sale_part() == b.sale_part()) {
@@ -129,7 +129,10 @@ pub async fn admit_many<C: ConnectionLike + Send>(
             }
         };
         // KEYS[1] is the stream; sale hashes from KEYS[2] (Lua counts from 1).
-        call.arg(index + 2).arg(part.voucher_id).arg(run.len());
+        call.arg(index + 2)
+            .arg(part.voucher_id)
+            .arg(part.label().unwrap_or_default())
+            .arg(run.len());
         for g in run {
             call.arg(g.user_id).arg(g.order_id);
         }

@@ -44,6 +44,8 @@ use crate::store::parts::{self as store, Move, MoveState};
 /// Refills a grab may wait for before it is answered `unavailable` (units taken by
 /// others each time: a storm on the last few units).
 const MAX_REFILLS: usize = 8;
+/// Reads of the parts one refill makes at most.
+const MAX_LOOKS: usize = 16;
 
 /// The parts of each sale and the moves between them, for one process.
 pub struct Parts {
@@ -80,16 +82,30 @@ impl Parts {
         self.known.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// How many parts the sale has: 1 when Postgres has no such sale (the grab then
-    /// goes where an unsegmented sale's would and hears that it is not loaded; nothing
-    /// is remembered, so a sale created later under the id is seen as it is).
-    pub async fn of(&self, voucher_id: VoucherId) -> Result<u8, sqlx::Error> {
+    /// How many parts the sale has, as its part 0 (the sale's usual key) names itself:
+    /// read from Redis once per process (a sale's parts never change, and admission needs
+    /// only Redis). 1 when part 0 is not loaded: the grab then goes where an unsegmented
+    /// sale's would and hears that it is not loaded (the admission function compares the
+    /// label it was routed by with the state's); nothing is remembered then, so a sale
+    /// loaded later is seen as it is.
+    pub async fn of(&self, voucher_id: VoucherId) -> RedisResult<u8> {
         let cell = self.lock_known().entry(voucher_id).or_default().clone();
         let found = cell
             .get_or_try_init(|| async {
-                match store::parts_of(&self.db, voucher_id).await? {
-                    Some(parts) => Ok(parts),
-                    None => Err(None),
+                let mut conn = self.redis.clone();
+                let (stock, label): (Option<String>, Option<String>) = redis::cmd("HMGET")
+                    .arg(self.keys.voucher(voucher_id))
+                    .arg("stock")
+                    .arg("part")
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(Some)?;
+                match (stock, label) {
+                    (Some(_), None) => Ok(1),
+                    (_, Some(label)) => SalePart::parse_label(voucher_id, &label)
+                        .map(|p| p.parts)
+                        .ok_or(None),
+                    (None, None) => Err(None),
                 }
             })
             .await
@@ -115,10 +131,7 @@ impl Parts {
         user_id: UserId,
         order_id: OrderId,
     ) -> RedisResult<Outcome> {
-        let parts = self.of(voucher_id).await.map_err(|e| {
-            tracing::warn!(voucher_id = voucher_id.get(), error = %e, "cannot read the sale's parts");
-            unavailable("the sale's parts cannot be read from postgres")
-        })?;
+        let parts = self.of(voucher_id).await?;
         let grab = Grab {
             voucher_id,
             user_id,
@@ -156,20 +169,23 @@ impl Parts {
     }
 
     /// Brings units to a drained part: `true` when units came (or may have: a move of
-    /// somebody else's finished), `false` when no part has any.
+    /// somebody else's finished, a unit came back), `false` when no part has any.
     async fn refill(&self, to: SalePart, parts: u8) -> anyhow::Result<bool> {
-        let gate = self
-            .refills
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(to)
-            .or_default()
-            .clone();
-        let _one = gate.lock().await;
+        let gate = self.gate(to);
+        let one = gate.lock().await;
+        let refilled = self.refill_alone(to, parts).await;
+        drop(one);
+        self.forget_gate(to, gate);
+        refilled
+    }
+
+    async fn refill_alone(&self, to: SalePart, parts: u8) -> anyhow::Result<bool> {
         let mut conn = self.redis.clone();
-        let mut unsound = Vec::new();
-        loop {
-            let stocks = stocks(&mut conn, &self.keys, to.voucher_id, parts).await?;
+        // `sold_out` needs two reads of every part with no move found half done in
+        // between: a move somebody else finishes meanwhile shows in the second.
+        let mut quiet_reads = 0;
+        for _ in 0..MAX_LOOKS {
+            let stocks = sound_stocks(&mut conn, &self.keys, to.voucher_id, parts).await?;
             if stocks[to.part as usize].is_some_and(|s| s > 0) {
                 // Another grab's refill (or a returned unit) got here first.
                 return Ok(true);
@@ -177,63 +193,101 @@ impl Parts {
             let donor = stocks
                 .iter()
                 .enumerate()
-                .filter(|(p, _)| *p != to.part as usize && !unsound.contains(p))
+                .filter(|(p, _)| *p != to.part as usize)
                 .filter_map(|(p, s)| Some((p, (*s)?)))
                 .filter(|(_, s)| *s > 0)
                 .max_by_key(|(_, s)| *s);
             let Some((donor, stock)) = donor else {
                 // Nothing anywhere: units may still be on their way (a mover died, or
-                // is between its steps). Finish those; if any did, look again.
-                if self.finish(to.voucher_id, parts).await? > 0 {
-                    return Ok(true);
+                // is between its steps). Finish those, and look again.
+                if self.finish(to.voucher_id, parts).await?.found > 0 {
+                    quiet_reads = 0;
+                    continue;
                 }
-                // A part being rebuilt may have units: not sold out, not yet.
-                let unknown = (0..parts as usize).any(|p| {
-                    p != to.part as usize && (stocks[p].is_none() || unsound.contains(&p))
-                });
+                quiet_reads += 1;
+                if quiet_reads < 2 {
+                    continue;
+                }
+                // A part not sound (being rebuilt from Postgres, its node away) may have
+                // units: not sold out, not yet.
                 anyhow::ensure!(
-                    !unknown,
+                    stocks.iter().all(Option::is_some),
                     "a part of the sale is being rebuilt from postgres"
                 );
                 return Ok(false);
             };
-            let Some(id) = self.ids.next() else {
-                anyhow::bail!("no move id can be minted yet (no node number leased)");
-            };
-            let mut m = Move {
-                id: id.get(),
-                from: to.sibling(donor as u8),
-                to: to.part,
-                // Half of the richest part: parts that drain together share what is left.
-                units: ((stock + 1) / 2) as i32,
-            };
-            let taken: i64 = Call::function("seckill_take")
-                .key(self.keys.part(m.from))
-                .key(self.keys.moves_out(m.from))
-                .arg(m.id)
-                .arg(m.units)
-                .arg(m.to)
-                .invoke(&mut conn)
-                .await?;
-            match taken {
-                n if n > 0 => {
-                    m.units = n as i32;
-                    self.settle(&mut conn, m).await?;
-                    return Ok(true);
-                }
-                // Sold meanwhile: look again.
-                0 => continue,
-                // Missing, stale or corrupt: it is rebuilt from Postgres before it gives.
-                _ => unsound.push(donor),
+            quiet_reads = 0;
+            if self
+                .take_and_settle(&mut conn, to, donor as u8, stock)
+                .await?
+            {
+                return Ok(true);
             }
+        }
+        anyhow::bail!("the sale's parts kept changing while units were moved")
+    }
+
+    /// Takes half of `stock` from `donor` for `to` and settles the move; `false` when the
+    /// donor had none left (or was not sound) by then.
+    async fn take_and_settle(
+        &self,
+        conn: &mut RedisConn,
+        to: SalePart,
+        donor: u8,
+        stock: i64,
+    ) -> anyhow::Result<bool> {
+        let Some(id) = self.ids.next() else {
+            anyhow::bail!("no move id can be minted yet (no node number leased)");
+        };
+        let mut m = Move {
+            id: id.get(),
+            from: to.sibling(donor),
+            to: to.part,
+            // Half of the richest part: parts that drain together share what is left.
+            units: ((stock + 1) / 2) as i32,
+        };
+        let taken: i64 = Call::function("seckill_take")
+            .key(self.keys.part(m.from))
+            .key(self.keys.moves_out(m.from))
+            .arg(m.id)
+            .arg(m.units)
+            .arg(m.to)
+            .invoke(conn)
+            .await?;
+        if taken <= 0 {
+            // Sold meanwhile (0), or its state went unsound (-1): look again.
+            return Ok(false);
+        }
+        m.units = taken as i32;
+        self.settle(conn, m).await?;
+        Ok(true)
+    }
+
+    /// The refill gate of a part (one refill at a time per part in this process).
+    fn gate(&self, part: SalePart) -> Arc<tokio::sync::Mutex<()>> {
+        self.lock_refills().entry(part).or_default().clone()
+    }
+
+    /// Drops a part's gate once nobody else holds or waits for it.
+    fn forget_gate(&self, part: SalePart, gate: Arc<tokio::sync::Mutex<()>>) {
+        let mut refills = self.lock_refills();
+        // Ours and the map's: nobody else's.
+        if Arc::strong_count(&gate) == 2 {
+            refills.remove(&part);
         }
     }
 
+    fn lock_refills(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<SalePart, Arc<tokio::sync::Mutex<()>>>> {
+        self.refills.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Finishes every move of a sale found half done (taken and not recorded, or
-    /// recorded and not credited); how many it credited now.
-    pub async fn finish(&self, voucher_id: VoucherId, parts: u8) -> anyhow::Result<usize> {
+    /// recorded and not credited): how many it found, and how many it credited itself.
+    pub async fn finish(&self, voucher_id: VoucherId, parts: u8) -> anyhow::Result<Finished> {
         let mut conn = self.redis.clone();
-        let mut credited = 0;
+        let mut done = Finished::default();
         for from in SalePart::all(voucher_id, parts) {
             let taken: HashMap<i64, String> = redis::cmd("HGETALL")
                 .arg(self.keys.moves_out(from))
@@ -252,13 +306,15 @@ impl Parts {
                     to,
                     units,
                 };
-                credited += usize::from(self.settle(&mut conn, m).await?);
+                done.found += 1;
+                done.credited += usize::from(self.settle(&mut conn, m).await?);
             }
         }
         for m in store::uncredited(&self.db, voucher_id).await? {
-            credited += usize::from(self.settle(&mut conn, m).await?);
+            done.found += 1;
+            done.credited += usize::from(self.settle(&mut conn, m).await?);
         }
-        Ok(credited)
+        Ok(done)
     }
 
     /// Records, credits and clears one move, from wherever it stands; `true` when it
@@ -271,6 +327,7 @@ impl Parts {
         crate::store::vouchers::lock_sales(&mut tx, &[voucher_id]).await?;
         if store::move_state(&mut tx, m.id).await? == MoveState::Unknown {
             let held: i64 = Call::function("seckill_taken")
+                .key(self.keys.part(m.from))
                 .key(self.keys.moves_out(m.from))
                 .arg(m.id)
                 .invoke(conn)
@@ -350,23 +407,30 @@ impl Parts {
         }
     }
 
+    /// Each sale on its own: one whose node is away does not hold up the others.
     async fn finish_open(&self) -> anyhow::Result<()> {
         for (voucher_id, parts) in store::open_segmented(&self.db).await? {
-            let credited = self.finish(voucher_id, parts).await?;
-            if credited > 0 {
-                tracing::info!(
+            match self.finish(voucher_id, parts).await {
+                Ok(done) if done.credited > 0 => tracing::info!(
                     voucher_id = voucher_id.get(),
-                    credited,
+                    credited = done.credited,
                     "finished moves between parts"
-                );
+                ),
+                Ok(_) => {}
+                Err(e) => tracing::warn!(
+                    voucher_id = voucher_id.get(),
+                    error = format!("{e:#}"),
+                    "finishing moves between parts failed"
+                ),
             }
         }
         Ok(())
     }
 }
 
-/// Each part's stock (`None`: not loaded).
-async fn stocks(
+/// Each part's stock, when its state is sound (`None`: not loaded, built in another
+/// term of its server, or corrupt: it is rebuilt from Postgres before it counts).
+async fn sound_stocks(
     conn: &mut RedisConn,
     keys: &Keys,
     voucher_id: VoucherId,
@@ -374,10 +438,22 @@ async fn stocks(
 ) -> RedisResult<Vec<Option<i64>>> {
     let lookups = SalePart::all(voucher_id, parts).map(|part| {
         let mut conn = conn.clone();
-        let cmd = redis::cmd("HGET").arg(keys.part(part)).arg("stock").clone();
-        async move { cmd.query_async::<Option<i64>>(&mut conn).await }
+        let key = keys.part(part);
+        async move {
+            let state = super::edge::peek(&mut conn, &key).await?;
+            Ok::<_, redis::RedisError>(state.map(|s| s.stock()))
+        }
     });
     futures_util::future::try_join_all(lookups).await
+}
+
+/// What [`Parts::finish`] did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Finished {
+    /// Moves found half done.
+    pub found: usize,
+    /// Of those, the ones this call credited.
+    pub credited: usize,
 }
 
 /// An error that says nothing was reserved (the grab surely did not run).

@@ -13,6 +13,7 @@ use sqlx::PgPool;
 use crate::common::{press_all, TestApp};
 
 mod cluster;
+mod lost_writes;
 mod moves;
 
 /// Creates a sale of `stock` open now for an hour, split over `parts`; its id.
