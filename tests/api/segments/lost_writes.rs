@@ -3,16 +3,8 @@
 //! never `sold_out` while some part may still have one.
 
 use super::*;
-use crate::common::{uid, vid};
-use seckill::keys::{home_part, SalePart};
-
-async fn app_without_finisher(db: PgPool) -> TestApp {
-    let settings = seckill::config::Settings {
-        finish_moves_every: None,
-        ..Default::default()
-    };
-    TestApp::spawn_with_settings(db, settings).await
-}
+use crate::common::uid;
+use seckill::keys::home_part;
 
 /// `n` users whose home is `part` of a sale in `parts` parts, from id `from` on.
 fn users_of(part: u8, parts: u8, from: i64, n: usize) -> Vec<i64> {
@@ -20,20 +12,6 @@ fn users_of(part: u8, parts: u8, from: i64, n: usize) -> Vec<i64> {
         .filter(|u| home_part(uid(*u), parts) == part)
         .take(n)
         .collect()
-}
-
-async fn take(app: &TestApp, from: SalePart, to: u8, id: i64, units: i64) -> i64 {
-    app.redis_cmd(
-        redis::cmd("FCALL")
-            .arg("seckill_take")
-            .arg(2)
-            .arg(app.keys.part(from))
-            .arg(app.keys.moves_out(from))
-            .arg(id)
-            .arg(units)
-            .arg(to),
-    )
-    .await
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
@@ -142,30 +120,10 @@ async fn a_drained_part_waits_for_a_move_another_instance_is_finishing(db: PgPoo
     assert_eq!(take(&app, from, 2, 4242, 1).await, 1);
     assert_eq!(app.grab(voucher, two[0]).await.0, StatusCode::ACCEPTED);
     // It holds the sale's lock to record the move, then credits it, slowly.
-    let mut tx = app.db.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM seckill_vouchers WHERE voucher_id = $1 FOR NO KEY UPDATE")
-        .bind(voucher)
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    let mut tx = lock_sale(&app, voucher).await;
     let mover = async {
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-        sqlx::query(
-            "INSERT INTO seckill_part_moves (id, voucher_id, from_part, to_part, units) \
-             VALUES (4242, $1, 1, 2, 1)",
-        )
-        .bind(voucher)
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-        sqlx::query(
-            "UPDATE seckill_parts SET allotted = allotted + CASE part WHEN 1 THEN -1 ELSE 1 END \
-             WHERE voucher_id = $1 AND part IN (1, 2)",
-        )
-        .bind(voucher)
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+        record_by_hand(&mut tx, voucher, (4242, 1, 2, 1)).await;
         let credited: i64 = app
             .redis_cmd(
                 redis::cmd("FCALL")

@@ -10,7 +10,8 @@ use reqwest::StatusCode;
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
-use crate::common::{press_all, TestApp};
+use crate::common::{press_all, vid, TestApp};
+use seckill::keys::SalePart;
 
 mod cluster;
 mod lost_writes;
@@ -47,6 +48,75 @@ async fn segmented_sale_at(
 
 async fn segmented_sale(app: &TestApp, stock: i64, parts: i64) -> i64 {
     segmented_sale_at(&app.client, &app.base, &app.admin_token(), stock, parts).await
+}
+
+/// An instance that does not finish moves by itself: each test finishes (or voids) its
+/// half-done move when it means to.
+async fn app_without_finisher(db: PgPool) -> TestApp {
+    let settings = seckill::config::Settings {
+        finish_moves_every: None,
+        ..Default::default()
+    };
+    TestApp::spawn_with_settings(db, settings).await
+}
+
+/// Takes `units` out of `from` for part `to` as move `id`, as a mover does before it
+/// records the move in Postgres (and as it leaves the sale when killed right after).
+async fn take(app: &TestApp, from: SalePart, to: u8, id: i64, units: i64) -> i64 {
+    app.redis_cmd(
+        redis::cmd("FCALL")
+            .arg("seckill_take")
+            .arg(2)
+            .arg(app.keys.part(from))
+            .arg(app.keys.moves_out(from))
+            .arg(id)
+            .arg(units)
+            .arg(to),
+    )
+    .await
+}
+
+/// Records a move in Postgres as a mover's record step does (its allotments shifted),
+/// in `tx`, which holds the sale's lock.
+async fn record_by_hand(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    voucher: i64,
+    (id, from, to, units): (i64, i16, i16, i32),
+) {
+    sqlx::query(
+        "INSERT INTO seckill_part_moves (id, voucher_id, from_part, to_part, units) \
+         VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(id)
+    .bind(voucher)
+    .bind(from)
+    .bind(to)
+    .bind(units)
+    .execute(&mut **tx)
+    .await
+    .unwrap();
+    sqlx::query(
+        "UPDATE seckill_parts SET allotted = allotted + CASE part WHEN $2 THEN -$4 ELSE $4 END \
+         WHERE voucher_id = $1 AND part IN ($2, $3)",
+    )
+    .bind(voucher)
+    .bind(from)
+    .bind(to)
+    .bind(units)
+    .execute(&mut **tx)
+    .await
+    .unwrap();
+}
+
+/// A transaction holding the sale's row lock, as a mover's does.
+async fn lock_sale(app: &TestApp, voucher: i64) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut tx = app.db.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM seckill_vouchers WHERE voucher_id = $1 FOR NO KEY UPDATE")
+        .bind(voucher)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx
 }
 
 /// Each user's order id among 202 answers; every other answer must be `sold_out`.
