@@ -31,6 +31,9 @@ local function take_units(keys, argv)
     return 0
   end
   redis.call('HSET', keys[1], 'stock', stock - n)
+  -- (A read of every part that sees no gen move saw no unit leave or arrive: the
+  -- refill's sold-out reads rely on it.)
+  redis.call('HINCRBY', keys[1], 'gen', 1)
   redis.call('HSET', keys[2], argv[1], argv[3] .. ' ' .. n)
   local expires = redis.call('PEXPIRETIME', keys[1])
   if expires > 0 then
@@ -39,14 +42,14 @@ local function take_units(keys, argv)
   return n
 end
 
--- The units move ARGV[1] took out of a part, if its record is still there and the
--- part's state is sound and of this term (0: not). A record in a state of another term
--- may be one a rebuild voided, brought back by an older copy of the server: never
--- recorded; the state is rebuilt (and the record dropped) first.
+-- The units move ARGV[1] took out of a part, if its record is still there (0: not), or
+-- -1 when the part's state is not sound and of this term: a record in a state of
+-- another term may be one a rebuild voided, brought back by an older copy of the
+-- server, so it is never recorded; the state is rebuilt (and the record dropped) first.
 -- KEYS[1] the donor's hash  KEYS[2] its moves-out hash
 local function taken(keys, argv)
   if not sound_stock(keys[1]) then
-    return 0
+    return -1
   end
   local v = redis.call('HGET', keys[2], argv[1])
   if not v then

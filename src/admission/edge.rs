@@ -567,6 +567,10 @@ impl Peeked {
     pub(crate) fn stock(&self) -> i64 {
         self.stock
     }
+
+    pub(crate) fn gen(&self) -> &str {
+        &self.gen
+    }
 }
 
 /// Reads a sale's state; `None` when it is not loaded, stale (built in an earlier term

@@ -131,7 +131,10 @@ impl Parts {
         user_id: UserId,
         order_id: OrderId,
     ) -> RedisResult<Outcome> {
-        let parts = self.of(voucher_id).await?;
+        let parts = self.of(voucher_id).await.map_err(|e| {
+            tracing::warn!(voucher_id = voucher_id.get(), error = %e, "cannot read the sale's parts");
+            unavailable("the sale's parts cannot be read from redis")
+        })?;
         let grab = Grab {
             voucher_id,
             user_id,
@@ -181,48 +184,46 @@ impl Parts {
 
     async fn refill_alone(&self, to: SalePart, parts: u8) -> anyhow::Result<bool> {
         let mut conn = self.redis.clone();
-        // `sold_out` needs two reads of every part with no move found half done in
-        // between: a move somebody else finishes meanwhile shows in the second.
-        let mut quiet_reads = 0;
+        // `sold_out` needs two reads of every part, the same to the last gen (a take and
+        // a credit each move their part's gen), with no move found half done between
+        // them: a move somebody else is making shows in one or the other.
+        let mut previous: Option<Vec<Option<PartRead>>> = None;
         for _ in 0..MAX_LOOKS {
-            let stocks = sound_stocks(&mut conn, &self.keys, to.voucher_id, parts).await?;
-            if stocks[to.part as usize].is_some_and(|s| s > 0) {
+            let read = sound_reads(&mut conn, &self.keys, to.voucher_id, parts).await?;
+            if read[to.part as usize].as_ref().is_some_and(|r| r.stock > 0) {
                 // Another grab's refill (or a returned unit) got here first.
                 return Ok(true);
             }
-            let donor = stocks
+            let donor = read
                 .iter()
                 .enumerate()
                 .filter(|(p, _)| *p != to.part as usize)
-                .filter_map(|(p, s)| Some((p, (*s)?)))
+                .filter_map(|(p, r)| Some((p, r.as_ref()?.stock)))
                 .filter(|(_, s)| *s > 0)
                 .max_by_key(|(_, s)| *s);
-            let Some((donor, stock)) = donor else {
-                // Nothing anywhere: units may still be on their way (a mover died, or
-                // is between its steps). Finish those, and look again.
-                if self.finish(to.voucher_id, parts).await?.found > 0 {
-                    quiet_reads = 0;
-                    continue;
+            if let Some((donor, stock)) = donor {
+                previous = None;
+                if self
+                    .take_and_settle(&mut conn, to, donor as u8, stock)
+                    .await?
+                {
+                    return Ok(true);
                 }
-                quiet_reads += 1;
-                if quiet_reads < 2 {
-                    continue;
-                }
-                // A part not sound (being rebuilt from Postgres, its node away) may have
-                // units: not sold out, not yet.
-                anyhow::ensure!(
-                    stocks.iter().all(Option::is_some),
-                    "a part of the sale is being rebuilt from postgres"
-                );
-                return Ok(false);
-            };
-            quiet_reads = 0;
-            if self
-                .take_and_settle(&mut conn, to, donor as u8, stock)
-                .await?
-            {
-                return Ok(true);
+                continue;
             }
+            // Nothing anywhere: units may still be on their way (a mover died, or is
+            // between its steps). Finish those, and look again.
+            let done = self.finish(to.voucher_id, parts).await?;
+            // A part not sound (being rebuilt from Postgres, its node away) may have
+            // units, and may hold a move's record: not sold out, not yet.
+            anyhow::ensure!(
+                done.blocked == 0 && read.iter().all(Option::is_some),
+                "a part of the sale is being rebuilt from postgres"
+            );
+            if done.found == 0 && previous.as_ref() == Some(&read) {
+                return Ok(false);
+            }
+            previous = (done.found == 0).then_some(read);
         }
         anyhow::bail!("the sale's parts kept changing while units were moved")
     }
@@ -306,20 +307,18 @@ impl Parts {
                     to,
                     units,
                 };
-                done.found += 1;
-                done.credited += usize::from(self.settle(&mut conn, m).await?);
+                done.add(self.settle(&mut conn, m).await?);
             }
         }
         for m in store::uncredited(&self.db, voucher_id).await? {
-            done.found += 1;
-            done.credited += usize::from(self.settle(&mut conn, m).await?);
+            done.add(self.settle(&mut conn, m).await?);
         }
         Ok(done)
     }
 
     /// Records, credits and clears one move, from wherever it stands; `true` when it
     /// was credited by this call.
-    async fn settle(&self, conn: &mut RedisConn, m: Move) -> anyhow::Result<bool> {
+    async fn settle(&self, conn: &mut RedisConn, m: Move) -> anyhow::Result<Settled> {
         let voucher_id = m.from.voucher_id;
         // Recorded only while the donor still holds the units (a load of the donor, which
         // would count them again, takes the same lock).
@@ -332,10 +331,14 @@ impl Parts {
                 .arg(m.id)
                 .invoke(conn)
                 .await?;
-            if held <= 0 {
+            if held < 0 {
+                // Its donor must be rebuilt first (which drops the record, voiding it).
+                return Ok(Settled::DonorUnsound);
+            }
+            if held == 0 {
                 // Void: the donor was rebuilt with the units (or the move is settled and
                 // its record gone).
-                return Ok(false);
+                return Ok(Settled::Nothing);
             }
             store::record_move(
                 &mut tx,
@@ -381,7 +384,11 @@ impl Parts {
             .arg(m.id)
             .query_async(conn)
             .await?;
-        Ok(credited)
+        Ok(if credited {
+            Settled::Credited
+        } else {
+            Settled::Nothing
+        })
     }
 
     /// Finishes half-done moves of every open segmented sale, every `every`, until
@@ -428,23 +435,44 @@ impl Parts {
     }
 }
 
-/// Each part's stock, when its state is sound (`None`: not loaded, built in another
-/// term of its server, or corrupt: it is rebuilt from Postgres before it counts).
-async fn sound_stocks(
+/// One read of a part: its stock, and the gen that moves with every unit in or out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct PartRead {
+    stock: i64,
+    gen: String,
+}
+
+/// Each part's stock and gen, when its state is sound (`None`: not loaded, built in
+/// another term of its server, or corrupt: it is rebuilt from Postgres before it counts).
+async fn sound_reads(
     conn: &mut RedisConn,
     keys: &Keys,
     voucher_id: VoucherId,
     parts: u8,
-) -> RedisResult<Vec<Option<i64>>> {
+) -> RedisResult<Vec<Option<PartRead>>> {
     let lookups = SalePart::all(voucher_id, parts).map(|part| {
         let mut conn = conn.clone();
         let key = keys.part(part);
         async move {
             let state = super::edge::peek(&mut conn, &key).await?;
-            Ok::<_, redis::RedisError>(state.map(|s| s.stock()))
+            Ok::<_, redis::RedisError>(state.map(|s| PartRead {
+                stock: s.stock(),
+                gen: s.gen().to_string(),
+            }))
         }
     });
     futures_util::future::try_join_all(lookups).await
+}
+
+/// What settling one move did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Settled {
+    /// Credited to its recipient by this call.
+    Credited,
+    /// Settled before, or void.
+    Nothing,
+    /// Left as it is: its donor's state is not sound (to be rebuilt, which voids it).
+    DonorUnsound,
 }
 
 /// What [`Parts::finish`] did.
@@ -454,6 +482,19 @@ pub struct Finished {
     pub found: usize,
     /// Of those, the ones this call credited.
     pub credited: usize,
+    /// Of those, the ones left as they are until their donor is rebuilt.
+    pub blocked: usize,
+}
+
+impl Finished {
+    fn add(&mut self, settled: Settled) {
+        self.found += 1;
+        match settled {
+            Settled::Credited => self.credited += 1,
+            Settled::Nothing => {}
+            Settled::DonorUnsound => self.blocked += 1,
+        }
+    }
 }
 
 /// An error that says nothing was reserved (the grab surely did not run).
