@@ -176,25 +176,7 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
     }
     let parts = part.parts;
     let mine = |user: UserId| home_part(user, parts) == part.part;
-    // The long part, before the lock: page through the stream as it is now. Orders
-    // Postgres already holds are skipped (an order once written stays written); the
-    // rest are re-checked under the lock and in the script. Entries of users Postgres
-    // knows under another order are kept: the script must see such a phantom, whose
-    // buyer record may still name it until it is buried.
-    let mut paging = Paging {
-        scan: mode != Mode::Create,
-        last: None,
-        candidates: Vec::new(),
-        staged: 0,
-    };
-    if paging.scan {
-        let early: HashMap<UserId, OrderId> = store::vouchers::buyers(db, voucher_id)
-            .await?
-            .into_iter()
-            .filter(|(u, _)| mine(*u))
-            .collect();
-        paging.page_on(conn, keys, part, &early).await?;
-    }
+    let mut paging = Paging::before_lock(db, conn, keys, part, mode).await?;
 
     let mut tx = db.begin().await?;
     let Some((sale, mut buyers)) = store::vouchers::lock_sale(&mut tx, voucher_id).await? else {
@@ -208,18 +190,7 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
     let sale_orders = buyers.len() as i64;
     buyers.retain(|(u, _)| mine(*u));
     let moves = PartMoves::read(&mut tx, conn, keys, part, mode).await?;
-    let pg_stock = match parts {
-        1 => sale.stock as i64,
-        _ => store::parts::allotted(&mut tx, part).await? as i64 - buyers.len() as i64,
-    };
-    if pg_stock < 0 {
-        tracing::error!(
-            voucher_id = voucher_id.get(),
-            part = part.part,
-            pg_stock,
-            "a part's buyers hold more units than its allotment: loaded with none left"
-        );
-    }
+    let pg_stock = part_stock(&mut tx, &sale, part, buyers.len()).await?;
     let stage = Stage::new(&keys.part(part));
     stage.buyers(conn, &buyers).await?;
     let known: HashMap<UserId, OrderId> = buyers.iter().copied().collect();
@@ -276,6 +247,29 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
         mismatched_buyers: figures.mismatched_buyers,
         owed_held: figures.owed_held,
     }))
+}
+
+/// Postgres's stock for one part: the sale's for a sale in one part; else the part's
+/// allotment less its buyers' active orders.
+async fn part_stock(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    sale: &store::vouchers::LockedSale,
+    part: SalePart,
+    buyers: usize,
+) -> anyhow::Result<i64> {
+    if part.parts == 1 {
+        return Ok(sale.stock as i64);
+    }
+    let stock = store::parts::allotted(tx, part).await? as i64 - buyers as i64;
+    if stock < 0 {
+        tracing::error!(
+            voucher_id = part.voucher_id.get(),
+            part = part.part,
+            stock,
+            "a part's buyers hold more units than its allotment: loaded with none left"
+        );
+    }
+    Ok(stock)
 }
 
 /// Runs the load's step under the sale's lock until the script says it is done (or left
@@ -357,6 +351,35 @@ struct Paging {
 }
 
 impl Paging {
+    /// The long part, before the lock: pages through the stream as it is now. Orders
+    /// Postgres already holds are skipped (an order once written stays written); the
+    /// rest are re-checked under the lock and in the script. Entries of users Postgres
+    /// knows under another order are kept: the script must see such a phantom, whose
+    /// buyer record may still name it until it is buried.
+    async fn before_lock<C: ConnectionLike + Send>(
+        db: &PgPool,
+        conn: &mut C,
+        keys: &Keys,
+        part: SalePart,
+        mode: Mode,
+    ) -> anyhow::Result<Self> {
+        let mut paging = Paging {
+            scan: mode != Mode::Create,
+            last: None,
+            candidates: Vec::new(),
+            staged: 0,
+        };
+        if paging.scan {
+            let early: HashMap<UserId, OrderId> = store::vouchers::buyers(db, part.voucher_id)
+                .await?
+                .into_iter()
+                .filter(|(u, _)| home_part(*u, part.parts) == part.part)
+                .collect();
+            paging.page_on(conn, keys, part, &early).await?;
+        }
+        Ok(paging)
+    }
+
     /// Pages on from `last` (see [`page_on`]).
     async fn page_on<C: ConnectionLike + Send>(
         &mut self,

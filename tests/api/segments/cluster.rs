@@ -201,37 +201,9 @@ async fn a_mover_killed_between_take_and_record_loses_and_doubles_no_unit(db: Pg
             .unwrap()
     };
     let proxy = Proxy::start(pg).await;
-    let env = |via: Option<std::net::SocketAddr>, port: u16| {
-        vec![
-            ("REDIS_CLUSTER_URLS", cluster.urls()),
-            ("STREAM_SHARDS", "6".to_string()),
-            ("BIND", format!("127.0.0.1:{port}")),
-            ("DATABASE_URL", faults::database_url(&db, via)),
-        ]
-    };
-    let (port_a, port_b) = (faults::free_port(), faults::free_port());
-    let url = faults::database_url(&db, None);
-    let mut mover = Process::spawn(
-        "api",
-        "redis://127.0.0.1:1",
-        "",
-        &url,
-        &env(Some(proxy.addr), port_a),
-    );
-    let other = Process::spawn("api", "redis://127.0.0.1:1", "", &url, &env(None, port_b));
-    let _worker = Process::spawn(
-        "worker",
-        "redis://127.0.0.1:1",
-        "",
-        &url,
-        &env(None, faults::free_port()),
-    );
-    let (a, b) = (
-        format!("http://127.0.0.1:{port_a}"),
-        format!("http://127.0.0.1:{port_b}"),
-    );
-    faults::wait_ready(&a).await;
-    faults::wait_ready(&b).await;
+    let (mut mover, a) = spawn_on_cluster("api", &cluster, &db, Some(proxy.addr)).await;
+    let (other, b) = spawn_on_cluster("api", &cluster, &db, None).await;
+    let (_worker, _) = spawn_on_cluster("worker", &cluster, &db, None).await;
     let admin = jwt.mint(1, true, 600).unwrap();
     let voucher = segmented_sale_at(&http, &b, &admin, 300, PARTS as i64).await;
     let home = |u: i64| home_part(uid(u), PARTS);
@@ -255,47 +227,13 @@ async fn a_mover_killed_between_take_and_record_loses_and_doubles_no_unit(db: Pg
         let users = part0[1..].to_vec();
         async move { storm(&http, &jwt, &[a], voucher, users).await }
     });
-    let keys = cluster_keys();
-    let moves_out: Vec<String> = SalePart::all(vid(voucher), PARTS)
-        .map(|p| keys.moves_out(p))
-        .collect();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    'taken: loop {
-        for key in &moves_out {
-            let master = cluster.master_of(key).await;
-            let n: i64 = cluster
-                .query(master, redis::cmd("HLEN").arg(key))
-                .await
-                .unwrap();
-            if n > 0 {
-                break 'taken;
-            }
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the mover never took units"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_for_a_take(&cluster, voucher).await;
     mover.kill9();
     let early = pressing.await.unwrap();
     let early_won = winners_or_lost(&early);
 
     // A repair races the other instance's finisher and a storm through it.
-    let repair = tokio::spawn({
-        let env = cluster_env(&cluster, &db);
-        async move {
-            let mut cmd = tokio::process::Command::new(faults::BIN);
-            cmd.args(["reconcile", "--repair"])
-                .env("REDIS_URL", "redis://127.0.0.1:1")
-                .env("REDIS_KEY_PREFIX", "")
-                .env("RUST_LOG", "warn");
-            for (k, v) in env {
-                cmd.env(k, v);
-            }
-            cmd.output().await.unwrap()
-        }
-    });
+    let repair = tokio::spawn(repair(cluster_env(&cluster, &db)));
     let late = storm(
         &http,
         &jwt,
@@ -352,6 +290,68 @@ async fn a_mover_killed_between_take_and_record_loses_and_doubles_no_unit(db: Pg
     assert_eq!(dead, 0, "no admitted order refused by Postgres");
     let (code, books) = reconcile(&cluster_env(&cluster, &db)).await;
     assert_eq!(code, 0, "{books}");
+}
+
+/// `seckill <subcommand>` on the cluster (an API on a port of its own), its Postgres
+/// through `via` if given; the process and its base URL, once ready (an API's).
+async fn spawn_on_cluster(
+    subcommand: &str,
+    cluster: &PrivateCluster,
+    db: &PgPool,
+    via: Option<std::net::SocketAddr>,
+) -> (Process, String) {
+    let port = faults::free_port();
+    let env = vec![
+        ("REDIS_CLUSTER_URLS", cluster.urls()),
+        ("STREAM_SHARDS", "6".to_string()),
+        ("BIND", format!("127.0.0.1:{port}")),
+    ];
+    let url = faults::database_url(db, via);
+    let process = Process::spawn(subcommand, "redis://127.0.0.1:1", "", &url, &env);
+    let base = format!("http://127.0.0.1:{port}");
+    if subcommand == "api" {
+        faults::wait_ready(&base).await;
+    }
+    (process, base)
+}
+
+/// Waits until some part of the sale holds a move's record: units taken, not settled.
+async fn wait_for_a_take(cluster: &PrivateCluster, voucher: i64) {
+    let keys = cluster_keys();
+    let moves_out: Vec<String> = SalePart::all(vid(voucher), PARTS)
+        .map(|p| keys.moves_out(p))
+        .collect();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        for key in &moves_out {
+            let master = cluster.master_of(key).await;
+            let n: i64 = cluster
+                .query(master, redis::cmd("HLEN").arg(key))
+                .await
+                .unwrap();
+            if n > 0 {
+                return;
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the mover never took units"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// `seckill reconcile --repair` against the cluster; its output.
+async fn repair(env: Vec<(&'static str, String)>) -> std::process::Output {
+    let mut cmd = tokio::process::Command::new(faults::BIN);
+    cmd.args(["reconcile", "--repair"])
+        .env("REDIS_URL", "redis://127.0.0.1:1")
+        .env("REDIS_KEY_PREFIX", "")
+        .env("RUST_LOG", "warn");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().await.unwrap()
 }
 
 /// The winners among answers of a storm cut by a kill: unanswered presses are allowed
