@@ -194,11 +194,16 @@ start_postgres() {
 stop_private_services() {
   if [ -n "$STARTED_REDIS_PORT" ]; then
     local pidfile="$RUN_DIR/redis-$STARTED_REDIS_PORT.pid" pid=""
+    # Read first: the server removes its pid file as it shuts down, before it is gone.
+    [ -s "$pidfile" ] && pid=$(cat "$pidfile" 2>/dev/null)
     timeout 5 redis-cli -p "$STARTED_REDIS_PORT" shutdown nosave >/dev/null 2>&1 || true
     # Interrupted while it started, it may not have answered yet: its pid file tells.
-    [ -s "$pidfile" ] && pid=$(cat "$pidfile" 2>/dev/null)
+    [ -z "$pid" ] && [ -s "$pidfile" ] && pid=$(cat "$pidfile" 2>/dev/null)
     if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
       kill -TERM "$pid" 2>/dev/null || true
+      for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+      # Still there after 5 s (a loaded machine): it must not outlive the script.
+      kill -KILL "$pid" 2>/dev/null || true
       for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     fi
     STARTED_REDIS_PORT=""
