@@ -106,15 +106,29 @@ local function load_sale(keys, argv)
     end
     for _, e in ipairs(tail) do
       local f = e[2]
-      local order, v, user, p = nil, nil, nil, '0'
-      for j = 1, #f, 2 do
-        if f[j] == 'order_id' then order = f[j + 1]
-        elseif f[j] == 'voucher_id' then v = f[j + 1]
-        elseif f[j] == 'user_id' then user = f[j + 1]
-        elseif f[j] == 'part' then p = f[j + 1] end
+      local function keep(v, p, user, order)
+        if v == voucher and user and order and (part == '' or p == part) then
+          cands[#cands + 1] = {e[1], user, order}
+        end
       end
-      if v == voucher and user and order and (part == '' or p == part) then
-        cands[#cands + 1] = {e[1], user, order}
+      if f[1] == 'orders' then
+        -- One admission call's orders: runs of `voucher_id` [`part`], then pairs
+        -- `order_id`, `user_id` (see lua/seckill.lua).
+        local v, p = nil, '0'
+        for j = 5, #f - 3, 2 do
+          if f[j] == 'voucher_id' then v, p = f[j + 1], '0'
+          elseif f[j] == 'part' then p = f[j + 1]
+          elseif f[j] == 'order_id' and f[j + 2] == 'user_id' then keep(v, p, f[j + 3], f[j + 1]) end
+        end
+      else
+        local order, v, user, p = nil, nil, nil, '0'
+        for j = 1, #f, 2 do
+          if f[j] == 'order_id' then order = f[j + 1]
+          elseif f[j] == 'voucher_id' then v = f[j + 1]
+          elseif f[j] == 'user_id' then user = f[j + 1]
+          elseif f[j] == 'part' then p = f[j + 1] end
+        end
+        keep(v, p, user, order)
       end
     end
     for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do

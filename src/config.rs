@@ -328,8 +328,9 @@ impl Default for LimitArgs {
 
 #[derive(Debug, Clone, Args)]
 pub struct WorkerOptions {
-    /// Most stream entries read and written to Postgres per batch: a read takes what is
-    /// there up to this, so batches stay small (and quick) under light traffic and grow
+    /// About the most orders read and written to Postgres per batch (a read asks for this
+    /// many orders' worth of entries; an entry holds one admission call's orders): a read
+    /// takes what is there, so batches stay small (and quick) under light traffic and grow
     /// to amortise each transaction under a backlog.
     #[arg(long, env = "WORKER_BATCH_SIZE", default_value_t = defaults::WORKER_BATCH_SIZE,
           value_parser = clap::value_parser!(u32).range(1..=10_000))]

@@ -34,8 +34,13 @@ pub(crate) fn buyer_field(user_id: UserId) -> String {
 /// The prefix of a buyer's field in a sale's hash (`u:<user_id>`).
 pub(crate) const BUYER_PREFIX: &str = "u:";
 
-/// The fields of an order's stream entry, as `lua/seckill.lua` writes them.
+/// The fields of the stream's entries. `lua/seckill.lua` writes one entry per call: its
+/// first field is [`ORDERS`](entry_field::ORDERS) (their number), then `admitted_ms`, then
+/// per sale `voucher_id` (and `part`) followed by `order_id` and `user_id` of each of its
+/// orders. An entry of one order without `orders` (earlier releases, tools) names each
+/// field once, in any order.
 pub(crate) mod entry_field {
+    pub(crate) const ORDERS: &str = "orders";
     pub(crate) const ORDER_ID: &str = "order_id";
     pub(crate) const VOUCHER_ID: &str = "voucher_id";
     pub(crate) const USER_ID: &str = "user_id";
@@ -336,6 +341,7 @@ mod tests {
             }
         }
         assert!(seckill.contains(&format!("'{}'", entry_field::ADMITTED_MS)));
+        assert!(seckill.contains(&format!("'{}'", entry_field::ORDERS)));
     }
 
     #[test]

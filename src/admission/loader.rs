@@ -139,6 +139,27 @@ async fn current<C: ConnectionLike + Send>(
     Ok(super::edge::peek(conn, &keys.part(part)).await?.is_some())
 }
 
+/// Drops the candidates Postgres has buried: settled in Redis (record and unit) though
+/// their entry may stay unacknowledged until the rest of its batch is settled (an entry
+/// holds the orders of one call). Burial takes the sale's lock, held here, so the
+/// answer stands until the load is done; the final step's tail holds only entries
+/// added after the lock, none of them buried yet.
+async fn drop_buried(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    candidates: &mut Vec<staging::Candidate>,
+    voucher_id: VoucherId,
+) -> anyhow::Result<()> {
+    let ids: Vec<OrderId> = candidates.iter().map(|c| c.order_id).collect();
+    let buried: HashSet<(OrderId, UserId)> = store::dead_orders::orders_among(tx, &ids)
+        .await?
+        .into_iter()
+        .filter(|(_, _, v)| *v == voucher_id)
+        .map(|(o, u, _)| (o, u))
+        .collect();
+    candidates.retain(|c| !buried.contains(&(c.order_id, c.user_id)));
+    Ok(())
+}
+
 /// The fenced step behind every move of a sale's state from Postgres into Redis, and
 /// behind reconcile's comparison:
 ///
@@ -197,6 +218,7 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
     paging
         .candidates
         .retain(|c| known.get(&c.user_id) != Some(&c.order_id));
+    drop_buried(&mut tx, &mut paging.candidates, voucher_id).await?;
     // Releases owed to Redis explain a difference only to the comparison; a write
     // rebuilds the records without them (and the release then finds nothing to do).
     let mut owed = match mode {

@@ -9,7 +9,6 @@ use crate::keys::{Keys, SalePart, Shard};
 use crate::scripts::{Call, Replicas};
 
 use super::entry::Entry;
-use super::group::GROUP;
 
 /// Most dead letters kept; older ones are trimmed away.
 pub(crate) const DEAD_LETTERS_KEPT: usize = 1_000_000;
@@ -47,15 +46,14 @@ pub(crate) async fn dead_letter<C: ConnectionLike + Send>(
 static SETTLE_DEAD: std::sync::LazyLock<redis::Script> =
     std::sync::LazyLock::new(|| redis::Script::new(include_str!("../../lua/settle_dead.lua")));
 
-/// Settles a dead order in Redis (see `lua/settle_dead.lua`): acknowledges its entry
-/// and, if the user's buyer record still names it, points the record at `holder` (the
-/// order Postgres holds for the user) or drops it, and returns the unit when
-/// `return_unit`. `true` when the buyer record was settled now.
+/// Settles a dead order in Redis (see `lua/settle_dead.lua`): if the user's buyer
+/// record still names it, points the record at `holder` (the order Postgres holds for
+/// the user) or drops it, and returns the unit when `return_unit`. `true` when the
+/// buyer record was settled now. Its entry is acknowledged with its batch.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn settle_dead<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
-    entry_id: &str,
     part: SalePart,
     user_id: UserId,
     order_id: OrderId,
@@ -66,9 +64,6 @@ pub(crate) async fn settle_dead<C: ConnectionLike + Send>(
     // `true`: settled now; `false`: settled before (nothing left to do).
     let settled: RedisResult<bool> = Call::script(&SETTLE_DEAD)
         .key(keys.part(part))
-        .key(keys.stream(keys.shard_of_part(part)))
-        .arg(GROUP)
-        .arg(entry_id)
         .arg(crate::keys::buyer_field(user_id))
         .arg(order_id)
         .arg(holder.map(|h| h.to_string()).unwrap_or_default())

@@ -8,7 +8,8 @@ use crate::domain::{OrderId, UserId, VoucherId};
 use crate::keys::{entry_field, SalePart};
 use crate::store::orders::NewOrder;
 
-/// One stream entry as the worker sees it.
+/// One order of a stream entry as the worker sees it (an entry holds the orders of one
+/// admission call; they share its `entry_id`), or what cannot be an order.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Entry {
     Order {
@@ -92,51 +93,112 @@ impl Entry {
         }
     }
 
-    pub(super) fn parse(entry_id: String, fields: Option<Vec<(String, String)>>) -> Entry {
+    /// The orders of one stream entry (an entry that is deleted or does not parse is
+    /// one dead letter).
+    pub(super) fn parse(entry_id: String, fields: Option<Vec<(String, String)>>) -> Vec<Entry> {
         let Some(fields) = fields else {
-            return Entry::DeadLetter {
+            return vec![Entry::DeadLetter {
                 entry_id,
                 fields: Vec::new(),
                 order: None,
                 reason: DeadReason::Deleted,
-            };
+            }];
         };
-        let get = |name: &str| {
-            fields
-                .iter()
-                .find(|(k, _)| k == name)
-                .and_then(|(_, v)| v.parse::<i64>().ok())
-                .filter(|n| *n > 0)
+        let orders = match fields.first() {
+            Some((k, _)) if k == entry_field::ORDERS => orders_of_a_call(&fields),
+            _ => one_order(&fields).map(|o| vec![o]),
         };
-        // Absent in a sale of one part; else `<part>/<parts>`.
-        let part = |voucher_id| match fields.iter().find(|(k, _)| k == entry_field::PART) {
-            None => Some((0, 1)),
-            Some((_, v)) => SalePart::parse_label(voucher_id, v).map(|p| (p.part, p.parts)),
-        };
-        let order = (|| {
-            let voucher_id = VoucherId::new(get(entry_field::VOUCHER_ID)?)?;
-            let (part, parts) = part(voucher_id)?;
-            Some(NewOrder {
-                part,
-                parts,
-                id: OrderId::new(get(entry_field::ORDER_ID)?)?,
-                voucher_id,
-                user_id: UserId::new(get(entry_field::USER_ID)?)?,
-                admitted_at: DateTime::<Utc>::from_timestamp_millis(get(
-                    entry_field::ADMITTED_MS,
-                )?)?,
-            })
-        })();
-        match order {
-            Some(order) => Entry::Order { entry_id, order },
-            None => Entry::DeadLetter {
+        match orders {
+            Some(orders) => orders
+                .into_iter()
+                .map(|order| Entry::Order {
+                    entry_id: entry_id.clone(),
+                    order,
+                })
+                .collect(),
+            None => vec![Entry::DeadLetter {
                 entry_id,
                 fields,
                 order: None,
                 reason: DeadReason::Malformed,
-            },
+            }],
         }
     }
+}
+
+fn positive(v: &str) -> Option<i64> {
+    v.parse::<i64>().ok().filter(|n| *n > 0)
+}
+
+fn admitted_at(ms: i64) -> Option<DateTime<Utc>> {
+    DateTime::<Utc>::from_timestamp_millis(ms)
+}
+
+/// An entry of one order, each field named once (earlier releases, tools).
+fn one_order(fields: &[(String, String)]) -> Option<NewOrder> {
+    let get = |name: &str| {
+        fields
+            .iter()
+            .find(|(k, _)| k == name)
+            .and_then(|(_, v)| positive(v))
+    };
+    let voucher_id = VoucherId::new(get(entry_field::VOUCHER_ID)?)?;
+    // Absent in a sale of one part; else `<part>/<parts>`.
+    let (part, parts) = match fields.iter().find(|(k, _)| k == entry_field::PART) {
+        None => (0, 1),
+        Some((_, v)) => SalePart::parse_label(voucher_id, v).map(|p| (p.part, p.parts))?,
+    };
+    Some(NewOrder {
+        part,
+        parts,
+        id: OrderId::new(get(entry_field::ORDER_ID)?)?,
+        voucher_id,
+        user_id: UserId::new(get(entry_field::USER_ID)?)?,
+        admitted_at: admitted_at(get(entry_field::ADMITTED_MS)?)?,
+    })
+}
+
+/// The orders of one admission call's entry, read in order: `orders` N, `admitted_ms`,
+/// then runs of `voucher_id` [`part`] and pairs `order_id`, `user_id`. Anything out of
+/// place, or a count that is not N, and the whole entry is malformed.
+fn orders_of_a_call(fields: &[(String, String)]) -> Option<Vec<NewOrder>> {
+    let mut rest = fields.iter();
+    let n = positive(&rest.next()?.1)? as usize;
+    let (k, v) = rest.next()?;
+    let admitted_at = match k.as_str() {
+        entry_field::ADMITTED_MS => admitted_at(positive(v)?)?,
+        _ => return None,
+    };
+    let mut orders = Vec::with_capacity(n.min(4096));
+    let mut sale: Option<(VoucherId, u8, u8)> = None;
+    while let Some((k, v)) = rest.next() {
+        match k.as_str() {
+            entry_field::VOUCHER_ID => sale = Some((VoucherId::new(positive(v)?)?, 0, 1)),
+            entry_field::PART => {
+                let (voucher_id, _, _) = sale?;
+                let p = SalePart::parse_label(voucher_id, v)?;
+                sale = Some((voucher_id, p.part, p.parts));
+            }
+            entry_field::ORDER_ID => {
+                let (voucher_id, part, parts) = sale?;
+                let id = OrderId::new(positive(v)?)?;
+                let (k, v) = rest.next()?;
+                if k != entry_field::USER_ID {
+                    return None;
+                }
+                orders.push(NewOrder {
+                    part,
+                    parts,
+                    id,
+                    voucher_id,
+                    user_id: UserId::new(positive(v)?)?,
+                    admitted_at,
+                });
+            }
+            _ => return None,
+        }
+    }
+    (orders.len() == n).then_some(orders)
 }
 
 fn order_fields(order: &NewOrder) -> Vec<(String, String)> {
@@ -179,10 +241,11 @@ pub(super) fn parse_read_reply(reply: Value) -> RedisResult<Vec<Entry>> {
     Ok(out)
 }
 
+/// The orders of a stream reply's entries, in order (several per entry).
 pub(super) fn parse_entries(entries: Value) -> RedisResult<Vec<Entry>> {
     Ok(parse_raw(entries)?
         .into_iter()
-        .map(|(id, fields)| Entry::parse(id, fields))
+        .flat_map(|(id, fields)| Entry::parse(id, fields))
         .collect())
 }
 
@@ -242,6 +305,113 @@ pub(crate) fn parse_id(id: &str) -> Option<(u64, u64)> {
 mod tests {
     use super::*;
 
+    fn one(id: String, fields: Option<Vec<(String, String)>>) -> Entry {
+        let mut all = Entry::parse(id, fields);
+        assert_eq!(all.len(), 1, "{all:?}");
+        all.remove(0)
+    }
+
+    #[test]
+    fn an_entry_of_a_call_parses_into_each_of_its_orders_with_its_sale_and_part() {
+        let all = Entry::parse(
+            "7-1".into(),
+            fields(&[
+                ("orders", "3"),
+                ("admitted_ms", "1790000000000"),
+                ("voucher_id", "2"),
+                ("order_id", "10"),
+                ("user_id", "3"),
+                ("order_id", "11"),
+                ("user_id", "4"),
+                ("voucher_id", "5"),
+                ("part", "1/3"),
+                ("order_id", "12"),
+                ("user_id", "6"),
+            ]),
+        );
+        let got: Vec<_> = all
+            .iter()
+            .map(|e| {
+                let o = e.order().expect("an order");
+                (
+                    e.entry_id(),
+                    o.id.get(),
+                    o.voucher_id.get(),
+                    o.user_id.get(),
+                    o.part,
+                    o.parts,
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("7-1", 10, 2, 3, 0, 1),
+                ("7-1", 11, 2, 4, 0, 1),
+                ("7-1", 12, 5, 6, 1, 3)
+            ]
+        );
+        assert!(all
+            .iter()
+            .all(|e| e.order().unwrap().admitted_at.timestamp_millis() == 1790000000000));
+    }
+
+    #[test]
+    fn an_entry_of_a_call_out_of_order_or_miscounted_is_one_malformed_dead_letter() {
+        let head = [("orders", "2"), ("admitted_ms", "1790000000000")];
+        let bodies: [&[(&str, &str)]; 5] = [
+            // One order for a count of two.
+            &[("voucher_id", "2"), ("order_id", "10"), ("user_id", "3")],
+            // An order before any sale.
+            &[
+                ("order_id", "10"),
+                ("user_id", "3"),
+                ("voucher_id", "2"),
+                ("order_id", "11"),
+                ("user_id", "4"),
+            ],
+            // A user without its order.
+            &[
+                ("voucher_id", "2"),
+                ("user_id", "3"),
+                ("order_id", "11"),
+                ("user_id", "4"),
+            ],
+            // A part of another sale's number of parts.
+            &[
+                ("voucher_id", "2"),
+                ("part", "4/3"),
+                ("order_id", "10"),
+                ("user_id", "3"),
+                ("order_id", "11"),
+                ("user_id", "4"),
+            ],
+            // A stray field.
+            &[
+                ("voucher_id", "2"),
+                ("order_id", "10"),
+                ("user_id", "3"),
+                ("x", "1"),
+                ("order_id", "11"),
+                ("user_id", "4"),
+            ],
+        ];
+        for body in bodies {
+            let all: Vec<(&str, &str)> = head.iter().chain(body).copied().collect();
+            let parsed = Entry::parse("1-0".into(), fields(&all));
+            assert!(
+                matches!(
+                    parsed.as_slice(),
+                    [Entry::DeadLetter {
+                        reason: DeadReason::Malformed,
+                        ..
+                    }]
+                ),
+                "{body:?}: {parsed:?}"
+            );
+        }
+    }
+
     fn fields(pairs: &[(&str, &str)]) -> Option<Vec<(String, String)>> {
         Some(
             pairs
@@ -253,7 +423,7 @@ mod tests {
 
     #[test]
     fn a_complete_entry_parses_into_an_order() {
-        let e = Entry::parse(
+        let e = one(
             "1-0".into(),
             fields(&[
                 ("order_id", "9"),
@@ -275,7 +445,7 @@ mod tests {
     #[test]
     fn an_entry_of_a_segmented_sale_carries_its_part_and_a_bad_part_is_malformed() {
         let with = |part: &str| {
-            Entry::parse(
+            one(
                 "1-0".into(),
                 fields(&[
                     ("order_id", "9"),
@@ -313,10 +483,7 @@ mod tests {
             ]),
             None,
         ] {
-            assert!(matches!(
-                Entry::parse("1-0".into(), f),
-                Entry::DeadLetter { .. }
-            ));
+            assert!(matches!(one("1-0".into(), f), Entry::DeadLetter { .. }));
         }
     }
 }

@@ -107,7 +107,7 @@ pub(crate) async fn claim<C: ConnectionLike + Send>(
     Ok((next, parse_entries(entries)?))
 }
 
-/// Acknowledges entries. A missing group (Redis lost its data) means there is nothing
+/// Acknowledges the entries of these orders (each once). A missing group (Redis lost its data) means there is nothing
 /// left to acknowledge.
 pub(crate) async fn ack<C: ConnectionLike + Send>(
     conn: &mut C,
@@ -120,8 +120,8 @@ pub(crate) async fn ack<C: ConnectionLike + Send>(
     }
     let mut cmd = redis::cmd("XACK");
     cmd.arg(keys.stream(shard)).arg(GROUP);
-    for entry in entries {
-        cmd.arg(entry.entry_id());
+    for id in entry_ids(entries) {
+        cmd.arg(id);
     }
     match cmd.query_async(conn).await {
         Err(e) if e.code() == Some("NOGROUP") => Ok(0),
@@ -198,14 +198,14 @@ async fn pending_among<C: ConnectionLike + Send>(
         .collect())
 }
 
-/// The order id each of `ids` holds in the stream now (`None`: an entry without one);
+/// The order ids each of `ids` holds in the stream now (none: an entry without one);
 /// ids no longer in the stream are left out.
 async fn orders_among<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: Shard,
     ids: &[&str],
-) -> RedisResult<HashMap<String, Option<OrderId>>> {
+) -> RedisResult<HashMap<String, Vec<OrderId>>> {
     let xrange = |first: &str, last: &str, count: usize| {
         let mut cmd = redis::cmd("XRANGE");
         cmd.arg(keys.stream(shard))
@@ -219,13 +219,25 @@ async fn orders_among<C: ConnectionLike + Send>(
     Ok(found
         .into_iter()
         .map(|(id, fields)| {
-            let order = fields.into_iter().flatten().find_map(|(k, v)| {
-                (k == crate::keys::entry_field::ORDER_ID)
-                    .then(|| v.parse::<i64>().ok().and_then(OrderId::new))?
-            });
-            (id, order)
+            let orders = fields
+                .into_iter()
+                .flatten()
+                .filter(|(k, _)| k == crate::keys::entry_field::ORDER_ID)
+                .filter_map(|(_, v)| v.parse::<i64>().ok().and_then(OrderId::new))
+                .collect();
+            (id, orders)
         })
         .collect())
+}
+
+/// The distinct entry ids of a batch's orders (an entry holds several), in order.
+fn entry_ids(entries: &[Entry]) -> Vec<&str> {
+    let mut seen = HashSet::new();
+    entries
+        .iter()
+        .map(Entry::entry_id)
+        .filter(|id| seen.insert(*id))
+        .collect()
 }
 
 /// How often each of `entries` has been delivered; entries not pending are left out.
@@ -235,8 +247,7 @@ pub(crate) async fn delivery_counts<C: ConnectionLike + Send>(
     shard: Shard,
     entries: &[Entry],
 ) -> RedisResult<HashMap<String, u64>> {
-    let ids: Vec<&str> = entries.iter().map(Entry::entry_id).collect();
-    pending_among(conn, keys, shard, &ids).await
+    pending_among(conn, keys, shard, &entry_ids(entries)).await
 }
 
 /// A batch's entries as Redis has them now.
@@ -258,7 +269,12 @@ pub(crate) async fn still_pending<C: ConnectionLike + Clone + Send>(
     shard: Shard,
     wanted: &[(&str, OrderId)],
 ) -> RedisResult<StillPending> {
-    let ids: Vec<&str> = wanted.iter().map(|(id, _)| *id).collect();
+    let mut seen = HashSet::new();
+    let ids: Vec<&str> = wanted
+        .iter()
+        .map(|(id, _)| *id)
+        .filter(|id| seen.insert(*id))
+        .collect();
     let (mut pending_conn, mut orders_conn) = (conn.clone(), conn.clone());
     let (pending, orders) = futures_util::join!(
         pending_among(&mut pending_conn, keys, shard, &ids),
@@ -273,8 +289,8 @@ pub(crate) async fn still_pending<C: ConnectionLike + Clone + Send>(
     let mut out = StillPending::default();
     for &(id, order) in wanted {
         let set = match orders.get(id) {
-            Some(&Some(now)) if now == order && pending.contains_key(id) => &mut out.alive,
-            Some(&Some(now)) if now == order => continue,
+            Some(now) if now.contains(&order) && pending.contains_key(id) => &mut out.alive,
+            Some(now) if now.contains(&order) => continue,
             Some(_) => &mut out.reused,
             // Deleted, or trimmed once acknowledged: gone.
             None => continue,
@@ -298,8 +314,8 @@ pub(crate) async fn touch<C: ConnectionLike + Send>(
     }
     let mut cmd = redis::cmd("XCLAIM");
     cmd.arg(keys.stream(shard)).arg(GROUP).arg(consumer).arg(0);
-    for e in entries {
-        cmd.arg(e.entry_id());
+    for id in entry_ids(entries) {
+        cmd.arg(id);
     }
     cmd.arg("JUSTID");
     cmd.query_async::<redis::Value>(conn).await.map(drop)

@@ -7,7 +7,7 @@ use crate::keys::{Keys, Shard};
 
 use super::entry::{parse_entries, parse_raw, Entry, RawEntry};
 
-/// Up to `limit` entries of the shard's stream, oldest first.
+/// The orders of up to `limit` entries of the shard's stream, oldest first.
 pub(crate) async fn entries<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
@@ -17,7 +17,7 @@ pub(crate) async fn entries<C: ConnectionLike + Send>(
     Ok(range(conn, keys.stream(shard), limit)
         .await?
         .into_iter()
-        .map(|(id, fields)| Entry::parse(id, fields))
+        .flat_map(|(id, fields)| Entry::parse(id, fields))
         .collect())
 }
 

@@ -55,39 +55,53 @@ impl Worker {
     }
 
     /// Writes a batch to Postgres in one transaction, buries what can never be written,
-    /// then acknowledges the batch. On `Err` nothing was acknowledged that was not
-    /// finished, and the batch may simply be processed again.
+    /// then acknowledges the batch. On `Err` nothing was acknowledged, and the batch may
+    /// simply be processed again. The batch holds every order of its entries (a read
+    /// returns entries whole), so an entry is acknowledged only once all its orders are
+    /// settled.
     #[tracing::instrument(skip_all, fields(entries = entries.len()))]
     pub async fn process_batch(
         &self,
         shard: Shard,
         entries: &[Entry],
     ) -> anyhow::Result<BatchReport> {
-        self.heartbeat(shard, entries, self.process_rounds(shard, entries))
-            .await
+        self.heartbeat(shard, entries, async {
+            let (report, reused) = self.process_rounds(shard, entries).await?;
+            self.ack(shard, entries, reused).await?;
+            Ok(report)
+        })
+        .await
     }
 
     /// An order id twice in one batch (minted twice, or an entry added twice): the batch
     /// goes in rounds in which no id repeats, each finished before the next, which then
     /// finds the id taken (a duplicate, buried) or its own order written (a replay).
-    async fn process_rounds(&self, shard: Shard, entries: &[Entry]) -> anyhow::Result<BatchReport> {
+    /// Returns what was done and the entries not ours to acknowledge.
+    async fn process_rounds(
+        &self,
+        shard: Shard,
+        entries: &[Entry],
+    ) -> anyhow::Result<(BatchReport, HashSet<String>)> {
         let rounds = orders::rounds_of_unique_ids(entries.iter().map(|e| e.order().map(|o| o.id)));
         if rounds.len() <= 1 {
             return self.process_batch_inner(shard, entries).await;
         }
         let mut report = BatchReport::default();
+        let mut reused = HashSet::new();
         for round in rounds {
             let part: Vec<Entry> = round.into_iter().map(|i| entries[i].clone()).collect();
-            report.add(self.process_batch_inner(shard, &part).await?);
+            let (r, u) = self.process_batch_inner(shard, &part).await?;
+            report.add(r);
+            reused.extend(u);
         }
-        Ok(report)
+        Ok((report, reused))
     }
 
     async fn process_batch_inner(
         &self,
         shard: Shard,
         entries: &[Entry],
-    ) -> anyhow::Result<BatchReport> {
+    ) -> anyhow::Result<(BatchReport, HashSet<String>)> {
         let mut report = BatchReport {
             entries: entries.len(),
             ..Default::default()
@@ -96,9 +110,8 @@ impl Worker {
         let reused = self.write(shard, entries, &mut fates, &mut report).await?;
         self.dead_letter(shard, entries, &fates, &mut report)
             .await?;
-        self.ack(shard, entries, reused).await?;
         count(&report);
-        Ok(report)
+        Ok((report, reused))
     }
 
     /// What becomes of each entry, as far as the entry alone tells.
@@ -262,7 +275,7 @@ impl Worker {
 
     /// Buries an order that will not be written: Postgres first (under the sale's row
     /// lock: written after all, or tombstoned so no replay can write it), then the dead
-    /// letter, then Redis (acknowledged, buyer record handed back to the order Postgres
+    /// letter, then Redis (buyer record handed back to the order Postgres
     /// holds, unit returned) in one script. `false` when it was written after all.
     async fn bury(
         &self,
@@ -295,7 +308,6 @@ impl Worker {
                 stream::settle_dead(
                     conn,
                     &self.keys,
-                    entry.entry_id(),
                     order.sale_part(),
                     order.user_id,
                     order.id,
@@ -309,20 +321,27 @@ impl Worker {
         }
     }
 
-    /// Processes a batch, entry by entry if it must be isolated. Entries finished
-    /// before an error are acknowledged; processing them again changes nothing.
+    /// Processes a batch, order by order if it must be isolated (each in a transaction
+    /// of its own), acknowledged once all are settled; processing one again changes
+    /// nothing.
     pub(super) async fn process_held(&self, held: &Held) -> anyhow::Result<BatchReport> {
         if !held.isolate {
             return self.process_batch(held.shard, &held.entries).await;
         }
-        let mut report = BatchReport::default();
-        for entry in &held.entries {
-            report.add(
-                self.process_batch(held.shard, std::slice::from_ref(entry))
-                    .await?,
-            );
-        }
-        Ok(report)
+        self.heartbeat(held.shard, &held.entries, async {
+            let mut report = BatchReport::default();
+            let mut reused = HashSet::new();
+            for entry in &held.entries {
+                let (r, u) = self
+                    .process_rounds(held.shard, std::slice::from_ref(entry))
+                    .await?;
+                report.add(r);
+                reused.extend(u);
+            }
+            self.ack(held.shard, &held.entries, reused).await?;
+            Ok(report)
+        })
+        .await
     }
 }
 

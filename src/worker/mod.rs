@@ -99,6 +99,9 @@ pub struct Worker {
     redis: RedisConn,
     keys: Keys,
     config: WorkerConfig,
+    /// Orders per stream entry in the last read (an entry holds one admission call's
+    /// orders): reads ask for `batch_size` orders' worth of entries.
+    orders_per_entry: std::sync::atomic::AtomicUsize,
 }
 
 impl Worker {
@@ -109,6 +112,7 @@ impl Worker {
             redis,
             keys,
             config,
+            orders_per_entry: std::sync::atomic::AtomicUsize::new(1),
         }
     }
 
@@ -123,15 +127,37 @@ impl Worker {
 
     pub async fn read_batch(&self, shard: Shard, from: ReadFrom) -> anyhow::Result<Vec<Entry>> {
         let mut conn = self.redis.clone();
-        Ok(stream::read(
+        let orders = stream::read(
             &mut conn,
             &self.keys,
             shard,
             &self.config.consumer,
             from,
-            self.config.batch_size,
+            self.entries_per_read(),
         )
-        .await?)
+        .await?;
+        self.saw(&orders);
+        Ok(orders)
+    }
+
+    /// How many entries a read asks for: about `batch_size` orders.
+    pub(crate) fn entries_per_read(&self) -> usize {
+        let per_entry = self
+            .orders_per_entry
+            .load(std::sync::atomic::Ordering::Relaxed);
+        (self.config.batch_size / per_entry.max(1)).max(1)
+    }
+
+    /// Remembers how many orders an entry of `orders` held.
+    pub(crate) fn saw(&self, orders: &[Entry]) {
+        let mut ids: Vec<&str> = orders.iter().map(Entry::entry_id).collect();
+        ids.dedup();
+        if !ids.is_empty() {
+            self.orders_per_entry.store(
+                orders.len().div_ceil(ids.len()),
+                std::sync::atomic::Ordering::Relaxed,
+            );
+        }
     }
 
     /// Replays this consumer's pending entries (delivered, never acknowledged).

@@ -154,9 +154,10 @@ impl Worker {
                 &self.config.consumer,
                 self.config.claim_idle.as_millis() as u64,
                 cursor,
-                self.config.batch_size,
+                self.entries_per_read(),
             )
             .await?;
+            self.saw(&entries);
             *cursor = if next == "0-0" {
                 CLAIM_DONE.into()
             } else {

@@ -394,6 +394,7 @@ async fn a_sale_opening_while_an_instance_is_stormed_admits_nobody_early_and_ope
                 .arg("+"),
         )
         .await;
+    // An entry holds one admission call's orders, each admitted at the entry's time.
     let stamps: Vec<i64> = entries
         .iter()
         .filter(|(_, fields)| {
@@ -401,11 +402,14 @@ async fn a_sale_opening_while_an_instance_is_stormed_admits_nobody_early_and_ope
                 .iter()
                 .any(|(k, v)| k == "voucher_id" && *v == sale.to_string())
         })
-        .filter_map(|(_, fields)| {
-            fields
+        .flat_map(|(_, fields)| {
+            let at: i64 = fields
                 .iter()
                 .find(|(k, _)| k == "admitted_ms")
                 .and_then(|(_, v)| v.parse().ok())
+                .expect("admitted_ms");
+            let orders = fields.iter().filter(|(k, _)| k == "order_id").count();
+            std::iter::repeat_n(at, orders)
         })
         .collect();
     assert_eq!(stamps.len(), 5);

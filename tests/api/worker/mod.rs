@@ -10,6 +10,7 @@ use sqlx::PgPool;
 
 mod burial;
 mod delivery;
+mod entries;
 
 /// Admits `n` users and returns their order ids.
 pub(crate) async fn admit(
