@@ -107,8 +107,8 @@ pub(crate) async fn claim<C: ConnectionLike + Send>(
     Ok((next, parse_entries(entries)?))
 }
 
-/// Acknowledges the entries of these orders (each once). A missing group (Redis lost its data) means there is nothing
-/// left to acknowledge.
+/// Acknowledges the entries of these orders (each once). A missing group (Redis lost
+/// its data) means there is nothing left to acknowledge.
 pub(crate) async fn ack<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
@@ -232,12 +232,13 @@ async fn orders_among<C: ConnectionLike + Send>(
 
 /// The distinct entry ids of a batch's orders (an entry holds several), in order.
 fn entry_ids(entries: &[Entry]) -> Vec<&str> {
+    distinct(entries.iter().map(Entry::entry_id))
+}
+
+/// Each id once, in order of first appearance.
+fn distinct<'a>(ids: impl Iterator<Item = &'a str>) -> Vec<&'a str> {
     let mut seen = HashSet::new();
-    entries
-        .iter()
-        .map(Entry::entry_id)
-        .filter(|id| seen.insert(*id))
-        .collect()
+    ids.filter(|id| seen.insert(*id)).collect()
 }
 
 /// How often each of `entries` has been delivered; entries not pending are left out.
@@ -269,12 +270,7 @@ pub(crate) async fn still_pending<C: ConnectionLike + Clone + Send>(
     shard: Shard,
     wanted: &[(&str, OrderId)],
 ) -> RedisResult<StillPending> {
-    let mut seen = HashSet::new();
-    let ids: Vec<&str> = wanted
-        .iter()
-        .map(|(id, _)| *id)
-        .filter(|id| seen.insert(*id))
-        .collect();
+    let ids = distinct(wanted.iter().map(|(id, _)| *id));
     let (mut pending_conn, mut orders_conn) = (conn.clone(), conn.clone());
     let (pending, orders) = futures_util::join!(
         pending_among(&mut pending_conn, keys, shard, &ids),

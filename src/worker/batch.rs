@@ -65,8 +65,20 @@ impl Worker {
         shard: Shard,
         entries: &[Entry],
     ) -> anyhow::Result<BatchReport> {
+        self.acked_after(shard, entries, self.process_rounds(shard, entries))
+            .await
+    }
+
+    /// Runs `settle` on a batch (kept fresh in the pending list meanwhile), then
+    /// acknowledges the batch but for the entries `settle` says are not ours.
+    async fn acked_after(
+        &self,
+        shard: Shard,
+        entries: &[Entry],
+        settle: impl std::future::Future<Output = anyhow::Result<(BatchReport, HashSet<String>)>>,
+    ) -> anyhow::Result<BatchReport> {
         self.heartbeat(shard, entries, async {
-            let (report, reused) = self.process_rounds(shard, entries).await?;
+            let (report, reused) = settle.await?;
             self.ack(shard, entries, reused).await?;
             Ok(report)
         })
@@ -328,7 +340,7 @@ impl Worker {
         if !held.isolate {
             return self.process_batch(held.shard, &held.entries).await;
         }
-        self.heartbeat(held.shard, &held.entries, async {
+        let one_by_one = async {
             let mut report = BatchReport::default();
             let mut reused = HashSet::new();
             for entry in &held.entries {
@@ -338,10 +350,10 @@ impl Worker {
                 report.add(r);
                 reused.extend(u);
             }
-            self.ack(held.shard, &held.entries, reused).await?;
-            Ok(report)
-        })
-        .await
+            Ok((report, reused))
+        };
+        self.acked_after(held.shard, &held.entries, one_by_one)
+            .await
     }
 }
 
