@@ -102,11 +102,16 @@ use_or_start() {
   printf -v "${kind}_private" 1
 }
 
-# Whether something accepts connections on 127.0.0.1:PORT.
-port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+# Whether 127.0.0.1:PORT is in use: something accepts connections on it, or any socket
+# holds it (54340 lies in Linux's ephemeral range: a client's outgoing connection may
+# hold it, and a server cannot bind it then, though nothing listens).
+port_open() {
+  (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
+  command -v ss >/dev/null && [ -n "$(ss -Htan "( sport = :$1 )" 2>/dev/null)" ]
+}
 
-# The first port from START up that nothing listens on (a private server's port must not
-# be anybody else's: a fixed one would collide with a second run or another project).
+# The first port from START up that nothing uses (a private server's port must not be
+# anybody else's: a fixed one would collide with a second run or another project).
 spare_port() {
   local port=$1
   while port_open "$port"; do
@@ -119,7 +124,7 @@ spare_port() {
 start_redis() {
   ensure_packages redis-server redis-tools
   local port=${1:-}
-  [ -n "$port" ] || port=$(spare_port 63800) || exit 1
+  [ -n "$port" ] || port=$(spare_port "${redis_from:-63800}") || exit 1
   export REDIS_URL="redis://127.0.0.1:$port"
   # A fixed port may already have this directory's server from an earlier run.
   if [ -n "${1:-}" ] && redis_answers; then return 0; fi
@@ -139,6 +144,7 @@ start_redis() {
       if [ -z "${1:-}" ] && [ "${redis_start_tries:-0}" -lt 3 ]; then
         redis_start_tries=$((${redis_start_tries:-0} + 1))
         log "127.0.0.1:$port was taken by another Redis while this one started; trying the next port"
+        redis_from=$((port + 1))
         start_redis
         return
       fi
@@ -155,7 +161,7 @@ start_redis() {
 start_postgres() {
   ensure_packages postgresql postgresql-client
   local port=${1:-} bin data="$RUN_DIR/pgdata"
-  [ -n "$port" ] || port=$(spare_port 54340) || exit 1
+  [ -n "$port" ] || port=$(spare_port "${postgres_from:-54340}") || exit 1
   bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n 1)
   local run=()
   mkdir -p "$RUN_DIR"
@@ -181,6 +187,7 @@ start_postgres() {
       tail -n 20 "$RUN_DIR/postgres.log" 2>/dev/null | grep -q 'Address already in use'; then
       postgres_start_tries=$((${postgres_start_tries:-0} + 1))
       log "127.0.0.1:$port was taken while this Postgres started; trying the next port"
+      postgres_from=$((port + 1))
       start_postgres
       return
     fi
