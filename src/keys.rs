@@ -71,6 +71,11 @@ impl SalePart {
         }
     }
 
+    /// `user_id`'s home part of a sale in `parts` parts (see [`home_part`]).
+    pub fn home_of(voucher_id: VoucherId, user_id: UserId, parts: u8) -> Self {
+        Self::new(voucher_id, home_part(user_id, parts), parts)
+    }
+
     /// Every part of a sale in `parts` parts.
     pub fn all(voucher_id: VoucherId, parts: u8) -> impl Iterator<Item = SalePart> {
         (0..parts.max(1)).map(move |part| SalePart::new(voucher_id, part, parts))
@@ -85,6 +90,11 @@ impl SalePart {
     /// (`<part>/<parts>`); `None` for a sale in one part, whose entries carry no part.
     pub fn label(&self) -> Option<String> {
         (self.parts > 1).then(|| format!("{}/{}", self.part, self.parts))
+    }
+
+    /// Whether this part is `user_id`'s home part (holds their buyer record).
+    pub fn is_home_of(&self, user_id: UserId) -> bool {
+        home_part(user_id, self.parts) == self.part
     }
 
     /// The part a label names (`None`: not a label of a part).

@@ -157,7 +157,7 @@ fn settings(api: &ApiArgs) -> Settings {
             .collect(),
         replicas: api.redis.durability.replicas(),
         edge: api.edge.clone(),
-        finish_moves_every: Some(crate::config::FINISH_MOVES_EVERY),
+        ..Settings::default()
     }
 }
 

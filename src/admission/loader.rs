@@ -11,7 +11,7 @@ use redis::Script;
 use sqlx::PgPool;
 
 use crate::domain::{OrderId, UserId, VoucherId};
-use crate::keys::{home_part, Keys, SalePart};
+use crate::keys::{Keys, SalePart};
 use crate::scripts::{Call, Replicas};
 use crate::store;
 use staging::{page_on, Candidate, PartMoves, Stage};
@@ -195,8 +195,7 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
     if leave_alone(conn, keys, part, mode).await? {
         return Ok(None);
     }
-    let parts = part.parts;
-    let mine = |user: UserId| home_part(user, parts) == part.part;
+    let mine = |user: UserId| part.is_home_of(user);
     let mut paging = Paging::before_lock(db, conn, keys, part, mode).await?;
 
     let mut tx = db.begin().await?;
@@ -204,9 +203,10 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
         return Ok(None);
     };
     anyhow::ensure!(
-        sale.segments as u8 == parts,
-        "voucher {voucher_id} is in {} parts, not {parts}",
-        sale.segments
+        sale.segments as u8 == part.parts,
+        "voucher {voucher_id} is in {} parts, not {}",
+        sale.segments,
+        part.parts
     );
     let sale_orders = buyers.len() as i64;
     buyers.retain(|(u, _)| mine(*u));
@@ -395,7 +395,7 @@ impl Paging {
             let early: HashMap<UserId, OrderId> = store::vouchers::buyers(db, part.voucher_id)
                 .await?
                 .into_iter()
-                .filter(|(u, _)| home_part(*u, part.parts) == part.part)
+                .filter(|(u, _)| part.is_home_of(*u))
                 .collect();
             paging.page_on(conn, keys, part, &early).await?;
         }

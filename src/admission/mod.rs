@@ -225,7 +225,7 @@ pub async fn orders_of<C: ConnectionLike + Send + Clone>(
     // cluster nodes, so no pipeline.
     let lookups = sales.iter().map(|&(voucher_id, parts)| {
         let mut conn = conn.clone();
-        let home = SalePart::new(voucher_id, keys::home_part(user_id, parts), parts);
+        let home = SalePart::home_of(voucher_id, user_id, parts);
         let cmd = redis::cmd("HGET").arg(keys.part(home)).arg(&field).clone();
         async move { cmd.query_async::<Option<OrderId>>(&mut conn).await }
     });

@@ -243,12 +243,7 @@ impl Watcher {
     /// A look that heals every server, new term or not (`everything`), or only those
     /// in a new term.
     async fn look_healing(&mut self, everything: bool) {
-        if everything {
-            for seen in self.seen.values_mut() {
-                seen.term = None;
-            }
-        }
-        match pass(&self.w, &mut self.seen).await {
+        match pass(&self.w, &mut self.seen, everything).await {
             Ok(()) if self.failing => {
                 tracing::info!("term watch recovered");
                 self.failing = false;
@@ -288,14 +283,15 @@ fn servers(conn: &RedisConn, keys: &Keys) -> Vec<(Shard, Vec<Shard>)> {
 }
 
 /// One look at every server: a changed identity draws a new term; a new term (or the
-/// first look) heals the server's shards.
-async fn pass(w: &Watch, seen: &mut HashMap<Shard, Seen>) -> anyhow::Result<()> {
+/// first look, or `everything`) heals the server's shards.
+async fn pass(w: &Watch, seen: &mut HashMap<Shard, Seen>, everything: bool) -> anyhow::Result<()> {
     let mut conn = w.redis.clone();
     for (asked, shards) in servers(&w.redis, &w.keys) {
         let key = w.keys.stream(asked).to_string();
         let was = seen.get(&asked).cloned().unwrap_or_default();
-        if was.term.is_none() {
-            // Once per process and server: the library this binary carries, or newer.
+        if was.term.is_none() || everything {
+            // Once per process and server (and when woken: the server may have lost
+            // it): the library this binary carries, or newer.
             crate::scripts::install_library(&mut conn, Some(&key.as_bytes().to_vec())).await?;
         }
         let (term, now) = term_and_identity(&mut conn, &key).await?;
@@ -315,9 +311,11 @@ async fn pass(w: &Watch, seen: &mut HashMap<Shard, Seen>) -> anyhow::Result<()> 
             _ => term,
         };
         let changed = was.term.as_ref() != Some(&term.term);
-        if changed {
+        if changed || everything {
             let rebuilt = heal(w, &shards).await?;
-            if was.term.is_some() || !rebuilt.is_empty() {
+            // A term that replaced one seen before is a rollback even when a grab that
+            // met it rebuilt every sale first (and woke this look).
+            if (changed && was.term.is_some()) || !rebuilt.is_empty() {
                 metrics::counter!(crate::metrics::ROLLBACKS_HEALED).increment(1);
                 tracing::warn!(
                     term = %term.term,

@@ -38,8 +38,7 @@ pub struct Release {
 impl Release {
     /// The part whose state holds the order's buyer record.
     pub fn sale_part(&self) -> crate::keys::SalePart {
-        let home = crate::keys::home_part(self.user_id, self.segments as u8);
-        crate::keys::SalePart::new(self.voucher_id, home, self.segments as u8)
+        crate::keys::SalePart::home_of(self.voucher_id, self.user_id, self.segments as u8)
     }
 }
 

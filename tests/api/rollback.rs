@@ -15,7 +15,7 @@ use crate::common::{metric_value, metrics_at, open_sale_at, vid, TestApp};
 
 /// Presses "grab" once per user against `base`, pressing again while the answer is 503
 /// (the sale being rebuilt), for at most a minute each. Each user's final answer.
-async fn press_through_503s(
+pub(crate) async fn press_through_503s(
     app: &TestApp,
     base: &str,
     voucher: i64,
@@ -48,7 +48,7 @@ async fn press_through_503s(
 }
 
 /// The order ids of the 202s among `answers`.
-fn won(answers: &HashMap<i64, (StatusCode, Value)>) -> HashMap<i64, i64> {
+pub(crate) fn won(answers: &HashMap<i64, (StatusCode, Value)>) -> HashMap<i64, i64> {
     answers
         .iter()
         .filter(|(_, (status, _))| *status == StatusCode::ACCEPTED)
@@ -57,7 +57,7 @@ fn won(answers: &HashMap<i64, (StatusCode, Value)>) -> HashMap<i64, i64> {
 }
 
 /// `seckill reconcile` (compare only) until it says the books balance; how long it took.
-async fn until_reconcile_is_clean(app: &TestApp, limit: Duration) -> Duration {
+pub(crate) async fn until_reconcile_is_clean(app: &TestApp, limit: Duration) -> Duration {
     let started = Instant::now();
     loop {
         let (code, out) = app.cli(&["reconcile"]);

@@ -16,6 +16,7 @@ use seckill::keys::SalePart;
 mod cluster;
 mod lost_writes;
 mod moves;
+mod restart;
 
 /// Creates a sale of `stock` open now for an hour, split over `parts`; its id.
 async fn segmented_sale_at(
