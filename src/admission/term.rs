@@ -224,6 +224,9 @@ pub(crate) struct Watcher {
     w: Watch,
     seen: HashMap<Shard, Seen>,
     failing: bool,
+    /// Woken, and every server not yet healed since: kept until a look succeeds (the
+    /// wake comes once; the look right after a loss of data may well fail).
+    heal_everything: bool,
 }
 
 impl Watcher {
@@ -232,6 +235,7 @@ impl Watcher {
             w,
             seen: HashMap::new(),
             failing: false,
+            heal_everything: false,
         }
     }
 
@@ -240,15 +244,18 @@ impl Watcher {
         self.look_healing(false).await
     }
 
-    /// A look that heals every server, new term or not (`everything`), or only those
-    /// in a new term.
+    /// A look that heals every server, new term or not (`everything`, or a woken look
+    /// that failed), or only those in a new term.
     async fn look_healing(&mut self, everything: bool) {
-        match pass(&self.w, &mut self.seen, everything).await {
-            Ok(()) if self.failing => {
-                tracing::info!("term watch recovered");
-                self.failing = false;
+        self.heal_everything |= everything;
+        match pass(&self.w, &mut self.seen, self.heal_everything).await {
+            Ok(()) => {
+                self.heal_everything = false;
+                if self.failing {
+                    tracing::info!("term watch recovered");
+                    self.failing = false;
+                }
             }
-            Ok(()) => {}
             Err(e) => {
                 if !self.failing {
                     tracing::warn!(error = format!("{e:#}"), "term watch failing, retrying");

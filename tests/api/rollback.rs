@@ -57,7 +57,7 @@ pub(crate) fn won(answers: &HashMap<i64, (StatusCode, Value)>) -> HashMap<i64, i
 }
 
 /// `seckill reconcile` (compare only) until it says the books balance; how long it took.
-pub(crate) async fn until_reconcile_is_clean(app: &TestApp, limit: Duration) -> Duration {
+async fn until_reconcile_is_clean(app: &TestApp, limit: Duration) -> Duration {
     let started = Instant::now();
     loop {
         let (code, out) = app.cli(&["reconcile"]);
@@ -120,11 +120,35 @@ async fn a_restart_from_an_older_snapshot_mid_sale_heals_itself_and_sells_exactl
     let (cancelled_won, fresh) =
         check_the_answers_after_the_restart(&again, &crowd, &closed, &first, &second);
 
-    // No id handed out twice, every 202 in Postgres, no unit sold twice.
     let all: Vec<i64> = [&first, &second, &cancelled_won, &fresh]
         .iter()
         .flat_map(|m| m.values().copied())
         .collect();
+    let cancelled: HashSet<i64> = (1..=5).map(|u| first[&u]).collect();
+    let reconciled_in =
+        the_books_after_the_restart(&app, &base, sale, stock, &all, &cancelled).await;
+    println!(
+        "restart from an older snapshot: 202s {} for {stock} units, 202s lost 0, oversold 0; \
+         first answers again after {:.1} s, reconcile clean {:.1} s later",
+        all.len(),
+        healed_in.as_secs_f64(),
+        reconciled_in.as_secs_f64(),
+    );
+}
+
+/// What must hold once the shoppers pressed through a restart and `sale` sold out: no
+/// order id handed out twice (`all`: every 202), all `stock` units in Postgres, the
+/// active orders exactly the 202s not `cancelled`, `reconcile` clean, the rollback
+/// counted by the server at `base` and no order dead-lettered for want of a unit. How
+/// long `reconcile` took to come clean.
+pub(crate) async fn the_books_after_the_restart(
+    app: &TestApp,
+    base: &str,
+    sale: i64,
+    stock: i64,
+    all: &[i64],
+    cancelled: &HashSet<i64>,
+) -> Duration {
     let distinct: HashSet<i64> = all.iter().copied().collect();
     assert_eq!(
         distinct.len(),
@@ -132,35 +156,24 @@ async fn a_restart_from_an_older_snapshot_mid_sale_heals_itself_and_sells_exactl
         "an order id was handed out twice"
     );
     assert_eq!(
-        app.wait_for_orders(sale, 500, Duration::from_secs(30))
+        app.wait_for_orders(sale, stock as usize, Duration::from_secs(30))
             .await,
-        500
+        stock as usize
     );
     let stored = app.assert_consistent(sale, stock).await;
-    let active: HashSet<i64> = all
-        .iter()
-        .copied()
-        .filter(|id| !(1..=5).any(|u| first[&u] == *id))
-        .collect();
+    let active: HashSet<i64> = distinct.difference(cancelled).copied().collect();
     assert_eq!(
         stored, active,
         "the active orders are exactly the 202s not cancelled"
     );
-    let reconciled_in = until_reconcile_is_clean(&app, Duration::from_secs(30)).await;
+    let reconciled_in = until_reconcile_is_clean(app, Duration::from_secs(30)).await;
 
-    let metrics = metrics_at(&app.client, &base).await;
+    let metrics = metrics_at(&app.client, base).await;
     let healed = metric_value(&metrics, "seckill_redis_rollbacks_healed_total").unwrap();
     let no_stock = metric_value(&metrics, "seckill_dead_lettered_total{kind=\"no_stock\"}");
     assert!(healed >= 1.0, "the rollback was counted: {healed}");
     assert_eq!(no_stock, Some(0.0), "no 202 beyond the stock");
-    println!(
-        "restart from an older snapshot: 202s {} for {stock} units, 202s lost 0, oversold 0; \
-         first answers again after {:.1} s, reconcile clean {:.1} s later; \
-         rollbacks healed counted {healed}",
-        all.len(),
-        healed_in.as_secs_f64(),
-        reconciled_in.as_secs_f64(),
-    );
+    reconciled_in
 }
 
 /// 300 winners of `sale` and 10 of `closing`, written to Postgres; returns their orders.

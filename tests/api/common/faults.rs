@@ -195,7 +195,8 @@ impl PrivateRedis {
         child
     }
 
-    fn command<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> T {
+    /// One command on a fresh connection (it works across a restart).
+    pub fn command<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> T {
         let mut conn = redis::Client::open(self.url.as_str())
             .unwrap()
             .get_connection()
