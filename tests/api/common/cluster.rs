@@ -20,15 +20,26 @@ pub struct PrivateCluster {
     tls_ca: Option<PathBuf>,
 }
 
-/// A port free both for clients and for the cluster bus (port + 10000).
-fn cluster_port() -> u16 {
-    loop {
-        let port = 20_000 + (rand::random::<u16>() % 20_000);
-        let free = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
-        if free(port) && free(port + 10_000) {
-            return port;
+/// Node and bus ports handed out in this test process (tests start clusters at once).
+static HANDED_OUT: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+/// A port for a node and one for its cluster bus (`--cluster-port`), free and never
+/// handed out before here. Both lie above Linux's ephemeral range (32768-60999 by
+/// default): a client's outgoing connection cannot take one between this look and the
+/// node's bind, nor while a killed node waits to start again on it.
+fn cluster_ports() -> (u16, u16) {
+    let free = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
+    for _ in 0..10_000 {
+        let port = 61_000 + rand::random::<u16>() % 1_000;
+        let bus = port + 1_000;
+        let mut taken = HANDED_OUT.lock().unwrap();
+        if !taken.contains(&port) && !taken.contains(&bus) && free(port) && free(bus) {
+            taken.extend([port, bus]);
+            return (port, bus);
         }
     }
+    panic!("no free pair of ports in 61000-62999");
 }
 
 /// One line of `CLUSTER NODES`: a node as the node asked sees it.
@@ -129,7 +140,7 @@ impl PrivateCluster {
             tls_ca: tls.map(|c| c.ca.clone()),
         };
         for _ in 0..masters * (1 + replicas) {
-            let port = cluster_port();
+            let (port, bus) = cluster_ports();
             let node_dir = cluster.dir.join(port.to_string());
             std::fs::create_dir_all(&node_dir).unwrap();
             let mut args: Vec<String> = vec!["--bind".into(), "127.0.0.1".into()];
@@ -144,6 +155,7 @@ impl PrivateCluster {
             for (k, v) in [
                 ("--cluster-enabled", "yes"),
                 ("--cluster-config-file", "nodes.conf"),
+                ("--cluster-port", &bus.to_string()),
                 ("--cluster-node-timeout", node_timeout),
                 ("--save", ""),
                 ("--appendonly", "no"),
@@ -223,9 +235,38 @@ impl PrivateCluster {
             if ok {
                 return;
             }
-            assert!(Instant::now() < deadline, "redis node {port} not ready");
+            assert!(
+                Instant::now() < deadline,
+                "redis node {port} not ready:\n{}",
+                self.describe(port)
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// What a node says of the cluster and of its replication, for a failure's message.
+    fn describe(&self, port: u16) -> String {
+        let Ok(mut c) = self
+            .client(port)
+            .get_connection_with_timeout(Duration::from_secs(5))
+        else {
+            return "(no connection)".into();
+        };
+        let _ = c.set_read_timeout(Some(Duration::from_secs(5)));
+        ["CLUSTER INFO", "CLUSTER NODES", "INFO replication"]
+            .iter()
+            .map(|line| {
+                let mut cmd = redis::Cmd::new();
+                line.split(' ').for_each(|w| {
+                    cmd.arg(w);
+                });
+                let answer = cmd
+                    .query::<String>(&mut c)
+                    .unwrap_or_else(|e| e.to_string());
+                format!("{line}:\n{answer}")
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 
     /// `REDIS_CLUSTER_URLS`.
