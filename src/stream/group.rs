@@ -231,7 +231,7 @@ async fn orders_among<C: ConnectionLike + Send>(
 }
 
 /// The distinct entry ids of a batch's orders (an entry holds several), in order.
-fn entry_ids(entries: &[Entry]) -> Vec<&str> {
+pub(crate) fn entry_ids(entries: &[Entry]) -> Vec<&str> {
     distinct(entries.iter().map(Entry::entry_id))
 }
 

@@ -14,7 +14,8 @@ mod trim;
 pub(crate) use dead::{dead_letter, settle_dead};
 pub use entry::{DeadReason, Entry};
 pub(crate) use group::{
-    ack, claim, delivery_counts, ensure_group, forget_idle_consumers, read, still_pending, touch,
+    ack, claim, delivery_counts, ensure_group, entry_ids, forget_idle_consumers, read,
+    still_pending, touch,
 };
 pub use group::{ReadFrom, GROUP};
 pub(crate) use inspect::{entries, page, range};

@@ -98,10 +98,23 @@ impl Worker {
         if rounds.len() <= 1 {
             return self.process_batch_inner(shard, entries).await;
         }
+        let rounds = rounds
+            .into_iter()
+            .map(|round| round.into_iter().map(|i| entries[i].clone()).collect())
+            .collect();
+        self.in_turn(shard, rounds).await
+    }
+
+    /// Settles the parts of a batch one after the other, each finished before the next.
+    /// Returns what was done and the entries not ours to acknowledge.
+    async fn in_turn(
+        &self,
+        shard: Shard,
+        parts: Vec<Vec<Entry>>,
+    ) -> anyhow::Result<(BatchReport, HashSet<String>)> {
         let mut report = BatchReport::default();
         let mut reused = HashSet::new();
-        for round in rounds {
-            let part: Vec<Entry> = round.into_iter().map(|i| entries[i].clone()).collect();
+        for part in parts {
             let (r, u) = self.process_batch_inner(shard, &part).await?;
             report.add(r);
             reused.extend(u);
@@ -340,20 +353,17 @@ impl Worker {
         if !held.isolate {
             return self.process_batch(held.shard, &held.entries).await;
         }
-        let one_by_one = async {
-            let mut report = BatchReport::default();
-            let mut reused = HashSet::new();
-            for entry in &held.entries {
-                let (r, u) = self
-                    .process_rounds(held.shard, std::slice::from_ref(entry))
-                    .await?;
-                report.add(r);
-                reused.extend(u);
-            }
-            Ok((report, reused))
-        };
-        self.acked_after(held.shard, &held.entries, one_by_one)
-            .await
+        let one_by_one = held
+            .entries
+            .iter()
+            .map(|order| vec![order.clone()])
+            .collect();
+        self.acked_after(
+            held.shard,
+            &held.entries,
+            self.in_turn(held.shard, one_by_one),
+        )
+        .await
     }
 }
 

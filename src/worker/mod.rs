@@ -150,11 +150,10 @@ impl Worker {
 
     /// Remembers how many orders an entry of `orders` held.
     pub(crate) fn saw(&self, orders: &[Entry]) {
-        let mut ids: Vec<&str> = orders.iter().map(Entry::entry_id).collect();
-        ids.dedup();
-        if !ids.is_empty() {
+        let entries = stream::entry_ids(orders).len();
+        if entries > 0 {
             self.orders_per_entry.store(
-                orders.len().div_ceil(ids.len()),
+                orders.len().div_ceil(entries),
                 std::sync::atomic::Ordering::Relaxed,
             );
         }
