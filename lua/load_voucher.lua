@@ -18,7 +18,7 @@
 -- stream  KEYS[3] the staged buyers (`u:<user>` -> order: Postgres's active orders; the
 -- step consumes it)  KEYS[4] the staged candidates (a list of "entry_id user_id
 -- order_id", in stream order; deleted)  KEYS[5] the part's moves-out hash  KEYS[6] its
--- moves-in hash (lua/move_units.lua)
+-- moves-in hash (lua/move_units.lua)  KEYS[7] the shard's term marker
 -- ARGV[1] mode: 'create' (only if missing), 'heal' (if missing, or built in another
 --         term, or corrupt), 'repair' (overwrite), 'check' (write nothing; compare)
 -- ARGV[2] voucher_id  ARGV[3] Postgres stock  ARGV[4] begin_ms  ARGV[5] end_ms
@@ -26,7 +26,9 @@
 -- ('' when none)  ARGV[9] most tail entries read here  ARGV[10] '1': consider the
 -- stream ('0' for a new sale)  ARGV[11] deadline (ms, Redis clock): later, do nothing
 -- (the caller may have given up and released the lock)  ARGV[12] Postgres's buyers
--- (as staged)  ARGV[13] m, then m pairs user_id, order_id (closed orders whose release
+-- (as staged)  ARGV[13] the epoch this build drew ('' for a check)  ARGV[14] the
+-- part's epoch in Postgres now ('' when it has none)  ARGV[15] m, then m pairs
+-- user_id, order_id (closed orders whose release
 -- to Redis is still owed; 'check' only); then the part ('' for a sale in one part: its
 -- entries carry no part); then i, and i pairs move id, units (moves into the part
 -- Postgres recorded and has not seen credited: counted in Postgres's stock, so marked
@@ -34,13 +36,21 @@
 -- 'check' only)
 --
 -- A write drops the part's moves-out records: a move Postgres has not recorded is void
--- (Postgres's stock, from the part's allotment, still counts its units).
+-- (Postgres's stock, from the part's allotment, still counts its units). It writes the
+-- new epoch as `next_epoch`: the state admits nothing until the caller has committed
+-- that epoch in Postgres and armed it (seckill_arm), so no order is ever stamped with
+-- an epoch Postgres does not know. A heal that finds a state of this term written with
+-- the epoch Postgres has now, but not armed (its loader died after the commit), arms
+-- it instead of building it again.
 --
 -- Returns {-1} when live state was left alone, {-2} when the tail is too long, {-3}
 -- past the deadline, else
 -- {expected_stock, expected_buyers, in_flight, actual_stock (-1: none), actual_buyers,
--- mismatched_buyers, owed_held}; 'actual' is the state before this step; owed_held
--- counts owed releases whose buyer record still holds their unit ('check' only).
+-- mismatched_buyers, owed_held, actual_epoch (0: none, or not armed), then the order id
+-- of each order in flight}; 'actual' is the state before this step; owed_held counts
+-- owed releases whose buyer record still holds their unit ('check' only). The orders
+-- in flight are the ones the new epoch carries: admitted under an earlier one, counted
+-- here, so the worker writes them.
 local function load_sale(keys, argv)
   local sale, stream, staged, staged_cands = keys[1], keys[2], keys[3], keys[4]
   local function done(reply)
@@ -51,7 +61,7 @@ local function load_sale(keys, argv)
     return done({-3})
   end
   local mode = argv[1]
-  local this_term = current_term()
+  local this_term = current_term(keys[7], mode ~= 'check')
   local now_fields = redis.call('HMGET', sale, unpack(SALE_FIELDS))
   local exists = now_fields[1] ~= false or redis.call('EXISTS', sale) == 1
   if mode == 'create' and exists then
@@ -60,16 +70,23 @@ local function load_sale(keys, argv)
   -- (A corrupt buyer record is rebuilt by 'repair': admission names it apart.)
   if mode == 'heal' and exists and now_fields[4] == this_term and whole(now_fields[1])
       and tonumber(now_fields[2]) and tonumber(now_fields[3]) then
-    return done({-1})
+    if now_fields[7] then
+      return done({-1})
+    end
+    if argv[14] ~= '' and now_fields[8] == argv[14] then
+      redis.call('HSET', sale, 'epoch', argv[14])
+      redis.call('HDEL', sale, 'next_epoch')
+      return done({-1})
+    end
   end
   local voucher = argv[2]
   local n_pg = tonumber(argv[12])
   local owed = {}
-  local n_owed = tonumber(argv[13])
+  local n_owed = tonumber(argv[15])
   for k = 1, n_owed do
-    owed[#owed + 1] = {argv[12 + 2 * k], argv[13 + 2 * k]}
+    owed[#owed + 1] = {argv[14 + 2 * k], argv[15 + 2 * k]}
   end
-  local at = 14 + 2 * n_owed
+  local at = 16 + 2 * n_owed
   local part = argv[at] or ''
   local moved_in = {}
   for k = 1, tonumber(argv[at + 1] or '0') do
@@ -271,10 +288,17 @@ local function load_sale(keys, argv)
         compare(users, want)
       end
     end
-    return done({stock, n_pg + n_in + owed_held, n_in, actual_stock, actual_buyers, mismatched, owed_held})
+    -- (A state whose epoch Postgres has committed is the sale's while it is being
+    -- armed.)
+    local epoch = now_fields[7]
+    if not epoch and argv[14] ~= '' and now_fields[8] == argv[14] then
+      epoch = now_fields[8]
+    end
+    return done({stock, n_pg + n_in + owed_held, n_in, actual_stock, actual_buyers, mismatched, owed_held,
+      tonumber(epoch) or 0})
   end
 
-  -- A sale never ends later than Redis already says: a close (lua/close_sale.lua) that
+  -- A sale never ends later than Redis already says: a close (seckill_close) that
   -- reached Redis but whose Postgres commit failed must not be undone by a reload. Sales
   -- are never extended, so the earlier end is the true one.
   local begin_ms, end_ms = tonumber(argv[4]), tonumber(argv[5])
@@ -302,7 +326,7 @@ local function load_sale(keys, argv)
   end
   redis.call('HSET', staged, 'stock', stock, 'begin_ms', string.format('%d', begin_ms),
     'end_ms', string.format('%d', end_ms), 'term', this_term,
-    'gen', string.format('%d', gen), unpack(fields))
+    'gen', string.format('%d', gen), 'next_epoch', argv[13], unpack(fields))
   -- UNLINK frees a large old state in the background.
   redis.call('UNLINK', sale)
   redis.call('RENAME', staged, sale)
@@ -314,7 +338,11 @@ local function load_sale(keys, argv)
   if #moved_in > 0 then
     redis.call('PEXPIREAT', moves_in, argv[6])
   end
-  return done({stock, n_pg + n_in, n_in, actual_stock, actual_buyers, 0, 0})
+  local reply = {stock, n_pg + n_in, n_in, actual_stock, actual_buyers, 0, 0, tonumber(now_fields[7]) or 0}
+  for _, o in pairs(in_flight) do
+    reply[#reply + 1] = o
+  end
+  return done(reply)
 end
 
 redis.register_function('seckill_load', load_sale)

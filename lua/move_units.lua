@@ -7,22 +7,29 @@
 -- Postgres drops the donor's records: a move not yet in Postgres is then void, and the
 -- donor has its units back from its allotment.
 
--- Whether a part's state is loaded, of this term and sound: {stock} or nil.
-local function sound_stock(sale)
-  local v = redis.call('HMGET', sale, 'stock', 'begin_ms', 'end_ms', 'term')
+-- A part's stock when its state is loaded, armed, of this term and sound, and of
+-- `epoch` when one is given (Postgres's: a state of another epoch is not the sale's,
+-- an old primary's after a failover, say); else nil. `marker`, `write`: as for
+-- current_term.
+local function sound_stock(sale, marker, write, epoch)
+  local v = redis.call('HMGET', sale, 'stock', 'begin_ms', 'end_ms', 'term', 'epoch')
   local stock = whole(v[1])
-  if not stock or not tonumber(v[2]) or not tonumber(v[3]) or v[4] ~= current_term() then
+  if not stock or not tonumber(v[2]) or not tonumber(v[3]) or not v[5]
+      or v[4] ~= current_term(marker, write) then
+    return nil
+  end
+  if epoch and epoch ~= '' and v[5] ~= epoch then
     return nil
   end
   return stock
 end
 
 -- Takes up to ARGV[2] units out of a part for part ARGV[3], as move ARGV[1].
--- KEYS[1] the donor's hash  KEYS[2] its moves-out hash
+-- KEYS[1] the donor's hash  KEYS[2] its moves-out hash  KEYS[3] the shard's term marker
 -- Returns the units taken (0: none left), or -1 when the state is not sound (missing,
 -- stale or corrupt: it is rebuilt before it gives anything).
 local function take_units(keys, argv)
-  local stock = sound_stock(keys[1])
+  local stock = sound_stock(keys[1], keys[3], true)
   if not stock then
     return -1
   end
@@ -43,12 +50,14 @@ local function take_units(keys, argv)
 end
 
 -- The units move ARGV[1] took out of a part, if its record is still there (0: not), or
--- -1 when the part's state is not sound and of this term: a record in a state of
--- another term may be one a rebuild voided, brought back by an older copy of the
--- server, so it is never recorded; the state is rebuilt (and the record dropped) first.
--- KEYS[1] the donor's hash  KEYS[2] its moves-out hash
+-- -1 when the part's state is not sound, of this term and of Postgres's epoch ARGV[2]
+-- ('' when it has none): a record in a state of another term may be one a rebuild
+-- voided, brought back by an older copy of the server, so it is never recorded; the
+-- state is rebuilt (and the record dropped) first. A record in a state of another epoch
+-- is not the sale's (its current state still holds those units).
+-- KEYS[1] the donor's hash  KEYS[2] its moves-out hash  KEYS[3] the shard's term marker
 local function taken(keys, argv)
-  if not sound_stock(keys[1]) then
+  if not sound_stock(keys[1], keys[3], false, argv[2]) then
     return -1
   end
   local v = redis.call('HGET', keys[2], argv[1])
@@ -59,14 +68,21 @@ local function taken(keys, argv)
 end
 
 -- Credits move ARGV[1] of ARGV[2] units to a part, once.
--- KEYS[1] the recipient's hash  KEYS[2] its moves-in hash
+-- KEYS[1] the recipient's hash  KEYS[2] its moves-in hash  KEYS[3] the shard's term
+-- marker  ARGV[3] Postgres's epoch of the recipient ('' when it has none)
 -- Returns 1 credited, 0 credited before, -1 the state is not sound (a rebuild from
--- Postgres, whose allotment holds the move, will count the units).
+-- Postgres, whose allotment holds the move, will count the units), -2 the state is of
+-- another epoch than Postgres's: not the sale's, so the credit is left to a process
+-- that reaches the sale's own state.
 local function credit_units(keys, argv)
   if redis.call('HEXISTS', keys[2], argv[1]) == 1 then
     return 0
   end
-  local stock = sound_stock(keys[1])
+  local v = redis.call('HGET', keys[1], 'epoch')
+  if argv[3] ~= '' and v and v ~= argv[3] then
+    return -2
+  end
+  local stock = sound_stock(keys[1], keys[3], true)
   if not stock then
     return -1
   end

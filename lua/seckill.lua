@@ -1,11 +1,15 @@
 #!lua name=seckill
--- The service's Redis function library: admission, the term, order-id leases, and (from
--- lua/load_voucher.lua, appended to this file when the library is loaded) loading a
--- sale's state. A library rather than plain scripts for one reason: its local variables
--- live as long as the server's Lua engine does, so it can tell a state written in THIS
--- life of the server from one that came back from a snapshot, an append-only file or a
--- replica (Redis acknowledges writes before they are on disk or on a replica, so a
--- restart or a failover can hand us an older Redis).
+-- The service's Redis function library: admission, the term, order-id leases, and,
+-- appended to this file when the library is loaded, loading a sale's state
+-- (lua/load_voucher.lua), moving units between the parts of a sale (lua/move_units.lua)
+-- and what follows admission (lua/lifecycle.lua: releases, settles, closes). A library
+-- rather than plain scripts for one reason: its local variables live as long as the
+-- server's Lua engine does, so it can tell a state written in THIS life of the server
+-- from one that came back from a snapshot, an append-only file or a replica (Redis
+-- acknowledges writes before they are on disk or on a replica, so a restart or a
+-- failover can hand us an older Redis). Every function that writes looks at its slot's
+-- term marker first (current_term), so a server that was a replica in between also
+-- knows.
 --
 -- The layout (buyer prefix, entry fields) is the one src/keys.rs defines; a unit test
 -- there keeps this file in step.
@@ -13,27 +17,58 @@
 -- Raised with every change of this library (a unit test in src/scripts.rs holds it to
 -- the code): a process replaces a loaded library only if it is older, or of the same
 -- version with other code, so two releases never take turns replacing each other.
-local VERSION = 4
+local VERSION = 5
 -- A hash of this code, filled in when it is loaded.
 local CODE = '__CODE__'
 
 -- The term: a token drawn at the first call of this server's life (after a start, a
--- promotion from replica, a (re)load of this library) or when a process saw the server's
--- identity change. Every sale's state carries the term it was built in; admission
+-- promotion from replica, a (re)load of this library), when a process saw the server's
+-- identity change, or when the server's data shows another life wrote it (see
+-- current_term). Every sale's state carries the term it was built in; admission
 -- refuses a state of another term (code 6), and the state is rebuilt from Postgres.
 local term, term_ms
+-- The terms this life drew, and the other lives' terms it has answered with a draw.
+local known = {}
 
 local function clock()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), t
 end
 
-local function current_term()
-  if not term then
-    local ms, t = clock()
-    -- Two servers drawing in the same microsecond still differ by their Lua heap.
-    term = t[1] .. '.' .. t[2] .. '.' .. (string.match(tostring({}), '0x(%x+)') or '0')
-    term_ms = ms
+local function draw()
+  local ms, t = clock()
+  -- Two servers drawing in the same microsecond still differ by their Lua heap.
+  term = t[1] .. '.' .. t[2] .. '.' .. (string.match(tostring({}), '0x(%x+)') or '0')
+  term_ms = ms
+  known[term] = true
+end
+
+-- The server's term, after a look at `marker` (a key of the call's slot, when given):
+-- it names the term of the life that last wrote that slot's data. A term this life
+-- never saw means the data came from another life of some server since (this server
+-- was a replica meanwhile, say, and is master again after a partial resync, which keeps
+-- its Lua state): writes that life made may be missing here, so a new term is drawn,
+-- and every state built earlier is stale. `write`: the call may write (else the
+-- marker is brought up to date by the next call that may).
+local function current_term(marker, write)
+  local fresh = not term
+  if fresh then
+    draw()
+  end
+  if marker then
+    local m = redis.call('GET', marker)
+    if m ~= term then
+      if m and not known[m] then
+        known[m] = true
+        -- (A fresh life's term is new anyway.)
+        if not fresh then
+          draw()
+        end
+      end
+      if write then
+        redis.call('SET', marker, term)
+      end
+    end
   end
   return term
 end
@@ -43,7 +78,11 @@ end
 -- stays, a sold-out sale's buyers are the same (see seckill_peek).
 -- `part` is set only in the parts of a segmented sale (`<part>/<parts>`), and carried by
 -- its orders' stream entries.
-local SALE_FIELDS = {'stock', 'begin_ms', 'end_ms', 'term', 'gen', 'part'}
+-- `epoch` is the build of the state Postgres recorded (the fence: the worker writes an
+-- order only of the sale's current epoch); a load writes `next_epoch` instead, and the
+-- state is armed (`epoch` set) once Postgres has committed it (seckill_arm). A state
+-- without `epoch` admits nothing.
+local SALE_FIELDS = {'stock', 'begin_ms', 'end_ms', 'term', 'gen', 'part', 'epoch', 'next_epoch'}
 
 -- A count as Redis stored it (stock): nil when missing or corrupt.
 local function whole(v)
@@ -71,12 +110,14 @@ end
 -- nobody can change a record between that read and that write, and every sale is
 -- checked (loaded, of this term, not corrupt) before anything is written.
 --
--- A sale is one hash: `stock`, `begin_ms`, `end_ms`, `term`, `gen`, and a field
+-- A sale is one hash: `stock`, `begin_ms`, `end_ms`, `term`, `gen`, `epoch`, and a field
 -- `u:<user_id>` holding the order id of each buyer (so buyer records expire with the
 -- sale). All keys share the shard's hash tag, so this is valid on Redis Cluster. `gen`
 -- moves with every call that adds a buyer (and every unit that comes back, and every
--- load): while it stays, a sale's buyers are the same (see seckill_peek).
--- KEYS[1] the shard's order stream (stream.orders)  KEYS[2..] the sale hashes
+-- load): while it stays, a sale's buyers are the same (see seckill_peek). Each order's
+-- entry carries the epoch of the state that admitted it.
+-- KEYS[1] the shard's order stream (stream.orders)  KEYS[2] the shard's term marker
+-- KEYS[3..] the sale hashes
 -- ARGV[1] '1': write even when nothing is admitted (the caller waits for replicas after
 -- this call: a write makes that wait cover every earlier write, other clients' included,
 -- so an `already ordered` answer never names an order a failover could still undo)
@@ -88,7 +129,7 @@ end
 -- before the caller knew the sale's parts must not be decided in another user's part.
 --
 -- Returns, per grab, two values: code, order_id (0 when none):
---   0 admitted (order_id), 1 not loaded, 2 not started, 3 ended,
+--   0 admitted (order_id), 1 not loaded (or not armed yet), 2 not started, 3 ended,
 --   4 already ordered (the existing order_id), 5 sold out, 6 stale (built in another
 --   term: to be rebuilt from Postgres), 7 corrupt (a field that is not a number: to be
 --   rebuilt from Postgres), 8 part drained (a part of a segmented sale has no unit left:
@@ -96,7 +137,7 @@ end
 local function admit(keys, argv)
   local now = clock()
   local now_s = string.format('%d', now)
-  local this_term = current_term()
+  local this_term = current_term(keys[2], true)
 
   -- Each sale once (by its index in KEYS) with the fields to read for it, and each
   -- grab's buyer field (by the grab's number in the call).
@@ -108,8 +149,8 @@ local function admit(keys, argv)
     local k = argv[i]
     local s = sales[k]
     if not s then
-      s = {key = keys[tonumber(k)], fields = {'stock', 'begin_ms', 'end_ms', 'term', 'gen', 'part'},
-        nfields = 6, held = {}, new = {}, nnew = 0}
+      s = {key = keys[tonumber(k)], fields = {'stock', 'begin_ms', 'end_ms', 'term', 'gen', 'part', 'epoch'},
+        nfields = 7, held = {}, new = {}, nnew = 0}
       sales[k] = s
       nsales = nsales + 1
       order_of_sales[nsales] = s
@@ -134,7 +175,7 @@ local function admit(keys, argv)
     local stock, begin_ms, end_ms = whole(v[1]), tonumber(v[2]), tonumber(v[3])
     -- A missing field means the state is gone (restart, flush, expiry): fail closed,
     -- never treat a missing stock as "unlimited".
-    if not v[1] or not v[2] or not v[3] or (v[6] or '') ~= s.label then
+    if not v[1] or not v[2] or not v[3] or not v[7] or (v[6] or '') ~= s.label then
       s.closed = 1
     elseif not stock or not begin_ms or not end_ms then
       s.closed = 7
@@ -148,9 +189,10 @@ local function admit(keys, argv)
       s.stock = stock
       s.gen = tonumber(v[5])
       s.part = v[6]
+      s.epoch = v[7]
     end
     local held = s.held
-    for j = 7, s.nfields do
+    for j = 8, s.nfields do
       local h = v[j]
       if h then
         if not order_like(h) then
@@ -163,7 +205,8 @@ local function admit(keys, argv)
 
   local out = {}
   -- The call's orders, as ONE stream entry: `orders` N, `admitted_ms`, then per sale
-  -- `voucher_id` (and `part`) followed by `order_id`, `user_id` of each of its orders.
+  -- `voucher_id` (and `part`) and `epoch`, followed by `order_id`, `user_id` of each of
+  -- its orders.
   local entry, ne, nadmitted, run_head = {'orders', 0, 'admitted_ms', now_s}, 4, 0, nil
   local g = 0
   i = 2
@@ -201,6 +244,9 @@ local function admit(keys, argv)
             entry[ne + 2] = s.part
             ne = ne + 2
           end
+          entry[ne + 1] = 'epoch'
+          entry[ne + 2] = s.epoch
+          ne = ne + 2
           run_head = s
         end
         entry[ne + 1] = 'order_id'
@@ -246,9 +292,9 @@ local function admit(keys, argv)
 end
 
 -- The server's term and how long ago (ms) it was drawn.
--- KEYS[1] any key of the node asked about (for routing; not read)
+-- KEYS[1] the term marker of the slot asked about (keys::Keys::term_marker)
 local function term_of(keys, argv)
-  current_term()
+  current_term(keys[1], true)
   local now = clock()
   return {term, now - term_ms}
 end
@@ -256,39 +302,79 @@ end
 -- Draws a new term (a process saw the server's identity change): every sale's state is
 -- then stale until rebuilt. KEYS[1] as for seckill_term.
 local function new_term(keys, argv)
-  term = nil
+  draw()
   return term_of(keys, argv)
 end
 
--- Claims an order-id node lease if free.
--- KEYS[1] the lease  ARGV[1] our token  ARGV[2] time to live (ms)
+-- Claims an order-id node lease if free, or held by `token` already (a claim whose
+-- answer was lost, or whose replicas did not acknowledge in time, is retried with the
+-- same number and token: it does not leave a number leased to nobody).
+-- KEYS[1] the lease  KEYS[2] its slot's term marker  ARGV[1] our token  ARGV[2] time to
+-- live (ms)
 -- Returns {1 claimed or 0 held by another, age of the term in ms}: a term younger than
 -- a lease's renewal window means this server may have lost a live holder's lease.
 local function claim_lease(keys, argv)
+  current_term(keys[2], true)
   local claimed = redis.call('SET', keys[1], argv[1], 'NX', 'PX', argv[2])
-  local t = term_of(keys, argv)
-  return {claimed and 1 or 0, t[2]}
+  if not claimed and redis.call('GET', keys[1]) == argv[1] then
+    redis.call('PEXPIRE', keys[1], argv[2])
+    claimed = true
+  end
+  return {claimed and 1 or 0, clock() - term_ms}
+end
+
+-- Renews an order-id node lease.
+-- KEYS[1] the lease  KEYS[2] its slot's term marker  ARGV[1] our token  ARGV[2] time to
+-- live (ms)
+-- Returns 1 extended, 2 re-created (the key was gone: Redis lost its data), 0 lost
+-- (another process holds the number now).
+local function renew_lease(keys, argv)
+  current_term(keys[2], true)
+  local holder = redis.call('GET', keys[1])
+  if holder == argv[1] then
+    redis.call('PEXPIRE', keys[1], argv[2])
+    return 1
+  end
+  if not holder then
+    redis.call('SET', keys[1], argv[1], 'PX', argv[2])
+    return 2
+  end
+  return 0
 end
 
 -- What a sale's state says now, for an API instance that remembers sold-out, not yet
 -- open and ended sales and answers their grabs itself (src/admission/edge.rs).
--- KEYS[1] the sale hash
--- Returns {code}: 1 not loaded, 6 stale, 7 corrupt (as seckill_admit); or
--- {0, now_ms, begin_ms, end_ms, stock, gen ('' when none), term}, the clock being the
--- one admission reads.
+-- KEYS[1] the sale hash  KEYS[2] the shard's term marker
+-- Returns {code}: 1 not loaded (or not armed), 6 stale, 7 corrupt (as seckill_admit);
+-- or {0, now_ms, begin_ms, end_ms, stock, gen ('' when none), term, epoch}, the clock
+-- being the one admission reads.
 local function peek(keys, argv)
   local now = clock()
-  local v = redis.call('HMGET', keys[1], 'stock', 'begin_ms', 'end_ms', 'term', 'gen')
-  if not v[1] or not v[2] or not v[3] then
+  local v = redis.call('HMGET', keys[1], 'stock', 'begin_ms', 'end_ms', 'term', 'gen', 'epoch')
+  if not v[1] or not v[2] or not v[3] or not v[6] then
     return {1}
   elseif not whole(v[1]) or not tonumber(v[2]) or not tonumber(v[3]) then
     return {7}
-  elseif v[4] ~= current_term() then
+  elseif v[4] ~= current_term(keys[2], false) then
     return {6}
   end
   -- (A gen that is not a number tells nothing: '' as if none.)
   local gen = (v[5] and tonumber(v[5])) and v[5] or ''
-  return {0, string.format('%d', now), v[2], v[3], v[1], gen, v[4]}
+  return {0, string.format('%d', now), v[2], v[3], v[1], gen, v[4], v[6]}
+end
+
+-- Arms a state a load wrote (its `next_epoch`) once Postgres committed that epoch:
+-- from now on it admits, stamping its entries with it.
+-- KEYS[1] the sale hash  KEYS[2] the shard's term marker  ARGV[1] the epoch
+-- Returns 1 armed, 0 not (another load wrote the state since, or it is gone).
+local function arm(keys, argv)
+  current_term(keys[2], true)
+  if redis.call('HGET', keys[1], 'next_epoch') ~= argv[1] then
+    return 0
+  end
+  redis.call('HSET', keys[1], 'epoch', argv[1])
+  redis.call('HDEL', keys[1], 'next_epoch')
+  return 1
 end
 
 local function version()
@@ -299,5 +385,7 @@ redis.register_function('seckill_admit', admit)
 redis.register_function('seckill_term', term_of)
 redis.register_function('seckill_new_term', new_term)
 redis.register_function('seckill_claim_lease', claim_lease)
+redis.register_function('seckill_renew_lease', renew_lease)
+redis.register_function('seckill_arm', arm)
 redis.register_function{function_name = 'seckill_peek', callback = peek, flags = {'no-writes'}}
 redis.register_function{function_name = 'seckill_version', callback = version, flags = {'no-writes'}}

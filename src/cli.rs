@@ -62,7 +62,7 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
                 prepare_sweeper(&db, &args.redis, keys.clone(), &args.worker, cancel.clone());
             let sweeper = sweeper.await?;
             let watched = connect_redis(&args.redis, redis_conn::COMMAND_TIMEOUT).await?;
-            crate::admission::term::refuse_eviction(&mut watched.clone(), &keys).await?;
+            crate::admission::guard::refuse_eviction(&mut watched.clone(), &keys).await?;
             let watch = crate::admission::term::Watch {
                 db: db.clone(),
                 redis: watched,

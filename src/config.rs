@@ -35,6 +35,7 @@ pub mod defaults {
     pub(crate) const PAY_WITHIN_SECS: i64 = 900;
     pub(crate) const REDIS_WAIT_REPLICAS: u32 = 0;
     pub(crate) const REDIS_WAIT_TIMEOUT_MS: u64 = 500;
+    pub(crate) const REDIS_REPLICA_MAX_LAG_SECS: u64 = 1;
 }
 
 #[derive(Debug, Parser)]
@@ -144,6 +145,13 @@ pub struct DurabilityArgs {
     #[arg(long, env = "REDIS_WAIT_TIMEOUT_MS", default_value_t = defaults::REDIS_WAIT_TIMEOUT_MS,
           value_parser = clap::value_parser!(u64).range(1..=60_000))]
     pub redis_wait_timeout_ms: u64,
+    /// With replicas to wait for: how long ago (whole seconds, as Redis counts them) a
+    /// replica may have acknowledged last and still count. A master with fewer such
+    /// replicas refuses every admission before taking its unit (503, nothing reserved);
+    /// the service sets this as `min-replicas-max-lag` on the masters it uses.
+    #[arg(long, env = "REDIS_REPLICA_MAX_LAG_SECS", default_value_t = defaults::REDIS_REPLICA_MAX_LAG_SECS,
+          value_parser = clap::value_parser!(u64).range(1..=60))]
+    pub redis_replica_max_lag_secs: u64,
 }
 
 impl DurabilityArgs {
@@ -152,6 +160,7 @@ impl DurabilityArgs {
         crate::scripts::Replicas {
             n: self.redis_wait_replicas,
             timeout: std::time::Duration::from_millis(self.redis_wait_timeout_ms),
+            max_lag: std::time::Duration::from_secs(self.redis_replica_max_lag_secs),
         }
     }
 }
@@ -161,6 +170,7 @@ impl Default for DurabilityArgs {
         Self {
             redis_wait_replicas: defaults::REDIS_WAIT_REPLICAS,
             redis_wait_timeout_ms: defaults::REDIS_WAIT_TIMEOUT_MS,
+            redis_replica_max_lag_secs: defaults::REDIS_REPLICA_MAX_LAG_SECS,
         }
     }
 }

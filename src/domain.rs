@@ -121,6 +121,12 @@ id_type!(
     /// larger id is a later order.
     OrderId
 );
+id_type!(
+    /// Which build of a sale's (part's) Redis state: drawn from a Postgres sequence by
+    /// each build and recorded with it (`sale_epochs`), so a later build has a larger
+    /// epoch. Only orders of the current epoch (or carried into it) become rows.
+    Epoch
+);
 
 /// Voucher and user ids are JSON numbers (they stay below 2^53 in practice).
 macro_rules! json_number {

@@ -36,8 +36,8 @@ pub(crate) const BUYER_PREFIX: &str = "u:";
 
 /// The fields of the stream's entries. `lua/seckill.lua` writes one entry per call: its
 /// first field is [`ORDERS`](entry_field::ORDERS) (their number), then `admitted_ms`, then
-/// per sale `voucher_id` (and `part`) followed by `order_id` and `user_id` of each of its
-/// orders. An entry of one order without `orders` (earlier releases, tools) names each
+/// per sale `voucher_id` (and `part`) and `epoch`, followed by `order_id` and `user_id`
+/// of each of its orders. An entry of one order without `orders` (earlier releases, tools) names each
 /// field once, in any order.
 pub(crate) mod entry_field {
     pub(crate) const ORDERS: &str = "orders";
@@ -47,6 +47,8 @@ pub(crate) mod entry_field {
     pub(crate) const ADMITTED_MS: &str = "admitted_ms";
     /// Only in the entries of a segmented sale: the part that took the unit.
     pub(crate) const PART: &str = "part";
+    /// The epoch of the sale state that admitted the orders that follow.
+    pub(crate) const EPOCH: &str = "epoch";
 }
 
 /// One part of a sale's stock. A sale in K parts (its `segments`) keeps part p on the
@@ -252,6 +254,31 @@ impl Keys {
     pub(crate) fn node_lease(&self, node: u16) -> String {
         format!("{}seckill:node:{node}", self.prefix)
     }
+
+    /// The term marker of the shard's slot: the term of the server life that last
+    /// wrote the shard's data (see `current_term` in `lua/seckill.lua`).
+    pub fn term_marker(&self, shard: Shard) -> String {
+        self.marker_beside(self.stream(shard))
+    }
+
+    /// The term marker of the slot a sale part lives on.
+    pub fn part_marker(&self, part: SalePart) -> String {
+        self.term_marker(self.shard_of_part(part))
+    }
+
+    /// The term marker of the slot `key` lives on (its hash tag, or the whole key).
+    pub(crate) fn marker_beside(&self, key: &str) -> String {
+        let tag = key
+            .find('{')
+            .and_then(|open| {
+                let rest = &key[open + 1..];
+                rest.find('}')
+                    .filter(|len| *len > 0)
+                    .map(|len| &rest[..len])
+            })
+            .unwrap_or(key);
+        format!("{}seckill:{{{tag}}}:term", self.prefix)
+    }
 }
 
 /// CRC16 hash slot as Redis Cluster computes it (hash tag aware).
@@ -307,6 +334,20 @@ mod tests {
     }
 
     #[test]
+    fn a_term_marker_shares_the_slot_of_what_it_marks() {
+        for shards in [1, 6] {
+            let keys = Keys::with_shards("p:", shards).unwrap();
+            for shard in keys.shards() {
+                let marker = keys.term_marker(shard);
+                assert!(marker.starts_with("p:"), "{marker}");
+                assert_eq!(slot(&marker), slot(keys.stream(shard)), "{marker}");
+            }
+            let lease = keys.node_lease(7);
+            assert_eq!(slot(&keys.marker_beside(&lease)), slot(&lease));
+        }
+    }
+
+    #[test]
     fn the_single_shard_stream_is_named_as_the_contract_says() {
         let keys = Keys::new("").unwrap();
         assert_eq!(keys.stream(Shard(0)), "stream.orders");
@@ -352,6 +393,7 @@ mod tests {
         }
         assert!(seckill.contains(&format!("'{}'", entry_field::ADMITTED_MS)));
         assert!(seckill.contains(&format!("'{}'", entry_field::ORDERS)));
+        assert!(seckill.contains(&format!("'{}'", entry_field::EPOCH)));
     }
 
     #[test]

@@ -108,7 +108,7 @@ pub(crate) const DESCRIBED: &[Described] = &[
     m(DEPENDENCY_ERRORS, Kind::Counter, None,
         "Errors of a dependency (redis, postgres, other) seen in the api or the worker."),
     m(DEAD_LETTERED, Kind::Counter, None,
-        "Stream entries dead-lettered, by kind: malformed, poison, rejected (their units go back on sale), no_stock (Postgres had no unit: an admitted order not written, nothing returned), duplicate_id (its order id belongs to another order: an admitted order not written, its unit goes back on sale)."),
+        "Stream entries dead-lettered, by kind: malformed, poison, rejected (their units go back on sale), no_stock (Postgres had no unit: an admitted order not written, nothing returned), duplicate_id (its order id belongs to another order: an admitted order not written, its unit goes back on sale), stale_epoch (admitted by a Redis state that is no longer its sale's, an old primary after a failover: never an order, no unit taken)."),
     m(DEAD_LETTERS, Kind::Gauge, None,
         "Entries in the dead-letter stream, per shard, sampled at scrape time."),
     m(STREAM_LENGTH, Kind::Gauge, None,
@@ -216,6 +216,7 @@ fn register_known_series() {
         "rejected",
         "no_stock",
         "duplicate_id",
+        "stale_epoch",
     ] {
         metrics::counter!(DEAD_LETTERED, "kind" => kind).increment(0);
     }
@@ -417,6 +418,7 @@ mod tests {
             "seckill_dead_lettered_total{kind=\"rejected\"} ",
             "seckill_dead_lettered_total{kind=\"no_stock\"} ",
             "seckill_dead_lettered_total{kind=\"duplicate_id\"} ",
+            "seckill_dead_lettered_total{kind=\"stale_epoch\"} ",
             "seckill_worker_batch_errors_total ",
             "seckill_worker_schema_errors_total ",
             "seckill_admissions_total{outcome=\"sold_out\"} ",

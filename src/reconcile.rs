@@ -16,7 +16,7 @@
 //! release still owed explains one unit and one record of difference ("owed").
 //!
 //! Dead-lettered orders are buried with their unit returned and their buyer record
-//! settled (see `lua/settle_dead.lua`), so they leave no difference behind; they are
+//! settled (see `seckill_settle_dead` in `lua/lifecycle.lua`), so they leave no difference behind; they are
 //! shown for information.
 
 use std::fmt::Write as _;
@@ -214,11 +214,13 @@ async fn checked<C: ConnectionLike + Send>(
             return Ok(None);
         };
         // (A part whose buyers hold more units than its allotment was sold into by
-        // units it never had: drift, whatever Redis holds.)
+        // units it never had: drift, whatever Redis holds. A state of another epoch
+        // than Postgres's is not the sale's: its orders would never be written.)
         if f.actual_stock.is_some_and(|s| s != f.expected.stock)
             || f.actual_buyers != f.expected.buyers
             || f.mismatched_buyers != 0
             || f.pg_stock < 0
+            || (f.actual_stock.is_some() && f.pg_epoch.is_some() && f.actual_epoch != f.pg_epoch)
         {
             drifting += 1;
         }

@@ -1,7 +1,8 @@
 //! Lua on Redis. The `seckill` function library (`lua/seckill.lua`, with
-//! `lua/load_voucher.lua` and `lua/move_units.lua` appended) is called with FCALL; the other scripts with
-//! EVALSHA. Either is sent again once after the server says it does not know it (a
-//! restart, a failover, a flush). When replicas must acknowledge a state move
+//! `lua/load_voucher.lua`, `lua/move_units.lua` and `lua/lifecycle.lua` appended) holds
+//! every script that moves a sale's state, called with FCALL, and loaded again once
+//! after the server says it does not know it (a restart, a failover, a flush); the live
+//! view's and the stream's housekeeping scripts are plain ones. When replicas must acknowledge a state move
 //! (`REDIS_WAIT_REPLICAS`), WAIT follows the call in the same round trip, on the same
 //! connection: a WAIT sent alone after a reconnect would count the writes of a fresh
 //! connection (none) and answer at once.
@@ -10,16 +11,17 @@ use std::sync::LazyLock;
 use std::time::Duration;
 
 use redis::aio::ConnectionLike;
-use redis::{Cmd, FromRedisValue, RedisError, RedisResult, Script, ToRedisArgs, Value};
+use redis::{Cmd, FromRedisValue, RedisError, RedisResult, ToRedisArgs, Value};
 
-/// The library's source: `lua/seckill.lua` with `lua/load_voucher.lua` and
-/// `lua/move_units.lua` appended.
+/// The library's source: `lua/seckill.lua` with `lua/load_voucher.lua`,
+/// `lua/move_units.lua` and `lua/lifecycle.lua` appended.
 fn library_source() -> String {
     format!(
-        "{}\n{}\n{}",
+        "{}\n{}\n{}\n{}",
         include_str!("../lua/seckill.lua"),
         include_str!("../lua/load_voucher.lua"),
-        include_str!("../lua/move_units.lua")
+        include_str!("../lua/move_units.lua"),
+        include_str!("../lua/lifecycle.lua")
     )
 }
 
@@ -46,11 +48,14 @@ pub(crate) static LIBRARY_VERSION: LazyLock<i64> = LazyLock::new(|| {
         .expect("lua/seckill.lua declares its VERSION")
 });
 
-/// How many replicas must hold a state move before it counts, and how long to wait.
+/// How many replicas must hold a state move before it counts, how long to wait, and
+/// how long ago a replica may have acknowledged last and still count (below that, the
+/// master refuses writes: see `admission::guard::require_replicas`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Replicas {
     pub n: u32,
     pub timeout: Duration,
+    pub max_lag: Duration,
 }
 
 impl Replicas {
@@ -58,6 +63,7 @@ impl Replicas {
     pub const NONE: Replicas = Replicas {
         n: 0,
         timeout: Duration::ZERO,
+        max_lag: Duration::ZERO,
     };
 
     pub(crate) fn waits(&self) -> bool {
@@ -76,17 +82,29 @@ pub(crate) fn not_replicated(wanted: u32, acked: i64) -> RedisError {
     .into()
 }
 
-/// What a call runs: a function of the library, or a plain script.
-#[derive(Clone, Copy)]
-enum Target {
-    Function(&'static str),
-    Script(&'static Script),
+/// Errors after which a call surely did not run: no connection was made, or Redis
+/// refused the command with an error reply (`NOREPLICAS` among them: too few replicas
+/// acknowledging lately, refused before anything was written). A timeout, a connection
+/// lost after sending, or too few acknowledgements after it ([`not_replicated`]) may
+/// come after the call ran.
+pub(crate) fn surely_not_run(e: &RedisError) -> bool {
+    e.is_connection_refusal() || matches!(e.kind(), redis::ErrorKind::Server(_))
 }
 
-/// One FCALL or EVALSHA with its keys and arguments.
+/// A WAIT after a call that ran was refused: the outcome is as unknown as when too few
+/// replicas acknowledged (an I/O error of kind `TimedOut`).
+fn wait_refused(e: &RedisError) -> RedisError {
+    std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("the call ran, but waiting for its replicas failed: {e}"),
+    )
+    .into()
+}
+
+/// One FCALL of a function of the `seckill` library, with its keys and arguments.
 #[derive(Clone)]
 pub(crate) struct Call {
-    target: Target,
+    function: &'static str,
     keys: Vec<Vec<u8>>,
     args: Vec<Vec<u8>>,
 }
@@ -95,16 +113,7 @@ impl Call {
     /// A function of the `seckill` library.
     pub(crate) fn function(name: &'static str) -> Self {
         Self {
-            target: Target::Function(name),
-            keys: Vec::new(),
-            args: Vec::new(),
-        }
-    }
-
-    /// A plain script (EVALSHA).
-    pub(crate) fn script(script: &'static Script) -> Self {
-        Self {
-            target: Target::Script(script),
+            function: name,
             keys: Vec::new(),
             args: Vec::new(),
         }
@@ -121,23 +130,15 @@ impl Call {
     }
 
     fn cmd(&self) -> Cmd {
-        let mut cmd = match self.target {
-            Target::Function(name) => {
-                let mut c = redis::cmd("FCALL");
-                c.arg(name);
-                c
-            }
-            Target::Script(script) => {
-                let mut c = redis::cmd("EVALSHA");
-                c.arg(script.get_hash());
-                c
-            }
-        };
-        cmd.arg(self.keys.len()).arg(&self.keys).arg(&self.args);
+        let mut cmd = redis::cmd("FCALL");
+        cmd.arg(self.function)
+            .arg(self.keys.len())
+            .arg(&self.keys)
+            .arg(&self.args);
         cmd
     }
 
-    /// Runs the call, loading the library or script once if the server lacks it.
+    /// Runs the call, loading the library once if the server lacks it.
     pub(crate) async fn invoke<T: FromRedisValue, C: ConnectionLike + Send>(
         &self,
         conn: &mut C,
@@ -176,7 +177,12 @@ impl Call {
         let mut replies: Vec<RedisResult<Value>> = pipe.query_async(conn).await?;
         let acked = replies.pop().unwrap_or(Ok(Value::Nil));
         let reply = replies.pop().unwrap_or(Ok(Value::Nil))?;
-        let acked: i64 = redis::from_redis_value(acked?)?;
+        // The call ran (its reply came): a WAIT answered with an error (NOPERM, say)
+        // leaves it as unknown as one that timed out.
+        let acked: i64 = match acked.and_then(|v| Ok(redis::from_redis_value::<i64>(v)?)) {
+            Ok(n) => n,
+            Err(e) => return Err(wait_refused(&e)),
+        };
         if acked < replicas.n as i64 {
             return Err(not_replicated(replicas.n, acked));
         }
@@ -184,17 +190,11 @@ impl Call {
     }
 
     fn unknown_to_server(&self, e: &RedisError) -> bool {
-        match self.target {
-            Target::Script(_) => e.code() == Some("NOSCRIPT"),
-            Target::Function(_) => e.to_string().contains("Function not found"),
-        }
+        e.to_string().contains("Function not found")
     }
 
     async fn install<C: ConnectionLike + Send>(&self, conn: &mut C) -> RedisResult<()> {
-        match self.target {
-            Target::Script(script) => script.load_async(conn).await.map(drop),
-            Target::Function(_) => install_library(conn, self.keys.first()).await,
-        }
+        install_library(conn, self.keys.first()).await
     }
 }
 
@@ -268,12 +268,13 @@ mod tests {
     /// other in turns (each time drawing a new term: every sale rebuilt).
     #[test]
     fn the_library_code_is_pinned_to_its_version() {
-        let pinned = (4, "7d821c52a9d34232");
+        let pinned = (5, "15fdf7b2703fdebb");
         assert_eq!(
             (*LIBRARY_VERSION, LIBRARY_CODE.as_str()),
             pinned,
-            "lua/seckill.lua, lua/load_voucher.lua or lua/move_units.lua changed: raise VERSION in \
-             lua/seckill.lua and pin the new version and hash here"
+            "a file of the library (lua/seckill.lua, load_voucher.lua, move_units.lua, \
+             lifecycle.lua) changed: raise VERSION in lua/seckill.lua and pin the new \
+             version and hash here"
         );
     }
 
@@ -288,6 +289,25 @@ mod tests {
     fn a_missing_replica_acknowledgement_reads_as_an_unknown_outcome() {
         let e = not_replicated(1, 0);
         assert_eq!(e.kind(), redis::ErrorKind::Io);
-        assert!(!e.is_connection_refusal(), "it ran: not 'nothing reserved'");
+        assert!(!surely_not_run(&e), "it ran: not 'nothing reserved'");
+    }
+
+    #[test]
+    fn a_wait_refused_after_the_call_ran_reads_as_an_unknown_outcome() {
+        let noperm = RedisError::from((
+            redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm),
+            "NOPERM",
+            "this user has no permissions to run the 'wait' command".to_string(),
+        ));
+        assert!(
+            surely_not_run(&noperm),
+            "alone, a refusal means it did not run"
+        );
+        let e = wait_refused(&noperm);
+        assert!(
+            !surely_not_run(&e),
+            "after the call ran: unknown, not 'nothing reserved'"
+        );
+        assert!(e.to_string().contains("NOPERM"), "{e}");
     }
 }

@@ -58,7 +58,7 @@ impl Application {
         }
         let (redis, target) =
             connect_redis_with_target(&api.redis, redis_conn::COMMAND_TIMEOUT).await?;
-        term::refuse_eviction(&mut redis.clone(), &keys).await?;
+        crate::admission::guard::refuse_eviction(&mut redis.clone(), &keys).await?;
         let subscriber = redis_conn::Subscriber::new(
             &target,
             &redis,
@@ -179,6 +179,7 @@ async fn start_duties(
         ids: state.ids.clone(),
         replicas: state.settings.replicas,
         redis_lost_data: state.heal.clone(),
+        claims: Default::default(),
     };
     // Otherwise the upkeep keeps trying (the process starts, and reports not ready).
     let lease = match upkeep::claim(&lease_keeping).await {

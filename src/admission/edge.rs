@@ -412,9 +412,7 @@ impl Edge {
                 .map(|p| keys.moves_out(p))
                 .collect(),
         };
-        let keys: Vec<String> = SalePart::all(voucher_id, parts)
-            .map(|p| keys.part(p))
-            .collect();
+        let keys = StateKeys::all(keys, voucher_id, parts);
         let Some(state) = peek_all(conn, &keys).await? else {
             return Ok(None);
         };
@@ -446,7 +444,7 @@ impl Edge {
         }
         let mut users = HashSet::new();
         for key in &keys {
-            users.extend(scan_buyers(conn, key).await?);
+            users.extend(scan_buyers(conn, &key.sale).await?);
         }
         self.scanned(voucher_id, users.len());
         // Still the same state, and still sold out: then the list is complete.
@@ -553,8 +551,8 @@ impl Edge {
 const PING_EVERY: Duration = Duration::from_secs(2);
 
 mod read;
-pub(crate) use read::peek;
 use read::{on_their_way, peek_all, scan_buyers};
+pub(crate) use read::{peek, StateKeys};
 
 #[cfg(test)]
 mod tests;

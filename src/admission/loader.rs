@@ -3,14 +3,12 @@
 //! was restored from an older copy, or lost data), and on `reconcile --repair`.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::LazyLock;
 use std::time::Duration;
 
 use redis::aio::ConnectionLike;
-use redis::Script;
 use sqlx::PgPool;
 
-use crate::domain::{OrderId, UserId, VoucherId};
+use crate::domain::{Epoch, OrderId, UserId, VoucherId};
 use crate::keys::{Keys, SalePart};
 use crate::scripts::{Call, Replicas};
 use crate::store;
@@ -83,6 +81,11 @@ pub(crate) struct Fenced {
     /// Closed orders whose release to Redis is owed and whose buyer record still holds
     /// their unit (`Check` only): counted in `expected`.
     pub owed_held: i64,
+    /// The part's epoch in Postgres (after the step: the one it drew, when it wrote),
+    /// and the one Redis's state was armed with before the step (`None`: none, or not
+    /// armed).
+    pub pg_epoch: Option<Epoch>,
+    pub actual_epoch: Option<Epoch>,
 }
 
 /// Stream entries paged per XRANGE, and the most the final step reads itself.
@@ -136,7 +139,8 @@ async fn current<C: ConnectionLike + Send>(
     keys: &Keys,
     part: SalePart,
 ) -> anyhow::Result<bool> {
-    Ok(super::edge::peek(conn, &keys.part(part)).await?.is_some())
+    let state = super::edge::StateKeys::of(keys, part);
+    Ok(super::edge::peek(conn, &state).await?.is_some())
 }
 
 /// Drops the candidates Postgres has buried: settled in Redis (record and unit) though
@@ -210,6 +214,13 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
     );
     let sale_orders = buyers.len() as i64;
     buyers.retain(|(u, _)| mine(*u));
+    let pg_epoch = store::epochs::of(&mut *tx, part).await?;
+    // Drawn before the step (which writes it into the state, not armed yet); wasted
+    // when the step leaves the state alone.
+    let epoch = match mode {
+        Mode::Check => None,
+        _ => Some(store::epochs::draw(&mut tx).await?),
+    };
     let moves = PartMoves::read(&mut tx, conn, keys, part, mode).await?;
     let pg_stock = part_stock(&mut tx, &sale, part, buyers.len()).await?;
     let stage = Stage::new(&keys.part(part));
@@ -237,13 +248,25 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
         owed: &owed,
         stage: &stage,
         retention,
+        epoch,
+        pg_epoch,
     };
     let figures = run_steps(&step, &mut tx, conn, &mut paging, &known, replicas).await?;
     // Announced as soon as the state may have changed, before anything else can fail.
     if mode != Mode::Check && figures.is_some() {
         crate::sale_changes::announce(conn, keys, voucher_id).await;
     }
+    let built = match (&figures, epoch) {
+        (Some(f), Some(epoch)) => {
+            store::epochs::record(&mut tx, part, epoch, &f.carried).await?;
+            Some(epoch)
+        }
+        _ => None,
+    };
     tx.commit().await?;
+    if let Some(epoch) = built {
+        arm(conn, keys, part, epoch).await?;
+    }
     let Some(figures) = figures else {
         return Ok(None);
     };
@@ -268,7 +291,36 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
         actual_buyers: figures.actual_buyers,
         mismatched_buyers: figures.mismatched_buyers,
         owed_held: figures.owed_held,
+        pg_epoch: built.or(pg_epoch),
+        actual_epoch: figures.actual_epoch,
     }))
+}
+
+/// Arms a state a load wrote once Postgres committed its epoch: from now on it admits.
+/// If this fails (or the process dies first), the state stays unarmed, admits nothing,
+/// and the next heal arms it (its epoch is Postgres's).
+async fn arm<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    part: SalePart,
+    epoch: Epoch,
+) -> anyhow::Result<()> {
+    let armed: i64 = Call::function("seckill_arm")
+        .key(keys.part(part))
+        .key(keys.part_marker(part))
+        .arg(epoch)
+        .invoke(conn)
+        .await?;
+    if armed != 1 {
+        // Another load wrote the state since (it arms its own), or it is gone.
+        tracing::warn!(
+            voucher_id = part.voucher_id.get(),
+            part = part.part,
+            epoch = epoch.get(),
+            "a loaded sale state was replaced before it was armed"
+        );
+    }
+    Ok(())
 }
 
 /// Postgres's stock for one part: the sale's for a sale in one part; else the part's
@@ -471,10 +523,14 @@ struct Step<'a> {
     owed: &'a [(UserId, OrderId)],
     stage: &'a Stage,
     retention: Duration,
+    /// The epoch this build drew (`None`: a check writes nothing).
+    epoch: Option<Epoch>,
+    /// The part's epoch in Postgres before this build.
+    pg_epoch: Option<Epoch>,
 }
 
 /// What the last step of a load answered.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum StepReply {
     /// The state was there (and current, for a heal): left alone.
     LeftAlone,
@@ -486,22 +542,30 @@ enum StepReply {
 }
 
 /// A step's figures: what Redis must hold, and what it held before.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct StepFigures {
     expected: Loaded,
     actual_stock: Option<i64>,
     actual_buyers: i64,
     mismatched_buyers: i64,
     owed_held: i64,
+    actual_epoch: Option<Epoch>,
+    /// The orders counted in flight: carried into the epoch the step wrote.
+    carried: Vec<OrderId>,
 }
 
 impl StepReply {
-    fn parse(reply: &[i64]) -> anyhow::Result<Self> {
-        Ok(match *reply {
+    fn parse(reply: &[redis::Value]) -> anyhow::Result<Self> {
+        let numbers: Vec<i64> = reply
+            .iter()
+            .map(redis::from_redis_value_ref::<i64>)
+            .collect::<Result<_, _>>()
+            .map_err(|e| anyhow::anyhow!("unexpected reply from the load step: {e}"))?;
+        Ok(match *numbers.as_slice() {
             [-1] => StepReply::LeftAlone,
             [-2] => StepReply::TailTooLong,
             [-3] => StepReply::TooLate,
-            [stock, buyers, in_flight, actual_stock, actual_buyers, mismatched_buyers, owed_held] => {
+            [stock, buyers, in_flight, actual_stock, actual_buyers, mismatched_buyers, owed_held, actual_epoch, ref carried @ ..] => {
                 StepReply::Done(StepFigures {
                     expected: Loaded {
                         stock,
@@ -512,6 +576,8 @@ impl StepReply {
                     actual_buyers,
                     mismatched_buyers,
                     owed_held,
+                    actual_epoch: Epoch::new(actual_epoch),
+                    carried: carried.iter().filter_map(|&o| OrderId::new(o)).collect(),
                 })
             }
             _ => anyhow::bail!("unexpected reply from the load step: {reply:?}"),
@@ -536,6 +602,7 @@ impl Step<'_> {
             .key(&self.stage.candidates)
             .key(self.keys.moves_out(self.part))
             .key(self.keys.moves_in(self.part))
+            .key(self.keys.part_marker(self.part))
             .arg(self.mode.as_str())
             .arg(self.part.voucher_id)
             .arg(self.pg_stock)
@@ -548,12 +615,14 @@ impl Step<'_> {
             .arg(if self.mode != Mode::Create { "1" } else { "0" })
             .arg(deadline_ms)
             .arg(self.buyers)
+            .arg(self.epoch.map(|e| e.to_string()).unwrap_or_default())
+            .arg(self.pg_epoch.map(|e| e.to_string()).unwrap_or_default())
             .arg(self.owed.len());
         for (user_id, order_id) in self.owed {
             call.arg(user_id).arg(order_id);
         }
         self.moves.args(&mut call);
-        let reply: Vec<i64> = call.invoke_waiting(conn, waits).await?;
+        let reply: Vec<redis::Value> = call.invoke_waiting(conn, waits).await?;
         StepReply::parse(&reply)
     }
 }
@@ -577,9 +646,6 @@ pub async fn load_open_sales<C: ConnectionLike + Send>(
     }
     Ok(report)
 }
-
-static CLOSE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../lua/close_sale.lua")));
 
 /// Ends a sale now, in both stores at once: under the fence (so no load can put the old
 /// end back), Redis first (atomic with admission: grabs before it win, grabs after it
@@ -608,10 +674,24 @@ pub async fn close_sale<C: ConnectionLike + Send>(
     // is the latest of theirs, so no admission lies after it.
     let mut end_ms = i64::MIN;
     for part in SalePart::all(voucher_id, parts) {
-        let ended: i64 = Call::script(&CLOSE)
+        let epoch = store::epochs::of(&mut *tx, part).await?;
+        let ended: i64 = Call::function("seckill_close")
             .key(keys.part(part))
+            .key(keys.part_marker(part))
+            .arg(epoch.map(|e| e.to_string()).unwrap_or_default())
             .invoke_waiting(conn, replicas)
             .await?;
+        // Not the sale's state (an old primary after a failover): closing it would
+        // leave the sale's own state open. Nothing is committed; closing again, once
+        // this process reaches the sale's Redis, finishes it (a 503, as for a Redis
+        // that is away).
+        if ended < 0 {
+            let why = std::io::Error::other(format!(
+                "voucher {voucher_id}: this redis holds a state of another epoch than \
+                 postgres's (not the sale's current redis); nothing was closed in postgres"
+            ));
+            return Err(redis::RedisError::from(why).into());
+        }
         end_ms = end_ms.max(ended);
     }
     crate::sale_changes::announce(conn, keys, voucher_id).await;

@@ -2,6 +2,7 @@
 
 pub mod batcher;
 pub mod edge;
+pub mod guard;
 pub mod loader;
 pub mod order_id;
 pub mod parts;
@@ -111,6 +112,7 @@ pub async fn admit_many<C: ConnectionLike + Send>(
 ) -> RedisResult<Vec<Outcome>> {
     let mut call = Call::function("seckill_admit");
     call.key(keys.stream(shard))
+        .key(keys.term_marker(shard))
         .arg(if replicas.waits() { "1" } else { "0" });
     let mut sales: Vec<SalePart> = Vec::new();
     // The grabs in order, as runs of one sale (part): its hash's index in KEYS, its
@@ -128,8 +130,9 @@ pub async fn admit_many<C: ConnectionLike + Send>(
                 sales.len() - 1
             }
         };
-        // KEYS[1] is the stream; sale hashes from KEYS[2] (Lua counts from 1).
-        call.arg(index + 2)
+        // KEYS[1] is the stream, KEYS[2] its term marker; sale hashes from KEYS[3] (Lua
+        // counts from 1).
+        call.arg(index + 3)
             .arg(part.voucher_id)
             .arg(part.label().unwrap_or_default())
             .arg(run.len());

@@ -133,9 +133,6 @@ pub(crate) fn timestamp_ms(order_id: OrderId) -> u64 {
     ((order_id.get() as u64) >> (NODE_BITS + SEQ_BITS)) + EPOCH_MS
 }
 
-static RENEW: std::sync::LazyLock<redis::Script> =
-    std::sync::LazyLock::new(|| redis::Script::new(include_str!("../../lua/renew_lease.lua")));
-
 /// A node number held in Redis with a time-to-live, renewed while the process lives.
 pub(crate) struct NodeLease {
     keys: Keys,
@@ -152,6 +149,32 @@ pub(crate) const LEASE_VALID: Duration = Duration::from_secs(3);
 /// than any holder whose lease the server lost may still mint.
 pub(crate) const LEASE_GRACE: Duration = Duration::from_secs(4);
 
+/// One process's claims of node numbers: one token for all of them, and the number
+/// whose last claim has an unknown outcome (its answer was lost, or its replicas did
+/// not acknowledge in time: Redis may hold it for us). That number is claimed again
+/// first, with the same token, so claims that keep failing do not leave numbers leased
+/// to nobody until their keys expire.
+#[derive(Debug)]
+pub(crate) struct Claims {
+    token: String,
+    unsettled: std::sync::Mutex<Option<u16>>,
+}
+
+impl Default for Claims {
+    fn default() -> Self {
+        Self {
+            token: format!("{}-{}", std::process::id(), rand::random::<u64>()),
+            unsettled: std::sync::Mutex::new(None),
+        }
+    }
+}
+
+impl Claims {
+    fn unsettled(&self) -> std::sync::MutexGuard<'_, Option<u16>> {
+        self.unsettled.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 /// A claimed lease, and how long to wait before minting with it.
 pub(crate) struct Claimed {
     pub lease: NodeLease,
@@ -161,30 +184,45 @@ pub(crate) struct Claimed {
 }
 
 impl NodeLease {
-    /// Claims a free node number, starting from a random one (a restart spreads out,
-    /// and after Redis lost its data two claims rarely meet).
+    /// Claims a free node number: the one whose last claim has an unknown outcome, if
+    /// any, else starting from a random one (a restart spreads out, and after Redis lost
+    /// its data two claims rarely meet).
     pub(crate) async fn acquire<C: ConnectionLike + Send>(
         conn: &mut C,
         keys: &Keys,
         replicas: Replicas,
+        claims: &Claims,
     ) -> anyhow::Result<Claimed> {
-        let token = format!("{}-{}", std::process::id(), rand::random::<u64>());
-        let start: u64 = rand::random::<u64>() % NODES as u64;
+        let start: u64 = match *claims.unsettled() {
+            Some(node) => node as u64,
+            None => rand::random::<u64>() % NODES as u64,
+        };
         for i in 0..NODES as u64 {
             let node = ((start + i) % NODES as u64) as u16;
             let sent = Instant::now();
-            let (claimed, term_age_ms): (bool, u64) = Call::function("seckill_claim_lease")
-                .key(keys.node_lease(node))
-                .arg(&token)
+            let lease = keys.node_lease(node);
+            let claim: redis::RedisResult<(bool, u64)> = Call::function("seckill_claim_lease")
+                .key(&lease)
+                .key(keys.marker_beside(&lease))
+                .arg(&claims.token)
                 .arg(LEASE_TTL.as_millis() as u64)
                 .invoke_waiting(conn, replicas)
-                .await?;
+                .await;
+            let (claimed, term_age_ms) = match claim {
+                Ok(answer) => answer,
+                Err(e) => {
+                    // Refused (nothing claimed): any number next time; else this one.
+                    *claims.unsettled() = (!crate::scripts::surely_not_run(&e)).then_some(node);
+                    return Err(e.into());
+                }
+            };
+            *claims.unsettled() = None;
             if claimed {
                 let age = Duration::from_millis(term_age_ms);
                 return Ok(Claimed {
                     lease: Self {
                         keys: keys.clone(),
-                        token,
+                        token: claims.token.clone(),
                         node,
                     },
                     sent,
@@ -201,8 +239,10 @@ impl NodeLease {
         conn: &mut C,
         replicas: Replicas,
     ) -> anyhow::Result<Renewal> {
-        let code: i64 = Call::script(&RENEW)
-            .key(self.keys.node_lease(self.node))
+        let lease = self.keys.node_lease(self.node);
+        let code: i64 = Call::function("seckill_renew_lease")
+            .key(&lease)
+            .key(self.keys.marker_beside(&lease))
             .arg(&self.token)
             .arg(LEASE_TTL.as_millis() as u64)
             .invoke_waiting(conn, replicas)

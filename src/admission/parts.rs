@@ -250,6 +250,7 @@ impl Parts {
         let taken: i64 = Call::function("seckill_take")
             .key(self.keys.part(m.from))
             .key(self.keys.moves_out(m.from))
+            .key(self.keys.part_marker(m.from))
             .arg(m.id)
             .arg(m.units)
             .arg(m.to)
@@ -325,14 +326,20 @@ impl Parts {
         let mut tx = self.db.begin().await?;
         crate::store::vouchers::lock_sales(&mut tx, &[voucher_id]).await?;
         if store::move_state(&mut tx, m.id).await? == MoveState::Unknown {
+            // Only from the donor's current build: a record in a state of another epoch
+            // (an old primary's) took units the sale's own state still holds.
+            let epoch = crate::store::epochs::of(&mut *tx, m.from).await?;
             let held: i64 = Call::function("seckill_taken")
                 .key(self.keys.part(m.from))
                 .key(self.keys.moves_out(m.from))
+                .key(self.keys.part_marker(m.from))
                 .arg(m.id)
+                .arg(epoch.map(|e| e.to_string()).unwrap_or_default())
                 .invoke(conn)
                 .await?;
             if held < 0 {
-                // Its donor must be rebuilt first (which drops the record, voiding it).
+                // Its donor must be rebuilt first (which drops the record, voiding it),
+                // or it is not the sale's current state.
                 return Ok(Settled::DonorUnsound);
             }
             if held == 0 {
@@ -356,15 +363,23 @@ impl Parts {
         let credited = match store::move_state(&mut tx, m.id).await? {
             MoveState::Recorded => {
                 let units = store::units_of(&mut tx, m.id).await?;
+                let epoch = crate::store::epochs::of(&mut *tx, m.recipient()).await?;
                 // 1: credited now; 0: a load of the recipient counted it already; -1:
-                // the recipient is not sound, and its rebuild will count it.
+                // the recipient is not sound, and its rebuild will count it; -2: this
+                // is not the recipient's current state (an old primary's), so the
+                // credit is left to a process that reaches it.
                 let credit: i64 = Call::function("seckill_credit")
                     .key(self.keys.part(m.recipient()))
                     .key(self.keys.moves_in(m.recipient()))
+                    .key(self.keys.part_marker(m.recipient()))
                     .arg(m.id)
                     .arg(units)
+                    .arg(epoch.map(|e| e.to_string()).unwrap_or_default())
                     .invoke(conn)
                     .await?;
+                if credit == -2 {
+                    return Ok(Settled::Nothing);
+                }
                 store::mark_credited(&mut tx, m.id).await?;
                 if credit == 1 {
                     metrics::counter!(crate::metrics::PART_UNITS_MOVED).increment(units as u64);
@@ -452,7 +467,7 @@ async fn sound_reads(
 ) -> RedisResult<Vec<Option<PartRead>>> {
     let lookups = SalePart::all(voucher_id, parts).map(|part| {
         let mut conn = conn.clone();
-        let key = keys.part(part);
+        let key = super::edge::StateKeys::of(keys, part);
         async move {
             let state = super::edge::peek(&mut conn, &key).await?;
             Ok::<_, redis::RedisError>(state.map(|s| PartRead {

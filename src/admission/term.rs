@@ -37,86 +37,28 @@ pub(crate) struct Term {
     pub age: Duration,
 }
 
-/// The term of the server holding `route_key` (drawn now if this is its first call).
-pub(crate) async fn of<C: ConnectionLike + Send>(
-    conn: &mut C,
-    route_key: &str,
-) -> RedisResult<Term> {
-    ask(conn, "seckill_term", route_key).await
+/// The term of the server holding `marker` (a slot's term marker, see
+/// [`Keys::term_marker`]), drawn now if this is its first call, or if the slot's data
+/// shows another life of a server wrote it since.
+pub(crate) async fn of<C: ConnectionLike + Send>(conn: &mut C, marker: &str) -> RedisResult<Term> {
+    ask(conn, "seckill_term", marker).await
 }
 
-/// Draws a new term on the server holding `route_key`: every sale on it is stale.
-async fn draw_new<C: ConnectionLike + Send>(conn: &mut C, route_key: &str) -> RedisResult<Term> {
-    ask(conn, "seckill_new_term", route_key).await
+/// Draws a new term on the server holding `marker`: every sale on it is stale.
+async fn draw_new<C: ConnectionLike + Send>(conn: &mut C, marker: &str) -> RedisResult<Term> {
+    ask(conn, "seckill_new_term", marker).await
 }
 
 async fn ask<C: ConnectionLike + Send>(
     conn: &mut C,
     function: &'static str,
-    route_key: &str,
+    marker: &str,
 ) -> RedisResult<Term> {
-    let (term, age_ms): (String, u64) =
-        Call::function(function).key(route_key).invoke(conn).await?;
+    let (term, age_ms): (String, u64) = Call::function(function).key(marker).invoke(conn).await?;
     Ok(Term {
         term,
         age: Duration::from_millis(age_ms),
     })
-}
-
-/// Refuses a Redis that may evict keys (`maxmemory-policy` other than `noeviction`):
-/// every key of ours is state a promise rests on (a sale's stock and buyers, a lease),
-/// and the `volatile-*` policies evict exactly ours, which expire. A server whose
-/// policy cannot be read (CONFIG disabled, as on some managed services) is allowed
-/// with a warning; one that does not answer is checked at the next start.
-pub(crate) async fn refuse_eviction(conn: &mut RedisConn, keys: &Keys) -> anyhow::Result<()> {
-    for (shard, _) in servers(conn, keys) {
-        let mut get = redis::cmd("CONFIG");
-        get.arg("GET").arg("maxmemory-policy");
-        let reply = on_node_of(conn, keys.stream(shard), get).await;
-        let policy = match reply.and_then(|v| Ok(redis::from_redis_value::<Vec<String>>(v)?)) {
-            Ok(pair) => pair.get(1).cloned().unwrap_or_default(),
-            Err(e) if e.is_io_error() || e.is_connection_refusal() => {
-                tracing::warn!(error = %e, "redis not reachable: maxmemory-policy not checked");
-                return Ok(());
-            }
-            Err(e) => {
-                tracing::warn!(
-                    error = %e,
-                    "cannot read redis's maxmemory-policy: make sure it is noeviction \
-                     (an evicted sale or lease breaks the service's promises)"
-                );
-                continue;
-            }
-        };
-        anyhow::ensure!(
-            policy == "noeviction",
-            "redis's maxmemory-policy is {policy}: it may evict a sale's stock and buyers or \
-             an order-id lease, and a 202 would no longer be a promise; set \
-             maxmemory-policy noeviction (a full Redis then refuses writes, and grabs get 503)"
-        );
-    }
-    Ok(())
-}
-
-/// Runs `cmd` on the server holding `route_key` (a cluster routes a command without a
-/// key anywhere).
-async fn on_node_of(
-    conn: &mut RedisConn,
-    route_key: &str,
-    cmd: redis::Cmd,
-) -> RedisResult<redis::Value> {
-    match conn {
-        RedisConn::Cluster(c) => {
-            use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
-            let route = Route::new(crate::keys::slot(route_key), SlotAddr::Master);
-            c.route_command(
-                cmd,
-                RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
-            )
-            .await
-        }
-        other => cmd.query_async(other).await,
-    }
 }
 
 /// A server's run id and replication id: a restart changes the first, a promotion the
@@ -127,7 +69,7 @@ struct Identity {
     replid: String,
 }
 
-/// The term of the server holding `route_key`, and that server's identity, from one
+/// The term of the server holding `marker`, and that server's identity, from one
 /// round trip on one connection. An INFO sent alone may describe ANOTHER server: while
 /// the connection to a slot's master is down (a failover), the cluster client sends a
 /// command routed to that master to a random node instead, and an identity recorded
@@ -140,20 +82,20 @@ struct Identity {
 /// asked alone, which installs the library if missing).
 async fn term_and_identity(
     conn: &mut RedisConn,
-    route_key: &str,
+    marker: &str,
 ) -> RedisResult<(Term, Option<Identity>)> {
     let mut pipe = redis::pipe();
     pipe.cmd("FCALL")
         .arg("seckill_term")
         .arg(1)
-        .arg(route_key)
+        .arg(marker)
         .cmd("INFO")
         .arg("server")
         .arg("replication");
     let replies: Vec<Value> = match &mut *conn {
         RedisConn::Cluster(c) => {
             use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
-            let route = Route::new(crate::keys::slot(route_key), SlotAddr::Master);
+            let route = Route::new(crate::keys::slot(marker), SlotAddr::Master);
             c.route_pipeline(pipe, 0, 2, SingleNodeRoutingInfo::SpecificNode(route))
                 .await?
         }
@@ -161,10 +103,10 @@ async fn term_and_identity(
     };
     let mut replies = replies.into_iter();
     let (Some(term), Some(info)) = (replies.next(), replies.next()) else {
-        return Ok((of(conn, route_key).await?, None));
+        return Ok((of(conn, marker).await?, None));
     };
     let Ok(term) = term.extract_error() else {
-        return Ok((of(conn, route_key).await?, None));
+        return Ok((of(conn, marker).await?, None));
     };
     let (term, age_ms): (String, u64) = redis::from_redis_value(term)?;
     let term = Term {
@@ -211,18 +153,33 @@ pub(crate) struct Watch {
 /// How often every process looks at the terms.
 const EVERY: Duration = Duration::from_secs(1);
 
-/// What the watcher remembers of one server.
-#[derive(Debug, Clone, Default)]
+/// What the watcher remembers: the term it last saw on each server, and the identity
+/// each term was last seen with (on any server).
+#[derive(Debug, Default)]
 struct Seen {
-    term: Option<String>,
-    identity: Option<Identity>,
+    terms: HashMap<Shard, String>,
+    identities: HashMap<String, Identity>,
+}
+
+impl Seen {
+    /// Terms remembered with their identity, at most (older ones are forgotten first
+    /// when there are more; a server's current term is always kept).
+    const IDENTITIES: usize = 256;
+
+    fn remember(&mut self, term: &str, identity: Identity) {
+        if self.identities.len() >= Self::IDENTITIES {
+            let current: std::collections::HashSet<&String> = self.terms.values().collect();
+            self.identities.retain(|t, _| current.contains(t));
+        }
+        self.identities.insert(term.to_string(), identity);
+    }
 }
 
 /// Watches the terms: every sale whose state is missing or stale is healed at the first
 /// look, then what each new term makes stale.
 pub(crate) struct Watcher {
     w: Watch,
-    seen: HashMap<Shard, Seen>,
+    seen: Seen,
     failing: bool,
     /// Woken, and every server not yet healed since: kept until a look succeeds (the
     /// wake comes once; the look right after a loss of data may well fail).
@@ -233,7 +190,7 @@ impl Watcher {
     pub(crate) fn new(w: Watch) -> Self {
         Self {
             w,
-            seen: HashMap::new(),
+            seen: Seen::default(),
             failing: false,
             heal_everything: false,
         }
@@ -282,47 +239,55 @@ impl Watcher {
 
 /// The shards to ask, each with the shards on the same server: one server holds every
 /// shard unless this is a cluster.
-fn servers(conn: &RedisConn, keys: &Keys) -> Vec<(Shard, Vec<Shard>)> {
+pub(crate) fn servers(conn: &RedisConn, keys: &Keys) -> Vec<(Shard, Vec<Shard>)> {
     match conn {
         RedisConn::Cluster(_) => keys.shards().map(|s| (s, vec![s])).collect(),
         _ => vec![(Shard(0), keys.shards().collect())],
     }
 }
 
-/// One look at every server: a changed identity draws a new term; a new term (or the
-/// first look, or `everything`) heals the server's shards.
-async fn pass(w: &Watch, seen: &mut HashMap<Shard, Seen>, everything: bool) -> anyhow::Result<()> {
+/// One look at every server: a term seen before under another identity draws a new
+/// term; a new term (or the first look, or `everything`) heals the server's shards.
+async fn pass(w: &Watch, seen: &mut Seen, everything: bool) -> anyhow::Result<()> {
     let mut conn = w.redis.clone();
     for (asked, shards) in servers(&w.redis, &w.keys) {
-        let key = w.keys.stream(asked).to_string();
-        let was = seen.get(&asked).cloned().unwrap_or_default();
-        if was.term.is_none() || everything {
+        let marker = w.keys.term_marker(asked);
+        let was = seen.terms.get(&asked).cloned();
+        if was.is_none() || everything {
             // Once per process and server (and when woken: the server may have lost
             // it): the library this binary carries, or newer.
-            crate::scripts::install_library(&mut conn, Some(&key.as_bytes().to_vec())).await?;
+            crate::scripts::install_library(&mut conn, Some(&marker.as_bytes().to_vec())).await?;
         }
-        let (term, now) = term_and_identity(&mut conn, &key).await?;
-        // A restart or a promotion draws a term by itself; a term that outlived a change
-        // of identity (a replica promoted again after a partial resync keeps its Lua
-        // state) is drawn anew here.
-        let kept = was.term.as_ref() == Some(&term.term);
-        let term = match (&was.identity, &now) {
-            (Some(before), Some(after)) if before != after && kept => {
+        let (term, now) = term_and_identity(&mut conn, &marker).await?;
+        // A restart or a promotion draws a term by itself, and so does a server whose
+        // data another life wrote (the term marker); a term that outlived a change of
+        // identity all the same (a replica promoted again after a partial resync keeps
+        // its Lua state) is drawn anew here.
+        let term = match (seen.identities.get(&term.term), &now) {
+            (Some(before), Some(after)) if before != after => {
                 tracing::warn!(
                     ?before,
                     ?after,
                     "redis server changed identity under the same term: drawing a new one"
                 );
-                draw_new(&mut conn, &key).await?
+                draw_new(&mut conn, &marker).await?
             }
             _ => term,
         };
-        let changed = was.term.as_ref() != Some(&term.term);
+        if let Some(now) = now {
+            seen.remember(&term.term, now);
+        }
+        let changed = was.as_ref() != Some(&term.term);
+        if changed {
+            // A new life of the server (a promoted replica, say): it refuses writes
+            // while too few replicas acknowledge, from now on.
+            super::guard::require_replicas(&mut conn, &marker, w.replicas).await?;
+        }
         if changed || everything {
             let rebuilt = heal(w, &shards).await?;
             // A term that replaced one seen before is a rollback even when a grab that
             // met it rebuilt every sale first (and woke this look).
-            if (changed && was.term.is_some()) || !rebuilt.is_empty() {
+            if (changed && was.is_some()) || !rebuilt.is_empty() {
                 metrics::counter!(crate::metrics::ROLLBACKS_HEALED).increment(1);
                 tracing::warn!(
                     term = %term.term,
@@ -331,15 +296,7 @@ async fn pass(w: &Watch, seen: &mut HashMap<Shard, Seen>, everything: bool) -> a
                 );
             }
         }
-        seen.insert(
-            asked,
-            Seen {
-                term: Some(term.term),
-                // An identity from before a new term would look like a change under
-                // the next look's (same) term.
-                identity: if changed { now } else { now.or(was.identity) },
-            },
-        );
+        seen.terms.insert(asked, term.term);
     }
     Ok(())
 }

@@ -7,7 +7,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::order_id::{Claimed, NodeLease, OrderIds, Renewal, LEASE_RENEW_EVERY};
+use super::order_id::{Claimed, Claims, NodeLease, OrderIds, Renewal, LEASE_RENEW_EVERY};
 use crate::backoff::Backoff;
 use crate::keys::Keys;
 use crate::redis_conn::RedisConn;
@@ -24,13 +24,15 @@ pub(crate) struct Upkeep {
     /// Woken when the lease's key was gone (Redis lost its data): the term watcher
     /// rebuilds what else went with it.
     pub redis_lost_data: Arc<Notify>,
+    /// This process's claims (one token; a number whose claim's outcome is unknown).
+    pub claims: Arc<Claims>,
 }
 
 /// Claims a node number and waits out its grace (see [`super::order_id::LEASE_GRACE`]),
 /// then tells `ids` to mint with it.
 pub(crate) async fn claim(u: &Upkeep) -> anyhow::Result<NodeLease> {
     let Claimed { lease, sent, wait } =
-        NodeLease::acquire(&mut u.redis.clone(), &u.keys, u.replicas).await?;
+        NodeLease::acquire(&mut u.redis.clone(), &u.keys, u.replicas, &u.claims).await?;
     if !wait.is_zero() {
         tracing::info!(
             node = lease.node,

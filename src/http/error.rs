@@ -20,7 +20,8 @@ pub(crate) struct ErrorDetail {
     pub code: ErrorCode,
     /// For humans.
     pub message: String,
-    /// With `already_ordered`: the caller's existing order.
+    /// With `already_ordered`: the caller's existing order. With `"outcome": "unknown"`:
+    /// the id the grab's order has if it went through (`GET /orders/{id}` tells).
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<String>, pattern = "^[1-9][0-9]{0,18}$")]
     pub order_id: Option<OrderId>,
@@ -150,9 +151,12 @@ pub enum AppError {
     #[error("busy: {0}")]
     Busy(String),
     /// The admission script was sent but no answer came (timeout, connection lost): it
-    /// may have run, so the order may exist.
-    #[error("admission outcome unknown: {0}")]
-    OutcomeUnknown(redis::RedisError),
+    /// may have run, so the order, minted with this id, may exist.
+    #[error("admission outcome unknown: {error}")]
+    OutcomeUnknown {
+        error: redis::RedisError,
+        order_id: OrderId,
+    },
     #[error("database: {0}")]
     Database(#[from] sqlx::Error),
     #[error("redis: {0}")]
@@ -292,7 +296,7 @@ impl AppError {
                 C::Unavailable,
                 "the admission store is unavailable, try again".into(),
             ),
-            OutcomeUnknown(_) => (
+            OutcomeUnknown { .. } => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 C::Unavailable,
                 "the admission store did not answer in time: your grab may or may not have \
@@ -320,7 +324,7 @@ impl IntoResponse for AppError {
         // it in the response (`http::log_failures`), never sent.
         let failure = match &self {
             AppError::Database(_) => Some(Failure::new(&self, Some("postgres"), true)),
-            AppError::Redis(_) | AppError::OutcomeUnknown(_) => {
+            AppError::Redis(_) | AppError::OutcomeUnknown { .. } => {
                 Some(Failure::new(&self, Some("redis"), true))
             }
             AppError::Internal(_) => Some(Failure::new(&self, None, true)),
@@ -332,7 +336,9 @@ impl IntoResponse for AppError {
             _ => None,
         };
         let order_id = match &self {
-            AppError::AlreadyOrdered { order_id } => Some(*order_id),
+            AppError::AlreadyOrdered { order_id } | AppError::OutcomeUnknown { order_id, .. } => {
+                Some(*order_id)
+            }
             _ => None,
         };
         let body = ErrorBody {
@@ -340,7 +346,7 @@ impl IntoResponse for AppError {
                 code,
                 message,
                 order_id,
-                outcome: matches!(self, AppError::OutcomeUnknown(_)).then(|| "unknown".into()),
+                outcome: matches!(self, AppError::OutcomeUnknown { .. }).then(|| "unknown".into()),
             },
         };
         let mut response = (status, axum::Json(body)).into_response();
@@ -415,7 +421,10 @@ mod tests {
             },
             AppError::Unavailable("down".into()),
             AppError::Busy("busy".into()),
-            AppError::OutcomeUnknown(redis()),
+            AppError::OutcomeUnknown {
+                error: redis(),
+                order_id: seven,
+            },
             AppError::Database(sqlx::Error::PoolTimedOut),
             AppError::Database(sqlx::Error::RowNotFound),
             AppError::Redis(redis()),

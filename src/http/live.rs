@@ -69,7 +69,7 @@ pub(crate) async fn icon() -> impl IntoResponse {
             its data one JSON object: `at` (by Postgres's clock), `worker` (`length`, `pending`, `lag` (null when Redis cannot tell it), `dead_letters` of the order streams), \
             `sales` (selling first, then upcoming, sold out, ended; per sale: `id`, `title`, `state`, `sold_out`, `begin_time`, `end_time`, `initial_stock`, `remaining`, \
             `grabs_per_sec`, `errors_per_sec`, `admission_p99_ms` (over the last 5 s, null when unknown), \
-            `outcomes` (with the 503s: `unavailable`, `unknown`), `orders` (`admitted` = `persisted` + `in_flight` + `dead_letters`), `dead_letters`, `releases_owed`; \
+            `outcomes` (with the 503s: `unavailable`, `unknown`), `orders` (`admitted` = `persisted` + `in_flight` + `dead_letters`), `dead_letters` (of them `stale_epoch`: admitted by a Redis state that was no longer the sale's), `releases_owed`; \
             `state` by Postgres's clock), `open_total` (sales qualifying: open, upcoming, \
             ended in the last 5 minutes), `truncated` (true when `sales` holds fewer than `open_total`: at most `LIVE_MAX_SALES` are sent) \
             and `unavailable` (stores that did not answer)", content_type = "text/event-stream", body = String),

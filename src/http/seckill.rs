@@ -188,18 +188,14 @@ pub fn answer(outcome: redis::RedisResult<Outcome>, minted: OrderId) -> AppResul
              reserved"
                 .into(),
         )),
-        Err(e) if never_ran(&e) => Err(AppError::Unavailable(
+        Err(e) if crate::scripts::surely_not_run(&e) => Err(AppError::Unavailable(
             "the admission store is unavailable, try again; nothing was reserved".into(),
         )),
-        Err(e) => Err(AppError::OutcomeUnknown(e)),
+        Err(error) => Err(AppError::OutcomeUnknown {
+            error,
+            order_id: minted,
+        }),
     }
-}
-
-/// Errors after which the script surely did not run: no connection was made, or Redis
-/// refused the command with an error reply. A timeout or a connection lost after
-/// sending may come after the script ran.
-fn never_ran(e: &redis::RedisError) -> bool {
-    e.is_connection_refusal() || matches!(e.kind(), redis::ErrorKind::Server(_))
 }
 
 /// The sale is not in Redis: an unknown voucher, an ended sale whose state expired, or
@@ -310,7 +306,7 @@ mod tests {
         ] {
             let err = answer(Err(io_error(kind)), OrderId::new(1).unwrap()).unwrap_err();
             assert!(
-                matches!(err, AppError::OutcomeUnknown(_)),
+                matches!(err, AppError::OutcomeUnknown { .. }),
                 "{kind:?}: {err}"
             );
         }

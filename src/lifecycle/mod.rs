@@ -2,7 +2,7 @@
 //!
 //! Postgres judges every transition ([`store::lifecycle`]): a conditional update, and for
 //! a closed order its unit back in Postgres's stock plus a release owed to Redis, in one
-//! transaction. Redis follows, idempotently: `lua/release.lua` returns the unit to the
+//! transaction. Redis follows, idempotently: `seckill_release` (`lua/lifecycle.lua`) returns the unit to the
 //! live stock and frees the buyer record only while that record still names the order,
 //! so a retry, the outbox drain ([`sweeper`]) or a second path changes nothing. A crash
 //! between the commit and the release leaves the release owed in `stock_releases`, and
@@ -10,11 +10,9 @@
 
 pub mod sweeper;
 
-use std::sync::LazyLock;
 use std::time::Duration;
 
 use redis::aio::ConnectionLike;
-use redis::Script;
 use sqlx::PgPool;
 
 use crate::domain::{OrderId, OrderStatus};
@@ -23,9 +21,6 @@ use crate::metrics::{TRANSITIONS, UNITS_RETURNED};
 use crate::scripts::{Call, Replicas};
 use crate::store::lifecycle::{self as transitions, Close, Release, Transition};
 use crate::store::orders::OrderRow;
-
-static RELEASE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../lua/release.lua")));
 
 /// How long a request waits for Redis to take a release back before leaving it owed
 /// (the sweeper makes it later).
@@ -42,8 +37,9 @@ pub async fn release<C: ConnectionLike + Send>(
     replicas: Replicas,
 ) -> redis::RedisResult<bool> {
     // `true`: the unit went back; `false`: nothing was left to release.
-    let returned: redis::RedisResult<bool> = Call::script(&RELEASE)
+    let returned: redis::RedisResult<bool> = Call::function("seckill_release")
         .key(keys.part(r.sale_part()))
+        .key(keys.part_marker(r.sale_part()))
         .arg(keys::buyer_field(r.user_id))
         .arg(r.order_id)
         .invoke_waiting(conn, replicas)

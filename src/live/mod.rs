@@ -91,6 +91,9 @@ pub struct SaleView {
     pub orders: Orders,
     /// Orders that could never be written (see `seckill dead-letters`).
     pub dead_letters: i64,
+    /// Of those, the orders admitted by a Redis state that was no longer the sale's (an
+    /// old primary after a failover): refused by the fence, no unit taken.
+    pub stale_epoch: i64,
     /// Units returned in Postgres whose return to Redis is still to be made.
     pub releases_owed: i64,
 }
@@ -601,6 +604,7 @@ fn view(s: &SaleRow, figures: Figures, grabs_per_sec: Option<f64>, fresh: bool) 
             expired: s.expired,
         },
         dead_letters: s.dead_letters,
+        stale_epoch: s.stale_epoch,
         releases_owed: s.releases_owed,
     }
 }

@@ -3,7 +3,7 @@
 
 use chrono::{DateTime, Utc};
 
-use crate::domain::{OrderId, UserId, VoucherId};
+use crate::domain::{Epoch, OrderId, UserId, VoucherId};
 
 /// An admitted order on its way from the stream into Postgres.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -16,6 +16,9 @@ pub struct NewOrder {
     /// in one part): where its buyer record lives in Redis.
     pub part: u8,
     pub parts: u8,
+    /// The epoch of the state that admitted it (`None`: an entry without one, as
+    /// earlier releases and tools write them).
+    pub epoch: Option<Epoch>,
 }
 
 impl NewOrder {
@@ -41,6 +44,10 @@ pub enum Rejection {
     /// Delivered too often without being written (it keeps killing workers); the
     /// text says how often.
     Poison(String),
+    /// Admitted by a Redis state that is not its sale's current build (an old primary
+    /// after a failover, a copy rebuilt away from), and not carried into it: that
+    /// build did not count it, so it never takes a unit.
+    StaleEpoch,
     Refused(String),
 }
 
@@ -54,6 +61,10 @@ impl Rejection {
             Rejection::IdTaken => "order id already used by another order".into(),
             Rejection::AlreadyDead => "dead-lettered before".into(),
             Rejection::Poison(why) => format!("poison: {why}"),
+            Rejection::StaleEpoch => format!(
+                "{STALE_EPOCH}: admitted by a redis state that is no longer the sale's \
+                 (it was rebuilt elsewhere)"
+            ),
             Rejection::Refused(msg) => format!("refused by postgres: {msg}"),
         }
     }
@@ -67,6 +78,8 @@ impl Rejection {
             Rejection::NoStock => "no_stock",
             // Two 202s with one id: the order ids minted are not unique.
             Rejection::IdTaken => "duplicate_id",
+            // Admitted where the sale no longer lives: the fence refused it.
+            Rejection::StaleEpoch => "stale_epoch",
             _ => "rejected",
         }
     }
@@ -78,6 +91,9 @@ impl Rejection {
         !matches!(self, Rejection::NoStock)
     }
 }
+
+/// How the reason of every dead letter of [`Rejection::StaleEpoch`] begins.
+pub(crate) const STALE_EPOCH: &str = "stale_epoch";
 
 /// Statuses of an order that holds its unit (at most one per user and voucher).
 pub(crate) const ACTIVE: &str = "status IN ('created', 'paid')";

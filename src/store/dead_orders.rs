@@ -20,6 +20,9 @@ use crate::domain::{OrderId, UserId, VoucherId};
 pub enum Burial {
     /// It is in `voucher_orders` after all (a slow worker committed it): acknowledge.
     Written,
+    /// Buried as `stale_epoch`, but a build of its sale carried it into the current
+    /// epoch since it was judged: it is to be written, not buried.
+    Admissible,
     /// Tombstoned in `dead_orders` (`newly`: by this call). `holder` is the order the
     /// user holds for the voucher instead, if any; `returns_unit` whether settling it
     /// gives its unit back to Redis, as decided by the burial that laid the tombstone;
@@ -43,8 +46,33 @@ pub async fn bury(
     reason: &str,
     returns_unit: bool,
 ) -> Result<Burial, sqlx::Error> {
+    bury_as(db, order, reason, returns_unit, false).await
+}
+
+/// [`bury`] for an order of a stale epoch ([`Rejection::StaleEpoch`]): judged again
+/// under the lock, as a build of its sale may have carried it since.
+pub async fn bury_stale(db: &PgPool, order: &NewOrder) -> Result<Burial, sqlx::Error> {
+    let why = Rejection::StaleEpoch;
+    bury_as(db, order, &why.reason(), why.returns_unit(), true).await
+}
+
+async fn bury_as(
+    db: &PgPool,
+    order: &NewOrder,
+    reason: &str,
+    returns_unit: bool,
+    stale: bool,
+) -> Result<Burial, sqlx::Error> {
     let mut tx = db.begin().await?;
     lock_sales(&mut tx, &[order.voucher_id]).await?;
+    if stale
+        && super::epochs::admissible(&mut tx, std::slice::from_ref(order))
+            .await?
+            .contains(&order.id)
+    {
+        tx.commit().await?;
+        return Ok(Burial::Admissible);
+    }
     let duplicate = match owner(&mut tx, order).await? {
         Owner::This => {
             tx.commit().await?;

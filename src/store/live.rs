@@ -29,6 +29,9 @@ pub struct SaleRow {
     pub cancelled: i64,
     pub expired: i64,
     pub dead_letters: i64,
+    /// Of the dead letters, the orders admitted by a Redis state that was no longer the
+    /// sale's (`stale_epoch`).
+    pub stale_epoch: i64,
     pub releases_owed: i64,
     /// Parts the sale's stock is split over.
     pub segments: i16,
@@ -78,6 +81,8 @@ pub async fn sales(db: &PgPool, limit: i64, sold_out: &[(VoucherId, i32)]) -> sq
                (s.initial_stock - s.stock - s.paid)::int8 AS created,
                s.paid::int8 AS paid, s.cancelled::int8 AS cancelled, s.expired::int8 AS expired,
                (SELECT count(*) FROM dead_orders d WHERE d.voucher_id = s.voucher_id) AS dead_letters,
+               (SELECT count(*) FROM dead_orders d
+                WHERE d.voucher_id = s.voucher_id AND d.reason LIKE $5) AS stale_epoch,
                (SELECT count(*) FROM stock_releases r WHERE r.voucher_id = s.voucher_id) AS releases_owed,
                s.segments, count(*) OVER () AS total
         FROM seckill_vouchers s
@@ -96,6 +101,7 @@ pub async fn sales(db: &PgPool, limit: i64, sold_out: &[(VoucherId, i32)]) -> sq
     .bind(limit)
     .bind(&sold_ids)
     .bind(&sold_stock)
+    .bind(format!("{}%", super::admitted::STALE_EPOCH))
     .fetch_all(&mut *tx)
     .await?;
     tx.commit().await?;

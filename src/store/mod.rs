@@ -2,6 +2,7 @@
 
 pub mod admitted;
 pub mod dead_orders;
+pub mod epochs;
 pub mod lifecycle;
 pub mod live;
 pub mod orders;

@@ -163,9 +163,18 @@ async fn write(
     // seeing an entry Redis lost (nor our row), a burial may have tombstoned an order
     // whose row we had not committed yet. Neither may be written.
     let pending = still_pending(all.iter().map(|o| o.id).collect()).await?;
+    // The fence's epoch, as every build of a sale's state sees it under this lock: an
+    // order admitted by a state that is not its sale's current build (and not carried
+    // into it) was not counted by that build, so it never takes a unit.
+    let alive: Vec<NewOrder> = all
+        .iter()
+        .filter(|o| pending.contains(&o.id))
+        .copied()
+        .collect();
+    let admissible = super::epochs::admissible(tx, &alive).await?;
     let mut unwanted: Vec<OrderId> = inserted
         .iter()
-        .filter(|id| !pending.contains(id))
+        .filter(|id| !pending.contains(id) || !admissible.contains(id))
         .copied()
         .collect();
     let rows: Vec<OrderId> = inserted.iter().copied().collect();
@@ -175,10 +184,9 @@ async fn write(
             inserted.remove(&id);
         }
     }
-    let orders: Vec<NewOrder> = all
-        .iter()
-        .filter(|o| pending.contains(&o.id))
-        .copied()
+    let orders: Vec<NewOrder> = alive
+        .into_iter()
+        .filter(|o| admissible.contains(&o.id))
         .collect();
     // An order skipped before the lock (its user held another order) may be writable
     // now: that order may have been cancelled or expired meanwhile. Ask again under the
@@ -204,11 +212,14 @@ async fn write(
     let mut outcomes = classify(tx, &orders, &inserted).await?.into_iter();
     Ok(Some(
         all.iter()
-            .map(|o| match pending.contains(&o.id) {
-                true => outcomes
-                    .next()
-                    .expect("one outcome per order still pending"),
-                false => Persisted::Vanished,
+            .map(|o| {
+                if !pending.contains(&o.id) {
+                    Persisted::Vanished
+                } else if !admissible.contains(&o.id) {
+                    Persisted::Rejected(Rejection::StaleEpoch)
+                } else {
+                    outcomes.next().expect("one outcome per order written")
+                }
             })
             .collect(),
     ))

@@ -255,7 +255,7 @@ pub(crate) async fn lock_sale(
 }
 
 /// Ends a sale at `end_ms` (Unix ms) unless it ends earlier already; its beginning moves
-/// to at most a millisecond before, as `lua/close_sale.lua` does in Redis.
+/// to at most a millisecond before, as `seckill_close` (`lua/lifecycle.lua`) does in Redis.
 #[tracing::instrument(skip(tx))]
 pub(crate) async fn end_sale_at(
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,

@@ -43,10 +43,7 @@ pub(crate) async fn dead_letter<C: ConnectionLike + Send>(
     cmd.query_async(conn).await
 }
 
-static SETTLE_DEAD: std::sync::LazyLock<redis::Script> =
-    std::sync::LazyLock::new(|| redis::Script::new(include_str!("../../lua/settle_dead.lua")));
-
-/// Settles a dead order in Redis (see `lua/settle_dead.lua`): if the user's buyer
+/// Settles a dead order in Redis (`seckill_settle_dead`, `lua/lifecycle.lua`): if the user's buyer
 /// record still names it, points the record at `holder` (the order Postgres holds for
 /// the user) or drops it, and returns the unit when `return_unit`. `true` when the
 /// buyer record was settled now. Its entry is acknowledged with its batch.
@@ -62,8 +59,9 @@ pub(crate) async fn settle_dead<C: ConnectionLike + Send>(
     replicas: Replicas,
 ) -> RedisResult<bool> {
     // `true`: settled now; `false`: settled before (nothing left to do).
-    let settled: RedisResult<bool> = Call::script(&SETTLE_DEAD)
+    let settled: RedisResult<bool> = Call::function("seckill_settle_dead")
         .key(keys.part(part))
+        .key(keys.part_marker(part))
         .arg(crate::keys::buyer_field(user_id))
         .arg(order_id)
         .arg(holder.map(|h| h.to_string()).unwrap_or_default())

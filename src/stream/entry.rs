@@ -4,7 +4,7 @@
 use chrono::{DateTime, Utc};
 use redis::{RedisResult, Value};
 
-use crate::domain::{OrderId, UserId, VoucherId};
+use crate::domain::{Epoch, OrderId, UserId, VoucherId};
 use crate::keys::{entry_field, SalePart};
 use crate::store::orders::NewOrder;
 
@@ -148,9 +148,15 @@ fn one_order(fields: &[(String, String)]) -> Option<NewOrder> {
         None => (0, 1),
         Some((_, v)) => SalePart::parse_label(voucher_id, v).map(|p| (p.part, p.parts))?,
     };
+    // Absent in earlier releases' entries and tools'.
+    let epoch = match fields.iter().find(|(k, _)| k == entry_field::EPOCH) {
+        None => None,
+        Some((_, v)) => Some(Epoch::new(positive(v)?)?),
+    };
     Some(NewOrder {
         part,
         parts,
+        epoch,
         id: OrderId::new(get(entry_field::ORDER_ID)?)?,
         voucher_id,
         user_id: UserId::new(get(entry_field::USER_ID)?)?,
@@ -159,8 +165,8 @@ fn one_order(fields: &[(String, String)]) -> Option<NewOrder> {
 }
 
 /// The orders of one admission call's entry, read in order: `orders` N, `admitted_ms`,
-/// then runs of `voucher_id` [`part`] and pairs `order_id`, `user_id`. Anything out of
-/// place, or a count that is not N, and the whole entry is malformed.
+/// then runs of `voucher_id` [`part`] [`epoch`] and pairs `order_id`, `user_id`.
+/// Anything out of place, or a count that is not N, and the whole entry is malformed.
 fn orders_of_a_call(fields: &[(String, String)]) -> Option<Vec<NewOrder>> {
     let mut rest = fields.iter();
     let n = positive(&rest.next()?.1)? as usize;
@@ -171,13 +177,21 @@ fn orders_of_a_call(fields: &[(String, String)]) -> Option<Vec<NewOrder>> {
     };
     let mut orders = Vec::with_capacity(n.min(4096));
     let mut sale: Option<(VoucherId, u8, u8)> = None;
+    let mut epoch: Option<Epoch> = None;
     while let Some((k, v)) = rest.next() {
         match k.as_str() {
-            entry_field::VOUCHER_ID => sale = Some((VoucherId::new(positive(v)?)?, 0, 1)),
+            entry_field::VOUCHER_ID => {
+                sale = Some((VoucherId::new(positive(v)?)?, 0, 1));
+                epoch = None;
+            }
             entry_field::PART => {
                 let (voucher_id, _, _) = sale?;
                 let p = SalePart::parse_label(voucher_id, v)?;
                 sale = Some((voucher_id, p.part, p.parts));
+            }
+            entry_field::EPOCH => {
+                sale?;
+                epoch = Some(Epoch::new(positive(v)?)?);
             }
             entry_field::ORDER_ID => {
                 let (voucher_id, part, parts) = sale?;
@@ -189,6 +203,7 @@ fn orders_of_a_call(fields: &[(String, String)]) -> Option<Vec<NewOrder>> {
                 orders.push(NewOrder {
                     part,
                     parts,
+                    epoch,
                     id,
                     voucher_id,
                     user_id: UserId::new(positive(v)?)?,
@@ -213,6 +228,9 @@ fn order_fields(order: &NewOrder) -> Vec<(String, String)> {
     ];
     if let Some(label) = order.sale_part().label() {
         fields.push((entry_field::PART.into(), label));
+    }
+    if let Some(epoch) = order.epoch {
+        fields.push((entry_field::EPOCH.into(), epoch.to_string()));
     }
     fields
 }

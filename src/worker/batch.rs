@@ -311,8 +311,18 @@ impl Worker {
         why: &Rejection,
     ) -> anyhow::Result<bool> {
         let reason = why.reason();
-        match dead_orders::bury(&self.db, order, &reason, why.returns_unit()).await? {
+        let burial = match why {
+            Rejection::StaleEpoch => dead_orders::bury_stale(&self.db, order).await?,
+            _ => dead_orders::bury(&self.db, order, &reason, why.returns_unit()).await?,
+        };
+        match burial {
             Burial::Written => Ok(false),
+            // A passing state: the batch is retried as it is, and writes it.
+            Burial::Admissible => anyhow::bail!(
+                "order {} of a stale epoch was carried into its sale's current one while \
+                 it was being buried: retrying its batch",
+                order.id
+            ),
             Burial::Dead {
                 newly,
                 holder,
@@ -330,6 +340,13 @@ impl Worker {
                     metrics::counter!(crate::metrics::DEAD_LETTERED, "kind" => why.kind())
                         .increment(1);
                 }
+                // An order of a stale epoch holds a record only in a state that is not
+                // its sale's (the one that admitted it, an old primary's, say): tidying
+                // that up need not wait for replicas, which such a server may not have.
+                let replicas = match why {
+                    Rejection::StaleEpoch => crate::scripts::Replicas::NONE,
+                    _ => self.config.replicas,
+                };
                 stream::settle_dead(
                     conn,
                     &self.keys,
@@ -338,7 +355,7 @@ impl Worker {
                     order.id,
                     holder,
                     returns_unit,
-                    self.config.replicas,
+                    replicas,
                 )
                 .await?;
                 Ok(true)

@@ -21,6 +21,7 @@ fn waiting_for(n: u32) -> Settings {
         replicas: Replicas {
             n,
             timeout: Duration::from_millis(500),
+            max_lag: Duration::from_secs(1),
         },
         ..Settings::default()
     }

@@ -17,6 +17,7 @@ mod docs;
 mod durability;
 mod edge;
 mod faults;
+mod fence;
 mod flash_sale;
 mod http_limits;
 mod jwks;

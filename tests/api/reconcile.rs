@@ -231,8 +231,8 @@ async fn a_sale_with_three_hundred_thousand_buyers_is_repaired_in_chunks(db: PgP
         .await;
     assert_eq!(
         fields,
-        buyers + 5,
-        "every buyer, and stock, begin, end, term, gen"
+        buyers + 6,
+        "every buyer, and stock, begin, end, term, gen, epoch"
     );
     assert_eq!(
         app.grab(voucher, 123_456).await.1["error"]["order_id"],

@@ -12,20 +12,8 @@ use crate::worker::{admit, read_new, redis_sale};
 /// Appends an order entry to the sale's shard, as admission writes it (and nothing else:
 /// no unit taken, no buyer record), as a replay of an entry would look.
 async fn add_entry(app: &TestApp, voucher: i64, user: i64, order_id: i64) -> String {
-    app.redis_cmd(
-        redis::cmd("XADD")
-            .arg(app.keys.stream(app.keys.shard_of(vid(voucher))))
-            .arg("*")
-            .arg("order_id")
-            .arg(order_id)
-            .arg("voucher_id")
-            .arg(voucher)
-            .arg("user_id")
-            .arg(user)
-            .arg("admitted_ms")
-            .arg(chrono::Utc::now().timestamp_millis()),
-    )
-    .await
+    app.redis_cmd(&app.entry_of_one_order(voucher, user, order_id).await)
+        .await
 }
 
 /// What another API process minting `order_id` again does: admits it for `user`, taking
@@ -195,6 +183,7 @@ async fn persisting_one_order_id_twice_writes_one_row_and_takes_one_unit(db: PgP
         admitted_at: chrono::Utc::now(),
         part: 0,
         parts: 1,
+        epoch: app.epoch(sale).await,
     };
     let other_buyer = NewOrder {
         user_id: uid(2),
@@ -231,6 +220,7 @@ async fn an_order_whose_id_a_buried_order_holds_is_dead_lettered_as_a_duplicate(
         admitted_at: chrono::Utc::now(),
         part: 0,
         parts: 1,
+        epoch: app.epoch(sale).await,
     };
     seckill::store::dead_orders::bury(&app.db, &first, "poison: test", true)
         .await
@@ -338,21 +328,20 @@ async fn an_entry_id_redis_gave_to_another_order_is_not_written_for_the_lost_one
         .redis_cmd(redis::cmd("XSETID").arg(stream).arg(entry_id(&held[0])))
         .await;
     let newcomer = 900_003_i64;
-    let _: String = app
-        .redis_cmd(
-            redis::cmd("XADD")
-                .arg(stream)
-                .arg(&reused)
-                .arg("order_id")
-                .arg(newcomer)
-                .arg("voucher_id")
-                .arg(sale)
-                .arg("user_id")
-                .arg(3)
-                .arg("admitted_ms")
-                .arg(chrono::Utc::now().timestamp_millis()),
-        )
-        .await;
+    let mut xadd = redis::cmd("XADD");
+    xadd.arg(stream)
+        .arg(&reused)
+        .arg("order_id")
+        .arg(newcomer)
+        .arg("voucher_id")
+        .arg(sale)
+        .arg("user_id")
+        .arg(3)
+        .arg("admitted_ms")
+        .arg(chrono::Utc::now().timestamp_millis())
+        .arg("epoch")
+        .arg(app.epoch(sale).await.unwrap().get());
+    let _: String = app.redis_cmd(&xadd).await;
 
     let report = worker.process_batch(shard, &held).await.unwrap();
     println!("reused id: {report:?}");

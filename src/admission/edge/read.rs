@@ -7,8 +7,30 @@ use redis::aio::ConnectionLike;
 use redis::RedisResult;
 
 use crate::domain::UserId;
-use crate::keys;
+use crate::keys::{self, Keys, SalePart};
 use crate::scripts::Call;
+
+/// The keys `seckill_peek` reads for one part: its hash, and its slot's term marker.
+pub(crate) struct StateKeys {
+    pub(crate) sale: String,
+    marker: String,
+}
+
+impl StateKeys {
+    pub(crate) fn of(keys: &Keys, part: SalePart) -> Self {
+        Self {
+            sale: keys.part(part),
+            marker: keys.part_marker(part),
+        }
+    }
+
+    /// Every part of a sale in `parts` parts.
+    pub(crate) fn all(keys: &Keys, voucher_id: crate::domain::VoucherId, parts: u8) -> Vec<Self> {
+        SalePart::all(voucher_id, parts)
+            .map(|p| Self::of(keys, p))
+            .collect()
+    }
+}
 
 /// A sale's state as `seckill_peek` reads it.
 pub(crate) struct Peeked {
@@ -30,14 +52,14 @@ impl Peeked {
     }
 }
 
-/// Reads a sale's state; `None` when it is not loaded, stale (built in an earlier term
-/// of the server) or corrupt.
+/// Reads a sale's state; `None` when it is not loaded (or not armed), stale (built in
+/// an earlier term of the server) or corrupt.
 pub(crate) async fn peek<C: ConnectionLike + Send>(
     conn: &mut C,
-    key: &str,
+    key: &StateKeys,
 ) -> RedisResult<Option<Peeked>> {
     let mut call = Call::function("seckill_peek");
-    call.key(key);
+    call.key(&key.sale).key(&key.marker);
     let reply: Vec<String> = call.invoke(conn).await?;
     let number = |i: usize| reply.get(i).and_then(|v| v.parse::<i64>().ok());
     Ok(
@@ -66,7 +88,7 @@ pub(crate) async fn peek<C: ConnectionLike + Send>(
 /// to any part changes its gen, so the whole). `None` when some part cannot be trusted.
 pub(super) async fn peek_all<C: ConnectionLike + Send>(
     conn: &mut C,
-    keys: &[String],
+    keys: &[StateKeys],
 ) -> RedisResult<Option<Peeked>> {
     let mut whole: Option<Peeked> = None;
     for key in keys {

@@ -121,6 +121,7 @@ function render(snap) {
     }
     for (const k of ["admitted", "persisted", "in_flight", "created", "paid", "cancelled", "expired"]) set(el, k, fmt(s.orders[k]));
     set(el, "sale_dead_letters", fmt(s.dead_letters));
+    set(el, "stale_epoch", fmt(s.stale_epoch));
     if (salesEl.children[i] !== el) salesEl.insertBefore(el, salesEl.children[i] || null);
   });
   for (const [id, el] of cards) {

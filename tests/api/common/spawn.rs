@@ -59,6 +59,7 @@ impl TestApp {
                 durability: seckill::config::DurabilityArgs {
                     redis_wait_replicas: settings.replicas.n,
                     redis_wait_timeout_ms: settings.replicas.timeout.as_millis() as u64,
+                    redis_replica_max_lag_secs: settings.replicas.max_lag.as_secs().max(1),
                 },
             },
             jwt,

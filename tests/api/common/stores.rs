@@ -48,6 +48,41 @@ impl TestApp {
             .unwrap()
     }
 
+    /// The epoch Postgres recorded for the sale's (first part's) state: what its
+    /// admissions stamp their entries with (`None`: never built with one).
+    pub async fn epoch(&self, voucher_id: i64) -> Option<seckill::domain::Epoch> {
+        sqlx::query_scalar("SELECT epoch FROM sale_epochs WHERE voucher_id = $1 AND part = 0")
+            .bind(voucher_id)
+            .fetch_optional(&self.db)
+            .await
+            .unwrap()
+    }
+
+    /// `XADD` of an entry of one order as admission writes it, stamped with the sale's
+    /// epoch (it takes no unit and sets no buyer record).
+    pub async fn entry_of_one_order(
+        &self,
+        voucher_id: i64,
+        user: i64,
+        order_id: i64,
+    ) -> redis::Cmd {
+        let mut cmd = redis::cmd("XADD");
+        cmd.arg(self.keys.stream(self.keys.shard_of(vid(voucher_id))))
+            .arg("*")
+            .arg("order_id")
+            .arg(order_id)
+            .arg("voucher_id")
+            .arg(voucher_id)
+            .arg("user_id")
+            .arg(user)
+            .arg("admitted_ms")
+            .arg(chrono::Utc::now().timestamp_millis());
+        if let Some(epoch) = self.epoch(voucher_id).await {
+            cmd.arg("epoch").arg(epoch.get());
+        }
+        cmd
+    }
+
     pub async fn pg_stock(&self, voucher_id: i64) -> i32 {
         sqlx::query_scalar("SELECT stock FROM seckill_vouchers WHERE voucher_id = $1")
             .bind(voucher_id)

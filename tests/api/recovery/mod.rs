@@ -261,12 +261,14 @@ async fn xadd_orders(
     first_order: i64,
 ) {
     let now_ms = chrono::Utc::now().timestamp_millis();
+    let epoch = app.epoch(voucher).await;
     let mut conn = app.redis.clone();
     let mut i = 0;
     while i < count {
         let mut pipe = redis::pipe();
         for j in i..(i + 1000).min(count) {
-            pipe.cmd("XADD")
+            let xadd = pipe
+                .cmd("XADD")
                 .arg(stream)
                 .arg("*")
                 .arg("order_id")
@@ -276,8 +278,11 @@ async fn xadd_orders(
                 .arg("user_id")
                 .arg(first_user + j)
                 .arg("admitted_ms")
-                .arg(now_ms)
-                .ignore();
+                .arg(now_ms);
+            if let Some(epoch) = epoch {
+                xadd.arg("epoch").arg(epoch.get());
+            }
+            xadd.ignore();
         }
         let _: () = pipe.query_async(&mut conn).await.unwrap();
         i += 1000;

@@ -128,11 +128,13 @@ async fn a_drained_part_waits_for_a_move_another_instance_is_finishing(db: PgPoo
             .redis_cmd(
                 redis::cmd("FCALL")
                     .arg("seckill_credit")
-                    .arg(2)
+                    .arg(3)
                     .arg(app.keys.part(to))
                     .arg(app.keys.moves_in(to))
+                    .arg(app.keys.part_marker(to))
                     .arg(4242)
-                    .arg(1),
+                    .arg(1)
+                    .arg(""),
             )
             .await;
         assert_eq!(credited, 1);

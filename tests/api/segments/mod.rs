@@ -67,9 +67,10 @@ async fn take(app: &TestApp, from: SalePart, to: u8, id: i64, units: i64) -> i64
     app.redis_cmd(
         redis::cmd("FCALL")
             .arg("seckill_take")
-            .arg(2)
+            .arg(3)
             .arg(app.keys.part(from))
             .arg(app.keys.moves_out(from))
+            .arg(app.keys.part_marker(from))
             .arg(id)
             .arg(units)
             .arg(to),

@@ -44,23 +44,9 @@ async fn postgres_never_sells_more_than_its_stock_even_if_redis_admitted_more(db
     let admitted = admit(&app, voucher, 1..=2).await;
     // Orders that Redis should never have let through (say, after state was rebuilt
     // from a stale copy): one more buyer, and a second order for a user.
-    let stream = app.keys.stream(app.keys.shard_of(vid(voucher)));
     for (order_id, user) in [(900_001i64, 3i64), (900_002, 1)] {
-        let _: String = app
-            .redis_cmd(
-                redis::cmd("XADD")
-                    .arg(stream)
-                    .arg("*")
-                    .arg("order_id")
-                    .arg(order_id)
-                    .arg("voucher_id")
-                    .arg(voucher)
-                    .arg("user_id")
-                    .arg(user)
-                    .arg("admitted_ms")
-                    .arg(chrono::Utc::now().timestamp_millis()),
-            )
-            .await;
+        let xadd = app.entry_of_one_order(voucher, user, order_id).await;
+        let _: String = app.redis_cmd(&xadd).await;
     }
     let report = app.drain().await;
     assert_eq!((report.inserted, report.dead_lettered), (2, 2));

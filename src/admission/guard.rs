@@ -1,0 +1,140 @@
+//! The Redis settings the promises rest on, checked (and, where Redis lets us, set) by
+//! every process: keys are never evicted, and with `REDIS_WAIT_REPLICAS=N` a master
+//! refuses every write of ours (before a unit is taken) while it has fewer than N
+//! replicas that acknowledged lately.
+
+use redis::RedisResult;
+
+use crate::keys::Keys;
+use crate::redis_conn::RedisConn;
+use crate::scripts::Replicas;
+
+/// Refuses a Redis that may evict keys (`maxmemory-policy` other than `noeviction`):
+/// every key of ours is state a promise rests on (a sale's stock and buyers, a lease),
+/// and the `volatile-*` policies evict exactly ours, which expire. A server whose
+/// policy cannot be read (CONFIG disabled, as on some managed services) is allowed
+/// with a warning; one that does not answer is checked at the next start.
+pub(crate) async fn refuse_eviction(conn: &mut RedisConn, keys: &Keys) -> anyhow::Result<()> {
+    for (shard, _) in super::term::servers(conn, keys) {
+        let mut get = redis::cmd("CONFIG");
+        get.arg("GET").arg("maxmemory-policy");
+        let reply = on_node_of(conn, keys.stream(shard), get).await;
+        let policy = match reply.and_then(|v| Ok(redis::from_redis_value::<Vec<String>>(v)?)) {
+            Ok(pair) => pair.get(1).cloned().unwrap_or_default(),
+            Err(e) if e.is_io_error() || e.is_connection_refusal() => {
+                tracing::warn!(error = %e, "redis not reachable: maxmemory-policy not checked");
+                return Ok(());
+            }
+            Err(e) => {
+                tracing::warn!(
+                    error = %e,
+                    "cannot read redis's maxmemory-policy: make sure it is noeviction \
+                     (an evicted sale or lease breaks the service's promises)"
+                );
+                continue;
+            }
+        };
+        anyhow::ensure!(
+            policy == "noeviction",
+            "redis's maxmemory-policy is {policy}: it may evict a sale's stock and buyers or \
+             an order-id lease, and a 202 would no longer be a promise; set \
+             maxmemory-policy noeviction (a full Redis then refuses writes, and grabs get 503)"
+        );
+    }
+    Ok(())
+}
+
+/// Runs `cmd` on the server holding `route_key` (a cluster routes a command without a
+/// key anywhere).
+pub(crate) async fn on_node_of(
+    conn: &mut RedisConn,
+    route_key: &str,
+    cmd: redis::Cmd,
+) -> RedisResult<redis::Value> {
+    match conn {
+        RedisConn::Cluster(c) => {
+            use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+            let route = Route::new(crate::keys::slot(route_key), SlotAddr::Master);
+            c.route_command(
+                cmd,
+                RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
+            )
+            .await
+        }
+        other => cmd.query_async(other).await,
+    }
+}
+
+/// With replicas to wait for, makes the master holding `route_key` refuse writes while
+/// it has fewer than `replicas.n` replicas whose last acknowledgement is at most
+/// `replicas.max_lag` old (`min-replicas-to-write`, `min-replicas-max-lag`; stricter
+/// settings of the operator's are kept). Redis checks them before a function that may
+/// write runs, and answers `NOREPLICAS`: a grab on a master whose replica stalled or is
+/// gone (an old primary after a failover) is refused before its unit is taken (`503`,
+/// nothing reserved), instead of being taken and answered "unknown". A server that
+/// refuses CONFIG (some managed services) is logged: set them there yourself.
+pub(crate) async fn require_replicas(
+    conn: &mut RedisConn,
+    route_key: &str,
+    replicas: Replicas,
+) -> anyhow::Result<()> {
+    if !replicas.waits() {
+        return Ok(());
+    }
+    let lag = replicas.max_lag.as_secs().max(1);
+    let mut get = redis::cmd("CONFIG");
+    get.arg("GET").arg("min-replicas-*");
+    let now: std::collections::HashMap<String, String> = match on_node_of(conn, route_key, get)
+        .await
+        .and_then(|v| Ok(redis::from_redis_value(v)?))
+    {
+        Ok(now) => now,
+        Err(e) if e.is_io_error() || e.is_connection_refusal() => return Err(e.into()),
+        Err(e) => {
+            tracing::warn!(
+                error = %e,
+                wanted = replicas.n,
+                max_lag_secs = lag,
+                "cannot read redis's min-replicas-to-write: set it (and min-replicas-max-lag) \
+                 on every node yourself, or a master whose replicas are gone takes units \
+                 it cannot keep"
+            );
+            return Ok(());
+        }
+    };
+    let number = |name: &str| now.get(name).and_then(|v| v.parse::<u64>().ok());
+    let to_write = number("min-replicas-to-write").unwrap_or(0);
+    let max_lag = number("min-replicas-max-lag").unwrap_or(u64::MAX);
+    if to_write >= replicas.n as u64 && (1..=lag).contains(&max_lag) {
+        return Ok(());
+    }
+    let mut set = redis::cmd("CONFIG");
+    set.arg("SET")
+        .arg("min-replicas-to-write")
+        .arg(to_write.max(replicas.n as u64))
+        .arg("min-replicas-max-lag")
+        .arg(if (1..=lag).contains(&max_lag) {
+            max_lag
+        } else {
+            lag
+        });
+    match on_node_of(conn, route_key, set).await {
+        Ok(_) => {
+            tracing::info!(
+                replicas = replicas.n,
+                max_lag_secs = lag,
+                "redis now refuses writes while too few replicas acknowledge"
+            );
+            Ok(())
+        }
+        Err(e) if e.is_io_error() || e.is_connection_refusal() => Err(e.into()),
+        Err(e) => {
+            tracing::warn!(
+                error = %e,
+                "cannot set redis's min-replicas-to-write: set it (and min-replicas-max-lag) \
+                 on every node yourself"
+            );
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,105 @@
+//! `sale_epochs` and `sale_carried`: which build of each sale part's Redis state may
+//! make its orders. Every build draws an epoch and records it here under the sale's row
+//! lock, with the orders it counted in flight (carried into the new epoch); the worker
+//! writes an order only when its entry's epoch is the part's current one or the order
+//! was carried, checked under the same lock. An entry admitted by any other Redis state
+//! (an old primary still reachable after a failover, a copy that was rebuilt away from)
+//! is never an order.
+
+use std::collections::HashSet;
+
+use sqlx::{PgExecutor, Postgres, Transaction};
+
+use super::admitted::NewOrder;
+use crate::domain::{Epoch, OrderId};
+use crate::keys::SalePart;
+
+/// A new epoch, larger than every one drawn before.
+pub(crate) async fn draw(tx: &mut Transaction<'_, Postgres>) -> Result<Epoch, sqlx::Error> {
+    sqlx::query_scalar("SELECT nextval('sale_epoch_seq')")
+        .fetch_one(&mut **tx)
+        .await
+}
+
+/// The part's current epoch (`None`: never built by a release that knows epochs).
+pub(crate) async fn of<'e>(
+    db: impl PgExecutor<'e>,
+    part: SalePart,
+) -> Result<Option<Epoch>, sqlx::Error> {
+    sqlx::query_scalar("SELECT epoch FROM sale_epochs WHERE voucher_id = $1 AND part = $2")
+        .bind(part.voucher_id)
+        .bind(part.part as i16)
+        .fetch_optional(db)
+        .await
+}
+
+/// Records that the part's state was built with `epoch`, carrying `in_flight` (the
+/// orders the build counted, admitted under an earlier epoch) into it. The carried
+/// orders of earlier builds go: whatever of them is still in flight, this build
+/// counted again.
+pub(crate) async fn record(
+    tx: &mut Transaction<'_, Postgres>,
+    part: SalePart,
+    epoch: Epoch,
+    in_flight: &[OrderId],
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO sale_epochs (voucher_id, part, epoch) VALUES ($1, $2, $3) \
+         ON CONFLICT (voucher_id, part) DO UPDATE SET epoch = $3, built_at = now()",
+    )
+    .bind(part.voucher_id)
+    .bind(part.part as i16)
+    .bind(epoch)
+    .execute(&mut **tx)
+    .await?;
+    sqlx::query("DELETE FROM sale_carried WHERE voucher_id = $1 AND part = $2")
+        .bind(part.voucher_id)
+        .bind(part.part as i16)
+        .execute(&mut **tx)
+        .await?;
+    if !in_flight.is_empty() {
+        sqlx::query(
+            "INSERT INTO sale_carried (voucher_id, part, order_id) \
+             SELECT $1, $2, o FROM unnest($3::int8[]) AS o ON CONFLICT DO NOTHING",
+        )
+        .bind(part.voucher_id)
+        .bind(part.part as i16)
+        .bind(in_flight)
+        .execute(&mut **tx)
+        .await?;
+    }
+    Ok(())
+}
+
+/// Which of `orders` the fence lets become rows: those whose entry carries their
+/// part's current epoch, those the part's last build carried, and every order of a part
+/// never built with an epoch. To be asked under the sales' row locks, which every build
+/// takes.
+pub(crate) async fn admissible(
+    tx: &mut Transaction<'_, Postgres>,
+    orders: &[NewOrder],
+) -> Result<HashSet<OrderId>, sqlx::Error> {
+    if orders.is_empty() {
+        return Ok(HashSet::new());
+    }
+    let ids: Vec<OrderId> = orders.iter().map(|o| o.id).collect();
+    let vouchers: Vec<i64> = orders.iter().map(|o| o.voucher_id.get()).collect();
+    let parts: Vec<i16> = orders.iter().map(|o| o.part as i16).collect();
+    let epochs: Vec<Option<Epoch>> = orders.iter().map(|o| o.epoch).collect();
+    let admitted: Vec<OrderId> = sqlx::query_scalar(
+        "SELECT t.id FROM unnest($1::int8[], $2::int8[], $3::int2[], $4::int8[]) \
+             AS t (id, voucher_id, part, epoch) \
+         LEFT JOIN sale_epochs e ON e.voucher_id = t.voucher_id AND e.part = t.part \
+         WHERE e.epoch IS NULL OR e.epoch = t.epoch \
+            OR EXISTS (SELECT 1 FROM sale_carried c \
+                       WHERE c.voucher_id = t.voucher_id AND c.part = t.part \
+                         AND c.order_id = t.id)",
+    )
+    .bind(&ids)
+    .bind(&vouchers)
+    .bind(&parts)
+    .bind(&epochs)
+    .fetch_all(&mut **tx)
+    .await?;
+    Ok(admitted.into_iter().collect())
+}
