@@ -261,6 +261,13 @@ impl Keys {
         self.marker_beside(self.stream(shard))
     }
 
+    /// A key in the shard's slot that API instances write to probe that its master's
+    /// replicas acknowledge (see `admission::guard::probe_replicas`).
+    pub fn replica_probe(&self, shard: Shard) -> String {
+        let marker = self.term_marker(shard);
+        format!("{}probe", marker.strip_suffix("term").unwrap_or(&marker))
+    }
+
     /// The term marker of the slot a sale part lives on.
     pub fn part_marker(&self, part: SalePart) -> String {
         self.term_marker(self.shard_of_part(part))

@@ -77,18 +77,30 @@ impl Replicas {
 pub(crate) fn not_replicated(wanted: u32, acked: i64) -> RedisError {
     std::io::Error::new(
         std::io::ErrorKind::TimedOut,
-        format!("{acked} of {wanted} replica(s) acknowledged in time"),
+        format!("{acked} of {wanted} {NOT_REPLICATED}"),
     )
     .into()
 }
 
+const NOT_REPLICATED: &str = "replica(s) acknowledged in time";
+
+/// Whether `e` is [`not_replicated`]: the call ran, its replicas did not acknowledge.
+pub(crate) fn is_not_replicated(e: &RedisError) -> bool {
+    e.kind() == redis::ErrorKind::Io && e.to_string().contains(NOT_REPLICATED)
+}
+
 /// Errors after which a call surely did not run: no connection was made, or Redis
-/// refused the command with an error reply (`NOREPLICAS` among them: too few replicas
-/// acknowledging lately, refused before anything was written). A timeout, a connection
-/// lost after sending, or too few acknowledgements after it ([`not_replicated`]) may
-/// come after the call ran.
+/// refused the command with an error reply, whether the client library knows its code
+/// or not (`NOREPLICAS`: too few replicas acknowledging lately; `OOM`, `MISCONF`,
+/// `BUSY`: all refused before anything was written). A timeout, a connection lost
+/// after sending, or too few acknowledgements after it ([`not_replicated`]) may come
+/// after the call ran.
 pub(crate) fn surely_not_run(e: &RedisError) -> bool {
-    e.is_connection_refusal() || matches!(e.kind(), redis::ErrorKind::Server(_))
+    e.is_connection_refusal()
+        || matches!(
+            e.kind(),
+            redis::ErrorKind::Server(_) | redis::ErrorKind::Extension
+        )
 }
 
 /// A WAIT after a call that ran was refused: the outcome is as unknown as when too few
@@ -290,6 +302,8 @@ mod tests {
         let e = not_replicated(1, 0);
         assert_eq!(e.kind(), redis::ErrorKind::Io);
         assert!(!surely_not_run(&e), "it ran: not 'nothing reserved'");
+        assert!(is_not_replicated(&e));
+        assert!(!is_not_replicated(&wait_refused(&e)));
     }
 
     #[test]
@@ -303,6 +317,11 @@ mod tests {
             surely_not_run(&noperm),
             "alone, a refusal means it did not run"
         );
+        let noreplicas = redis::make_extension_error(
+            "NOREPLICAS".to_string(),
+            Some("Not enough good replicas to write.".to_string()),
+        );
+        assert!(surely_not_run(&noreplicas), "refused before it ran");
         let e = wait_refused(&noperm);
         assert!(
             !surely_not_run(&e),

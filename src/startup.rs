@@ -98,6 +98,17 @@ impl Application {
             live,
         );
         let served = CancellationToken::new();
+        if settings.replicas.waits() {
+            // On a connection of its own: its WAITs hold their connection.
+            let probing = connect_redis(&api.redis, redis_conn::COMMAND_TIMEOUT).await?;
+            tasks.spawn(crate::admission::guard::probe_replicas(
+                state.admissions.replica_gate().clone(),
+                probing,
+                keys.clone(),
+                settings.replicas,
+                cancel.clone(),
+            ));
+        }
         start_duties(&state, &tasks, &served, subscriber, &cancel).await;
         if let Some(opts) = worker {
             tasks.spawn(

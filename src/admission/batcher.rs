@@ -13,6 +13,7 @@ use tokio::sync::{mpsc, oneshot};
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::guard::ReplicaGate;
 use super::tally::{self, Tally};
 use super::{admit_many, Grab, Outcome};
 use crate::keys::Keys;
@@ -37,6 +38,7 @@ pub struct Batcher {
     keys: Keys,
     shards: Vec<mpsc::Sender<Queued>>,
     tally: Arc<Tally>,
+    gate: Arc<ReplicaGate>,
 }
 
 impl Batcher {
@@ -44,6 +46,7 @@ impl Batcher {
     /// the returned batcher's [`Batcher::tally`]; each call waits for `replicas`.
     pub fn start(conn: RedisConn, keys: Keys, max: usize, replicas: Replicas) -> Self {
         let tally = Arc::new(Tally::default());
+        let gate = Arc::new(ReplicaGate::new(keys.shards().count()));
         let shards = keys
             .shards()
             .map(|shard| {
@@ -54,6 +57,7 @@ impl Batcher {
                     keys,
                     shard,
                     replicas,
+                    gate: gate.clone(),
                 };
                 tokio::spawn(run_shard(rx, call, tally, max.max(1)));
                 tx
@@ -63,7 +67,14 @@ impl Batcher {
             keys,
             shards,
             tally,
+            gate,
         }
+    }
+
+    /// Whether each shard's replicas acknowledge lately (with replicas to wait for):
+    /// fed by the calls themselves and by [`crate::admission::guard::probe_replicas`].
+    pub fn replica_gate(&self) -> &Arc<ReplicaGate> {
+        &self.gate
     }
 
     /// The outcomes decided so far and not yet flushed (see [`tally`]).
@@ -101,6 +112,29 @@ struct ShardCall {
     keys: Keys,
     shard: crate::keys::Shard,
     replicas: Replicas,
+    gate: Arc<ReplicaGate>,
+}
+
+impl ShardCall {
+    /// Decides `grabs` in one call, unless the shard's replicas were silent lately:
+    /// then they are refused unsent (nothing reserved), rather than taken and answered
+    /// "unknown". A call whose replicas do not acknowledge shuts the gate.
+    async fn admit(&mut self, grabs: &[Grab]) -> RedisResult<Vec<Outcome>> {
+        let waits = self.replicas.waits();
+        if waits && !self.gate.is_open(self.shard) {
+            return Err(super::guard::replicas_silent());
+        }
+        let decided =
+            admit_many(&mut self.conn, &self.keys, self.shard, grabs, self.replicas).await;
+        if waits
+            && decided
+                .as_ref()
+                .is_err_and(crate::scripts::is_not_replicated)
+        {
+            self.gate.set(self.shard, false);
+        }
+        decided
+    }
 }
 
 async fn run_shard(
@@ -129,14 +163,7 @@ async fn run_shard(
         if grabs.is_empty() {
             continue;
         }
-        let decided = admit_many(
-            &mut call.conn,
-            &call.keys,
-            call.shard,
-            &grabs,
-            call.replicas,
-        )
-        .await;
+        let decided = call.admit(&grabs).await;
         // Each grab's answer and wait, counted for the live view under one lock.
         let answered = Instant::now();
         let counted = |answers: Vec<Option<tally::Answer>>| {
@@ -176,12 +203,12 @@ fn copy(e: &redis::RedisError) -> redis::RedisError {
     if e.is_connection_refusal() {
         return std::io::Error::new(std::io::ErrorKind::ConnectionRefused, e.to_string()).into();
     }
-    match e.kind() {
-        redis::ErrorKind::Server(_) => redis::RedisError::from((
+    match crate::scripts::surely_not_run(e) {
+        true => redis::RedisError::from((
             redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError),
-            "admission script failed",
+            "admission script refused",
             e.to_string(),
         )),
-        _ => std::io::Error::new(std::io::ErrorKind::TimedOut, e.to_string()).into(),
+        false => std::io::Error::new(std::io::ErrorKind::TimedOut, e.to_string()).into(),
     }
 }

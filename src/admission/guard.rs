@@ -3,9 +3,11 @@
 //! refuses every write of ours (before a unit is taken) while it has fewer than N
 //! replicas that acknowledged lately.
 
+use std::time::Duration;
+
 use redis::RedisResult;
 
-use crate::keys::Keys;
+use crate::keys::{Keys, Shard};
 use crate::redis_conn::RedisConn;
 use crate::scripts::Replicas;
 
@@ -137,4 +139,111 @@ pub(crate) async fn require_replicas(
             Ok(())
         }
     }
+}
+
+/// Whether each shard's master had its replicas acknowledge lately, as this process
+/// sees it (with replicas to wait for). An admission call is not sent to a shard whose
+/// gate is shut: its grabs are refused before any unit is taken (`503`, nothing
+/// reserved), within a probe's period and timeout of the replicas going silent, where
+/// Redis's own `min-replicas-max-lag` counts whole seconds. A call whose acknowledgement
+/// fails shuts its shard's gate at once; [`probe_replicas`] opens it again.
+#[derive(Debug)]
+pub struct ReplicaGate {
+    open: Vec<std::sync::atomic::AtomicBool>,
+}
+
+impl ReplicaGate {
+    /// Every shard open.
+    pub(crate) fn new(shards: usize) -> Self {
+        Self {
+            open: (0..shards)
+                .map(|_| std::sync::atomic::AtomicBool::new(true))
+                .collect(),
+        }
+    }
+
+    pub(crate) fn is_open(&self, shard: Shard) -> bool {
+        self.open[shard.0 as usize].load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    pub(crate) fn set(&self, shard: Shard, open: bool) {
+        let was = self.open[shard.0 as usize].swap(open, std::sync::atomic::Ordering::AcqRel);
+        if was != open {
+            match open {
+                true => tracing::info!(shard = shard.0, "replicas acknowledge again: admitting"),
+                false => tracing::warn!(
+                    shard = shard.0,
+                    "replicas did not acknowledge in time: refusing grabs until they do"
+                ),
+            }
+        }
+    }
+}
+
+/// The error a grab of a shut shard gets: nothing was sent, nothing reserved.
+pub(crate) fn replicas_silent() -> redis::RedisError {
+    std::io::Error::new(
+        std::io::ErrorKind::ConnectionRefused,
+        "too few replicas acknowledged lately",
+    )
+    .into()
+}
+
+/// How often each master's replicas are probed, and how long a probe waits.
+const PROBE_EVERY: Duration = Duration::from_millis(250);
+
+/// Keeps `gate` true to the replicas until `cancel`: every [`PROBE_EVERY`], on a
+/// connection of its own (a WAIT holds its connection), a small write and a WAIT for
+/// `replicas.n` acknowledgements within `replicas.timeout` on each master; the shards it
+/// holds are open while that succeeds.
+pub(crate) async fn probe_replicas(
+    gate: std::sync::Arc<ReplicaGate>,
+    conn: RedisConn,
+    keys: Keys,
+    replicas: Replicas,
+    cancel: tokio_util::sync::CancellationToken,
+) {
+    if !replicas.waits() {
+        return;
+    }
+    let mut tick = tokio::time::interval(PROBE_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        for (asked, shards) in super::term::servers(&conn, &keys) {
+            let healthy = probe(&mut conn.clone(), &keys, asked, replicas).await;
+            for shard in shards {
+                gate.set(shard, healthy);
+            }
+        }
+    }
+}
+
+/// One probe of the master holding `shard`: whether a write there was acknowledged by
+/// enough replicas in time.
+async fn probe(conn: &mut RedisConn, keys: &Keys, shard: Shard, replicas: Replicas) -> bool {
+    let mut pipe = redis::pipe();
+    pipe.cmd("SET")
+        .arg(keys.replica_probe(shard))
+        .arg(chrono::Utc::now().timestamp_millis())
+        .arg("PX")
+        .arg(60_000)
+        .cmd("WAIT")
+        .arg(replicas.n)
+        .arg(replicas.timeout.as_millis().max(1) as u64);
+    let acked: RedisResult<((), i64)> = match conn {
+        RedisConn::Cluster(c) => {
+            use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
+            let key = keys.replica_probe(shard);
+            let route = Route::new(crate::keys::slot(&key), SlotAddr::Master);
+            c.route_pipeline(pipe, 0, 2, SingleNodeRoutingInfo::SpecificNode(route))
+                .await
+                .and_then(|v| Ok(redis::from_redis_value(redis::Value::Array(v))?))
+        }
+        other => pipe.query_async(other).await,
+    };
+    matches!(acked, Ok(((), n)) if n >= replicas.n as i64)
 }

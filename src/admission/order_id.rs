@@ -211,8 +211,11 @@ impl NodeLease {
             let (claimed, term_age_ms) = match claim {
                 Ok(answer) => answer,
                 Err(e) => {
-                    // Refused (nothing claimed): any number next time; else this one.
-                    *claims.unsettled() = (!crate::scripts::surely_not_run(&e)).then_some(node);
+                    // Sent, its outcome unknown: this number first next time. (Refused:
+                    // nothing changed, and an earlier unknown claim of it still stands.)
+                    if !crate::scripts::surely_not_run(&e) {
+                        *claims.unsettled() = Some(node);
+                    }
                     return Err(e.into());
                 }
             };

@@ -141,6 +141,11 @@ pub struct PrivateRedis {
 }
 
 impl PrivateRedis {
+    /// Its process id (to stop it with SIGSTOP, say).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Its address, for a proxy in front of it.
     pub fn addr(&self) -> SocketAddr {
         SocketAddr::from(([127, 0, 0, 1], self.port))
