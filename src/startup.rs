@@ -53,9 +53,8 @@ impl Application {
             api.database.database_max_connections,
         )
         .await?;
-        if !api.skip_migrations {
-            store::migrate(&db, Duration::from_secs(60)).await?;
-        }
+        let tasks = TaskTracker::new();
+        let migrated = migrate_or_later(&db, api.skip_migrations, &tasks, &cancel).await?;
         let (redis, target) =
             connect_redis_with_target(&api.redis, redis_conn::COMMAND_TIMEOUT).await?;
         crate::admission::guard::refuse_eviction(&mut redis.clone(), &keys).await?;
@@ -66,7 +65,6 @@ impl Application {
         );
         let settings = settings(&api);
         let ids = Arc::new(OrderIds::default());
-        let tasks = TaskTracker::new();
         if let Some(jwks) = auth.jwks() {
             // One attempt (at most the fetch timeout) before serving; if the provider
             // does not answer, its tokens get 503 until a retry succeeds.
@@ -96,6 +94,7 @@ impl Application {
             ids.clone(),
             settings.clone(),
             live,
+            migrated.clone(),
         );
         let served = CancellationToken::new();
         if settings.replicas.waits() {
@@ -116,7 +115,14 @@ impl Application {
             );
             let lanes = defaults::SERVE_WORKER_CONCURRENCY;
             for worker in build_workers(&db, &api.redis, keys, opts, lanes).await? {
-                tasks.spawn(worker.run(cancel.clone()));
+                // Not before the schema is this binary's (Postgres may be away now).
+                let (migrated, cancel) = (migrated.clone(), cancel.clone());
+                tasks.spawn(async move {
+                    tokio::select! {
+                        _ = migrated.cancelled() => worker.run(cancel).await,
+                        _ = cancel.cancelled() => {}
+                    }
+                });
             }
         }
         let listener = TcpListener::bind(api.bind).await?;
@@ -148,6 +154,40 @@ impl Application {
         self.tasks.close();
         self.tasks.wait().await;
     }
+}
+
+/// Applies pending migrations (unless `skip`), or, when Postgres does not answer, keeps
+/// trying in the background: the process starts and serves what Redis holds meanwhile
+/// (`/readyz` says which store is away). The token fires once the schema is this
+/// binary's. A migration that fails for another reason stops the start.
+async fn migrate_or_later(
+    db: &sqlx::PgPool,
+    skip: bool,
+    tasks: &TaskTracker,
+    cancel: &CancellationToken,
+) -> anyhow::Result<CancellationToken> {
+    let migrated = CancellationToken::new();
+    if skip {
+        migrated.cancel();
+        return Ok(migrated);
+    }
+    match store::migrate_once(db).await {
+        Ok(()) => migrated.cancel(),
+        Err(store::Unmigrated::Unreachable(e)) => {
+            tracing::warn!(
+                error = %e,
+                "postgres not reachable: serving what redis holds; migrations are applied \
+                 once it answers"
+            );
+            tasks.spawn(store::keep_migrating(
+                db.clone(),
+                migrated.clone(),
+                cancel.clone(),
+            ));
+        }
+        Err(store::Unmigrated::Failed(e)) => return Err(e),
+    }
+    Ok(migrated)
 }
 
 /// The Redis key layout the settings name (prefix, stream shards).

@@ -21,11 +21,12 @@ pub(crate) async fn healthz() -> Json<Value> {
 
 #[utoipa::path(get, path = "/readyz", operation_id = "readyz", tag = "operations",
     responses(
-        (status = 200, description = "Redis and Postgres answer", body = Object,
-            example = json!({"status": "ready", "checks": {"redis": "up", "postgres": "up"}})),
-        (status = 503, description = "a dependency is down; `checks` names it", body = Object,
-            example = json!({"status": "not_ready", "checks": {"redis": "up", "postgres": "down"},
-                "error": {"code": "unavailable", "message": "not ready: postgres down"}})),
+        (status = 200, description = "Redis and Postgres answer (and the schema is this release's)", body = Object,
+            example = json!({"status": "ready", "checks": {"redis": "up", "postgres": "up", "migrations": "applied"}})),
+        (status = 503, description = "a dependency is down, or the migrations wait for Postgres; `checks` names it. \
+            The process serves meanwhile what it can: grabs of sales Redis holds while Postgres is away", body = Object,
+            example = json!({"status": "not_ready", "checks": {"redis": "up", "postgres": "down", "migrations": "pending"},
+                "error": {"code": "unavailable", "message": "not ready: postgres down, migrations pending"}})),
     ))]
 pub(crate) async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<Value>) {
     let timeout = Duration::from_secs(2);
@@ -43,11 +44,16 @@ pub(crate) async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<V
     );
     let up = |r: Result<bool, _>| if r == Ok(true) { "up" } else { "down" };
     let (redis, postgres) = (up(redis), up(postgres));
-    let checks = json!({"redis": redis, "postgres": postgres});
-    let down: Vec<&str> = [("redis", redis), ("postgres", postgres)]
+    let migrations = match state.migrated.is_cancelled() {
+        true => "applied",
+        false => "pending",
+    };
+    let checks = json!({"redis": redis, "postgres": postgres, "migrations": migrations});
+    let down: Vec<String> = [("redis", redis), ("postgres", postgres)]
         .into_iter()
         .filter(|(_, s)| *s == "down")
-        .map(|(name, _)| name)
+        .map(|(name, _)| format!("{name} down"))
+        .chain((migrations == "pending").then(|| "migrations pending".to_string()))
         .collect();
     if down.is_empty() {
         (
@@ -55,7 +61,7 @@ pub(crate) async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<V
             Json(json!({"status": "ready", "checks": checks})),
         )
     } else {
-        let message = format!("not ready: {} down", down.join(" and "));
+        let message = format!("not ready: {}", down.join(", "));
         (
             StatusCode::SERVICE_UNAVAILABLE,
             Json(json!({

@@ -43,6 +43,9 @@ pub struct Shared {
     pub edge: Arc<Edge>,
     /// The parts of segmented sales, and the moves of units between them.
     pub parts: Arc<Parts>,
+    /// Fired once the database schema is this binary's (migrations applied, which waits
+    /// for Postgres when it was away at start).
+    pub(crate) migrated: tokio_util::sync::CancellationToken,
 }
 
 impl AppState {
@@ -54,6 +57,7 @@ impl AppState {
         ids: Arc<OrderIds>,
         settings: Settings,
         live: crate::live::Live,
+        migrated: tokio_util::sync::CancellationToken,
     ) -> Self {
         let limits = &settings.limits;
         let per_user =
@@ -89,6 +93,7 @@ impl AppState {
             heal: Arc::default(),
             edge,
             parts,
+            migrated,
         }))
     }
 }

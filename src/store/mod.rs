@@ -76,32 +76,100 @@ fn tls_error(settings: Option<&tls::TlsSettings>, cause: &str) -> anyhow::Error 
     anyhow::anyhow!("TLS with Postgres failed: {cause}; {hint}")
 }
 
-/// Applies pending migrations, waiting up to `patience` for Postgres to answer.
+/// Why migrations were not applied.
+#[derive(Debug)]
+pub(crate) enum Unmigrated {
+    /// Postgres did not answer: worth trying again.
+    Unreachable(sqlx::Error),
+    /// Anything else (a failed migration, a schema newer than this binary, TLS): not.
+    Failed(anyhow::Error),
+}
+
+/// Applies pending migrations, one attempt.
+pub(crate) async fn migrate_once(db: &PgPool) -> Result<(), Unmigrated> {
+    // Migrations may legitimately run long: a connection of their own, without the
+    // service's session bounds (the later settings win), closed when done.
+    let options = (*db.connect_options())
+        .clone()
+        .options([("statement_timeout", "0"), ("lock_timeout", "0")]);
+    let run = async {
+        use sqlx::Connection;
+        // (Bounded: a Postgres behind a silent link would hold the connect for minutes.)
+        let connect = sqlx::PgConnection::connect_with(&options);
+        let mut conn = tokio::time::timeout(Duration::from_secs(5), connect)
+            .await
+            .map_err(|_| sqlx::Error::PoolTimedOut)??;
+        // (`run_direct`: `run`'s future is `Send` only for the lifetimes at hand, which
+        // a task spawned to retry cannot name.)
+        let ran = MIGRATOR.run_direct(&mut conn).await;
+        let _ = conn.close().await;
+        ran
+    };
+    match run.await {
+        Ok(()) => Ok(()),
+        Err(sqlx::migrate::MigrateError::Execute(e)) if tls_failure(&e).is_some() => {
+            let cause = tls_failure(&e).unwrap_or_default();
+            Err(Unmigrated::Failed(tls_error(None, &cause)))
+        }
+        Err(sqlx::migrate::MigrateError::Execute(e)) if is_connectivity(&e) => {
+            Err(Unmigrated::Unreachable(e))
+        }
+        Err(e) => Err(Unmigrated::Failed(e.into())),
+    }
+}
+
+/// Applies pending migrations, waiting up to `patience` for Postgres to answer
+/// (`seckill migrate`).
 pub(crate) async fn migrate(db: &PgPool, patience: Duration) -> anyhow::Result<()> {
     let deadline = tokio::time::Instant::now() + patience;
     loop {
-        // Migrations may legitimately run long: lift the service's session bounds on a
-        // connection taken out of the pool for good (detached, closed when done).
-        let run = async {
-            let mut conn = db.acquire().await?.detach();
-            sqlx::raw_sql("SET statement_timeout = 0; SET lock_timeout = 0")
-                .execute(&mut conn)
-                .await?;
-            MIGRATOR.run(&mut conn).await
-        };
-        match run.await {
+        match migrate_once(db).await {
             Ok(()) => return Ok(()),
-            Err(sqlx::migrate::MigrateError::Execute(e)) if tls_failure(&e).is_some() => {
-                let cause = tls_failure(&e).unwrap_or_default();
-                return Err(tls_error(None, &cause));
-            }
-            Err(sqlx::migrate::MigrateError::Execute(e))
-                if is_connectivity(&e) && tokio::time::Instant::now() < deadline =>
-            {
+            Err(Unmigrated::Unreachable(e)) if tokio::time::Instant::now() < deadline => {
                 tracing::warn!(error = %e, "postgres not reachable yet, retrying migrations");
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
-            Err(e) => return Err(e.into()),
+            Err(Unmigrated::Unreachable(e)) => return Err(e.into()),
+            Err(Unmigrated::Failed(e)) => return Err(e),
+        }
+    }
+}
+
+/// Applies pending migrations in the background of a process that started while
+/// Postgres was away: tries again with backoff until it answers, then fires `migrated`.
+/// A migration that fails for another reason is logged, and tried again later (the
+/// process stays not ready). Stops at `cancel`.
+pub(crate) async fn keep_migrating(
+    db: PgPool,
+    migrated: tokio_util::sync::CancellationToken,
+    cancel: tokio_util::sync::CancellationToken,
+) {
+    let mut backoff =
+        crate::backoff::Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+    let mut failing = false;
+    loop {
+        match migrate_once(&db).await {
+            Ok(()) => {
+                tracing::info!("postgres answers: migrations applied");
+                migrated.cancel();
+                return;
+            }
+            Err(Unmigrated::Unreachable(e)) => {
+                if !failing {
+                    tracing::warn!(error = %e, "postgres still not reachable, retrying migrations");
+                }
+            }
+            Err(Unmigrated::Failed(e)) => {
+                tracing::error!(
+                    error = format!("{e:#}"),
+                    "migrations failed; retrying later"
+                );
+            }
+        }
+        failing = true;
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(backoff.next_delay()) => {}
         }
     }
 }

@@ -245,7 +245,10 @@ async fn health_and_readiness_answer(db: PgPool) {
     assert_eq!(status, StatusCode::OK);
     let (status, body) = app.get("/readyz", None).await;
     assert_eq!(status, StatusCode::OK, "{body}");
-    assert_eq!(body["checks"], json!({"redis": "up", "postgres": "up"}));
+    assert_eq!(
+        body["checks"],
+        json!({"redis": "up", "postgres": "up", "migrations": "applied"})
+    );
 }
 
 /// An HS256 token of `claims`, signed with `secret`.

@@ -32,6 +32,7 @@ mod recovery;
 mod rollback;
 mod segments;
 mod sentinel;
+mod startup;
 mod tls;
 mod worker;
 mod worker_faults;
