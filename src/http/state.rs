@@ -49,6 +49,8 @@ pub struct Shared {
 }
 
 impl AppState {
+    // (Called once, by the one startup; each argument is a part of the state.)
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         db: PgPool,
         redis: RedisConn,
