@@ -12,11 +12,22 @@
 -- makes the unit come back once: a retry, the outbox drain or a replay finds no record
 -- naming the order and changes nothing.
 --
+-- A state armed with another epoch than Postgres's is not the sale's (an old primary
+-- still reachable after a failover): the release is refused there and stays owed, for a
+-- process that reaches the sale's own state.
+--
 -- KEYS[1] the sale hash  KEYS[2] the shard's term marker  ARGV[1] buyer field
--- ARGV[2] the closed order's id
--- Returns 1 when the unit went back, 0 when there was nothing to release.
+-- ARGV[2] the closed order's id  ARGV[3] Postgres's epoch of the part ('' when none)
+-- Returns 1 when the unit went back, 0 when there was nothing to release, -1 when the
+-- state is of another epoch.
 local function release(keys, argv)
   current_term(keys[2], true)
+  if argv[3] ~= '' then
+    local epoch = redis.call('HGET', keys[1], 'epoch')
+    if epoch and epoch ~= argv[3] then
+      return -1
+    end
+  end
   if redis.call('HGET', keys[1], argv[1]) ~= argv[2] then
     return 0
   end

@@ -27,7 +27,8 @@
 -- stream ('0' for a new sale)  ARGV[11] deadline (ms, Redis clock): later, do nothing
 -- (the caller may have given up and released the lock)  ARGV[12] Postgres's buyers
 -- (as staged)  ARGV[13] the epoch this build drew ('' for a check)  ARGV[14] the
--- part's epoch in Postgres now ('' when it has none)  ARGV[15] m, then m pairs
+-- part's epoch in Postgres now ('' when it has none)  ARGV[15] the term of the server
+-- life it was built into ('' when none)  ARGV[16] m, then m pairs
 -- user_id, order_id (closed orders whose release
 -- to Redis is still owed; 'check' only); then the part ('' for a sale in one part: its
 -- entries carry no part); then i, and i pairs move id, units (moves into the part
@@ -43,11 +44,19 @@
 -- the epoch Postgres has now, but not armed (its loader died after the commit), arms
 -- it instead of building it again.
 --
+-- Two primaries at once must not take a sale from each other in turns: a create or a
+-- heal does not build a sale whose epoch Postgres recorded for a newer server life than
+-- this one's (an old primary still reachable after a failover: {-4}); and a heal does
+-- build again a state of this life armed with another epoch than Postgres's when that
+-- epoch went to an older life (such an old primary built it meanwhile), so the newer
+-- server takes its sale back.
+--
 -- Returns {-1} when live state was left alone, {-2} when the tail is too long, {-3}
--- past the deadline, else
+-- past the deadline, {-4} when the sale lives on a newer server life, else
 -- {expected_stock, expected_buyers, in_flight, actual_stock (-1: none), actual_buyers,
--- mismatched_buyers, owed_held, actual_epoch (0: none, or not armed), then the order id
--- of each order in flight}; 'actual' is the state before this step; owed_held counts
+-- mismatched_buyers, owed_held, actual_epoch (0: none, or not armed), this server's
+-- term, then the order id and user id of each order in flight}; 'actual' is the state
+-- before this step; owed_held counts
 -- owed releases whose buyer record still holds their unit ('check' only). The orders
 -- in flight are the ones the new epoch carries: admitted under an earlier one, counted
 -- here, so the worker writes them.
@@ -67,14 +76,18 @@ local function load_sale(keys, argv)
   if mode == 'create' and exists then
     return done({-1})
   end
+  local pg_epoch, pg_term = argv[14], argv[15]
+  if (mode == 'create' or mode == 'heal') and pg_term ~= '' and older(this_term, pg_term) then
+    return done({-4})
+  end
   -- (A corrupt buyer record is rebuilt by 'repair': admission names it apart.)
   if mode == 'heal' and exists and now_fields[4] == this_term and whole(now_fields[1])
       and tonumber(now_fields[2]) and tonumber(now_fields[3]) then
-    if now_fields[7] then
+    if now_fields[7] and (pg_epoch == '' or now_fields[7] == pg_epoch) then
       return done({-1})
     end
-    if argv[14] ~= '' and now_fields[8] == argv[14] then
-      redis.call('HSET', sale, 'epoch', argv[14])
+    if not now_fields[7] and pg_epoch ~= '' and now_fields[8] == pg_epoch then
+      redis.call('HSET', sale, 'epoch', pg_epoch)
       redis.call('HDEL', sale, 'next_epoch')
       return done({-1})
     end
@@ -82,11 +95,11 @@ local function load_sale(keys, argv)
   local voucher = argv[2]
   local n_pg = tonumber(argv[12])
   local owed = {}
-  local n_owed = tonumber(argv[15])
+  local n_owed = tonumber(argv[16])
   for k = 1, n_owed do
-    owed[#owed + 1] = {argv[14 + 2 * k], argv[15 + 2 * k]}
+    owed[#owed + 1] = {argv[15 + 2 * k], argv[16 + 2 * k]}
   end
-  local at = 16 + 2 * n_owed
+  local at = 17 + 2 * n_owed
   local part = argv[at] or ''
   local moved_in = {}
   for k = 1, tonumber(argv[at + 1] or '0') do
@@ -291,11 +304,11 @@ local function load_sale(keys, argv)
     -- (A state whose epoch Postgres has committed is the sale's while it is being
     -- armed.)
     local epoch = now_fields[7]
-    if not epoch and argv[14] ~= '' and now_fields[8] == argv[14] then
+    if not epoch and pg_epoch ~= '' and now_fields[8] == pg_epoch then
       epoch = now_fields[8]
     end
     return done({stock, n_pg + n_in + owed_held, n_in, actual_stock, actual_buyers, mismatched, owed_held,
-      tonumber(epoch) or 0})
+      tonumber(epoch) or 0, this_term})
   end
 
   -- A sale never ends later than Redis already says: a close (seckill_close) that
@@ -338,9 +351,11 @@ local function load_sale(keys, argv)
   if #moved_in > 0 then
     redis.call('PEXPIREAT', moves_in, argv[6])
   end
-  local reply = {stock, n_pg + n_in, n_in, actual_stock, actual_buyers, 0, 0, tonumber(now_fields[7]) or 0}
-  for _, o in pairs(in_flight) do
+  local reply = {stock, n_pg + n_in, n_in, actual_stock, actual_buyers, 0, 0, tonumber(now_fields[7]) or 0,
+    this_term}
+  for u, o in pairs(in_flight) do
     reply[#reply + 1] = o
+    reply[#reply + 1] = u
   end
   return done(reply)
 end

@@ -7,18 +7,22 @@
 -- Postgres drops the donor's records: a move not yet in Postgres is then void, and the
 -- donor has its units back from its allotment.
 
--- A part's stock when its state is loaded, armed, of this term and sound, and of
--- `epoch` when one is given (Postgres's: a state of another epoch is not the sale's,
--- an old primary's after a failover, say); else nil. `marker`, `write`: as for
--- current_term.
+-- A part's stock when its state is loaded, of this term and sound, and armed (or, when
+-- `epoch` is given, armed with it or written with it and being armed: Postgres has
+-- committed it); else nil. A state of another epoch than Postgres's is not the sale's
+-- (an old primary's after a failover, say). `marker`, `write`: as for current_term.
 local function sound_stock(sale, marker, write, epoch)
-  local v = redis.call('HMGET', sale, 'stock', 'begin_ms', 'end_ms', 'term', 'epoch')
+  local v = redis.call('HMGET', sale, 'stock', 'begin_ms', 'end_ms', 'term', 'epoch', 'next_epoch')
   local stock = whole(v[1])
-  if not stock or not tonumber(v[2]) or not tonumber(v[3]) or not v[5]
+  if not stock or not tonumber(v[2]) or not tonumber(v[3])
       or v[4] ~= current_term(marker, write) then
     return nil
   end
-  if epoch and epoch ~= '' and v[5] ~= epoch then
+  if epoch and epoch ~= '' then
+    if v[5] ~= epoch and not (not v[5] and v[6] == epoch) then
+      return nil
+    end
+  elseif not v[5] then
     return nil
   end
   return stock
@@ -82,7 +86,7 @@ local function credit_units(keys, argv)
   if argv[3] ~= '' and v and v ~= argv[3] then
     return -2
   end
-  local stock = sound_stock(keys[1], keys[3], true)
+  local stock = sound_stock(keys[1], keys[3], true, argv[3])
   if not stock then
     return -1
   end

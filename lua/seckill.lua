@@ -43,6 +43,19 @@ local function draw()
   known[term] = true
 end
 
+-- Whether term `a` was drawn before term `b` (a term begins with the server's clock, in
+-- seconds and microseconds, when it was drawn: a replica promoted by a failover draws
+-- its term after the old primary drew its own).
+local function older(a, b)
+  local as, au = string.match(a, '^(%d+)%.(%d+)')
+  local bs, bu = string.match(b, '^(%d+)%.(%d+)')
+  if not as or not bs then
+    return false
+  end
+  as, au, bs, bu = tonumber(as), tonumber(au), tonumber(bs), tonumber(bu)
+  return as < bs or (as == bs and au < bu)
+end
+
 -- The server's term, after a look at `marker` (a key of the call's slot, when given):
 -- it names the term of the life that last wrote that slot's data. A term this life
 -- never saw means the data came from another life of some server since (this server
@@ -177,7 +190,7 @@ local function admit(keys, argv)
     -- never treat a missing stock as "unlimited".
     if not v[1] or not v[2] or not v[3] or not v[7] or (v[6] or '') ~= s.label then
       s.closed = 1
-    elseif not stock or not begin_ms or not end_ms then
+    elseif not stock or not begin_ms or not end_ms or not whole(v[7]) then
       s.closed = 7
     elseif v[4] ~= this_term then
       s.closed = 6
@@ -291,10 +304,12 @@ local function admit(keys, argv)
   return out
 end
 
--- The server's term and how long ago (ms) it was drawn.
+-- The server's term and how long ago (ms) it was drawn. It writes nothing (the marker
+-- is brought up to date by the next call that writes), so it answers on a master that
+-- refuses writes for want of replicas too.
 -- KEYS[1] the term marker of the slot asked about (keys::Keys::term_marker)
 local function term_of(keys, argv)
-  current_term(keys[1], true)
+  current_term(keys[1], false)
   local now = clock()
   return {term, now - term_ms}
 end
@@ -315,6 +330,9 @@ end
 -- a lease's renewal window means this server may have lost a live holder's lease.
 local function claim_lease(keys, argv)
   current_term(keys[2], true)
+  -- The marker of a lease's slot lives as long as the lease: a number claimed lives
+  -- later would otherwise meet a marker of a life long gone, and draw a term for it.
+  redis.call('PEXPIRE', keys[2], argv[2])
   local claimed = redis.call('SET', keys[1], argv[1], 'NX', 'PX', argv[2])
   if not claimed and redis.call('GET', keys[1]) == argv[1] then
     redis.call('PEXPIRE', keys[1], argv[2])
@@ -330,6 +348,7 @@ end
 -- (another process holds the number now).
 local function renew_lease(keys, argv)
   current_term(keys[2], true)
+  redis.call('PEXPIRE', keys[2], argv[2])
   local holder = redis.call('GET', keys[1])
   if holder == argv[1] then
     redis.call('PEXPIRE', keys[1], argv[2])
@@ -382,8 +401,8 @@ local function version()
 end
 
 redis.register_function('seckill_admit', admit)
-redis.register_function('seckill_term', term_of)
-redis.register_function('seckill_new_term', new_term)
+redis.register_function{function_name = 'seckill_term', callback = term_of, flags = {'no-writes'}}
+redis.register_function{function_name = 'seckill_new_term', callback = new_term, flags = {'no-writes'}}
 redis.register_function('seckill_claim_lease', claim_lease)
 redis.register_function('seckill_renew_lease', renew_lease)
 redis.register_function('seckill_arm', arm)

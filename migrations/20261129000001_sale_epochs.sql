@@ -10,12 +10,18 @@
 --
 -- A sale without a row here was never built by a release that knows epochs: its
 -- entries are written as before, until its next build.
+--
+-- `term` is the term of the Redis server life the epoch was built into (it begins with
+-- the server's clock when it was drawn): a build by a server in an older term (an old
+-- primary still reachable after a failover) may not take the sale from a newer one, and
+-- a newer one takes it back from an older one.
 CREATE SEQUENCE sale_epoch_seq;
 
 CREATE TABLE sale_epochs (
     voucher_id bigint      NOT NULL REFERENCES seckill_vouchers (voucher_id) ON DELETE CASCADE,
     part       smallint    NOT NULL CHECK (part >= 0 AND part < 64),
     epoch      bigint      NOT NULL CHECK (epoch > 0),
+    term       text        NOT NULL,
     built_at   timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (voucher_id, part)
 );
@@ -27,5 +33,6 @@ CREATE TABLE sale_carried (
     voucher_id bigint   NOT NULL REFERENCES seckill_vouchers (voucher_id) ON DELETE CASCADE,
     part       smallint NOT NULL,
     order_id   bigint   NOT NULL,
-    PRIMARY KEY (voucher_id, part, order_id)
+    user_id    bigint   NOT NULL,
+    PRIMARY KEY (voucher_id, part, order_id, user_id)
 );

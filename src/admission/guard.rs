@@ -213,8 +213,14 @@ pub(crate) async fn probe_replicas(
             _ = cancel.cancelled() => return,
             _ = tick.tick() => {}
         }
-        for (asked, shards) in super::term::servers(&conn, &keys) {
-            let healthy = probe(&mut conn.clone(), &keys, asked, replicas).await;
+        // Every master at once: a silent one's WAIT holds only its own probe.
+        let probes = super::term::servers(&conn, &keys)
+            .into_iter()
+            .map(|(asked, shards)| {
+                let (mut conn, keys) = (conn.clone(), &keys);
+                async move { (probe(&mut conn, keys, asked, replicas).await, shards) }
+            });
+        for (healthy, shards) in futures_util::future::join_all(probes).await {
             for shard in shards {
                 gate.set(shard, healthy);
             }

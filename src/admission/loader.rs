@@ -132,15 +132,26 @@ pub async fn load_sale<C: ConnectionLike + Send>(
     Ok(sum)
 }
 
-/// Whether the part's state is there, built in the server's current term, and sound:
-/// then a heal leaves it alone (the last step checks again, atomically).
+/// Whether the part's state is there, built in the server's current term, sound and
+/// armed, with Postgres's epoch (or Postgres's epoch went to a newer server life: not
+/// ours to take): then a heal leaves it alone (the last step checks again, atomically,
+/// under the lock).
 async fn current<C: ConnectionLike + Send>(
+    db: &PgPool,
     conn: &mut C,
     keys: &Keys,
     part: SalePart,
 ) -> anyhow::Result<bool> {
     let state = super::edge::StateKeys::of(keys, part);
-    Ok(super::edge::peek(conn, &state).await?.is_some())
+    let Some(state) = super::edge::peek(conn, &state).await? else {
+        return Ok(false);
+    };
+    Ok(match store::epochs::built(db, part).await? {
+        None => true,
+        Some(b) => {
+            b.epoch.to_string() == state.epoch() || super::term::drawn_before(state.term(), &b.term)
+        }
+    })
 }
 
 /// Drops the candidates Postgres has buried: settled in Redis (record and unit) though
@@ -196,7 +207,7 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
     replicas: Replicas,
 ) -> anyhow::Result<Option<Fenced>> {
     let voucher_id = part.voucher_id;
-    if leave_alone(conn, keys, part, mode).await? {
+    if leave_alone(db, conn, keys, part, mode).await? {
         return Ok(None);
     }
     let mine = |user: UserId| part.is_home_of(user);
@@ -214,7 +225,8 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
     );
     let sale_orders = buyers.len() as i64;
     buyers.retain(|(u, _)| mine(*u));
-    let pg_epoch = store::epochs::of(&mut *tx, part).await?;
+    let pg_built = store::epochs::built(&mut *tx, part).await?;
+    let pg_epoch = pg_built.as_ref().map(|b| b.epoch);
     // Drawn before the step (which writes it into the state, not armed yet); wasted
     // when the step leaves the state alone.
     let epoch = match mode {
@@ -249,7 +261,7 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
         stage: &stage,
         retention,
         epoch,
-        pg_epoch,
+        pg_built: pg_built.as_ref(),
     };
     let figures = run_steps(&step, &mut tx, conn, &mut paging, &known, replicas).await?;
     // Announced as soon as the state may have changed, before anything else can fail.
@@ -258,7 +270,7 @@ pub(crate) async fn fenced<C: ConnectionLike + Send>(
     }
     let built = match (&figures, epoch) {
         (Some(f), Some(epoch)) => {
-            store::epochs::record(&mut tx, part, epoch, &f.carried).await?;
+            store::epochs::record(&mut tx, part, epoch, &f.term, &f.carried).await?;
             Some(epoch)
         }
         _ => None,
@@ -386,6 +398,13 @@ async fn run_steps<C: ConnectionLike + Send>(
                 "loading voucher {} reached Redis too late; nothing was written",
                 step.part.voucher_id
             ),
+            StepReply::LivesElsewhere => anyhow::bail!(
+                "voucher {} (part {}) was last built into a newer redis server life than \
+                 this one (term {}): not built here; is this an old primary after a failover?",
+                step.part.voucher_id,
+                step.part.part,
+                step.pg_built.map(|b| b.term.as_str()).unwrap_or_default()
+            ),
             StepReply::LeftAlone => return Ok(None),
             StepReply::Done(figures) => return Ok(Some(figures)),
         }
@@ -395,6 +414,7 @@ async fn run_steps<C: ConnectionLike + Send>(
 /// Whether `mode` leaves the sale's state as it is without asking Postgres: it is
 /// there (create) or there and current (heal).
 async fn leave_alone<C: ConnectionLike + Send>(
+    db: &PgPool,
     conn: &mut C,
     keys: &Keys,
     part: SalePart,
@@ -407,7 +427,7 @@ async fn leave_alone<C: ConnectionLike + Send>(
                 .query_async(conn)
                 .await?
         }
-        Mode::Heal => current(conn, keys, part).await?,
+        Mode::Heal => current(db, conn, keys, part).await?,
         Mode::Repair | Mode::Check => false,
     })
 }
@@ -525,8 +545,8 @@ struct Step<'a> {
     retention: Duration,
     /// The epoch this build drew (`None`: a check writes nothing).
     epoch: Option<Epoch>,
-    /// The part's epoch in Postgres before this build.
-    pg_epoch: Option<Epoch>,
+    /// The part's build in Postgres before this one.
+    pg_built: Option<&'a store::epochs::Built>,
 }
 
 /// What the last step of a load answered.
@@ -538,6 +558,9 @@ enum StepReply {
     TailTooLong,
     /// It reached Redis after its deadline: nothing written.
     TooLate,
+    /// Postgres's epoch went to a newer server life than this one's: not built here (an
+    /// old primary must not take a sale from the new one).
+    LivesElsewhere,
     Done(StepFigures),
 }
 
@@ -550,38 +573,62 @@ struct StepFigures {
     mismatched_buyers: i64,
     owed_held: i64,
     actual_epoch: Option<Epoch>,
-    /// The orders counted in flight: carried into the epoch the step wrote.
-    carried: Vec<OrderId>,
+    /// The term of the server life the step ran in.
+    term: String,
+    /// The orders counted in flight (and their users): carried into the epoch the step
+    /// wrote.
+    carried: Vec<(OrderId, UserId)>,
 }
 
 impl StepReply {
     fn parse(reply: &[redis::Value]) -> anyhow::Result<Self> {
-        let numbers: Vec<i64> = reply
+        let unexpected = || anyhow::anyhow!("unexpected reply from the load step: {reply:?}");
+        let number = |v: &redis::Value| redis::from_redis_value_ref::<i64>(v).ok();
+        if let [code] = reply {
+            return Ok(match number(code) {
+                Some(-1) => StepReply::LeftAlone,
+                Some(-2) => StepReply::TailTooLong,
+                Some(-3) => StepReply::TooLate,
+                Some(-4) => StepReply::LivesElsewhere,
+                _ => return Err(unexpected()),
+            });
+        }
+        let (figures, rest) = reply.split_at_checked(8).ok_or_else(unexpected)?;
+        let figures: Vec<i64> = figures
             .iter()
-            .map(redis::from_redis_value_ref::<i64>)
-            .collect::<Result<_, _>>()
-            .map_err(|e| anyhow::anyhow!("unexpected reply from the load step: {e}"))?;
-        Ok(match *numbers.as_slice() {
-            [-1] => StepReply::LeftAlone,
-            [-2] => StepReply::TailTooLong,
-            [-3] => StepReply::TooLate,
-            [stock, buyers, in_flight, actual_stock, actual_buyers, mismatched_buyers, owed_held, actual_epoch, ref carried @ ..] => {
-                StepReply::Done(StepFigures {
-                    expected: Loaded {
-                        stock,
-                        buyers,
-                        in_flight,
-                    },
-                    actual_stock: (actual_stock >= 0).then_some(actual_stock),
-                    actual_buyers,
-                    mismatched_buyers,
-                    owed_held,
-                    actual_epoch: Epoch::new(actual_epoch),
-                    carried: carried.iter().filter_map(|&o| OrderId::new(o)).collect(),
+            .map(number)
+            .collect::<Option<_>>()
+            .ok_or_else(unexpected)?;
+        let (term, carried) = rest.split_first().ok_or_else(unexpected)?;
+        let term: String = redis::from_redis_value_ref(term).map_err(|_| unexpected())?;
+        let &[stock, buyers, in_flight, actual_stock, actual_buyers, mismatched_buyers, owed_held, actual_epoch] =
+            figures.as_slice()
+        else {
+            return Err(unexpected());
+        };
+        Ok(StepReply::Done(StepFigures {
+            expected: Loaded {
+                stock,
+                buyers,
+                in_flight,
+            },
+            actual_stock: (actual_stock >= 0).then_some(actual_stock),
+            actual_buyers,
+            mismatched_buyers,
+            owed_held,
+            actual_epoch: Epoch::new(actual_epoch),
+            term,
+            // (An order or user id that is not one came from an entry the worker will
+            // dead-letter: nothing to carry.)
+            carried: carried
+                .chunks(2)
+                .filter_map(|pair| {
+                    let order = OrderId::new(number(pair.first()?)?)?;
+                    let user = UserId::new(number(pair.get(1)?)?)?;
+                    Some((order, user))
                 })
-            }
-            _ => anyhow::bail!("unexpected reply from the load step: {reply:?}"),
-        })
+                .collect(),
+        }))
     }
 }
 
@@ -616,7 +663,12 @@ impl Step<'_> {
             .arg(deadline_ms)
             .arg(self.buyers)
             .arg(self.epoch.map(|e| e.to_string()).unwrap_or_default())
-            .arg(self.pg_epoch.map(|e| e.to_string()).unwrap_or_default())
+            .arg(
+                self.pg_built
+                    .map(|b| b.epoch.to_string())
+                    .unwrap_or_default(),
+            )
+            .arg(self.pg_built.map(|b| b.term.as_str()).unwrap_or_default())
             .arg(self.owed.len());
         for (user_id, order_id) in self.owed {
             call.arg(user_id).arg(order_id);

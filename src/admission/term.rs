@@ -37,6 +37,18 @@ pub(crate) struct Term {
     pub age: Duration,
 }
 
+/// Whether term `a` was drawn before term `b`: a term begins with the server's clock (in
+/// seconds and microseconds) when it was drawn, so a replica promoted by a failover
+/// draws its term after the old primary drew its own (as `older` in
+/// `lua/seckill.lua`). Terms that do not read so are never before anything.
+pub(crate) fn drawn_before(a: &str, b: &str) -> bool {
+    let time = |t: &str| -> Option<(u64, u64)> {
+        let mut parts = t.split('.');
+        Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
+    };
+    matches!((time(a), time(b)), (Some(a), Some(b)) if a < b)
+}
+
 /// The term of the server holding `marker` (a slot's term marker, see
 /// [`Keys::term_marker`]), drawn now if this is its first call, or if the slot's data
 /// shows another life of a server wrote it since.
@@ -250,54 +262,74 @@ pub(crate) fn servers(conn: &RedisConn, keys: &Keys) -> Vec<(Shard, Vec<Shard>)>
 /// term; a new term (or the first look, or `everything`) heals the server's shards.
 async fn pass(w: &Watch, seen: &mut Seen, everything: bool) -> anyhow::Result<()> {
     let mut conn = w.redis.clone();
+    // Each server on its own: one that fails (down, or refusing writes for want of
+    // replicas) does not keep the others from being looked at. The first error is the
+    // look's, and the next look tries that server again.
+    let mut first: Option<anyhow::Error> = None;
     for (asked, shards) in servers(&w.redis, &w.keys) {
-        let marker = w.keys.term_marker(asked);
-        let was = seen.terms.get(&asked).cloned();
-        if was.is_none() || everything {
-            // Once per process and server (and when woken: the server may have lost
-            // it): the library this binary carries, or newer.
-            crate::scripts::install_library(&mut conn, Some(&marker.as_bytes().to_vec())).await?;
+        if let Err(e) = look_at(w, seen, &mut conn, asked, &shards, everything).await {
+            first.get_or_insert(e);
         }
-        let (term, now) = term_and_identity(&mut conn, &marker).await?;
-        // A restart or a promotion draws a term by itself, and so does a server whose
-        // data another life wrote (the term marker); a term that outlived a change of
-        // identity all the same (a replica promoted again after a partial resync keeps
-        // its Lua state) is drawn anew here.
-        let term = match (seen.identities.get(&term.term), &now) {
-            (Some(before), Some(after)) if before != after => {
-                tracing::warn!(
-                    ?before,
-                    ?after,
-                    "redis server changed identity under the same term: drawing a new one"
-                );
-                draw_new(&mut conn, &marker).await?
-            }
-            _ => term,
-        };
-        if let Some(now) = now {
-            seen.remember(&term.term, now);
-        }
-        let changed = was.as_ref() != Some(&term.term);
-        if changed {
-            // A new life of the server (a promoted replica, say): it refuses writes
-            // while too few replicas acknowledge, from now on.
-            super::guard::require_replicas(&mut conn, &marker, w.replicas).await?;
-        }
-        if changed || everything {
-            let rebuilt = heal(w, &shards).await?;
-            // A term that replaced one seen before is a rollback even when a grab that
-            // met it rebuilt every sale first (and woke this look).
-            if (changed && was.is_some()) || !rebuilt.is_empty() {
-                metrics::counter!(crate::metrics::ROLLBACKS_HEALED).increment(1);
-                tracing::warn!(
-                    term = %term.term,
-                    rebuilt = ?rebuilt,
-                    "redis may have lost writes (new term): sales rebuilt from postgres"
-                );
-            }
-        }
-        seen.terms.insert(asked, term.term);
     }
+    first.map_or(Ok(()), Err)
+}
+
+/// One server (the one holding shard `asked`, and `shards`): its term; a new one (or
+/// the first look, or `everything`) heals its shards.
+async fn look_at(
+    w: &Watch,
+    seen: &mut Seen,
+    conn: &mut RedisConn,
+    asked: Shard,
+    shards: &[Shard],
+    everything: bool,
+) -> anyhow::Result<()> {
+    let marker = w.keys.term_marker(asked);
+    let was = seen.terms.get(&asked).cloned();
+    if was.is_none() || everything {
+        // Once per process and server (and when woken: the server may have lost it):
+        // the library this binary carries, or newer.
+        crate::scripts::install_library(conn, Some(&marker.as_bytes().to_vec())).await?;
+    }
+    let (term, now) = term_and_identity(conn, &marker).await?;
+    // A restart or a promotion draws a term by itself, and so does a server whose data
+    // another life wrote (the term marker); a term that outlived a change of identity
+    // all the same (a replica promoted again after a partial resync keeps its Lua state)
+    // is drawn anew here.
+    let term = match (seen.identities.get(&term.term), &now) {
+        (Some(before), Some(after)) if before != after => {
+            tracing::warn!(
+                ?before,
+                ?after,
+                "redis server changed identity under the same term: drawing a new one"
+            );
+            draw_new(conn, &marker).await?
+        }
+        _ => term,
+    };
+    if let Some(now) = now {
+        seen.remember(&term.term, now);
+    }
+    let changed = was.as_ref() != Some(&term.term);
+    if changed {
+        // A new life of the server (a promoted replica, say): it refuses writes while
+        // too few replicas acknowledge, from now on.
+        super::guard::require_replicas(conn, &marker, w.replicas).await?;
+    }
+    if changed || everything {
+        let rebuilt = heal(w, shards).await?;
+        // A term that replaced one seen before is a rollback even when a grab that met
+        // it rebuilt every sale first (and woke this look).
+        if (changed && was.is_some()) || !rebuilt.is_empty() {
+            metrics::counter!(crate::metrics::ROLLBACKS_HEALED).increment(1);
+            tracing::warn!(
+                term = %term.term,
+                rebuilt = ?rebuilt,
+                "redis may have lost writes (new term): sales rebuilt from postgres"
+            );
+        }
+    }
+    seen.terms.insert(asked, term.term);
     Ok(())
 }
 
@@ -309,6 +341,7 @@ async fn heal(w: &Watch, shards: &[Shard]) -> anyhow::Result<Vec<VoucherId>> {
     let now = Utc::now();
     let mut conn = w.redis.clone();
     let mut rebuilt = Vec::new();
+    let mut first: Option<anyhow::Error> = None;
     for sale in crate::store::vouchers::sales_ending_after(&w.db, since).await? {
         // The sale's parts on these shards (a segmented sale's other parts live on
         // other shards, perhaps on a node that lost nothing).
@@ -331,7 +364,9 @@ async fn heal(w: &Watch, shards: &[Shard]) -> anyhow::Result<Vec<VoucherId>> {
             }
         }
         let id = sale.voucher_id;
-        let loaded = loader::load_sale(
+        // Each sale on its own: one that cannot be built here (its node away, or it
+        // lives on a newer server) does not keep the others from being healed.
+        match loader::load_sale(
             &w.db,
             &mut conn,
             &w.keys,
@@ -340,11 +375,17 @@ async fn heal(w: &Watch, shards: &[Shard]) -> anyhow::Result<Vec<VoucherId>> {
             Mode::Heal,
             w.replicas,
         )
-        .await?;
-        if loaded.is_some() {
-            metrics::counter!(crate::metrics::SALES_REBUILT).increment(1);
-            rebuilt.push(id);
+        .await
+        {
+            Ok(Some(_)) => {
+                metrics::counter!(crate::metrics::SALES_REBUILT).increment(1);
+                rebuilt.push(id);
+            }
+            Ok(None) => {}
+            Err(e) => {
+                first.get_or_insert(e.context(format!("healing voucher {id}")));
+            }
         }
     }
-    Ok(rebuilt)
+    first.map_or(Ok(rebuilt), Err)
 }

@@ -26,30 +26,43 @@ use crate::store::orders::OrderRow;
 /// (the sweeper makes it later).
 const RELEASE_DEADLINE: Duration = Duration::from_millis(1000);
 
-/// Makes one release in Redis: `true` when the unit went back now, `false` when there
-/// was nothing to release (made before, or the sale's state was rebuilt since). With
-/// `replicas`, `Ok` only once they hold it: the release's outbox row may go then (a
-/// failover that lost it would otherwise lose the unit in Redis for good).
+/// Makes one release in Redis, in the state of Postgres's `epoch` of the sale part:
+/// `true` when the unit went back now, `false` when there was nothing to release (made
+/// before, or the sale's state was rebuilt since). With `replicas`, `Ok` only once they
+/// hold it: the release's outbox row may go then (a failover that lost it would
+/// otherwise lose the unit in Redis for good). A state of another epoch (an old
+/// primary's) refuses it: an error, and the release stays owed.
 pub async fn release<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     r: &Release,
+    epoch: Option<crate::domain::Epoch>,
     replicas: Replicas,
 ) -> redis::RedisResult<bool> {
-    // `true`: the unit went back; `false`: nothing was left to release.
-    let returned: redis::RedisResult<bool> = Call::function("seckill_release")
+    // 1: the unit went back; 0: nothing was left to release; -1: not the sale's state.
+    let returned: redis::RedisResult<i64> = Call::function("seckill_release")
         .key(keys.part(r.sale_part()))
         .key(keys.part_marker(r.sale_part()))
         .arg(keys::buyer_field(r.user_id))
         .arg(r.order_id)
+        .arg(epoch.map(|e| e.to_string()).unwrap_or_default())
         .invoke_waiting(conn, replicas)
         .await;
     // Announced whenever the unit may be back (an error may come after the script ran,
     // as when too few replicas acknowledged).
-    if !matches!(returned, Ok(false)) {
+    if !matches!(returned, Ok(0) | Ok(-1)) {
         crate::sale_changes::announce(conn, keys, r.voucher_id).await;
     }
-    let returned = returned?;
+    let returned = match returned? {
+        -1 => {
+            return Err(std::io::Error::other(
+                "the sale's state in this redis is of another epoch than postgres's (an old \
+                 primary?): release left owed",
+            )
+            .into())
+        }
+        n => n == 1,
+    };
     if returned {
         metrics::counter!(UNITS_RETURNED, "store" => "redis").increment(1);
     }
@@ -83,7 +96,8 @@ async fn release_now<C: ConnectionLike + Send>(
             user_id: row.user_id,
             segments: segments as i16,
         };
-        release(conn, keys, &r, replicas).await?;
+        let epoch = crate::store::epochs::of(db, r.sale_part()).await?;
+        release(conn, keys, &r, epoch, replicas).await?;
         transitions::released(db, &[r.order_id]).await?;
         anyhow::Ok(())
     };

@@ -81,7 +81,8 @@ pub async fn release_owed(
             if failed.contains(&shard) {
                 continue;
             }
-            match super::release(conn, keys, r, replicas).await {
+            let epoch = crate::store::epochs::of(&mut *tx, r.sale_part()).await?;
+            match super::release(conn, keys, r, epoch, replicas).await {
                 Ok(returned) => {
                     report.returned += u64::from(returned);
                     made.push(r.order_id);

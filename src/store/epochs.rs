@@ -11,8 +11,16 @@ use std::collections::HashSet;
 use sqlx::{PgExecutor, Postgres, Transaction};
 
 use super::admitted::NewOrder;
-use crate::domain::{Epoch, OrderId};
+use crate::domain::{Epoch, OrderId, UserId};
 use crate::keys::SalePart;
+
+/// A part's current build: its epoch, and the term of the Redis server life it was built
+/// into.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub(crate) struct Built {
+    pub epoch: Epoch,
+    pub term: String,
+}
 
 /// A new epoch, larger than every one drawn before.
 pub(crate) async fn draw(tx: &mut Transaction<'_, Postgres>) -> Result<Epoch, sqlx::Error> {
@@ -21,35 +29,45 @@ pub(crate) async fn draw(tx: &mut Transaction<'_, Postgres>) -> Result<Epoch, sq
         .await
 }
 
-/// The part's current epoch (`None`: never built by a release that knows epochs).
-pub(crate) async fn of<'e>(
+/// The part's current build (`None`: never built by a release that knows epochs).
+pub(crate) async fn built<'e>(
     db: impl PgExecutor<'e>,
     part: SalePart,
-) -> Result<Option<Epoch>, sqlx::Error> {
-    sqlx::query_scalar("SELECT epoch FROM sale_epochs WHERE voucher_id = $1 AND part = $2")
+) -> Result<Option<Built>, sqlx::Error> {
+    sqlx::query_as("SELECT epoch, term FROM sale_epochs WHERE voucher_id = $1 AND part = $2")
         .bind(part.voucher_id)
         .bind(part.part as i16)
         .fetch_optional(db)
         .await
 }
 
-/// Records that the part's state was built with `epoch`, carrying `in_flight` (the
-/// orders the build counted, admitted under an earlier epoch) into it. The carried
-/// orders of earlier builds go: whatever of them is still in flight, this build
-/// counted again.
+/// The part's current epoch (`None`: never built by a release that knows epochs).
+pub(crate) async fn of<'e>(
+    db: impl PgExecutor<'e>,
+    part: SalePart,
+) -> Result<Option<Epoch>, sqlx::Error> {
+    Ok(built(db, part).await?.map(|b| b.epoch))
+}
+
+/// Records that the part's state was built with `epoch` into the server life `term`,
+/// carrying `in_flight` (the orders the build counted, admitted under an earlier epoch)
+/// into it. The carried orders of earlier builds go: whatever of them is still in
+/// flight, this build counted again.
 pub(crate) async fn record(
     tx: &mut Transaction<'_, Postgres>,
     part: SalePart,
     epoch: Epoch,
-    in_flight: &[OrderId],
+    term: &str,
+    in_flight: &[(OrderId, UserId)],
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "INSERT INTO sale_epochs (voucher_id, part, epoch) VALUES ($1, $2, $3) \
-         ON CONFLICT (voucher_id, part) DO UPDATE SET epoch = $3, built_at = now()",
+        "INSERT INTO sale_epochs (voucher_id, part, epoch, term) VALUES ($1, $2, $3, $4) \
+         ON CONFLICT (voucher_id, part) DO UPDATE SET epoch = $3, term = $4, built_at = now()",
     )
     .bind(part.voucher_id)
     .bind(part.part as i16)
     .bind(epoch)
+    .bind(term)
     .execute(&mut **tx)
     .await?;
     sqlx::query("DELETE FROM sale_carried WHERE voucher_id = $1 AND part = $2")
@@ -58,13 +76,16 @@ pub(crate) async fn record(
         .execute(&mut **tx)
         .await?;
     if !in_flight.is_empty() {
+        let (orders, users): (Vec<OrderId>, Vec<UserId>) = in_flight.iter().copied().unzip();
         sqlx::query(
-            "INSERT INTO sale_carried (voucher_id, part, order_id) \
-             SELECT $1, $2, o FROM unnest($3::int8[]) AS o ON CONFLICT DO NOTHING",
+            "INSERT INTO sale_carried (voucher_id, part, order_id, user_id) \
+             SELECT $1, $2, o, u FROM unnest($3::int8[], $4::int8[]) AS t (o, u) \
+             ON CONFLICT DO NOTHING",
         )
         .bind(part.voucher_id)
         .bind(part.part as i16)
-        .bind(in_flight)
+        .bind(&orders)
+        .bind(&users)
         .execute(&mut **tx)
         .await?;
     }
@@ -72,9 +93,10 @@ pub(crate) async fn record(
 }
 
 /// Which of `orders` the fence lets become rows: those whose entry carries their
-/// part's current epoch, those the part's last build carried, and every order of a part
-/// never built with an epoch. To be asked under the sales' row locks, which every build
-/// takes.
+/// part's current epoch, those the part's last build carried (the order of that user:
+/// an id minted twice across a split is not carried by another's), and every order of a
+/// part never built with an epoch. To be asked under the sales' row locks, which every
+/// build takes.
 pub(crate) async fn admissible(
     tx: &mut Transaction<'_, Postgres>,
     orders: &[NewOrder],
@@ -83,22 +105,24 @@ pub(crate) async fn admissible(
         return Ok(HashSet::new());
     }
     let ids: Vec<OrderId> = orders.iter().map(|o| o.id).collect();
+    let users: Vec<UserId> = orders.iter().map(|o| o.user_id).collect();
     let vouchers: Vec<i64> = orders.iter().map(|o| o.voucher_id.get()).collect();
     let parts: Vec<i16> = orders.iter().map(|o| o.part as i16).collect();
     let epochs: Vec<Option<Epoch>> = orders.iter().map(|o| o.epoch).collect();
     let admitted: Vec<OrderId> = sqlx::query_scalar(
-        "SELECT t.id FROM unnest($1::int8[], $2::int8[], $3::int2[], $4::int8[]) \
-             AS t (id, voucher_id, part, epoch) \
+        "SELECT t.id FROM unnest($1::int8[], $2::int8[], $3::int2[], $4::int8[], $5::int8[]) \
+             AS t (id, voucher_id, part, epoch, user_id) \
          LEFT JOIN sale_epochs e ON e.voucher_id = t.voucher_id AND e.part = t.part \
          WHERE e.epoch IS NULL OR e.epoch = t.epoch \
             OR EXISTS (SELECT 1 FROM sale_carried c \
                        WHERE c.voucher_id = t.voucher_id AND c.part = t.part \
-                         AND c.order_id = t.id)",
+                         AND c.order_id = t.id AND c.user_id = t.user_id)",
     )
     .bind(&ids)
     .bind(&vouchers)
     .bind(&parts)
     .bind(&epochs)
+    .bind(&users)
     .fetch_all(&mut **tx)
     .await?;
     Ok(admitted.into_iter().collect())

@@ -40,6 +40,7 @@ pub(crate) struct Peeked {
     pub(super) stock: i64,
     pub(super) gen: String,
     pub(super) term: String,
+    pub(super) epoch: String,
 }
 
 impl Peeked {
@@ -49,6 +50,16 @@ impl Peeked {
 
     pub(crate) fn gen(&self) -> &str {
         &self.gen
+    }
+
+    /// The term of the server life the state was built in.
+    pub(crate) fn term(&self) -> &str {
+        &self.term
+    }
+
+    /// The epoch the state was armed with.
+    pub(crate) fn epoch(&self) -> &str {
+        &self.epoch
     }
 }
 
@@ -77,6 +88,7 @@ pub(crate) async fn peek<C: ConnectionLike + Send>(
                 stock,
                 gen: reply.get(5).cloned().unwrap_or_default(),
                 term: reply.get(6).cloned().unwrap_or_default(),
+                epoch: reply.get(7).cloned().unwrap_or_default(),
             }),
             _ => None,
         },

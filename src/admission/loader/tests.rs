@@ -17,7 +17,9 @@ fn the_load_steps_replies_are_read_by_their_meaning() {
         StepReply::TailTooLong
     );
     assert_eq!(StepReply::parse(&reply(&[-3])).unwrap(), StepReply::TooLate);
-    let StepReply::Done(f) = StepReply::parse(&reply(&[5, 10, 2, -1, 0, 0, 0, 0])).unwrap() else {
+    let mut done = reply(&[5, 10, 2, -1, 0, 0, 0, 0]);
+    done.push(redis::Value::BulkString(b"1.2.a".to_vec()));
+    let StepReply::Done(f) = StepReply::parse(&done).unwrap() else {
         panic!("not done");
     };
     assert_eq!(f.expected.stock, 5);
@@ -28,19 +30,47 @@ fn the_load_steps_replies_are_read_by_their_meaning() {
 }
 
 #[test]
-fn a_builds_reply_names_the_orders_it_carries_into_its_epoch() {
-    // Order ids come back as the stream spelled them (bulk strings).
+fn a_builds_reply_names_its_term_and_the_orders_it_carries_into_its_epoch() {
+    let text = |t: &str| redis::Value::BulkString(t.as_bytes().to_vec());
+    // Order and user ids come back as the stream spelled them (bulk strings).
     let mut r = reply(&[3, 7, 2, 4, 5, 0, 0, 12]);
-    r.push(redis::Value::BulkString(b"117514385399746560".to_vec()));
-    r.push(redis::Value::BulkString(b"117514385399746561".to_vec()));
+    r.push(text("1795734190.251474.7f14e9429c90"));
+    r.extend([text("117514385399746560"), text("41")]);
+    r.extend([text("117514385399746561"), text("42")]);
+    // An entry the worker will dead-letter carries nothing.
+    r.extend([text("not an id"), text("43")]);
     let StepReply::Done(f) = StepReply::parse(&r).unwrap() else {
         panic!("not done");
     };
     assert_eq!(f.actual_epoch, Epoch::new(12));
+    assert_eq!(f.term, "1795734190.251474.7f14e9429c90");
+    let carried = |o: i64, u: i64| (OrderId::new(o).unwrap(), UserId::new(u).unwrap());
     assert_eq!(
         f.carried,
-        [117514385399746560, 117514385399746561].map(|o| OrderId::new(o).unwrap())
+        [
+            carried(117514385399746560, 41),
+            carried(117514385399746561, 42)
+        ]
     );
-    r.push(redis::Value::BulkString(b"not an id".to_vec()));
-    assert!(StepReply::parse(&r).is_err(), "a reply it cannot read");
+    assert_eq!(
+        StepReply::parse(&reply(&[-4])).unwrap(),
+        StepReply::LivesElsewhere
+    );
+    assert!(
+        StepReply::parse(&reply(&[3, 7, 2])).is_err(),
+        "a reply it cannot read"
+    );
+}
+
+#[test]
+fn a_term_is_drawn_before_another_by_the_clock_it_begins_with() {
+    use crate::admission::term::drawn_before;
+    assert!(drawn_before("1795734190.251474.aa", "1795734190.251475.bb"));
+    assert!(drawn_before("1795734189.999999.aa", "1795734190.000000.aa"));
+    assert!(!drawn_before(
+        "1795734190.251474.aa",
+        "1795734190.251474.bb"
+    ));
+    assert!(!drawn_before("1795734191.0.aa", "1795734190.999999.aa"));
+    assert!(!drawn_before("garbage", "1795734190.0.aa"));
 }

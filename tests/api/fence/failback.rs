@@ -44,6 +44,22 @@ fn term(trio: &Trio, node: usize, app: &TestApp) -> (String, i64) {
     )
 }
 
+/// Claims order-id node `number` on node `node` with a token of the test's: (1 claimed,
+/// the term's age in ms).
+fn claim(trio: &Trio, node: usize, app: &TestApp, number: u16) -> (i64, i64) {
+    let lease = format!("{}seckill:node:{number}", app.keys.prefix());
+    trio.cmd(
+        node,
+        redis::cmd("FCALL")
+            .arg("seckill_claim_lease")
+            .arg(2)
+            .arg(&lease)
+            .arg(format!("{}seckill:{{{lease}}}:term", app.keys.prefix()))
+            .arg("test-token")
+            .arg(60_000),
+    )
+}
+
 fn partial_resyncs(trio: &Trio, node: usize) -> i64 {
     let text: String = trio.cmd(node, redis::cmd("INFO").arg("stats"));
     text.lines()
@@ -75,8 +91,23 @@ async fn a_primary_failed_back_after_a_partial_resync_gets_a_new_term_and_its_sa
         partial_resyncs(&trio, 1) > partial,
         "node 0 resynchronized partially under node 1"
     );
-    // Node 1, master meanwhile, is written to by the processes that follow it (a term
-    // watcher's look, a lease renewal).
+    // Node 1, master meanwhile, is written to by the processes that follow it: here a
+    // release of a unit of the sale (of nobody's order: nothing changes but the slot's
+    // marker), as an instance's would be, and a lease claim.
+    let part = seckill::keys::SalePart::new(vid(sale), 0, 1);
+    let released: i64 = trio.cmd(
+        1,
+        redis::cmd("FCALL")
+            .arg("seckill_release")
+            .arg(2)
+            .arg(app.keys.part(part))
+            .arg(app.keys.part_marker(part))
+            .arg("u:999999")
+            .arg(1)
+            .arg(""),
+    );
+    assert_eq!(released, 0);
+    let (_, _) = claim(&trio, 1, &app, 1001);
     let (meanwhile, _) = term(&trio, 1, &app);
     assert_ne!(meanwhile, before);
     let partial = partial_resyncs(&trio, 0);
@@ -91,7 +122,6 @@ async fn a_primary_failed_back_after_a_partial_resync_gets_a_new_term_and_its_sa
     assert_ne!(after, before, "a failback keeps no term");
     assert!(age_ms < 2_000, "the new term is young: {age_ms} ms");
     // Every sale built before is stale there until rebuilt from Postgres.
-    let part = seckill::keys::SalePart::new(vid(sale), 0, 1);
     let peeked: Vec<String> = trio.cmd(
         0,
         redis::cmd("FCALL")
@@ -102,17 +132,7 @@ async fn a_primary_failed_back_after_a_partial_resync_gets_a_new_term_and_its_sa
     );
     assert_eq!(peeked, ["6"], "stale: built in an earlier term");
     // A number claimed now waits out the lease grace.
-    let lease = format!("{}seckill:node:1000", app.keys.prefix());
-    let (claimed, lease_age_ms): (i64, i64) = trio.cmd(
-        0,
-        redis::cmd("FCALL")
-            .arg("seckill_claim_lease")
-            .arg(2)
-            .arg(&lease)
-            .arg(format!("{}seckill:{{{lease}}}:term", app.keys.prefix()))
-            .arg("test-token")
-            .arg(60_000),
-    );
+    let (claimed, lease_age_ms) = claim(&trio, 0, &app, 1000);
     assert_eq!(claimed, 1);
     assert!(lease_age_ms < 4_000, "the grace applies: {lease_age_ms} ms");
 
@@ -129,10 +149,21 @@ async fn a_primary_failed_back_after_a_partial_resync_gets_a_new_term_and_its_sa
             "user {user} holds an order already"
         );
     }
-    let healed = metric_value(
-        &metrics_at(&app.client, &base).await,
-        "seckill_redis_rollbacks_healed_total",
-    )
-    .unwrap_or(0.0);
-    assert!(healed >= 1.0, "the instance counted the new term it healed");
+    // (Counted by the instance's term watcher, woken by the first stale grab.)
+    let began = std::time::Instant::now();
+    loop {
+        let healed = metric_value(
+            &metrics_at(&app.client, &base).await,
+            "seckill_redis_rollbacks_healed_total",
+        )
+        .unwrap_or(0.0);
+        if healed >= 1.0 {
+            break;
+        }
+        assert!(
+            began.elapsed() < Duration::from_secs(10),
+            "the instance did not count the new term it healed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

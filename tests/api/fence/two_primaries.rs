@@ -221,3 +221,80 @@ async fn without_acknowledgements_the_old_primarys_orders_are_refused_and_the_ne
 ) {
     two_primaries(db, Order::NewPrimaryFirst, false).await;
 }
+
+/// A sale created on the new primary while an API instance still reaches the old one:
+/// a grab there finds it missing, and the heal it starts must not build it into the old
+/// primary (the sale's epoch would move there, and every order of the new primary be
+/// refused). The old primary's term is older: the build is refused, its grabs get 503
+/// with nothing reserved, and the new primary sells the sale whole.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn an_old_primary_cannot_take_a_sale_from_the_new_one(db: PgPool) {
+    let trio = Trio::start().await;
+    let app = TestApp::spawn_with(db, trio.url(0).to_string(), true).await;
+    let (_api1, base1) = app
+        .spawn_server("api", &on(trio.url(0), waiting_for_one()))
+        .await;
+    trio.promote(1);
+    trio.follow(2, 1).await;
+    let (_api2, base2) = app
+        .spawn_server("api", &on(trio.url(1), waiting_for_one()))
+        .await;
+    let _worker2 = worker_on(&app, trio.url(1));
+    let sale = open_sale_at(&app.client, &base2, 10).await;
+    let part = seckill::keys::SalePart::new(vid(sale), 0, 1);
+    let built_into = |app: &TestApp| {
+        let db = app.db.clone();
+        async move {
+            sqlx::query_as::<_, (i64, String)>(
+                "SELECT epoch, term FROM sale_epochs WHERE voucher_id = $1 AND part = 0",
+            )
+            .bind(sale)
+            .fetch_one(&db)
+            .await
+            .unwrap()
+        }
+    };
+    let before = built_into(&app).await;
+
+    // The old primary is asked for a sale it never had, again and again.
+    let (status, body) = {
+        let mut last = (StatusCode::OK, Value::Null);
+        for user in 1..=20 {
+            let answers = press_all(&app, &base1, sale, [user], 1).await;
+            last = answers[0].1.clone().unwrap();
+            assert_eq!(last.0, StatusCode::SERVICE_UNAVAILABLE, "{:?}", last.1);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        last
+    };
+    assert_eq!(
+        body["error"]["outcome"],
+        Value::Null,
+        "nothing reserved: {body}"
+    );
+    let exists: bool = trio.cmd(0, redis::cmd("EXISTS").arg(app.keys.part(part)));
+    let armed: Option<String> =
+        trio.cmd(0, redis::cmd("HGET").arg(app.keys.part(part)).arg("epoch"));
+    assert!(
+        armed.is_none(),
+        "no state armed on the old primary (exists: {exists})"
+    );
+    assert_eq!(
+        built_into(&app).await,
+        before,
+        "the sale still lives on the new primary"
+    );
+    println!("{status}: {body}");
+
+    // The new primary sells it whole, and every 202 is written.
+    let answers = crate::rollback::press_through_503s(&app, &base2, sale, 21..=40).await;
+    let won = crate::rollback::won(&answers);
+    assert_eq!(won.len(), 10);
+    wait_drained(trio.url(1), &app, sale).await;
+    let orders = stored(&app, sale).await;
+    assert!(
+        won.values().all(|o| orders.contains_key(o)),
+        "every 202 written"
+    );
+    assert_eq!(stale_epoch_burials(&app, sale).await, 0);
+}
