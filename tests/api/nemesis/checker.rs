@@ -38,6 +38,8 @@ pub struct DeadOrder {
 #[derive(Clone, Debug)]
 pub struct SaleBooks {
     pub voucher: i64,
+    /// Its number of parts (`segments`).
+    pub parts: u8,
     pub initial: i64,
     pub pg_stock: i64,
     /// Its stock summed over its parts in Redis; `None`: no state there.
@@ -129,6 +131,7 @@ pub fn check(e: &Evidence) -> Verdict {
     check_unknowns(e, &mut v);
     check_phantoms(e, &mut v);
     check_closes(e, &mut v);
+    check_internal(e, &mut v);
     check_ending(e, &mut v);
     v
 }
@@ -488,6 +491,26 @@ fn check_closes(e: &Evidence, v: &mut Verdict) {
                 ),
             );
         }
+    }
+}
+
+/// No answer `500 internal`: the contract keeps it for bugs, never for a dependency
+/// that is down (that is a 503).
+fn check_internal(e: &Evidence, v: &mut Verdict) {
+    for r in e.history.iter().filter(|r| r.status == Some(500)) {
+        v.violate(
+            "500 internal",
+            Some(r.sent_ms),
+            format!(
+                "{} of user {} (voucher {}, order {:?}) sent at {:.1} s to api {}",
+                r.kind.name(),
+                r.user,
+                r.voucher,
+                r.order,
+                r.sent_ms / 1000.0,
+                r.api
+            ),
+        );
     }
 }
 

@@ -105,12 +105,14 @@ pub async fn campaign(config: Config) -> Verdict {
     ));
     run_campaign(&world, &workload, &plan, sales_plan, &config).await;
 
-    let last_heal = world.heal_all().await;
+    // "Admitting again" counts from here: the heal itself is part of the wait.
+    let heal_began = recorder.now_ms();
+    let primary = world.heal_all().await;
     world.log.note(
         recorder.now_ms(),
-        format!("everything healed; the primary: {last_heal:?}"),
+        format!("everything healed; the primary: {primary:?}"),
     );
-    let (evidence, reconcile) = gather(&world, &workload, &recorder).await;
+    let (evidence, reconcile, redis_state) = gather(&world, &workload, &recorder, heal_began).await;
     let verdict = checker::check(&evidence);
     let executed = world.log.executed.lock().unwrap().clone();
     let summary = report::Summary {
@@ -126,7 +128,7 @@ pub async fn campaign(config: Config) -> Verdict {
     }
     .render();
     println!("{summary}");
-    keep(&dir, &world, &evidence, &summary);
+    keep(&dir, &world, &evidence, &summary, &redis_state);
     drop(world);
     finish(&dir, verdict.violations.is_empty());
     verdict
@@ -177,10 +179,13 @@ async fn gather(
     world: &Arc<World>,
     workload: &Workload,
     recorder: &Recorder,
-) -> (Evidence, (Option<i32>, String)) {
+    heal_began: f64,
+) -> (Evidence, (Option<i32>, String), String) {
     let db = observe::pool(&world.direct_url).await;
     let open = observe::open_sales(&db).await;
-    let admit_again = workload.admit_again(&open, Duration::from_secs(60)).await;
+    let admit_again = workload
+        .admit_again(&open, heal_began, Duration::from_secs(60))
+        .await;
     let settled = observe::wait_settled(world, &db, Duration::from_secs(120)).await;
     // Units on their way between the parts of a segmented sale arrive within seconds.
     let mut sales = observe::sales(world, &db).await;
@@ -194,9 +199,11 @@ async fn gather(
         tokio::time::sleep(Duration::from_secs(1)).await;
         sales = observe::sales(world, &db).await;
     }
+    let orders = observe::orders(&db, recorder.start_unix_ms).await;
+    let redis_state = observe::describe_redis(world, &sales, &orders).await;
     let evidence = Evidence {
         history: recorder.snapshot(),
-        orders: observe::orders(&db, recorder.start_unix_ms).await,
+        orders,
         dead: observe::dead(&db).await,
         sales,
         start_unix_ms: recorder.start_unix_ms,
@@ -213,11 +220,13 @@ async fn gather(
             ..evidence
         },
         reconcile,
+        redis_state,
     )
 }
 
 /// Writes what a reader of a failed run needs into its directory.
-fn keep(dir: &Path, world: &World, evidence: &Evidence, summary: &str) {
+fn keep(dir: &Path, world: &World, evidence: &Evidence, summary: &str, redis_state: &str) {
+    let _ = std::fs::write(dir.join("redis-state.txt"), redis_state);
     let _ = std::fs::write(
         dir.join("history.jsonl"),
         history::to_json_lines(&evidence.history),

@@ -160,6 +160,7 @@ pub async fn sales(world: &World, db: &PgPool) -> Vec<SaleBooks> {
         }
         books.push(SaleBooks {
             voucher,
+            parts,
             initial: r.get::<i32, _>("initial_stock") as i64,
             pg_stock: r.get::<i32, _>("stock") as i64,
             redis_stock,
@@ -172,4 +173,124 @@ pub async fn sales(world: &World, db: &PgPool) -> Vec<SaleBooks> {
 /// `seckill reconcile` (no `--repair`), bounded: its exit code and output.
 pub async fn reconcile(world: &World) -> (Option<i32>, String) {
     run_bounded(world.env.command("reconcile"), Duration::from_secs(120)).await
+}
+
+/// What Redis holds at the end, for reading a failed run: each node's role and
+/// replication, whom each sentinel names, and per sale part its fields and the buyer
+/// records that differ from Postgres's live orders (with what Postgres says of them).
+pub async fn describe_redis(world: &World, sales: &[SaleBooks], orders: &[PgOrder]) -> String {
+    let mut out = String::new();
+    for node in &world.redis.nodes {
+        let info: String = query(node.port, redis::cmd("INFO").arg("replication"))
+            .await
+            .unwrap_or_else(|e| e);
+        let fields: Vec<&str> = info
+            .lines()
+            .filter(|l| {
+                [
+                    "role:",
+                    "connected_slaves:",
+                    "master_link_status:",
+                    "master_repl_offset:",
+                    "master_replid:",
+                    "slave",
+                ]
+                .iter()
+                .any(|p| l.starts_with(p))
+            })
+            .collect();
+        out += &format!(
+            "redis {} (port {}, proxy {}): {}\n",
+            node.index,
+            node.port,
+            node.proxy.port,
+            fields.join(" ")
+        );
+    }
+    out += &format!("the sentinels name: {:?}\n", world.redis.named().await);
+    let Some(m) = world.redis.master().await else {
+        return out;
+    };
+    let keys = Keys::new(PREFIX).unwrap();
+    let port = world.redis.nodes[m as usize].port;
+    for sale in sales {
+        out += &describe_sale(&keys, port, sale, orders).await;
+    }
+    out
+}
+
+async fn describe_sale(keys: &Keys, port: u16, sale: &SaleBooks, orders: &[PgOrder]) -> String {
+    let mut out = String::new();
+    let parts = sale.parts;
+    for part in SalePart::all(VoucherId::new(sale.voucher).unwrap(), parts) {
+        let hash: std::collections::HashMap<String, String> =
+            query(port, redis::cmd("HGETALL").arg(keys.part(part)))
+                .await
+                .unwrap_or_default();
+        let mut state: Vec<String> = hash
+            .iter()
+            .filter(|(k, _)| !k.starts_with("u:"))
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        state.sort();
+        let buyers: std::collections::HashMap<i64, i64> = hash
+            .iter()
+            .filter_map(|(k, v)| Some((k.strip_prefix("u:")?.parse().ok()?, v.parse().ok()?)))
+            .collect();
+        let live: std::collections::HashMap<i64, &PgOrder> = orders
+            .iter()
+            .filter(|o| o.voucher == sale.voucher && o.is_active())
+            .filter(|o| {
+                seckill::keys::home_part(seckill::domain::UserId::new(o.user).unwrap(), parts)
+                    == part.part
+            })
+            .map(|o| (o.user, o))
+            .collect();
+        out += &format!(
+            "voucher {} part {}/{parts}: {} buyers in Redis, {} live orders in Postgres; {}\n",
+            sale.voucher,
+            part.part,
+            buyers.len(),
+            live.len(),
+            state.join(" ")
+        );
+        out += &buyer_differences(&buyers, &live, orders);
+    }
+    out
+}
+
+/// Buyer records Redis holds that Postgres does not (and the reverse), 20 of each.
+fn buyer_differences(
+    buyers: &std::collections::HashMap<i64, i64>,
+    live: &std::collections::HashMap<i64, &PgOrder>,
+    orders: &[PgOrder],
+) -> String {
+    let by_id: std::collections::HashMap<i64, &PgOrder> =
+        orders.iter().map(|o| (o.id, o)).collect();
+    let mut out = String::new();
+    let extra = buyers
+        .iter()
+        .filter(|(u, id)| live.get(u).is_none_or(|o| o.id != **id));
+    for (user, id) in extra.take(20) {
+        let pg = by_id.get(id).map_or("not in postgres".to_string(), |o| {
+            format!(
+                "{} (admitted {:.1} s, closed {:?})",
+                o.status,
+                o.created_ms / 1000.0,
+                o.closed_ms.map(|c| (c / 100.0).round() / 10.0)
+            )
+        });
+        out += &format!("    redis buyer u:{user} -> {id}: postgres {pg}\n");
+    }
+    let missing = live.iter().filter(|(u, o)| buyers.get(u) != Some(&o.id));
+    for (user, o) in missing.take(20) {
+        out += &format!(
+            "    postgres live order {} of user {user} ({}, admitted {:.1} s): redis buyer {:?}\n",
+            o.id,
+            o.status,
+            o.created_ms / 1000.0,
+            buyers.get(user)
+        );
+    }
+    out
 }

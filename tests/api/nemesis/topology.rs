@@ -452,15 +452,15 @@ fn sentinel(dir: &Path, index: u8, primary_proxy: u16) -> Sentinel {
     std::fs::create_dir_all(&own).unwrap();
     let port = port();
     let conf = own.join("sentinel.conf");
-    // failover-timeout 6 s: a failover that stalls is tried again 12 s later, and a
-    // failback can follow a failover within seconds.
+    // failover-timeout 4 s: Sentinel starts no new failover of a primary within twice
+    // that of the last one, and faults come every few seconds.
     std::fs::write(
         &conf,
         format!(
             "bind 127.0.0.1\nport {port}\ndir {dir}\nlogfile {dir}/sentinel.log\n\
              sentinel monitor {MASTER} 127.0.0.1 {primary_proxy} 2\n\
              sentinel down-after-milliseconds {MASTER} 1000\n\
-             sentinel failover-timeout {MASTER} 6000\n\
+             sentinel failover-timeout {MASTER} 4000\n\
              sentinel parallel-syncs {MASTER} 1\n",
             dir = own.display()
         ),

@@ -43,8 +43,14 @@ pub enum SaleAction {
 /// least (never the first segmented sale: its parts' moves should see faults too).
 pub fn plan_sales(seed: u64, duration_ms: u64) -> Vec<(u64, SaleAction)> {
     let mut rng = Rng::new(seed ^ 0x5A1E_5A1E);
+    // Stocks of 30-150 sell out within a minute (returns then matter); a sale in parts
+    // gets 150-300, so its parts have units to move.
     let create = |rng: &mut Rng, segments: u64, short_pay: bool| SaleAction::Create {
-        stock: rng.range(30, 300),
+        stock: if segments > 1 {
+            rng.range(150, 300)
+        } else {
+            rng.range(30, 150)
+        },
         segments,
         pay_within: if short_pay { rng.range(5, 10) } else { 900 },
     };
@@ -389,10 +395,14 @@ impl Workload {
     }
 
     /// After the last heal: presses each sale with fresh shoppers until it answers a
-    /// definite answer (202 or 409); the seconds that took, per sale (`None`: not
-    /// within `limit`).
-    pub async fn admit_again(&self, sales: &[i64], limit: Duration) -> Vec<(i64, Option<f64>)> {
-        let began = self.recorder.now_ms();
+    /// definite answer (202 or 409); the seconds since `began` (the heal's start) that
+    /// took, per sale (`None`: not within `limit`).
+    pub async fn admit_again(
+        &self,
+        sales: &[i64],
+        began: f64,
+        limit: Duration,
+    ) -> Vec<(i64, Option<f64>)> {
         let probes = sales.iter().enumerate().map(|(i, &voucher)| async move {
             let mut press = 0i64;
             while self.recorder.now_ms() - began < limit.as_millis() as f64 {

@@ -65,6 +65,7 @@ fn clean() -> Evidence {
         dead: vec![],
         sales: vec![SaleBooks {
             voucher: 7,
+            parts: 1,
             initial: 2,
             pg_stock: 0,
             redis_stock: Some(0),
@@ -262,4 +263,15 @@ fn drift_a_sale_that_stays_shut_and_an_unsettled_stream_are_caught() {
         "{:?}",
         v.violations
     );
+}
+
+#[test]
+fn an_answer_500_is_caught() {
+    let mut e = clean();
+    e.history.push(Record {
+        kind: Kind::Cancel,
+        ..grab(1, 7, 900.0, Some(500), Some("internal"))
+    });
+    let v = check(&e);
+    assert_eq!(checks(&v), ["500 internal"], "{:?}", v.violations);
 }
