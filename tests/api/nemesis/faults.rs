@@ -74,6 +74,26 @@ async fn run(ctx: Ctx, p: Planned) {
     if !ctx.wait_until(p.begins_ms()).await {
         return;
     }
+    // One change of the deployment at a time: a failback or a failover that took
+    // longer than planned delays the next one rather than overlapping it.
+    let world = ctx.world.clone();
+    let _turn = if p.fault.touches_topology() {
+        let began = ctx.now();
+        let turn = tokio::select! {
+            turn = world.topology.lock() => turn,
+            _ = ctx.stop.cancelled() => return,
+        };
+        if ctx.now() - began > 500.0 {
+            ctx.note(format!(
+                "{}: waited {:.1} s for the previous change of the deployment",
+                p.fault.kind(),
+                (ctx.now() - began) / 1000.0
+            ));
+        }
+        Some(turn)
+    } else {
+        None
+    };
     match p.fault {
         Fault::Kill {
             who: Who::Api(k),
@@ -330,11 +350,15 @@ async fn failover_failback(ctx: &Ctx, fault: &Fault, back_after_ms: u64) {
     let other = (0..3u8).find(|i| *i != first && *i != second).unwrap();
     let _ = redis.set_priority(other, 0).await;
     ctx.hold(back_after_ms).await;
-    for s in 0..3u8 {
-        redis
-            .wait_priority_seen(s, other, 0, Duration::from_secs(12))
-            .await;
-    }
+    // As an operator would: back only once the first primary has caught up, and once
+    // the sentinels know the other replica must not be chosen.
+    let synced = redis.wait_in_sync(first, Duration::from_secs(15)).await;
+    let seen = redis
+        .wait_priority_seen(other, 0, Duration::from_secs(12))
+        .await;
+    ctx.note(format!(
+        "failback: redis {first} in sync: {synced}; the sentinels see redis {other} unelectable: {seen}"
+    ));
     let asked = redis.failover().await;
     let back = redis
         .wait_master_other_than(second, Duration::from_secs(15))

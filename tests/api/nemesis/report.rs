@@ -30,10 +30,17 @@ impl Summary<'_> {
         self.ending(&mut out);
         let v = &self.verdict.violations;
         let _ = writeln!(out, "violations: {}", v.len());
+        // The faults around a violation, each list once (violations come in bursts).
+        let mut shown: Vec<f64> = Vec::new();
         for violation in v {
             let _ = writeln!(out, "  [{}] {}", violation.check, violation.detail);
-            for f in around(self.executed, violation) {
-                let _ = writeln!(out, "      near: {:.1} s {}", f.start_ms / 1000.0, f.detail);
+            let near = around(self.executed, violation);
+            let starts: Vec<f64> = near.iter().map(|f| f.start_ms).collect();
+            if starts != shown {
+                for f in near {
+                    let _ = writeln!(out, "      near: {:.1} s {}", f.start_ms / 1000.0, f.detail);
+                }
+                shown = starts;
             }
         }
         out

@@ -150,6 +150,12 @@ impl Fault {
         }
     }
 
+    /// Whether it changes the Redis deployment itself (nodes, replication, who is
+    /// primary): such faults run one at a time, also when one takes longer than planned.
+    pub fn touches_topology(&self) -> bool {
+        self.groups().contains(&Group::Topology)
+    }
+
     /// Its kind, as the figures count faults.
     pub fn kind(&self) -> String {
         match self {

@@ -366,9 +366,9 @@ impl Redis {
         query::<()>(self.nodes[i as usize].port, &cmd).await
     }
 
-    /// Waits until sentinel `s` sees node `i`'s priority as `priority` (it reads its
-    /// replicas' INFO only every few seconds).
-    pub async fn wait_priority_seen(&self, s: u8, i: u8, priority: u32, limit: Duration) -> bool {
+    /// Waits until every sentinel sees node `i`'s priority as `priority` (they read
+    /// their replicas' INFO only every few seconds).
+    pub async fn wait_priority_seen(&self, i: u8, priority: u32, limit: Duration) -> bool {
         let cmd = redis::cmd("SENTINEL").arg("REPLICAS").arg(MASTER).clone();
         let want = (
             self.nodes[i as usize].proxy.port.to_string(),
@@ -376,17 +376,45 @@ impl Redis {
         );
         let began = Instant::now();
         while began.elapsed() < limit {
-            let replicas: Vec<std::collections::HashMap<String, String>> =
-                query(self.sentinels[s as usize].port, &cmd)
-                    .await
-                    .unwrap_or_default();
-            let seen = replicas.iter().any(|r| {
-                r.get("port") == Some(&want.0) && r.get("slave-priority") == Some(&want.1)
-            });
-            if seen {
+            let mut all = true;
+            for s in &self.sentinels {
+                let replicas: Vec<std::collections::HashMap<String, String>> =
+                    query(s.port, &cmd).await.unwrap_or_default();
+                all &= replicas.iter().any(|r| {
+                    r.get("port") == Some(&want.0) && r.get("slave-priority") == Some(&want.1)
+                });
+            }
+            if all {
                 return true;
             }
             tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        false
+    }
+
+    /// Waits until node `i` replicates with its link up and the primary's offset.
+    pub async fn wait_in_sync(&self, i: u8, limit: Duration) -> bool {
+        let offset = |port: u16| async move {
+            let info: String = query(port, redis::cmd("INFO").arg("replication"))
+                .await
+                .unwrap_or_default();
+            let field = |name: &str| {
+                info.lines()
+                    .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+                    .map(|v| v.trim().to_string())
+            };
+            (field("master_link_status"), field("master_repl_offset"))
+        };
+        let began = Instant::now();
+        while began.elapsed() < limit {
+            if let Some(m) = self.master().await.filter(|m| *m != i) {
+                let (link, mine) = offset(self.nodes[i as usize].port).await;
+                let (_, theirs) = offset(self.nodes[m as usize].port).await;
+                if link.as_deref() == Some("up") && mine.is_some() && mine == theirs {
+                    return true;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
         false
     }

@@ -68,6 +68,8 @@ pub struct World {
     pub env: Env,
     /// Postgres directly, for the harness's own reads.
     pub direct_url: String,
+    /// Held by the fault that is changing the Redis deployment.
+    pub topology: tokio::sync::Mutex<()>,
     pub log: FaultLog,
 }
 
@@ -103,6 +105,7 @@ impl World {
             links,
             env,
             direct_url,
+            topology: tokio::sync::Mutex::new(()),
             log: FaultLog::default(),
         };
         for s in &world.services {
