@@ -277,7 +277,8 @@ fn check_sales(e: &Evidence, v: &mut Verdict) {
 
 /// Units taken (202s, orders written, burials that kept their unit) never exceed the
 /// initial stock plus the units that came back (closed orders, burials that returned
-/// theirs): no more 202s than stock.
+/// theirs): no more 202s than stock, and no admission Postgres had to refuse for want
+/// of stock (a unit Redis sold twice).
 fn check_taken(e: &Evidence, v: &mut Verdict, s: &SaleBooks, closed: i64) {
     let mut taken: HashSet<i64> = e
         .history
@@ -305,11 +306,16 @@ fn check_taken(e: &Evidence, v: &mut Verdict, s: &SaleBooks, closed: i64) {
     let allowed = s.initial + closed + returned;
     if taken.len() as i64 > allowed {
         v.oversold_units += taken.len() as i64 - allowed;
+        let answered_202 = e
+            .history
+            .iter()
+            .filter(|r| r.is_202() && r.voucher == s.voucher)
+            .count();
         v.violate(
-            "more admissions than stock",
+            "admitted beyond stock",
             None,
             format!(
-                "voucher {}: {} units taken (202s, orders, burials) but {} initial + {closed} closed + {returned} returned by burials = {allowed}",
+                "voucher {}: {} units taken (202s: {answered_202}; orders written; burials that kept their unit) but {} initial + {closed} closed + {returned} returned by burials = {allowed}",
                 s.voucher,
                 taken.len(),
                 s.initial
@@ -320,32 +326,53 @@ fn check_taken(e: &Evidence, v: &mut Verdict, s: &SaleBooks, closed: i64) {
 
 /// At most one live (pending, created or paid) order per user and voucher at any time:
 /// an order admitted while an earlier one of the same user and voucher was still open.
+/// The later one is any order Postgres holds, or any 202 (it was pending when
+/// answered, wherever it went after); the earlier one an order Postgres holds.
 fn check_two_live(e: &Evidence, v: &mut Verdict) {
     let mut by_pair: HashMap<(i64, i64), Vec<&PgOrder>> = HashMap::new();
     for o in &e.orders {
         by_pair.entry((o.user, o.voucher)).or_default().push(o);
     }
-    for ((user, voucher), mut orders) in by_pair {
-        orders.sort_by(|a, b| a.created_ms.total_cmp(&b.created_ms));
-        for (i, later) in orders.iter().enumerate() {
-            let overlapping = orders[..i]
+    // (user, voucher, id, admitted at) of every order that was live at some time.
+    let written: HashSet<i64> = e.orders.iter().map(|o| o.id).collect();
+    let mut admitted: Vec<(i64, i64, i64, f64)> = e
+        .orders
+        .iter()
+        .map(|o| (o.user, o.voucher, o.id, o.created_ms))
+        .collect();
+    let mut answered: HashSet<i64> = HashSet::new();
+    for r in e.history.iter().filter(|r| r.is_202()) {
+        if let Some(id) = r
+            .order_id
+            .filter(|id| !written.contains(id) && answered.insert(*id))
+        {
+            admitted.push((r.user, r.voucher, id, minted_ms(id, e.start_unix_ms)));
+        }
+    }
+    for (user, voucher, id, at) in admitted {
+        let earlier = by_pair.get(&(user, voucher)).and_then(|orders| {
+            orders
                 .iter()
-                .find(|a| a.closed_ms.is_none_or(|c| c > later.created_ms));
-            if let Some(a) = overlapping {
-                v.two_live += 1;
-                v.violate(
-                    "two live orders",
-                    Some(later.created_ms),
-                    format!(
-                        "user {user}, voucher {voucher}: order {} admitted at {:.1} s while order {} ({}, closed {}) was live",
-                        later.id,
-                        later.created_ms / 1000.0,
-                        a.id,
-                        a.status,
-                        a.closed_ms.map_or("never".into(), |c| format!("at {:.1} s", c / 1000.0))
-                    ),
-                );
-            }
+                .find(|a| a.id != id && a.created_ms < at && a.closed_ms.is_none_or(|c| c > at))
+        });
+        if let Some(a) = earlier {
+            v.two_live += 1;
+            let fate = if written.contains(&id) {
+                ""
+            } else {
+                " (answered 202, never written)"
+            };
+            v.violate(
+                "two live orders",
+                Some(at),
+                format!(
+                    "user {user}, voucher {voucher}: order {id}{fate} admitted at {:.1} s while order {} ({}, closed {}) was live",
+                    at / 1000.0,
+                    a.id,
+                    a.status,
+                    a.closed_ms.map_or("never".into(), |c| format!("at {:.1} s", c / 1000.0))
+                ),
+            );
         }
     }
 }

@@ -98,6 +98,14 @@ pub async fn campaign(config: Config) -> Verdict {
 
     let world = Arc::new(World::start(&dir, config.bin.clone()).await);
     let recorder = Arc::new(Recorder::new());
+    // The processes' logs carry UTC times: this is where the history's 0 lies.
+    world.log.note(
+        0.0,
+        format!(
+            "the campaign starts: t = 0 is {}",
+            chrono::Utc::now().to_rfc3339()
+        ),
+    );
     let workload = Arc::new(Workload::new(
         world.api_bases(),
         recorder.clone(),

@@ -120,7 +120,7 @@ fn more_live_orders_than_units_is_an_oversold_sale() {
     let v = check(&e);
     assert_eq!(v.oversold_units, 2, "{:?}", v.violations);
     assert!(checks(&v).contains(&"oversold"));
-    assert!(checks(&v).contains(&"more admissions than stock"));
+    assert!(checks(&v).contains(&"admitted beyond stock"));
     assert!(checks(&v).contains(&"stock arithmetic (postgres)"));
 }
 
@@ -274,4 +274,26 @@ fn an_answer_500_is_caught() {
     });
     let v = check(&e);
     assert_eq!(checks(&v), ["500 internal"], "{:?}", v.violations);
+}
+
+#[test]
+fn a_second_202_while_the_first_order_is_live_is_two_live_orders_even_if_never_written() {
+    let mut e = clean();
+    let again = id_at(400.0, 9);
+    e.history.push(admitted(1, 7, 395.0, again));
+    e.dead.push(DeadOrder {
+        id: again,
+        user: 1,
+        voucher: 7,
+        reason: "user already holds another order for this voucher".into(),
+        returns_unit: true,
+    });
+    let v = check(&e);
+    assert_eq!(v.two_live, 1);
+    assert_eq!(
+        checks(&v),
+        ["lost", "two live orders"],
+        "{:?}",
+        v.violations
+    );
 }
