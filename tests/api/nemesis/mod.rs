@@ -57,11 +57,13 @@ impl Config {
     /// (else this build's binary).
     pub fn from_env(default_secs: u64) -> Self {
         let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
-        let seed =
-            var("SEED").map_or_else(rand::random::<u32>, |s| s.parse().expect("SEED: a number"));
+        let seed = var("SEED").map_or_else(
+            || u64::from(rand::random::<u32>()),
+            |s| s.parse().expect("SEED: a number"),
+        );
         let secs = var("DURATION").map_or(default_secs, |s| s.parse().expect("DURATION: seconds"));
         Self {
-            seed: seed as u64,
+            seed,
             duration: Duration::from_secs(secs),
             bin: var("BIN").map_or_else(|| env!("CARGO_BIN_EXE_seckill").into(), PathBuf::from),
         }
@@ -162,7 +164,7 @@ async fn run_campaign(
         let (w, s, seed) = (
             workload.clone(),
             stop.clone(),
-            config.seed ^ (i as u64 + 1) << 32,
+            config.seed ^ ((i as u64 + 1) << 32),
         );
         tasks.push(tokio::spawn(async move { w.shop(seed, users, s).await }));
     }
