@@ -256,13 +256,27 @@ fn finish(dir: &Path, clean: bool) {
     }
 }
 
-/// A short campaign, as `cargo test` runs it: it must strike at least 30 faults.
+/// A short campaign, as `cargo test` runs it: its seed must plan at least 30 faults,
+/// among them each change of the Redis deployment (seeds 29 and 41 do in 70 s).
 async fn short(seed: u64, secs: u64) {
-    let planned = schedule::plan(seed, WARMUP_MS, secs * 1000).len();
+    let planned = schedule::plan(seed, WARMUP_MS, secs * 1000);
     assert!(
-        planned >= 30,
-        "seed {seed} plans {planned} faults in {secs} s"
+        planned.len() >= 30,
+        "seed {seed} plans {} faults in {secs} s",
+        planned.len()
     );
+    for kind in [
+        "kill -9 primary",
+        "partition",
+        "failover",
+        "snapshot",
+        "postgres",
+    ] {
+        assert!(
+            planned.iter().any(|p| p.fault.kind().contains(kind)),
+            "seed {seed} plans no {kind} in {secs} s"
+        );
+    }
     let verdict = campaign(Config {
         seed,
         duration: Duration::from_secs(secs),
@@ -277,13 +291,13 @@ async fn short(seed: u64, secs: u64) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_campaign_of_seventy_seconds_with_seed_1_keeps_every_promise() {
-    short(1, 70).await;
+async fn a_campaign_of_seventy_seconds_with_seed_29_keeps_every_promise() {
+    short(29, 70).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_campaign_of_seventy_seconds_with_seed_2_keeps_every_promise() {
-    short(2, 70).await;
+async fn a_campaign_of_seventy_seconds_with_seed_41_keeps_every_promise() {
+    short(41, 70).await;
 }
 
 /// The long form: `load/nemesis` runs it (`SEED`, `DURATION`, `BIN`).
