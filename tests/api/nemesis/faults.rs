@@ -77,7 +77,7 @@ async fn run(ctx: Ctx, p: Planned) {
     // One change of the deployment at a time: a failback or a failover that took
     // longer than planned delays the next one rather than overlapping it.
     let world = ctx.world.clone();
-    let _turn = if p.fault.touches_topology() {
+    let turn = if p.fault.touches_topology() {
         let began = ctx.now();
         let turn = tokio::select! {
             turn = world.topology.lock() => turn,
@@ -140,6 +140,13 @@ async fn run(ctx: Ctx, p: Planned) {
         Fault::RestartPostgres { immediate, down_ms } => {
             restart_postgres(&ctx, &p.fault, immediate, down_ms).await
         }
+    }
+    // The deployment settles before the next change: Sentinel may still be acting on
+    // this one (a primary paused past its down-after, a partition just healed).
+    if let Some(turn) = turn {
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        ctx.world.redis.settle(Duration::from_secs(10)).await;
+        drop(turn);
     }
 }
 

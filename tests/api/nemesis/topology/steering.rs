@@ -57,25 +57,27 @@ impl Redis {
         false
     }
 
-    /// Waits until node `i` replicates with its link up and the primary's offset.
+    /// Waits until the primary sees node `i` online and acknowledging within the last
+    /// second (`slaveN:...,state=online,...,lag=0|1`): caught up, as an operator reads it
+    /// (under writes the offsets of the two are never equal at one look).
     pub async fn wait_in_sync(&self, i: u8, limit: Duration) -> bool {
-        let offset = |port: u16| async move {
-            let info: String = query(port, redis::cmd("INFO").arg("replication"))
-                .await
-                .unwrap_or_default();
-            let field = |name: &str| {
-                info.lines()
-                    .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
-                    .map(|v| v.trim().to_string())
-            };
-            (field("master_link_status"), field("master_repl_offset"))
-        };
+        let port = format!("port={},", self.nodes[i as usize].proxy.port);
         let began = Instant::now();
         while began.elapsed() < limit {
             if let Some(m) = self.master().await.filter(|m| *m != i) {
-                let (link, mine) = offset(self.nodes[i as usize].port).await;
-                let (_, theirs) = offset(self.nodes[m as usize].port).await;
-                if link.as_deref() == Some("up") && mine.is_some() && mine == theirs {
+                let info: String = query(
+                    self.nodes[m as usize].port,
+                    redis::cmd("INFO").arg("replication"),
+                )
+                .await
+                .unwrap_or_default();
+                let caught_up = info.lines().any(|l| {
+                    l.starts_with("slave")
+                        && l.contains(&port)
+                        && l.contains("state=online")
+                        && (l.ends_with("lag=0") || l.ends_with("lag=1"))
+                });
+                if caught_up {
                     return true;
                 }
             }
