@@ -133,7 +133,8 @@ impl Summary<'_> {
     }
 }
 
-/// The faults running in the 10 s before a violation, or striking just after it.
+/// The faults running within 10 s either side of a violation (a 202 is lost by what
+/// comes after it as much as by what came before).
 fn around<'a>(executed: &'a [Executed], v: &Violation) -> Vec<&'a Executed> {
     let Some(at) = v.at_ms else {
         return Vec::new();
@@ -141,7 +142,7 @@ fn around<'a>(executed: &'a [Executed], v: &Violation) -> Vec<&'a Executed> {
     executed
         .iter()
         .filter(|f| {
-            f.start_ms <= at + 1_000.0 && f.healed_ms.unwrap_or(f64::INFINITY) >= at - 10_000.0
+            f.start_ms <= at + 10_000.0 && f.healed_ms.unwrap_or(f64::INFINITY) >= at - 10_000.0
         })
         .collect()
 }
