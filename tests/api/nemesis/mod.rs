@@ -250,8 +250,6 @@ fn finish(dir: &Path, clean: bool) {
     if clean {
         let _ = std::fs::remove_dir_all(dir);
     } else {
-        // Postgres's files say nothing its log and the checker's figures do not.
-        let _ = std::fs::remove_dir_all(dir.join("postgres").join("data"));
         println!("nemesis: the run is kept in {}", dir.display());
     }
 }

@@ -127,7 +127,10 @@ impl Postgres {
 }
 
 impl Drop for Postgres {
+    /// Stopped, and its data files removed: they say nothing its log (kept beside them
+    /// in a failed run's directory) and the checker's figures do not.
     fn drop(&mut self) {
         self.run_stop("immediate");
+        let _ = std::fs::remove_dir_all(&self.data);
     }
 }
