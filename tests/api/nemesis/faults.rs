@@ -133,9 +133,10 @@ async fn run(ctx: Ctx, p: Planned) {
             replicas_too,
             ms,
         } => partition(&ctx, &p.fault, keep_api, keep_worker, replicas_too, ms).await,
-        Fault::FailoverFailback { back_after_ms } => {
-            failover_failback(&ctx, &p.fault, back_after_ms).await
-        }
+        Fault::FailoverFailback {
+            back_after_ms,
+            hasty,
+        } => failover_failback(&ctx, &p.fault, back_after_ms, hasty).await,
         Fault::Rollback { snapshot_age_ms } => rollback(&ctx, &p.fault, snapshot_age_ms).await,
         Fault::RestartPostgres { immediate, down_ms } => {
             restart_postgres(&ctx, &p.fault, immediate, down_ms).await
@@ -333,7 +334,7 @@ async fn partition(
     ctx.healed(n, format!("partition of redis {m} healed"));
 }
 
-async fn failover_failback(ctx: &Ctx, fault: &Fault, back_after_ms: u64) {
+async fn failover_failback(ctx: &Ctx, fault: &Fault, back_after_ms: u64, hasty: bool) {
     let redis = &ctx.world.redis;
     let Some(first) = redis.master().await else {
         return ctx.note("failover: skipped, no primary named".into());
@@ -359,12 +360,17 @@ async fn failover_failback(ctx: &Ctx, fault: &Fault, back_after_ms: u64) {
     ctx.hold(back_after_ms).await;
     // As an operator would: back only once the first primary has caught up, and once
     // the sentinels know the other replica must not be chosen.
-    let synced = redis.wait_in_sync(first, Duration::from_secs(15)).await;
+    let synced = hasty || redis.wait_in_sync(first, Duration::from_secs(15)).await;
     let seen = redis
         .wait_priority_seen(other, 0, Duration::from_secs(12))
         .await;
     ctx.note(format!(
-        "failback: redis {first} in sync: {synced}; the sentinels see redis {other} unelectable: {seen}"
+        "failback: redis {first} in sync: {}; the sentinels see redis {other} unelectable: {seen}",
+        if hasty {
+            "not waited for".to_string()
+        } else {
+            synced.to_string()
+        }
     ));
     let asked = redis.failover().await;
     let back = redis

@@ -255,7 +255,7 @@ fn finish(dir: &Path, clean: bool) {
 }
 
 /// A short campaign, as `cargo test` runs it: its seed must plan at least 30 faults,
-/// among them each change of the Redis deployment (seeds 29 and 41 do in 70 s).
+/// among them each change of the Redis deployment (seeds 41 and 55 do in 70 s; 55 has a hasty failback).
 async fn short(seed: u64, secs: u64) {
     let planned = schedule::plan(seed, WARMUP_MS, secs * 1000);
     assert!(
@@ -289,8 +289,8 @@ async fn short(seed: u64, secs: u64) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_campaign_of_seventy_seconds_with_seed_29_keeps_every_promise() {
-    short(29, 70).await;
+async fn a_campaign_of_seventy_seconds_with_seed_55_keeps_every_promise() {
+    short(55, 70).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

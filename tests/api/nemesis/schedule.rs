@@ -92,8 +92,9 @@ pub enum Fault {
         ms: u64,
     },
     /// `SENTINEL FAILOVER`, then after `back_after_ms` a failover back to the first
-    /// primary.
-    FailoverFailback { back_after_ms: u64 },
+    /// primary: once it has caught up, or (`hasty`) at once, wherever its replication
+    /// stands (a failover to a replica that lags, which the service must heal from).
+    FailoverFailback { back_after_ms: u64, hasty: bool },
     /// The primary saved (`SAVE`) `snapshot_age_ms` before, then killed and started at
     /// once from that snapshot: an older Redis, before Sentinel notices anything.
     Rollback { snapshot_age_ms: u64 },
@@ -123,7 +124,7 @@ impl Fault {
             Fault::Pause { who, ms } => (0, ms + if is_node(who) { 3_000 } else { 500 }),
             Fault::Link { ms, .. } => (0, ms + 2_000),
             Fault::Partition { ms, .. } => (0, ms + 5_000),
-            Fault::FailoverFailback { back_after_ms } => (0, back_after_ms + 6_000),
+            Fault::FailoverFailback { back_after_ms, .. } => (0, back_after_ms + 6_000),
             Fault::Rollback { snapshot_age_ms } => (snapshot_age_ms, 5_000),
             Fault::RestartPostgres { down_ms, .. } => (0, down_ms + 2_000),
         }
@@ -256,9 +257,15 @@ impl fmt::Display for Fault {
                 1 - keep_worker,
                 s(ms)
             ),
-            Fault::FailoverFailback { back_after_ms } => {
-                write!(f, "SENTINEL FAILOVER, failback after {:.1} s", s(back_after_ms))
-            }
+            Fault::FailoverFailback {
+                back_after_ms,
+                hasty,
+            } => write!(
+                f,
+                "SENTINEL FAILOVER, failback after {:.1} s{}",
+                s(back_after_ms),
+                if *hasty { " without waiting for the first primary to catch up" } else { "" }
+            ),
             Fault::Rollback { snapshot_age_ms } => write!(
                 f,
                 "restart the primary from a snapshot taken {:.1} s before",
@@ -362,6 +369,7 @@ fn draw(rng: &mut Rng) -> Fault {
         },
         15 => Fault::FailoverFailback {
             back_after_ms: rng.range(3_000, 10_000),
+            hasty: rng.chance(0.3),
         },
         16 => Fault::Rollback {
             snapshot_age_ms: rng.range(2_000, 6_000),
