@@ -278,49 +278,53 @@ fn check_sales(e: &Evidence, v: &mut Verdict) {
     }
 }
 
-/// Units taken (202s, orders written, burials that kept their unit) never exceed the
-/// initial stock plus the units that came back (closed orders, burials that returned
-/// theirs): no more 202s than stock, and no admission Postgres had to refuse for want
-/// of stock (a unit Redis sold twice).
+/// No more units go out than the sale has: neither 202s nor orders that reached the
+/// workers (written, or buried keeping their unit: Postgres refused one for want of
+/// stock) exceed the initial stock plus the units that came back (closed orders,
+/// burials that returned theirs).
 fn check_taken(e: &Evidence, v: &mut Verdict, s: &SaleBooks, closed: i64) {
-    let mut taken: HashSet<i64> = e
+    let dead: Vec<&DeadOrder> = e.dead.iter().filter(|d| d.voucher == s.voucher).collect();
+    let returned = dead.iter().filter(|d| d.returns_unit).count() as i64;
+    let allowed = s.initial + closed + returned;
+    let answered: HashSet<i64> = e
         .history
         .iter()
         .filter(|r| r.is_202() && r.voucher == s.voucher)
         .filter_map(|r| r.order_id)
         .collect();
-    taken.extend(
-        e.orders
-            .iter()
-            .filter(|o| o.voucher == s.voucher)
-            .map(|o| o.id),
-    );
-    let dead = e.dead.iter().filter(|d| d.voucher == s.voucher);
-    let mut returned = 0;
-    for d in dead {
-        if d.returns_unit {
-            returned += 1;
-        }
-        // An order fenced off as admitted by a Redis no longer the sale's took no unit.
-        if !d.reason.starts_with("stale_epoch") {
-            taken.insert(d.id);
-        }
+    if answered.len() as i64 > allowed {
+        v.violate(
+            "more 202s than stock",
+            None,
+            format!(
+                "voucher {}: {} order ids answered 202 but {} initial + {closed} closed + {returned} returned by burials = {allowed}",
+                s.voucher,
+                answered.len(),
+                s.initial
+            ),
+        );
     }
-    let allowed = s.initial + closed + returned;
-    if taken.len() as i64 > allowed {
-        v.oversold_units += taken.len() as i64 - allowed;
-        let answered_202 = e
-            .history
-            .iter()
-            .filter(|r| r.is_202() && r.voucher == s.voucher)
-            .count();
+    let mut reached: HashSet<i64> = e
+        .orders
+        .iter()
+        .filter(|o| o.voucher == s.voucher)
+        .map(|o| o.id)
+        .collect();
+    // An order fenced off as admitted by a Redis no longer the sale's took no unit.
+    reached.extend(
+        dead.iter()
+            .filter(|d| !d.reason.starts_with("stale_epoch"))
+            .map(|d| d.id),
+    );
+    if reached.len() as i64 > allowed {
+        v.oversold_units += reached.len() as i64 - allowed;
         v.violate(
             "admitted beyond stock",
             None,
             format!(
-                "voucher {}: {} units taken (202s: {answered_202}; orders written; burials that kept their unit) but {} initial + {closed} closed + {returned} returned by burials = {allowed}",
+                "voucher {}: {} orders reached the workers (written, or buried keeping their unit) but {} initial + {closed} closed + {returned} returned by burials = {allowed}",
                 s.voucher,
-                taken.len(),
+                reached.len(),
                 s.initial
             ),
         );

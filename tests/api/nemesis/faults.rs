@@ -177,19 +177,15 @@ async fn kill_primary(ctx: &Ctx, fault: &Fault) {
         fault,
         format!("kill -9 the primary, redis {m} (pid {pid:?})"),
     );
+    // Sentinel needs a second or two; much longer when sentinels are in TILT (30 s
+    // after a pause of theirs).
     let promoted = redis
-        .wait_master_other_than(m, Duration::from_secs(20))
+        .wait_master_other_than(m, Duration::from_secs(30))
         .await;
-    let upstream = match promoted {
-        Some(p) => p,
-        None => redis.upstream_for(m).await,
-    };
-    redis.restart_replica(m, upstream).await;
+    let how = redis.bring_back(m).await;
     ctx.healed(
         n,
-        format!(
-            "redis {m} started again as a replica of redis {upstream} (promoted: {promoted:?})"
-        ),
+        format!("redis {m} started again {how} (promoted: {promoted:?})"),
     );
 }
 
@@ -203,12 +199,8 @@ async fn kill_replica(ctx: &Ctx, fault: &Fault, k: u8, down_ms: u64) {
         format!("kill -9 replica {k}, redis {r} (pid {pid:?})"),
     );
     ctx.hold(down_ms).await;
-    let upstream = redis.upstream_for(r).await;
-    redis.restart_replica(r, upstream).await;
-    ctx.healed(
-        n,
-        format!("redis {r} started again as a replica of redis {upstream}"),
-    );
+    let how = redis.bring_back(r).await;
+    ctx.healed(n, format!("redis {r} started again {how}"));
 }
 
 /// The pid and name of the process playing `who` now.

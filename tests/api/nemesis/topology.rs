@@ -268,17 +268,6 @@ impl Redis {
         others.into_iter().map(|n| n.index).collect()
     }
 
-    /// `ROLE`'s first word on node `i`.
-    pub async fn role(&self, i: u8) -> Option<String> {
-        let role: redis::Value = query(self.nodes[i as usize].port, &redis::cmd("ROLE"))
-            .await
-            .ok()?;
-        match role {
-            redis::Value::Array(parts) => redis::from_redis_value_ref(parts.first()?).ok(),
-            _ => None,
-        }
-    }
-
     /// Kills node `i` with SIGKILL; its pid.
     pub fn kill_node(&self, i: u8) -> Option<u32> {
         let pid = self.nodes[i as usize].slot.kill9()?;
@@ -295,22 +284,66 @@ impl Redis {
         wait_answers(node.port).await;
     }
 
-    /// A node to follow when node `i` comes back: the primary the sentinels name, else
-    /// any other running node that says it is one, else any other node.
-    pub async fn upstream_for(&self, i: u8) -> u8 {
+    /// Starts node `i` again, never empty as a primary (its replicas would copy the
+    /// emptiness): as a replica of the primary the sentinels name; or, while they still
+    /// name `i` itself (Sentinel could promote no one: sentinels in TILT after a pause,
+    /// no replica good enough), as the primary with a copy of the most advanced other
+    /// node's data, as an operator would bring it back. How, for the log.
+    pub async fn bring_back(&self, i: u8) -> String {
         if let Some(m) = self.master().await.filter(|m| *m != i) {
-            return m;
+            self.restart_replica(i, m).await;
+            return format!("as a replica of redis {m}");
         }
+        let Some(source) = self.most_advanced(i).await else {
+            self.restart_replica(i, (i + 1) % 3).await;
+            return format!(
+                "as a replica of redis {}: no other node answers",
+                (i + 1) % 3
+            );
+        };
+        match self.restart_from_copy(i, source).await {
+            Ok(()) => format!("as the primary, from a copy of redis {source}'s data (the sentinels promoted no one)"),
+            Err(e) => {
+                self.restart_replica(i, source).await;
+                format!("as a replica of redis {source} (a copy of its data failed: {e})")
+            }
+        }
+    }
+
+    /// The running node other than `except` that has processed the most of the
+    /// replication stream.
+    async fn most_advanced(&self, except: u8) -> Option<u8> {
+        let mut best: Option<(u64, u8)> = None;
         for n in self
             .nodes
             .iter()
-            .filter(|n| n.index != i && n.slot.is_running())
+            .filter(|n| n.index != except && n.slot.is_running())
         {
-            if self.role(n.index).await.as_deref() == Some("master") {
-                return n.index;
+            let info: String = query(n.port, redis::cmd("INFO").arg("replication"))
+                .await
+                .unwrap_or_default();
+            let offset = info
+                .lines()
+                .find_map(|l| l.strip_prefix("master_repl_offset:"))
+                .and_then(|v| v.trim().parse::<u64>().ok());
+            if let Some(offset) = offset.filter(|o| best.is_none_or(|(b, _)| *o > b)) {
+                best = Some((offset, n.index));
             }
         }
-        (i + 1) % 3
+        best.map(|(_, i)| i)
+    }
+
+    /// `SAVE` on node `source`, its snapshot copied to node `i`, which starts from it as
+    /// a primary.
+    async fn restart_from_copy(&self, i: u8, source: u8) -> Result<(), String> {
+        let (node, from) = (&self.nodes[i as usize], &self.nodes[source as usize]);
+        query::<()>(from.port, &redis::cmd("SAVE")).await?;
+        let dump = from.dir.join("dump.rdb");
+        std::fs::copy(&dump, node.dir.join("dump.rdb")).map_err(|e| e.to_string())?;
+        let _ = std::fs::remove_file(dump);
+        node.spawn(None, &self.links);
+        wait_answers(node.port).await;
+        Ok(())
     }
 
     /// Waits until the sentinels name a primary other than `i`; which, if any in time.

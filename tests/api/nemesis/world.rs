@@ -140,8 +140,12 @@ impl World {
             self.redis.restart_sentinel(s.index).await;
         }
         for n in self.redis.nodes.iter().filter(|n| !n.slot.is_running()) {
-            let upstream = self.redis.upstream_for(n.index).await;
-            self.redis.restart_replica(n.index, upstream).await;
+            let how = self.redis.bring_back(n.index).await;
+            println!("nemesis: redis {} started again {how}", n.index);
+        }
+        // A failback cut short may have left a replica unelectable.
+        for n in &self.redis.nodes {
+            let _ = self.redis.set_priority(n.index, 100).await;
         }
         let me = self.clone();
         let pg_up = tokio::task::spawn_blocking(move || me.pg.is_running() || me.pg.run_start());

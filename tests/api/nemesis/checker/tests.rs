@@ -121,6 +121,7 @@ fn more_live_orders_than_units_is_an_oversold_sale() {
     assert_eq!(v.oversold_units, 2, "{:?}", v.violations);
     assert!(checks(&v).contains(&"oversold"));
     assert!(checks(&v).contains(&"admitted beyond stock"));
+    assert!(checks(&v).contains(&"more 202s than stock"));
     assert!(checks(&v).contains(&"stock arithmetic (postgres)"));
 }
 
@@ -293,6 +294,27 @@ fn a_second_202_while_the_first_order_is_live_is_two_live_orders_even_if_never_w
     assert_eq!(
         checks(&v),
         ["lost", "two live orders"],
+        "{:?}",
+        v.violations
+    );
+}
+
+#[test]
+fn a_unit_sold_twice_by_redis_is_more_202s_than_stock_even_when_postgres_refused_one() {
+    let mut e = clean();
+    let c = id_at(500.0, 3);
+    e.history.push(admitted(3, 7, 495.0, c));
+    e.dead.push(DeadOrder {
+        id: c,
+        user: 3,
+        voucher: 7,
+        reason: "no stock left in postgres".into(),
+        returns_unit: false,
+    });
+    let v = check(&e);
+    assert_eq!(
+        checks(&v),
+        ["lost", "more 202s than stock", "admitted beyond stock"],
         "{:?}",
         v.violations
     );
