@@ -255,7 +255,8 @@ fn finish(dir: &Path, clean: bool) {
 }
 
 /// A short campaign, as `cargo test` runs it: its seed must plan at least 30 faults,
-/// among them each change of the Redis deployment (seeds 41 and 55 do in 70 s; 55 has a hasty failback).
+/// among them each change of the Redis deployment (seeds 41 and 55 do in 70 s; 55's
+/// failback is a hasty one).
 async fn short(seed: u64, secs: u64) {
     let planned = schedule::plan(seed, WARMUP_MS, secs * 1000);
     assert!(

@@ -319,3 +319,18 @@ fn a_unit_sold_twice_by_redis_is_more_202s_than_stock_even_when_postgres_refused
         v.violations
     );
 }
+
+#[test]
+fn an_unanswered_grab_is_not_blamed_for_the_order_of_the_next_press() {
+    let mut e = clean();
+    e.sales[0].initial = 3;
+    let (x, y) = (id_at(1_010.0, 4), id_at(3_001.0, 5));
+    e.history.push(grab(3, 7, 1_000.0, None, None)); // no answer: became x
+    e.history.push(admitted(3, 7, 3_000.0, y)); // the next press, 2 s later
+    e.orders.push(order(x, 3, 7, "cancelled", 1_011.0));
+    e.orders.last_mut().unwrap().closed_ms = Some(2_000.0);
+    e.orders.push(order(y, 3, 7, "created", 3_002.0));
+    let v = check(&e);
+    assert!(v.violations.is_empty(), "{:?}", v.violations);
+    assert_eq!((v.unknowns.total, v.unknowns.order), (1, 1));
+}

@@ -9,16 +9,22 @@ use super::{minted_ms, Evidence, Record, Verdict};
 /// The span in which an unknown grab's order, if any, was minted: from its sending to
 /// its answer, or (no answer) to the user's next request, at most 15 s.
 fn unknown_window(e: &Evidence, r: &Record) -> (f64, f64) {
-    let end = r.recv_ms.unwrap_or_else(|| {
-        let next = e
-            .history
-            .iter()
-            .filter(|n| n.user == r.user && n.sent_ms > r.sent_ms)
-            .map(|n| n.sent_ms)
-            .fold(f64::INFINITY, f64::min);
-        next.min(r.sent_ms + 15_000.0)
-    });
-    (r.sent_ms - 5.0, end + 5.0)
+    // Ids carry whole milliseconds: a few of slack at the ends an answer bounds. The
+    // user's next request bounds it strictly (its own order is minted after it is sent,
+    // and the shopper waits at least 50 ms between two requests).
+    let hi = match r.recv_ms {
+        Some(recv) => recv + 5.0,
+        None => {
+            let next = e
+                .history
+                .iter()
+                .filter(|n| n.user == r.user && n.sent_ms > r.sent_ms)
+                .map(|n| n.sent_ms - 2.0)
+                .fold(f64::INFINITY, f64::min);
+            next.min(r.sent_ms + 15_000.0)
+        }
+    };
+    (r.sent_ms - 5.0, hi)
 }
 
 /// Orders and burials of `user` and `voucher` minted within `window`.
