@@ -23,6 +23,7 @@ mod http_limits;
 mod jwks;
 mod lifecycle;
 mod live;
+mod nemesis;
 mod observability;
 mod operations;
 mod order_ids;
