@@ -304,6 +304,57 @@ local function admit(keys, argv)
   return out
 end
 
+-- Admits again, under its own id, an order a worker found stale (admitted by a state
+-- that is no longer its sale's: an old primary's) or gone (its entry lost with Redis's
+-- data, say by a restart from an older copy): when the sale's current state still has a
+-- unit for it and its user holds no other order there, it takes the unit, records the
+-- buyer and appends the order to the stream stamped with this state's epoch, exactly as
+-- an admission would have; a worker then writes it from there like any other. A 202
+-- whose copy Redis lost (a failover that handed its acknowledgement to a replica then
+-- resynchronized from elsewhere) is kept this way whenever the sale can still keep it.
+-- KEYS[1] the shard's order stream  KEYS[2] its term marker  KEYS[3] the sale's (part's)
+-- hash  ARGV[1] Postgres's epoch of the part  ARGV[2] voucher_id  ARGV[3] user_id
+-- ARGV[4] order_id  ARGV[5] its admission time (ms)
+-- Returns 1 admitted again now, 0 admitted already (the buyer record names it), -1 this
+-- is not the sale's current state (missing, not armed, stale, corrupt, of another
+-- epoch: to be tried where the sale lives), 4 the user holds another order, 5 no unit
+-- left.
+local function adopt(keys, argv)
+  local this_term = current_term(keys[2], true)
+  local buyer = 'u:' .. argv[3]
+  local v = redis.call('HMGET', keys[3], 'stock', 'begin_ms', 'end_ms', 'term', 'epoch', 'part', 'gen', buyer)
+  local stock = whole(v[1])
+  if not stock or not tonumber(v[2]) or not tonumber(v[3]) or v[4] ~= this_term
+      or v[5] ~= argv[1] then
+    return -1
+  end
+  if v[8] then
+    return v[8] == argv[4] and 0 or 4
+  end
+  if stock <= 0 then
+    return 5
+  end
+  local fields = {'stock', stock - 1, buyer, argv[4]}
+  if tonumber(v[7]) then
+    fields[5] = 'gen'
+    fields[6] = string.format('%d', tonumber(v[7]) + 1)
+  end
+  redis.call('HSET', keys[3], unpack(fields))
+  local entry = {'orders', '1', 'admitted_ms', argv[5], 'voucher_id', argv[2]}
+  if v[6] then
+    entry[#entry + 1] = 'part'
+    entry[#entry + 1] = v[6]
+  end
+  entry[#entry + 1] = 'epoch'
+  entry[#entry + 1] = v[5]
+  entry[#entry + 1] = 'order_id'
+  entry[#entry + 1] = argv[4]
+  entry[#entry + 1] = 'user_id'
+  entry[#entry + 1] = argv[3]
+  redis.call('XADD', keys[1], '*', unpack(entry))
+  return 1
+end
+
 -- The server's term and how long ago (ms) it was drawn. It writes nothing (the marker
 -- is brought up to date by the next call that writes), so it answers on a master that
 -- refuses writes for want of replicas too.
@@ -401,6 +452,7 @@ local function version()
 end
 
 redis.register_function('seckill_admit', admit)
+redis.register_function('seckill_adopt', adopt)
 redis.register_function{function_name = 'seckill_term', callback = term_of, flags = {'no-writes'}}
 redis.register_function{function_name = 'seckill_new_term', callback = new_term, flags = {'no-writes'}}
 redis.register_function('seckill_claim_lease', claim_lease)

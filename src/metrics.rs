@@ -96,7 +96,7 @@ pub(crate) const DESCRIBED: &[Described] = &[
     m(SHED, Kind::Counter, None,
         "Requests refused with 503 at once because the concurrency limit was reached."),
     m(WORKER_ORDERS, Kind::Counter, None,
-        "Stream entries the worker settled, by result: inserted, already_there, dead_lettered."),
+        "Stream entries the worker settled, by result: inserted, already_there, dead_lettered, adopted (an order the fence refused as stale, or whose entry Redis lost, admitted again into its sale's current state)."),
     m(WORKER_BATCH_SIZE, Kind::Histogram, Some(Unit::Count),
         "Stream entries per batch the worker wrote to Postgres in one transaction."),
     m(WORKER_COMMIT_SECONDS, Kind::Histogram, Some(Unit::Seconds),
@@ -207,7 +207,7 @@ fn register_known_series() {
     for outcome in HotPath::EDGE_OUTCOMES {
         metrics::counter!(EDGE_ANSWERS, "outcome" => outcome).increment(0);
     }
-    for result in ["inserted", "already_there", "dead_lettered"] {
+    for result in ["inserted", "already_there", "dead_lettered", "adopted"] {
         metrics::counter!(WORKER_ORDERS, "result" => result).increment(0);
     }
     for kind in [

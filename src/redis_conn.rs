@@ -300,6 +300,17 @@ pub enum RedisConn {
     Sentinel(SentinelConn),
 }
 
+impl RedisConn {
+    /// Whether the master in use is confirmed by Sentinel lately (most sentinels name
+    /// it, none amiss): always, without Sentinel.
+    pub(crate) fn master_confirmed(&self) -> bool {
+        match self {
+            RedisConn::Sentinel(s) => s.master_confirmed(),
+            _ => true,
+        }
+    }
+}
+
 /// Response timeout for ordinary commands (the API's hot path).
 pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
 

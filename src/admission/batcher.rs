@@ -124,6 +124,11 @@ impl ShardCall {
         if waits && !self.gate.is_open(self.shard) {
             return Err(super::guard::replicas_silent());
         }
+        // A master the sentinels are about to replace takes no unit (its replicas may
+        // follow the new one, and what they acknowledged here go with them).
+        if !self.conn.master_confirmed() {
+            return Err(super::guard::master_unconfirmed());
+        }
         let decided =
             admit_many(&mut self.conn, &self.keys, self.shard, grabs, self.replicas).await;
         if waits

@@ -189,6 +189,16 @@ pub(crate) fn replicas_silent() -> redis::RedisError {
     .into()
 }
 
+/// The error a grab gets while Sentinel does not confirm the master in use: nothing was
+/// sent, nothing reserved.
+pub(crate) fn master_unconfirmed() -> redis::RedisError {
+    std::io::Error::new(
+        std::io::ErrorKind::ConnectionRefused,
+        "Sentinel does not confirm the redis master lately",
+    )
+    .into()
+}
+
 /// How often each master's replicas are probed, and how long a probe waits.
 const PROBE_EVERY: Duration = Duration::from_millis(250);
 

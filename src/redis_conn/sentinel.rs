@@ -9,8 +9,13 @@
 //!
 //! Errors do not show every failover: after a handover (`SENTINEL FAILOVER`, or a
 //! partition that heals) the old master accepts writes until Sentinel demotes it, seconds
-//! later, and its resync then discards them. So a watcher also asks the sentinels each
-//! second, and moves to the master most of them name as soon as it is another one.
+//! later, and its resync then discards them. So a watcher also asks the sentinels four
+//! times a second, and moves to the master most of them name as soon as it is another
+//! one. Each answer also says whether most sentinels name the node in use with nothing
+//! amiss (not subjectively or objectively down, no failover in progress): admission asks
+//! that first ([`SentinelConn::master_confirmed`]), so an instance stops taking units on
+//! a master the sentinels are about to replace, before a replica is promoted, instead of
+//! having its grabs acknowledged by a replica that will follow another primary.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -28,7 +33,9 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// How often the watcher asks the sentinels which node is the master.
-const WATCH_EVERY: Duration = Duration::from_secs(1);
+const WATCH_EVERY: Duration = Duration::from_millis(250);
+/// How long a confirmation by the sentinels lasts: three looks.
+const CONFIRMED_FOR: Duration = Duration::from_millis(750);
 
 /// A master's address as Sentinel gives it.
 type Addr = (String, u16);
@@ -54,6 +61,8 @@ struct Resolver {
 struct Follower {
     resolver: Arc<Resolver>,
     state: Mutex<State>,
+    /// Until when most sentinels named the node in use with nothing amiss.
+    confirmed_until: Mutex<Instant>,
 }
 
 /// A lookup's outcome: the master's connection and address (shared: every command
@@ -118,6 +127,8 @@ impl SentinelConn {
                 started: now,
                 failures: 0,
             }),
+            // (The first lookup takes the node most sentinels name.)
+            confirmed_until: Mutex::new(now + CONFIRMED_FOR),
         });
         tokio::spawn(watch(Arc::downgrade(&follower)));
         Ok(Self(follower))
@@ -167,6 +178,17 @@ impl SentinelConn {
         let (generation, link) = self.link()?;
         Ok((generation, link.await?.0))
     }
+
+    /// Whether most sentinels named the node in use lately with nothing amiss (see the
+    /// module's note): else a grab is refused before it is sent.
+    pub(crate) fn master_confirmed(&self) -> bool {
+        Instant::now()
+            < *self
+                .0
+                .confirmed_until
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 /// Each second, while any clone of the connection lives: retries a failed lookup once
@@ -185,6 +207,13 @@ async fn watch(follower: std::sync::Weak<Follower>) {
             continue;
         };
         let (named, _) = follower.resolver.ask_all().await;
+        let sound = follower.resolver.sound_votes(&used).await;
+        if sound * 2 > follower.resolver.sentinels.len() {
+            *follower
+                .confirmed_until
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = Instant::now() + CONFIRMED_FOR;
+        }
         // Only a clear plurality: a tie (one sentinel behind) is no reason to move.
         let clear = match named.as_slice() {
             [(addr, _)] => Some(addr),
@@ -310,6 +339,33 @@ impl Resolver {
         }
         named.sort_by_key(|(_, votes)| std::cmp::Reverse(*votes));
         (named, errors)
+    }
+
+    /// How many sentinels see the master they name at `used` with nothing amiss: not
+    /// subjectively or objectively down, no failover in progress.
+    async fn sound_votes(&self, used: &Addr) -> usize {
+        let ask = |sentinel: &ConnectionManager| {
+            let mut conn = sentinel.clone();
+            async move {
+                let master: std::collections::HashMap<String, String> = redis::cmd("SENTINEL")
+                    .arg("MASTER")
+                    .arg(&self.name)
+                    .query_async(&mut conn)
+                    .await
+                    .ok()?;
+                let at = (master.get("ip")?.clone(), master.get("port")?.parse().ok()?);
+                let flags = master.get("flags")?;
+                let amiss = ["s_down", "o_down", "failover_in_progress"]
+                    .iter()
+                    .any(|f| flags.split(',').any(|g| g == *f));
+                Some(at == *used && !amiss)
+            }
+        };
+        futures_util::future::join_all(self.sentinels.iter().map(ask))
+            .await
+            .into_iter()
+            .filter(|sound| *sound == Some(true))
+            .count()
     }
 
     /// A connection to `host:port`, kept only if the node says it is the master.

@@ -213,15 +213,21 @@ pub(crate) fn is_schema_mismatch(e: &sqlx::Error) -> bool {
     }
 }
 
-/// Errors that say the database could not be reached, as opposed to a bad query.
+/// Errors that say the database could not be reached or is going away, as opposed to
+/// a bad query: the connection failed, or the server answered with a connection
+/// exception (SQLSTATE class 08), too few resources (53: too many connections) or an
+/// operator's intervention (57: shutting down, starting up, a statement cancelled).
 pub(crate) fn is_connectivity(e: &sqlx::Error) -> bool {
-    matches!(
-        e,
+    match e {
         sqlx::Error::Io(_)
-            | sqlx::Error::Tls(_)
-            | sqlx::Error::PoolTimedOut
-            | sqlx::Error::PoolClosed
-            | sqlx::Error::WorkerCrashed
-            | sqlx::Error::Protocol(_)
-    )
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::Protocol(_) => true,
+        sqlx::Error::Database(db) => db
+            .code()
+            .is_some_and(|c| ["08", "53", "57"].iter().any(|class| c.starts_with(class))),
+        _ => false,
+    }
 }

@@ -18,14 +18,17 @@ use crate::store::orders::{self, NewOrder, Persisted, Rejection};
 use crate::stream::{self, DeadReason, Entry};
 
 /// What becomes of one entry of a batch.
-enum Fate {
+pub(super) enum Fate {
     Write(NewOrder),
     /// Will not be written: buried in Postgres, settled in Redis.
     Bury(NewOrder, Rejection),
     /// No order in it: dead-lettered as it is.
     Malformed,
-    /// Its entry is no longer pending: nothing to do.
-    Gone,
+    /// Its entry is no longer pending (Redis lost it): not written from here.
+    Gone(NewOrder),
+    /// Admitted again into its sale's current state (see [`Worker::adopt`]): written
+    /// from there, not from here.
+    Adopted,
 }
 
 impl Worker {
@@ -133,6 +136,7 @@ impl Worker {
         };
         let mut fates = self.fates(shard, entries);
         let reused = self.write(shard, entries, &mut fates, &mut report).await?;
+        self.adopt(&mut fates, &mut report).await?;
         self.dead_letter(shard, entries, &fates, &mut report)
             .await?;
         count(&report);
@@ -223,7 +227,7 @@ impl Worker {
                             "not writing an order whose stream entry is gone (redis lost it)"
                         );
                         report.vanished += 1;
-                        *fate = Fate::Gone;
+                        *fate = Fate::Gone(*order);
                     }
                     Persisted::Rejected(why) => *fate = Fate::Bury(*order, why),
                 }
@@ -243,7 +247,7 @@ impl Worker {
         let mut conn = self.redis.clone();
         for (entry, fate) in entries.iter().zip(fates) {
             match fate {
-                Fate::Write(_) | Fate::Gone => {}
+                Fate::Write(_) | Fate::Gone(_) | Fate::Adopted => {}
                 Fate::Malformed => {
                     tracing::warn!(
                         entry_id = entry.entry_id(),

@@ -11,6 +11,7 @@
 //! delivery. A batch that keeps killing workers is re-delivered each time, and an entry
 //! delivered more than `max_deliveries` times goes to the dead-letter stream.
 
+mod adopt;
 mod batch;
 mod read;
 
@@ -82,6 +83,9 @@ pub struct BatchReport {
     pub dead_lettered: usize,
     /// Orders not written because their entry was no longer pending.
     pub vanished: usize,
+    /// Orders the fence refused, or whose entry was gone, admitted again into their
+    /// sale's current state (written from there).
+    pub adopted: usize,
 }
 
 impl BatchReport {
@@ -91,6 +95,7 @@ impl BatchReport {
         self.already_there += other.already_there;
         self.dead_lettered += other.dead_lettered;
         self.vanished += other.vanished;
+        self.adopted += other.adopted;
     }
 }
 
@@ -102,6 +107,9 @@ pub struct Worker {
     /// Orders per stream entry in the last read (an entry holds one admission call's
     /// orders): reads ask for `batch_size` orders' worth of entries.
     orders_per_entry: std::sync::atomic::AtomicUsize,
+    /// Since when batches have waited for a sale's current state to admit their stale
+    /// or lost orders again (see `adopt`).
+    adopt_blocked_since: std::sync::Mutex<Option<Instant>>,
 }
 
 impl Worker {
@@ -113,6 +121,7 @@ impl Worker {
             keys,
             config,
             orders_per_entry: std::sync::atomic::AtomicUsize::new(1),
+            adopt_blocked_since: std::sync::Mutex::new(None),
         }
     }
 
