@@ -141,7 +141,8 @@ end
 -- is not the label the caller expects is answered as not loaded (1): a grab routed
 -- before the caller knew the sale's parts must not be decided in another user's part.
 --
--- Returns, per grab, two values: code, order_id (0 when none):
+-- Returns, per grab, two values: code, order_id (0 when none), and, when any grab was
+-- admitted, the id of the call's stream entry last. Codes:
 --   0 admitted (order_id), 1 not loaded (or not armed yet), 2 not started, 3 ended,
 --   4 already ordered (the existing order_id), 5 sold out, 6 stale (built in another
 --   term: to be rebuilt from Postgres), 7 corrupt (a field that is not a number: to be
@@ -275,9 +276,10 @@ local function admit(keys, argv)
     end
   end
   local wrote = false
+  local entry_id
   if nadmitted > 0 then
     entry[2] = string.format('%d', nadmitted)
-    redis.call('XADD', keys[1], '*', unpack(entry, 1, ne))
+    entry_id = redis.call('XADD', keys[1], '*', unpack(entry, 1, ne))
   end
   for m = 1, nsales do
     local s = order_of_sales[m]
@@ -300,6 +302,11 @@ local function admit(keys, argv)
         break
       end
     end
+  end
+  -- (The entry's id last, when there is one: the instance keeps its 202s until the
+  -- entry is acknowledged, see src/admission/promises.rs.)
+  if entry_id then
+    out[2 * g + 1] = entry_id
   end
   return out
 end

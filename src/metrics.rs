@@ -49,6 +49,11 @@ pub(crate) const SALES_REBUILT: &str = "seckill_sales_rebuilt_total";
 /// Units this process moved between the parts of segmented sales (credited to the
 /// part that ran dry; see `admission::parts`).
 pub(crate) const PART_UNITS_MOVED: &str = "seckill_part_units_moved_total";
+/// 202s this instance gave that Redis lost with every copy and that could not be admitted
+/// again where their sale lives (see `admission::promises`).
+pub(crate) const PROMISES_BROKEN: &str = "seckill_promises_broken_total";
+/// 202s this instance keeps until their entry is acknowledged.
+pub(crate) const PROMISES_KEPT: &str = "seckill_promises_kept";
 /// Grabs this instance answered by itself, without Redis (see `admission::edge`).
 pub(crate) const EDGE_ANSWERS: &str = "seckill_edge_answers_total";
 /// Announcements of sale changes this instance heard (see `sale_changes`).
@@ -135,6 +140,10 @@ pub(crate) const DESCRIBED: &[Described] = &[
         "Sales whose Redis state this process rebuilt from Postgres because it was stale (built in an earlier term of the server) or missing."),
     m(PART_UNITS_MOVED, Kind::Counter, None,
         "Units this process moved between the parts of segmented sales (credited to a part that had run dry)."),
+    m(PROMISES_KEPT, Kind::Gauge, None,
+        "202s this instance gave whose stream entry is not yet known acknowledged (written to Postgres): kept, to admit them again should Redis lose them."),
+    m(PROMISES_BROKEN, Kind::Counter, None,
+        "202s this instance gave that Redis lost with every copy of their entry and that could not be admitted again where their sale lives (no unit left, or their user held another order): broken promises."),
 ];
 
 /// Buckets of the `_seconds` histograms: sub-millisecond Redis round trips up to past
@@ -201,6 +210,7 @@ fn register_known_series() {
     metrics::counter!(SALE_CHANGES_HEARD).increment(0);
     metrics::counter!(SALES_REBUILT).increment(0);
     metrics::counter!(PART_UNITS_MOVED).increment(0);
+    metrics::counter!(PROMISES_BROKEN).increment(0);
     for outcome in HotPath::OUTCOMES {
         metrics::counter!(ADMISSIONS, "outcome" => outcome).increment(0);
     }
@@ -395,6 +405,7 @@ mod tests {
             metrics::gauge!(gauge, "shard" => "0").set(0.0);
         }
         metrics::gauge!(RELEASES_OWED).set(0.0);
+        metrics::gauge!(PROMISES_KEPT).set(0.0);
         let text = handle.render();
         for d in DESCRIBED {
             let help = format!("# HELP {} {}\n", d.name, d.help);

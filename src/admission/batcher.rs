@@ -14,8 +14,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::guard::ReplicaGate;
+use super::promises::Promises;
 use super::tally::{self, Tally};
-use super::{admit_many, Grab, Outcome};
+use super::{decide, Grab, Outcome};
 use crate::keys::Keys;
 use crate::redis_conn::RedisConn;
 use crate::scripts::Replicas;
@@ -39,6 +40,7 @@ pub struct Batcher {
     shards: Vec<mpsc::Sender<Queued>>,
     tally: Arc<Tally>,
     gate: Arc<ReplicaGate>,
+    promises: Arc<Promises>,
 }
 
 impl Batcher {
@@ -47,6 +49,7 @@ impl Batcher {
     pub fn start(conn: RedisConn, keys: Keys, max: usize, replicas: Replicas) -> Self {
         let tally = Arc::new(Tally::default());
         let gate = Arc::new(ReplicaGate::new(keys.shards().count()));
+        let promises = Arc::new(Promises::default());
         let shards = keys
             .shards()
             .map(|shard| {
@@ -58,6 +61,7 @@ impl Batcher {
                     shard,
                     replicas,
                     gate: gate.clone(),
+                    promises: promises.clone(),
                 };
                 tokio::spawn(run_shard(rx, call, tally, max.max(1)));
                 tx
@@ -68,7 +72,13 @@ impl Batcher {
             shards,
             tally,
             gate,
+            promises,
         }
+    }
+
+    /// The 202s this instance gave and keeps until their entries are acknowledged.
+    pub fn promises(&self) -> &Arc<Promises> {
+        &self.promises
     }
 
     /// Whether each shard's replicas acknowledge lately (with replicas to wait for):
@@ -113,6 +123,7 @@ struct ShardCall {
     shard: crate::keys::Shard,
     replicas: Replicas,
     gate: Arc<ReplicaGate>,
+    promises: Arc<Promises>,
 }
 
 impl ShardCall {
@@ -129,8 +140,7 @@ impl ShardCall {
         if !self.conn.master_confirmed() {
             return Err(super::guard::master_unconfirmed());
         }
-        let decided =
-            admit_many(&mut self.conn, &self.keys, self.shard, grabs, self.replicas).await;
+        let decided = decide(&mut self.conn, &self.keys, self.shard, grabs, self.replicas).await;
         if waits
             && decided
                 .as_ref()
@@ -138,7 +148,21 @@ impl ShardCall {
         {
             self.gate.set(self.shard, false);
         }
-        decided
+        let decided = decided?;
+        if let Some(entry) = &decided.entry {
+            let admitted: Vec<Grab> = grabs
+                .iter()
+                .zip(&decided.outcomes)
+                .filter(|(g, o)| {
+                    **o == Outcome::Admitted {
+                        order_id: g.order_id,
+                    }
+                })
+                .map(|(g, _)| *g)
+                .collect();
+            self.promises.record(&self.keys, &admitted, entry);
+        }
+        Ok(decided.outcomes)
     }
 }
 

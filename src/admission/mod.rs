@@ -6,6 +6,7 @@ pub mod guard;
 pub mod loader;
 pub mod order_id;
 pub mod parts;
+pub mod promises;
 pub mod tally;
 pub mod term;
 pub mod upkeep;
@@ -110,6 +111,25 @@ pub async fn admit_many<C: ConnectionLike + Send>(
     grabs: &[Grab],
     replicas: Replicas,
 ) -> RedisResult<Vec<Outcome>> {
+    Ok(decide(conn, keys, shard, grabs, replicas).await?.outcomes)
+}
+
+/// What one admission call decided: an outcome per grab, and the id of the stream entry
+/// that holds the orders it admitted (`None`: it admitted none).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decided {
+    pub outcomes: Vec<Outcome>,
+    pub entry: Option<String>,
+}
+
+/// [`admit_many`], with the id of the call's stream entry.
+pub async fn decide<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    shard: keys::Shard,
+    grabs: &[Grab],
+    replicas: Replicas,
+) -> RedisResult<Decided> {
     let mut call = Call::function("seckill_admit");
     call.key(keys.stream(shard))
         .key(keys.term_marker(shard))
@@ -140,17 +160,22 @@ pub async fn admit_many<C: ConnectionLike + Send>(
             call.arg(g.user_id).arg(g.order_id);
         }
     }
-    let reply: Vec<redis::Value> = call.invoke_waiting(conn, replicas).await?;
+    let mut reply: Vec<redis::Value> = call.invoke_waiting(conn, replicas).await?;
     let unexpected = || {
         redis::RedisError::from((
             redis::ErrorKind::UnexpectedReturnType,
             "unexpected reply from the admission script",
         ))
     };
-    if reply.len() != 2 * grabs.len() {
-        return Err(unexpected());
-    }
-    reply
+    let entry = match reply.len() {
+        n if n == 2 * grabs.len() => None,
+        n if n == 2 * grabs.len() + 1 => {
+            let id = reply.pop().expect("one more than the pairs");
+            Some(redis::from_redis_value::<String>(id).map_err(|_| unexpected())?)
+        }
+        _ => return Err(unexpected()),
+    };
+    let outcomes = reply
         .chunks(2)
         .map(|pair| {
             let code = redis::from_redis_value_ref::<i64>(&pair[0]).map_err(|_| unexpected())?;
@@ -168,7 +193,8 @@ pub async fn admit_many<C: ConnectionLike + Send>(
                 _ => return Err(unexpected()),
             })
         })
-        .collect()
+        .collect::<RedisResult<Vec<Outcome>>>()?;
+    Ok(Decided { outcomes, entry })
 }
 
 /// Remaining stock as Redis sees it, summed over the sale's parts (`None`: some part is

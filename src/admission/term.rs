@@ -160,6 +160,9 @@ pub(crate) struct Watch {
     /// Wakes the watcher before its next tick (admission met a stale sale; a lease
     /// found its key gone).
     pub wake: Arc<Notify>,
+    /// An API instance's 202s not yet known written: admitted again after a server
+    /// that lost writes is healed (none in a worker).
+    pub promises: Option<Arc<super::promises::Promises>>,
 }
 
 /// How often every process looks at the terms.
@@ -171,6 +174,9 @@ const EVERY: Duration = Duration::from_secs(1);
 struct Seen {
     terms: HashMap<Shard, String>,
     identities: HashMap<String, Identity>,
+    /// Servers (by the shard asked) whose promises are to be kept again: healed, and
+    /// some promise's sale not found where it lives yet.
+    promises_due: std::collections::HashSet<Shard>,
 }
 
 impl Seen {
@@ -317,6 +323,7 @@ async fn look_at(
         super::guard::require_replicas(conn, &marker, w.replicas).await?;
     }
     if changed || everything {
+        seen.promises_due.insert(asked);
         let rebuilt = heal(w, shards).await?;
         // A term that replaced one seen before is a rollback even when a grab that met
         // it rebuilt every sale first (and woke this look).
@@ -330,6 +337,25 @@ async fn look_at(
         }
     }
     seen.terms.insert(asked, term.term);
+    if seen.promises_due.contains(&asked) {
+        if let Some(promises) = &w.promises {
+            let kept = promises
+                .keep(&w.db, conn, &w.keys, shards, w.replicas)
+                .await?;
+            if kept.kept + kept.broken > 0 {
+                tracing::warn!(
+                    kept = kept.kept,
+                    broken = kept.broken,
+                    waiting = kept.pending,
+                    "this instance's 202s not yet written, checked in the rebuilt sales"
+                );
+            }
+            if kept.pending > 0 {
+                return Ok(());
+            }
+        }
+        seen.promises_due.remove(&asked);
+    }
     Ok(())
 }
 

@@ -429,6 +429,26 @@ pub(crate) async fn written_among(
         .await
 }
 
+/// Which of these order ids Postgres has settled: written (whatever their status), or
+/// tombstoned. Read in one snapshot, outside any lock (an answer for now, not a fence).
+pub(crate) async fn settled_among(
+    db: &PgPool,
+    ids: &[OrderId],
+) -> Result<HashSet<OrderId>, sqlx::Error> {
+    if ids.is_empty() {
+        return Ok(HashSet::new());
+    }
+    Ok(sqlx::query_scalar(
+        "SELECT id FROM voucher_orders WHERE id = ANY($1) \
+         UNION SELECT id FROM dead_orders WHERE id = ANY($1)",
+    )
+    .bind(ids)
+    .fetch_all(db)
+    .await?
+    .into_iter()
+    .collect())
+}
+
 /// A page of a sale's orders, newest first: ids are minted in time order, so the page
 /// after a cursor is the `limit` ids below it (keyset: stable while orders are added).
 /// It walks the primary key backwards from the cursor (a plain bound, so even a generic

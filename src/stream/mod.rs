@@ -3,15 +3,18 @@
 //!
 //! [`entry`]: the entry format; [`group`]: the consumer group (read, claim, ack,
 //! touch); [`dead`]: dead letters and settling buried orders; [`trim`]: trimming;
-//! [`inspect`]: reading the stream as it is.
+//! [`inspect`]: reading the stream as it is; [`readmit`]: an order admitted again into
+//! its sale's current state.
 
 mod dead;
 mod entry;
 mod group;
 mod inspect;
+mod readmit;
 mod trim;
 
 pub(crate) use dead::{dead_letter, settle_dead};
+pub(crate) use entry::parse_id as parse_entry_id;
 pub use entry::{DeadReason, Entry};
 pub(crate) use group::{
     ack, claim, delivery_counts, ensure_group, entry_ids, forget_idle_consumers, read,
@@ -20,4 +23,5 @@ pub(crate) use group::{
 pub use group::{ReadFrom, GROUP};
 pub(crate) use inspect::{entries, page, range};
 pub use inspect::{stats, StreamStats};
-pub(crate) use trim::trim_acknowledged;
+pub(crate) use readmit::{readmit, Readmitted};
+pub(crate) use trim::{done_below, trim_acknowledged};

@@ -6,11 +6,11 @@
 //! came from a replica that then followed another primary. Before such an order is
 //! buried, or dropped, it is admitted again into the sale's current state under its own
 //! id (`seckill_adopt`): a unit taken there, its buyer recorded, a new entry stamped with
-//! the current epoch, which a worker then writes like any other. It is kept whenever the
+//! the current epoch, which a worker then writes like any other ([`stream::readmit`]). It is kept whenever the
 //! sale still has a unit for it and its user holds no other order; otherwise it goes the
 //! old way.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -19,25 +19,14 @@ use super::batch::Fate;
 use super::{BatchReport, Worker};
 use crate::domain::{Epoch, OrderId};
 use crate::keys::SalePart;
-use crate::scripts::Call;
 use crate::store;
 use crate::store::orders::{NewOrder, Rejection};
+use crate::stream::{self, Readmitted};
 
 /// How long a batch waits for its sale's current state before its orders go the old
 /// way: a worker that reaches only an old primary (partitioned with it) is told the
 /// sale lives elsewhere until it is demoted, or this long.
 pub(super) const ADOPT_PATIENCE: Duration = Duration::from_secs(30);
-
-/// What `seckill_adopt` answered.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Adoption {
-    /// Admitted again now, or before (the buyer record names it).
-    Kept,
-    /// The user holds another order, or the sale has no unit left for it.
-    Refused,
-    /// This Redis does not hold the sale's current state.
-    Elsewhere,
-}
 
 impl Worker {
     /// Admits again, where they can be, the batch's orders the fence refused as stale
@@ -59,7 +48,9 @@ impl Worker {
         if candidates.is_empty() {
             return Ok(());
         }
-        let settled = settled_in_postgres(&self.db, &candidates).await?;
+        let ids: Vec<OrderId> = candidates.iter().map(|o| o.id).collect();
+        // (Held already: the usual paths settle them.)
+        let settled = store::orders::settled_among(&self.db, &ids).await?;
         let mut epochs: HashMap<SalePart, Option<Epoch>> = HashMap::new();
         let mut elsewhere = false;
         for fate in fates.iter_mut() {
@@ -79,8 +70,8 @@ impl Worker {
                 }
             };
             let Some(epoch) = epoch else { continue };
-            match self.adopt_one(&order, epoch).await? {
-                Adoption::Kept => {
+            match self.adopt_one(&order, epoch).await {
+                Readmitted::Kept => {
                     tracing::warn!(
                         order_id = order.id.get(),
                         voucher_id = order.voucher_id.get(),
@@ -92,40 +83,26 @@ impl Worker {
                     report.adopted += 1;
                     *fate = Fate::Adopted;
                 }
-                Adoption::Refused => {}
-                Adoption::Elsewhere => elsewhere = true,
+                Readmitted::Refused => {}
+                Readmitted::Elsewhere => elsewhere = true,
             }
         }
         self.wait_for_the_sales_state(elsewhere)
     }
 
-    /// One order into its sale's current state. A Redis that refuses it or cannot get
-    /// it acknowledged by its replicas (an old primary, a master whose replicas are
-    /// silent) counts as not holding the sale's state: the batch is tried again, and the
-    /// adoption, if it happened there, is found made (or lost with that server, and made
-    /// again where the sale lives).
-    async fn adopt_one(&self, order: &NewOrder, epoch: Epoch) -> anyhow::Result<Adoption> {
-        let part = order.sale_part();
-        let code: redis::RedisResult<i64> = Call::function("seckill_adopt")
-            .key(self.keys.stream(self.keys.shard_of_part(part)))
-            .key(self.keys.part_marker(part))
-            .key(self.keys.part(part))
-            .arg(epoch)
-            .arg(order.voucher_id)
-            .arg(order.user_id)
-            .arg(order.id)
-            .arg(order.admitted_at.timestamp_millis())
-            .invoke_waiting(&mut self.redis.clone(), self.config.replicas)
-            .await;
-        Ok(match code {
-            Ok(0 | 1) => Adoption::Kept,
-            Ok(4 | 5) => Adoption::Refused,
-            Ok(_) => Adoption::Elsewhere,
-            Err(e) => {
-                tracing::debug!(order_id = order.id.get(), error = %e, "adoption not confirmed");
-                Adoption::Elsewhere
-            }
-        })
+    /// One order into its sale's current state (see [`stream::readmit`]).
+    async fn adopt_one(&self, order: &NewOrder, epoch: Epoch) -> Readmitted {
+        stream::readmit(
+            &mut self.redis.clone(),
+            &self.keys,
+            order.sale_part(),
+            epoch,
+            order.user_id,
+            order.id,
+            order.admitted_at,
+            self.config.replicas,
+        )
+        .await
     }
 
     /// `Err` (the batch held, to be tried again) while some order's sale lives on a
@@ -154,21 +131,4 @@ impl Worker {
         );
         Ok(())
     }
-}
-
-/// Which of `orders` Postgres holds already, as a row or a tombstone: they are not
-/// admitted again (the usual paths settle them).
-async fn settled_in_postgres(
-    db: &sqlx::PgPool,
-    orders: &[NewOrder],
-) -> anyhow::Result<HashSet<OrderId>> {
-    let ids: Vec<OrderId> = orders.iter().map(|o| o.id).collect();
-    let mut tx = db.begin().await?;
-    let mut settled: HashSet<OrderId> = store::orders::written_among(&mut tx, &ids)
-        .await?
-        .into_iter()
-        .collect();
-    settled.extend(store::dead_orders::buried_among(&mut tx, &ids).await?);
-    tx.rollback().await?;
-    Ok(settled)
 }
