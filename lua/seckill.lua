@@ -322,10 +322,12 @@ end
 -- KEYS[1] the shard's order stream  KEYS[2] its term marker  KEYS[3] the sale's (part's)
 -- hash  ARGV[1] Postgres's epoch of the part  ARGV[2] voucher_id  ARGV[3] user_id
 -- ARGV[4] order_id  ARGV[5] its admission time (ms)
--- Returns 1 admitted again now, 0 admitted already (the buyer record names it), -1 this
--- is not the sale's current state (missing, not armed, stale, corrupt, of another
--- epoch: to be tried where the sale lives), 4 the user holds another order, 5 no unit
--- left.
+-- Returns {1, the new entry's id} admitted again now, {0, the stream's last entry id}
+-- admitted already (the buyer record names it: its entry, wherever it is, is no later),
+-- {-1} this is not the sale's current state (missing, not armed, stale, corrupt, of
+-- another epoch: to be tried where the sale lives), {4} the user holds another order,
+-- {5} no unit left, {8} no unit left in this part of a segmented sale (units may be
+-- moved to it by a grab).
 local function adopt(keys, argv)
   local this_term = current_term(keys[2], true)
   local buyer = 'u:' .. argv[3]
@@ -333,13 +335,17 @@ local function adopt(keys, argv)
   local stock = whole(v[1])
   if not stock or not tonumber(v[2]) or not tonumber(v[3]) or v[4] ~= this_term
       or v[5] ~= argv[1] then
-    return -1
+    return {-1}
+  end
+  if v[8] ~= argv[4] and v[8] then
+    return {4}
   end
   if v[8] then
-    return v[8] == argv[4] and 0 or 4
+    local last = redis.call('XREVRANGE', keys[1], '+', '-', 'COUNT', 1)
+    return {0, last[1] and last[1][1] or ''}
   end
   if stock <= 0 then
-    return 5
+    return {v[6] and 8 or 5}
   end
   local fields = {'stock', stock - 1, buyer, argv[4]}
   if tonumber(v[7]) then
@@ -358,18 +364,58 @@ local function adopt(keys, argv)
   entry[#entry + 1] = argv[4]
   entry[#entry + 1] = 'user_id'
   entry[#entry + 1] = argv[3]
-  redis.call('XADD', keys[1], '*', unpack(entry))
-  return 1
+  return {1, redis.call('XADD', keys[1], '*', unpack(entry))}
 end
 
--- The server's term and how long ago (ms) it was drawn. It writes nothing (the marker
--- is brought up to date by the next call that writes), so it answers on a master that
--- refuses writes for want of replicas too.
+-- The id below which consumer group `group` is done with every entry of `stream`
+-- (acknowledged): its oldest pending entry, or just past its last delivered one; ''
+-- when it cannot tell (no stream, no group).
+local function done_below(stream, group)
+  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
+  if not ok then
+    return ''
+  end
+  for _, g in ipairs(groups) do
+    local name, last
+    for j = 1, #g, 2 do
+      if g[j] == 'name' then name = g[j + 1] end
+      if g[j] == 'last-delivered-id' then last = g[j + 1] end
+    end
+    if name == group then
+      local pending = redis.call('XPENDING', stream, group)
+      if pending[1] > 0 then
+        return pending[2]
+      end
+      local ms, seq = string.match(last, '^(%d+)-(%d+)$')
+      if not ms then
+        return ''
+      end
+      return ms .. '-' .. string.format('%d', tonumber(seq) + 1)
+    end
+  end
+  return ''
+end
+
+-- The server's term and how long ago (ms) it was drawn, and, read in the same instant,
+-- where the workers are done in each stream given: an instance forgets the 202s it
+-- keeps below that, only while the term it read is the one it has seen (a server that
+-- lost writes shows a new term first). It writes nothing (the marker is brought up to
+-- date by the next call that writes), so it answers on a master that refuses writes for
+-- want of replicas too.
 -- KEYS[1] the term marker of the slot asked about (keys::Keys::term_marker)
+-- KEYS[2..] order streams of that server  ARGV[1] the consumer group (when streams)
+-- Returns {term, age in ms, then per stream the id it is done below ('' unknown)}.
 local function term_of(keys, argv)
   current_term(keys[1], false)
   local now = clock()
-  return {term, now - term_ms}
+  local out = {term, now - term_ms}
+  -- A slot whose marker is not this term's may have lost its data (a FLUSHALL keeps the
+  -- term): nothing is known done there until a write brings the marker back.
+  local intact = redis.call('GET', keys[1]) == term
+  for k = 2, #keys do
+    out[#out + 1] = intact and done_below(keys[k], argv[1]) or ''
+  end
+  return out
 end
 
 -- Draws a new term (a process saw the server's identity change): every sale's state is

@@ -186,6 +186,12 @@ pub struct ApiArgs {
     /// Listen address of the API.
     #[arg(long, env = "BIND", default_value = "0.0.0.0:8080")]
     pub bind: SocketAddr,
+    /// A file where the instance also writes each 202 it keeps until its order is
+    /// written, so that an instance started again on it (after a crash, a `kill -9`)
+    /// still admits again the ones Redis lost. One file per instance, kept across its
+    /// restarts; unset: kept in memory only.
+    #[arg(long, env = "PROMISES_FILE")]
+    pub promises_file: Option<std::path::PathBuf>,
     /// Do not apply pending migrations at start-up. `--skip-migrations` alone means
     /// true; the variable takes 1/0, true/false, yes/no, on/off (any case).
     #[arg(long, env = "SKIP_MIGRATIONS", action = clap::ArgAction::Set,

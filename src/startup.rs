@@ -86,6 +86,7 @@ impl Application {
             api.live_max_sales.into(),
             cancel.clone(),
         );
+        let promises = crate::admission::promises::Promises::open(api.promises_file.as_deref())?;
         let state = AppState::new(
             db.clone(),
             redis.clone(),
@@ -95,6 +96,7 @@ impl Application {
             settings.clone(),
             live,
             migrated.clone(),
+            Arc::new(promises),
         );
         let served = CancellationToken::new();
         if settings.replicas.waits() {
@@ -254,7 +256,6 @@ async fn start_duties(
     watcher.look().await;
     tasks.spawn(watcher.run(cancel.clone()));
     tasks.spawn(state.clone().forget_idle_rate_limits(cancel.clone()));
-    tasks.spawn(forget_kept_promises(state.clone(), cancel.clone()));
     // Moves between the parts of a segmented sale that a dead mover left half done.
     if let Some(every) = state.settings.finish_moves_every {
         tasks.spawn(state.parts.clone().keep_finishing(every, cancel.clone()));
@@ -267,23 +268,6 @@ async fn start_duties(
                 .clone()
                 .listen(subscriber, channel, cancel.clone()),
         );
-    }
-}
-
-/// Forgets, each second, the 202s whose entries the workers acknowledged (see
-/// `admission::promises`).
-async fn forget_kept_promises(state: AppState, cancel: CancellationToken) {
-    let promises = state.admissions.promises().clone();
-    let mut conn = state.redis.clone();
-    loop {
-        tokio::select! {
-            _ = cancel.cancelled() => return,
-            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-        }
-        if let Err(e) = promises.forget_acknowledged(&mut conn, &state.keys).await {
-            tracing::debug!(error = %e, "kept 202s not checked against the stream");
-        }
-        metrics::gauge!(crate::metrics::PROMISES_KEPT).set(promises.len() as f64);
     }
 }
 

@@ -46,10 +46,15 @@ pub struct Batcher {
 impl Batcher {
     /// Starts one task per shard (needs a Tokio runtime). Outcomes are counted in
     /// the returned batcher's [`Batcher::tally`]; each call waits for `replicas`.
-    pub fn start(conn: RedisConn, keys: Keys, max: usize, replicas: Replicas) -> Self {
+    pub fn start(
+        conn: RedisConn,
+        keys: Keys,
+        max: usize,
+        replicas: Replicas,
+        promises: Arc<Promises>,
+    ) -> Self {
         let tally = Arc::new(Tally::default());
         let gate = Arc::new(ReplicaGate::new(keys.shards().count()));
-        let promises = Arc::new(Promises::default());
         let shards = keys
             .shards()
             .map(|shard| {

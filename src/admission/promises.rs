@@ -1,16 +1,29 @@
-//! The 202s an instance gave, kept until their stream entry is acknowledged (written to
-//! Postgres, or settled otherwise). Redis can lose an admitted order with every copy of
-//! it: a primary restarted from an older snapshot before Sentinel noticed, whose replicas
-//! then resynchronized from it; a failover whose acknowledging replica followed another
-//! primary. The instance that answered 202 is then the last to know of it. So when a
-//! server it uses shows a new term (it lost writes) and its sales are rebuilt, the
-//! instance admits its promises again into their sales' current states under their own
-//! ids (`seckill_adopt`): those the rebuild counted are found there already, the others
-//! take a unit if one is left and their user holds no other order. A promise that can
-//! no longer be kept is logged and counted; an instance that dies takes its promises
-//! with it.
+//! The 202s an instance gave, kept until the workers are done with their stream entry
+//! (written to Postgres, or settled otherwise). Redis can lose an admitted order with
+//! every copy of it: a primary restarted from an older snapshot before Sentinel noticed,
+//! whose replicas then resynchronized from it; a failover whose acknowledging replica
+//! followed another primary. The instance that answered 202 is then the last to know of
+//! it. So when a server it uses shows a new term (it may have lost writes) and its sales
+//! are rebuilt, the instance admits its promises whose entries the server no longer
+//! holds again into their sales' current states under their own ids
+//! ([`crate::stream::readmit`]): they take a unit if one is left and their user holds no
+//! other order. A promise that can no longer be kept is logged and counted; an instance
+//! that dies takes its promises with it.
+//!
+//! With a promises file (`PROMISES_FILE`), each 202 is also appended there before it is
+//! answered, and an instance started again on the same file keeps the promises of its
+//! previous life: a `kill -9` or a crash of the process loses none (the file is written,
+//! not synced: a crash of the host's kernel may lose its last moments).
+//!
+//! Promises are forgotten only from the term watcher's look, which reads the server's
+//! term and where the workers are done in the same instant: below that, while the term
+//! is the one it knows (a server that lost writes shows a new term before anything else,
+//! and then nothing is forgotten until the promises are kept).
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
+use std::fs::File;
+use std::io::{BufRead, BufWriter, Write};
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use redis::aio::ConnectionLike;
@@ -20,12 +33,14 @@ use super::Grab;
 use crate::domain::{OrderId, UserId};
 use crate::keys::{Keys, SalePart, Shard};
 use crate::scripts::Replicas;
-use crate::store;
-use crate::stream::{readmit, Readmitted};
+use crate::stream::{self, Readmission, Readmitted};
 
-/// The most promises kept: a worker that cannot write for long (Postgres away) leaves
-/// them unacknowledged; past this, the oldest are forgotten (with a warning).
+/// The most promises kept per shard: a worker that cannot write for long (Postgres away)
+/// leaves them unacknowledged; past this, the oldest are forgotten (with a warning).
 const MOST: usize = 1_000_000;
+
+/// Looks after which a promise whose sale is still out of reach counts as broken.
+const PATIENCE: u32 = 30;
 
 /// One 202.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,52 +48,129 @@ struct Promise {
     order_id: OrderId,
     user_id: UserId,
     part: SalePart,
-    shard: Shard,
     /// The stream entry that holds it: `(ms, seq)`.
     entry: (u64, u64),
+    /// Looks that found its sale out of reach.
+    tries: u32,
 }
 
-/// This instance's promises not yet known acknowledged, oldest first.
+/// This instance's promises not yet known done with, per shard, in the order of their
+/// entries (one admission call at a time per shard).
 #[derive(Debug, Default)]
 pub struct Promises {
-    kept: Mutex<VecDeque<Promise>>,
+    kept: Mutex<HashMap<Shard, VecDeque<Promise>>>,
+    /// Where they are written too, if anywhere.
+    log: Option<Mutex<Log>>,
+}
+
+/// The promises file: one line per promise recorded, rewritten with only the promises
+/// still kept once it holds many more lines than that.
+#[derive(Debug)]
+struct Log {
+    path: PathBuf,
+    /// Locked for this process's life: two instances on one file would forget each
+    /// other's promises.
+    file: File,
+    lines: usize,
+    /// A write failed (logged once; the promises are still kept in memory).
+    failing: bool,
 }
 
 /// What keeping the promises again did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Kept {
-    /// Found in their sale's current state, or admitted again there.
-    pub kept: usize,
+    /// Admitted again where their sale lives.
+    pub readmitted: usize,
     /// Could not be (no unit left, or their user holds another order).
     pub broken: usize,
-    /// Their sale's current state is not where this instance looked: tried again later.
-    pub pending: usize,
+    /// Their sale's current state is out of reach: tried again at the next look.
+    pub waiting: usize,
 }
 
 impl Promises {
-    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Promise>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Shard, VecDeque<Promise>>> {
         self.kept.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Remembers the grabs a call admitted, held by its stream entry `entry`.
+    /// Promises kept in memory, and in `file` too if given: those it holds (written by
+    /// this instance's previous life) are kept again. An error when the file cannot be
+    /// read, written or locked (another instance uses it).
+    pub fn open(file: Option<&Path>) -> anyhow::Result<Self> {
+        let Some(path) = file else {
+            return Ok(Self::default());
+        };
+        let what = |doing: &str| format!("PROMISES_FILE {}: {doing}", path.display());
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .read(true)
+            .append(true)
+            .open(path)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", what("cannot open")))?;
+        file.try_lock().map_err(|_| {
+            anyhow::anyhow!("{}", what("another instance keeps its promises there"))
+        })?;
+        let mut kept: HashMap<Shard, VecDeque<Promise>> = HashMap::new();
+        let mut unreadable = 0;
+        for line in std::io::BufReader::new(&file).lines() {
+            let line = line.map_err(|e| anyhow::anyhow!("{}: {e}", what("cannot read")))?;
+            match Promise::parse(&line) {
+                Some((shard, p)) => kept.entry(shard).or_default().push_back(p),
+                None => unreadable += 1,
+            }
+        }
+        if unreadable > 0 {
+            // (The last line of a life cut short may be partial.)
+            tracing::warn!(unreadable, "lines of the promises file skipped");
+        }
+        for queue in kept.values_mut() {
+            queue.make_contiguous().sort_by_key(|p| p.entry);
+        }
+        let held: usize = kept.values().map(VecDeque::len).sum();
+        if held > 0 {
+            tracing::warn!(
+                promises = held,
+                "202s of this instance's previous life not known written: kept again"
+            );
+        }
+        let promises = Self {
+            kept: Mutex::new(kept),
+            log: Some(Mutex::new(Log {
+                path: path.to_path_buf(),
+                file,
+                lines: usize::MAX,
+                failing: false,
+            })),
+        };
+        promises.compact()?;
+        Ok(promises)
+    }
+
+    /// Remembers the grabs a call admitted, held by its stream entry `entry` (before
+    /// their 202s are answered).
     pub(crate) fn record(&self, keys: &Keys, admitted: &[Grab], entry: &str) {
-        let Some(entry) = crate::stream::parse_entry_id(entry) else {
+        let (Some(entry), Some(first)) = (stream::parse_entry_id(entry), admitted.first()) else {
             return;
         };
+        let shard = keys.shard_of_part(first.sale_part());
         let mut kept = self.lock();
-        for g in admitted {
-            let part = g.sale_part();
-            kept.push_back(Promise {
-                order_id: g.order_id,
-                user_id: g.user_id,
-                part,
-                shard: keys.shard_of_part(part),
-                entry,
-            });
+        let queue = kept.entry(shard).or_default();
+        let new = admitted.iter().map(|g| Promise {
+            order_id: g.order_id,
+            user_id: g.user_id,
+            part: g.sale_part(),
+            entry,
+            tries: 0,
+        });
+        let from = queue.len();
+        queue.extend(new);
+        if let Some(log) = &self.log {
+            let mut log = log.lock().unwrap_or_else(|e| e.into_inner());
+            let lines: String = queue.range(from..).map(|p| p.line(shard)).collect();
+            log.append(lines.as_bytes(), queue.len() - from);
         }
-        if kept.len() > MOST {
-            let over = kept.len() - MOST;
-            kept.drain(..over);
+        if queue.len() > MOST {
+            let over = queue.len() - MOST;
+            queue.drain(..over);
             tracing::warn!(
                 forgotten = over,
                 "too many 202s not yet written: the oldest are no longer kept by this instance"
@@ -88,35 +180,62 @@ impl Promises {
 
     /// How many are kept.
     pub(crate) fn len(&self) -> usize {
-        self.lock().len()
+        self.lock().values().map(VecDeque::len).sum()
     }
 
-    /// Forgets the promises whose entry the workers acknowledged: those before the
-    /// oldest pending entry of its shard's group, and not after its last delivered one.
-    pub(crate) async fn forget_acknowledged<C: ConnectionLike + Send>(
-        &self,
-        conn: &mut C,
-        keys: &Keys,
-    ) -> redis::RedisResult<()> {
-        let shards: Vec<Shard> = {
-            let kept = self.lock();
-            let mut shards: Vec<Shard> = kept.iter().map(|p| p.shard).collect();
-            shards.sort_unstable();
-            shards.dedup();
-            shards
+    /// Rewrites the promises file with only the promises kept, once it holds many more
+    /// lines than that (and at start).
+    pub(crate) fn compact(&self) -> anyhow::Result<()> {
+        let Some(log) = &self.log else {
+            return Ok(());
         };
-        for shard in shards {
-            let Some(done) = crate::stream::done_below(conn, keys, shard).await? else {
-                continue;
-            };
-            self.lock().retain(|p| p.shard != shard || p.entry >= done);
+        // (The promises' lock first, as `record` takes them: none is recorded meanwhile.)
+        let kept = self.lock();
+        let mut log = log.lock().unwrap_or_else(|e| e.into_inner());
+        let held: usize = kept.values().map(VecDeque::len).sum();
+        if log.lines != usize::MAX && log.lines <= 2 * held + 4096 {
+            return Ok(());
         }
+        let fresh = log.path.with_extension("new");
+        let write = || -> std::io::Result<File> {
+            let mut out = BufWriter::new(File::create(&fresh)?);
+            for (shard, queue) in kept.iter() {
+                for p in queue {
+                    out.write_all(p.line(*shard).as_bytes())?;
+                }
+            }
+            let out = out.into_inner().map_err(|e| e.into_error())?;
+            // Locked before it takes the old file's place: no instance starting now
+            // finds it unlocked.
+            out.try_lock().map_err(std::io::Error::other)?;
+            std::fs::rename(&fresh, &log.path)?;
+            Ok(out)
+        };
+        let file = write().map_err(|e| {
+            anyhow::anyhow!("PROMISES_FILE {}: cannot rewrite: {e}", log.path.display())
+        })?;
+        // (Opened for writing; appends go to its end, which is where it stands.)
+        log.file = file;
+        log.lines = held;
         Ok(())
     }
 
-    /// Admits again into their sales' current states the promises on `shards` that
-    /// Postgres does not hold yet (after those shards' server lost writes and its sales
-    /// were rebuilt). Kept and broken ones are forgotten; the others stay.
+    /// Forgets the shard's promises below `done`: the workers are done with those
+    /// entries (read with a term the watcher knows).
+    pub(crate) fn forget_below(&self, shard: Shard, done: (u64, u64)) {
+        let mut kept = self.lock();
+        let Some(queue) = kept.get_mut(&shard) else {
+            return;
+        };
+        // (Oldest first; a promise admitted again may have moved later: kept.)
+        while queue.front().is_some_and(|p| p.entry < done) {
+            queue.pop_front();
+        }
+    }
+
+    /// After `shards`' server lost writes and its sales were rebuilt: admits again into
+    /// their sales' current states the promises whose entries that server no longer
+    /// holds. Those kept move to their new entry; broken ones are forgotten.
     pub(crate) async fn keep<C: ConnectionLike + Send>(
         &self,
         db: &PgPool,
@@ -125,71 +244,200 @@ impl Promises {
         shards: &[Shard],
         replicas: Replicas,
     ) -> anyhow::Result<Kept> {
-        let due: Vec<Promise> = self
-            .lock()
-            .iter()
-            .filter(|p| shards.contains(&p.shard))
-            .copied()
-            .collect();
         let mut report = Kept::default();
-        if due.is_empty() {
-            return Ok(report);
-        }
-        let ids: Vec<OrderId> = due.iter().map(|p| p.order_id).collect();
-        let settled = store::orders::settled_among(db, &ids).await?;
-        let mut epochs: HashMap<SalePart, Option<crate::domain::Epoch>> = HashMap::new();
-        let mut done: HashSet<OrderId> = HashSet::new();
-        for p in due {
-            if settled.contains(&p.order_id) {
-                done.insert(p.order_id);
+        for &shard in shards {
+            let due: Vec<Promise> = self
+                .lock()
+                .get(&shard)
+                .map(|q| q.iter().copied().collect())
+                .unwrap_or_default();
+            if due.is_empty() {
                 continue;
             }
-            let epoch = match epochs.get(&p.part) {
-                Some(e) => *e,
-                None => *epochs
-                    .entry(p.part)
-                    .or_insert(store::epochs::of(db, p.part).await?),
-            };
-            let Some(epoch) = epoch else {
-                done.insert(p.order_id);
-                continue;
-            };
-            let admitted_at = chrono::DateTime::from_timestamp_millis(
-                super::order_id::timestamp_ms(p.order_id) as i64,
-            )
-            .unwrap_or_else(chrono::Utc::now);
-            match readmit(
-                conn,
-                keys,
-                p.part,
-                epoch,
-                p.user_id,
-                p.order_id,
-                admitted_at,
-                replicas,
-            )
-            .await
-            {
-                Readmitted::Kept => {
-                    report.kept += 1;
-                    done.insert(p.order_id);
+            let entries: Vec<(OrderId, (u64, u64))> =
+                due.iter().map(|p| (p.order_id, p.entry)).collect();
+            let held = stream::held_in(conn, keys, shard, &entries).await?;
+            let lost: Vec<Promise> = due
+                .into_iter()
+                .filter(|p| !held.contains(&p.order_id))
+                .collect();
+            // Those Postgres holds already (most, after a restart on a promises file),
+            // in one query; each other one is checked again under its sale's lock.
+            let ids: Vec<OrderId> = lost.iter().map(|p| p.order_id).collect();
+            let settled = crate::store::orders::settled_among(db, &ids).await?;
+            let mut moved: HashMap<OrderId, Move> =
+                settled.iter().map(|id| (*id, Move::Forget)).collect();
+            for p in lost.into_iter().filter(|p| !settled.contains(&p.order_id)) {
+                let r = Readmission {
+                    part: p.part,
+                    user_id: p.user_id,
+                    order_id: p.order_id,
+                    admitted_at: admitted_at(p.order_id),
+                };
+                match stream::readmit(db, conn, keys, r, replicas).await? {
+                    Readmitted::Kept(entry) => {
+                        report.readmitted += 1;
+                        moved.insert(p.order_id, Move::To(entry.unwrap_or(p.entry)));
+                    }
+                    Readmitted::Settled => {
+                        moved.insert(p.order_id, Move::Forget);
+                    }
+                    Readmitted::Refused => {
+                        broken(&p);
+                        report.broken += 1;
+                        moved.insert(p.order_id, Move::Forget);
+                    }
+                    Readmitted::Elsewhere if p.tries + 1 >= PATIENCE => {
+                        broken(&p);
+                        report.broken += 1;
+                        moved.insert(p.order_id, Move::Forget);
+                    }
+                    Readmitted::Elsewhere => {
+                        report.waiting += 1;
+                        moved.insert(p.order_id, Move::Wait);
+                    }
                 }
-                Readmitted::Refused => {
-                    tracing::error!(
-                        order_id = p.order_id.get(),
-                        voucher_id = p.part.voucher_id.get(),
-                        user_id = p.user_id.get(),
-                        "a 202 redis lost cannot be kept: no unit left for it, or its user \
-                         holds another order"
-                    );
-                    metrics::counter!(crate::metrics::PROMISES_BROKEN).increment(1);
-                    report.broken += 1;
-                    done.insert(p.order_id);
-                }
-                Readmitted::Elsewhere => report.pending += 1,
             }
+            self.settle(shard, &moved);
         }
-        self.lock().retain(|p| !done.contains(&p.order_id));
         Ok(report)
+    }
+
+    /// Moves the promises kept to their new entries, forgets those settled or broken,
+    /// and counts a try for those still waiting.
+    fn settle(&self, shard: Shard, moved: &HashMap<OrderId, Move>) {
+        let mut kept = self.lock();
+        let Some(queue) = kept.get_mut(&shard) else {
+            return;
+        };
+        let mut rest: Vec<Promise> = queue
+            .drain(..)
+            .filter_map(|mut p| match moved.get(&p.order_id) {
+                Some(Move::Forget) => None,
+                Some(Move::To(entry)) => {
+                    p.entry = *entry;
+                    Some(p)
+                }
+                Some(Move::Wait) => {
+                    p.tries += 1;
+                    Some(p)
+                }
+                None => Some(p),
+            })
+            .collect();
+        rest.sort_by_key(|p| p.entry);
+        queue.extend(rest);
+    }
+}
+
+impl Promise {
+    /// Its line in the promises file.
+    fn line(&self, shard: Shard) -> String {
+        format!(
+            "{} {} {} {} {} {} {}-{}\n",
+            shard.0,
+            self.order_id.get(),
+            self.user_id.get(),
+            self.part.voucher_id.get(),
+            self.part.part,
+            self.part.parts,
+            self.entry.0,
+            self.entry.1
+        )
+    }
+
+    /// A line of the promises file: `None` if it is not one.
+    fn parse(line: &str) -> Option<(Shard, Self)> {
+        let mut f = line.split(' ');
+        let mut next = || f.next();
+        let shard = Shard(next()?.parse().ok()?);
+        let order_id = next()?.parse().ok()?;
+        let user_id = next()?.parse().ok()?;
+        let voucher_id = next()?.parse().ok()?;
+        let (part, parts) = (next()?.parse().ok()?, next()?.parse().ok()?);
+        let entry = stream::parse_entry_id(next()?)?;
+        if next().is_some() {
+            return None;
+        }
+        let promise = Self {
+            order_id,
+            user_id,
+            part: SalePart::new(voucher_id, part, parts),
+            entry,
+            tries: 0,
+        };
+        Some((shard, promise))
+    }
+}
+
+impl Log {
+    /// Appends `lines` (`count` promises); a failure is logged once.
+    fn append(&mut self, lines: &[u8], count: usize) {
+        match self.file.write_all(lines) {
+            Ok(()) => {
+                self.lines = self.lines.saturating_add(count);
+                self.failing = false;
+            }
+            Err(e) if !self.failing => {
+                self.failing = true;
+                tracing::error!(path = %self.path.display(), error = %e,
+                    "promises file not written: a restart of this instance would lose its 202s");
+            }
+            Err(_) => {}
+        }
+    }
+}
+
+/// What becomes of one promise after an attempt to keep it.
+enum Move {
+    /// Kept, held by this entry now.
+    To((u64, u64)),
+    /// Settled in Postgres, or broken.
+    Forget,
+    /// Its sale out of reach: another try at the next look.
+    Wait,
+}
+
+/// When an order was admitted, as its id says.
+fn admitted_at(order_id: OrderId) -> chrono::DateTime<chrono::Utc> {
+    chrono::DateTime::from_timestamp_millis(super::order_id::timestamp_ms(order_id) as i64)
+        .unwrap_or_else(chrono::Utc::now)
+}
+
+fn broken(p: &Promise) {
+    tracing::error!(
+        order_id = p.order_id.get(),
+        voucher_id = p.part.voucher_id.get(),
+        user_id = p.user_id.get(),
+        "a 202 redis lost cannot be kept: no unit left for it, or its user holds another \
+         order, or its sale stayed out of reach"
+    );
+    metrics::counter!(crate::metrics::PROMISES_BROKEN).increment(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::VoucherId;
+
+    #[test]
+    fn a_promise_reads_back_from_its_line_and_a_torn_line_is_no_promise() {
+        let p = Promise {
+            order_id: OrderId::new(119_610_283_197_054_976).unwrap(),
+            user_id: UserId::new(10_012).unwrap(),
+            part: SalePart::new(VoucherId::new(68).unwrap(), 1, 3),
+            entry: (1_795_742_908_154, 7),
+            tries: 4,
+        };
+        let line = p.line(Shard(2));
+        assert_eq!(line, "2 119610283197054976 10012 68 1 3 1795742908154-7\n");
+        let (shard, back) = Promise::parse(line.trim_end()).unwrap();
+        assert_eq!((shard, back), (Shard(2), Promise { tries: 0, ..p }));
+        assert_eq!(
+            Promise::parse("2 119610283197054976 10012 68 1 3 17957"),
+            None
+        );
+        assert_eq!(Promise::parse("2 119610283197054976 10012"), None);
+        assert_eq!(Promise::parse(&format!("{} x", line.trim_end())), None);
     }
 }

@@ -30,11 +30,36 @@ use crate::keys::{Keys, SalePart, Shard};
 use crate::redis_conn::RedisConn;
 use crate::scripts::{Call, Replicas};
 
-/// A server's term and how long ago it was drawn.
+/// A server's term and how long ago it was drawn, and, read in the same instant, the
+/// entry of each stream asked about below which the workers are done (`None`: unknown).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Term {
     pub term: String,
     pub age: Duration,
+    pub done: Vec<Option<(u64, u64)>>,
+}
+
+impl Term {
+    /// From `seckill_term`'s reply: the term, its age in ms, then one id per stream.
+    fn parse(reply: Value) -> RedisResult<Self> {
+        let mut items = redis::from_redis_value::<Vec<Value>>(reply)?.into_iter();
+        let (Some(term), Some(age_ms)) = (items.next(), items.next()) else {
+            let short = std::io::Error::new(std::io::ErrorKind::InvalidData, "short term reply");
+            return Err(short.into());
+        };
+        let term: String = redis::from_redis_value(term)?;
+        let age_ms: u64 = redis::from_redis_value(age_ms)?;
+        let mut done = Vec::new();
+        for v in items {
+            let id: String = redis::from_redis_value(v)?;
+            done.push(crate::stream::parse_entry_id(&id));
+        }
+        Ok(Self {
+            term,
+            age: Duration::from_millis(age_ms),
+            done,
+        })
+    }
 }
 
 /// Whether term `a` was drawn before term `b`: a term begins with the server's clock (in
@@ -66,11 +91,7 @@ async fn ask<C: ConnectionLike + Send>(
     function: &'static str,
     marker: &str,
 ) -> RedisResult<Term> {
-    let (term, age_ms): (String, u64) = Call::function(function).key(marker).invoke(conn).await?;
-    Ok(Term {
-        term,
-        age: Duration::from_millis(age_ms),
-    })
+    Term::parse(Call::function(function).key(marker).invoke(conn).await?)
 }
 
 /// A server's run id and replication id: a restart changes the first, a promotion the
@@ -81,8 +102,9 @@ struct Identity {
     replid: String,
 }
 
-/// The term of the server holding `marker`, and that server's identity, from one
-/// round trip on one connection. An INFO sent alone may describe ANOTHER server: while
+/// The term of the server holding `marker` (with where the workers are done in
+/// `streams`, all on that server), and that server's identity, from one round trip on
+/// one connection. An INFO sent alone may describe ANOTHER server: while
 /// the connection to a slot's master is down (a failover), the cluster client sends a
 /// command routed to that master to a random node instead, and an identity recorded
 /// from there makes the next look see a "change" under the same term (a needless new
@@ -95,12 +117,15 @@ struct Identity {
 async fn term_and_identity(
     conn: &mut RedisConn,
     marker: &str,
+    streams: &[&str],
 ) -> RedisResult<(Term, Option<Identity>)> {
     let mut pipe = redis::pipe();
     pipe.cmd("FCALL")
         .arg("seckill_term")
-        .arg(1)
+        .arg(1 + streams.len())
         .arg(marker)
+        .arg(streams)
+        .arg(crate::stream::GROUP)
         .cmd("INFO")
         .arg("server")
         .arg("replication");
@@ -120,11 +145,7 @@ async fn term_and_identity(
     let Ok(term) = term.extract_error() else {
         return Ok((of(conn, marker).await?, None));
     };
-    let (term, age_ms): (String, u64) = redis::from_redis_value(term)?;
-    let term = Term {
-        term,
-        age: Duration::from_millis(age_ms),
-    };
+    let term = Term::parse(term)?;
     let identity = info
         .extract_error()
         .ok()
@@ -297,7 +318,8 @@ async fn look_at(
         // the library this binary carries, or newer.
         crate::scripts::install_library(conn, Some(&marker.as_bytes().to_vec())).await?;
     }
-    let (term, now) = term_and_identity(conn, &marker).await?;
+    let streams: Vec<&str> = shards.iter().map(|s| w.keys.stream(*s)).collect();
+    let (term, now) = term_and_identity(conn, &marker, &streams).await?;
     // A restart or a promotion draws a term by itself, and so does a server whose data
     // another life wrote (the term marker); a term that outlived a change of identity
     // all the same (a replica promoted again after a partial resync keeps its Lua state)
@@ -317,46 +339,71 @@ async fn look_at(
         seen.remember(&term.term, now);
     }
     let changed = was.as_ref() != Some(&term.term);
+    if !changed && !everything && !seen.promises_due.contains(&asked) {
+        // The term it knows, read with where the workers are done: no write was lost
+        // below that, so those promises are kept already.
+        if let Some(promises) = &w.promises {
+            for (shard, done) in shards.iter().zip(&term.done) {
+                if let Some(done) = done {
+                    promises.forget_below(*shard, *done);
+                }
+            }
+        }
+    }
     if changed {
         // A new life of the server (a promoted replica, say): it refuses writes while
         // too few replicas acknowledge, from now on.
         super::guard::require_replicas(conn, &marker, w.replicas).await?;
     }
+    let mut healed = Ok(());
     if changed || everything {
         seen.promises_due.insert(asked);
-        let rebuilt = heal(w, shards).await?;
-        // A term that replaced one seen before is a rollback even when a grab that met
-        // it rebuilt every sale first (and woke this look).
-        if (changed && was.is_some()) || !rebuilt.is_empty() {
-            metrics::counter!(crate::metrics::ROLLBACKS_HEALED).increment(1);
-            tracing::warn!(
-                term = %term.term,
-                rebuilt = ?rebuilt,
-                "redis may have lost writes (new term): sales rebuilt from postgres"
-            );
-        }
-    }
-    seen.terms.insert(asked, term.term);
-    if seen.promises_due.contains(&asked) {
-        if let Some(promises) = &w.promises {
-            let kept = promises
-                .keep(&w.db, conn, &w.keys, shards, w.replicas)
-                .await?;
-            if kept.kept + kept.broken > 0 {
+        healed = heal(w, shards).await.map(|rebuilt| {
+            // A term that replaced one seen before is a rollback even when a grab that met
+            // it rebuilt every sale first (and woke this look).
+            if (changed && was.is_some()) || !rebuilt.is_empty() {
+                metrics::counter!(crate::metrics::ROLLBACKS_HEALED).increment(1);
                 tracing::warn!(
-                    kept = kept.kept,
-                    broken = kept.broken,
-                    waiting = kept.pending,
-                    "this instance's 202s not yet written, checked in the rebuilt sales"
+                    term = %term.term,
+                    rebuilt = ?rebuilt,
+                    "redis may have lost writes (new term): sales rebuilt from postgres"
                 );
             }
-            if kept.pending > 0 {
-                return Ok(());
-            }
-        }
+        });
+    }
+    seen.terms.insert(asked, term.term);
+    // Kept even when some sale could not be healed: the others' promises are admitted
+    // again now, the rest at the next look.
+    if seen.promises_due.contains(&asked) && keep_promises(w, conn, shards).await? {
         seen.promises_due.remove(&asked);
     }
-    Ok(())
+    if let Some(promises) = &w.promises {
+        metrics::gauge!(crate::metrics::PROMISES_KEPT).set(promises.len() as f64);
+        if let Err(e) = promises.compact() {
+            tracing::warn!(error = %e, "promises file not compacted");
+        }
+    }
+    healed
+}
+
+/// Admits again this instance's promises of `shards` that their server lost; whether
+/// none is left waiting for its sale.
+async fn keep_promises(w: &Watch, conn: &mut RedisConn, shards: &[Shard]) -> anyhow::Result<bool> {
+    let Some(promises) = &w.promises else {
+        return Ok(true);
+    };
+    let kept = promises
+        .keep(&w.db, conn, &w.keys, shards, w.replicas)
+        .await?;
+    if kept.readmitted + kept.broken > 0 {
+        tracing::warn!(
+            readmitted = kept.readmitted,
+            broken = kept.broken,
+            waiting = kept.waiting,
+            "this instance's 202s that redis lost, admitted again into the rebuilt sales"
+        );
+    }
+    Ok(kept.waiting == 0)
 }
 
 /// Rebuilds, through the fence, every sale of `shards` whose state is stale (built in

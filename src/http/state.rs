@@ -60,6 +60,7 @@ impl AppState {
         settings: Settings,
         live: crate::live::Live,
         migrated: tokio_util::sync::CancellationToken,
+        promises: Arc<crate::admission::promises::Promises>,
     ) -> Self {
         let limits = &settings.limits;
         let per_user =
@@ -70,6 +71,7 @@ impl AppState {
             keys.clone(),
             batcher::MAX_BATCH,
             settings.replicas,
+            promises,
         );
         let parts = Arc::new(Parts::new(
             db.clone(),

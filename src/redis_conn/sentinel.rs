@@ -9,13 +9,14 @@
 //!
 //! Errors do not show every failover: after a handover (`SENTINEL FAILOVER`, or a
 //! partition that heals) the old master accepts writes until Sentinel demotes it, seconds
-//! later, and its resync then discards them. So a watcher also asks the sentinels four
+//! later, and its resync then discards them. So a watcher also asks the sentinels ten
 //! times a second, and moves to the master most of them name as soon as it is another
 //! one. Each answer also says whether most sentinels name the node in use with nothing
-//! amiss (not subjectively or objectively down, no failover in progress): admission asks
-//! that first ([`SentinelConn::master_confirmed`]), so an instance stops taking units on
-//! a master the sentinels are about to replace, before a replica is promoted, instead of
-//! having its grabs acknowledged by a replica that will follow another primary.
+//! amiss (not subjectively or objectively down, no failover in progress), and whether
+//! one leads a failover: admission asks that first ([`SentinelConn::master_confirmed`]),
+//! so an instance stops taking units on a master the sentinels are about to replace,
+//! before a replica is promoted, instead of having its grabs acknowledged by a replica
+//! that will follow another primary.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -33,9 +34,13 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// How often the watcher asks the sentinels which node is the master.
-const WATCH_EVERY: Duration = Duration::from_millis(250);
-/// How long a confirmation by the sentinels lasts: three looks.
-const CONFIRMED_FOR: Duration = Duration::from_millis(750);
+const WATCH_EVERY: Duration = Duration::from_millis(100);
+/// How long a confirmation by the sentinels lasts: a few looks.
+const CONFIRMED_FOR: Duration = Duration::from_millis(500);
+/// How long a look waits for a sentinel: one that is frozen or cut off must not hold
+/// the others' answers past a confirmation's life (its connection's own timeout is
+/// [`CONNECT_TIMEOUT`]).
+const ASK_TIMEOUT: Duration = Duration::from_millis(200);
 
 /// A master's address as Sentinel gives it.
 type Addr = (String, u16);
@@ -61,8 +66,9 @@ struct Resolver {
 struct Follower {
     resolver: Arc<Resolver>,
     state: Mutex<State>,
-    /// Until when most sentinels named the node in use with nothing amiss.
-    confirmed_until: Mutex<Instant>,
+    /// The link (by generation) most sentinels named lately with nothing amiss, and
+    /// until when: a confirmation is of one link, not of whichever replaces it.
+    confirmed: Mutex<(u64, Instant)>,
 }
 
 /// A lookup's outcome: the master's connection and address (shared: every command
@@ -128,7 +134,7 @@ impl SentinelConn {
                 failures: 0,
             }),
             // (The first lookup takes the node most sentinels name.)
-            confirmed_until: Mutex::new(now + CONFIRMED_FOR),
+            confirmed: Mutex::new((0, now + CONFIRMED_FOR)),
         });
         tokio::spawn(watch(Arc::downgrade(&follower)));
         Ok(Self(follower))
@@ -182,12 +188,14 @@ impl SentinelConn {
     /// Whether most sentinels named the node in use lately with nothing amiss (see the
     /// module's note): else a grab is refused before it is sent.
     pub(crate) fn master_confirmed(&self) -> bool {
-        Instant::now()
-            < *self
-                .0
-                .confirmed_until
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
+        let generation = self
+            .0
+            .state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .generation;
+        let (of, until) = *self.0.confirmed.lock().unwrap_or_else(|e| e.into_inner());
+        of == generation && Instant::now() < until
     }
 }
 
@@ -206,14 +214,22 @@ async fn watch(follower: std::sync::Weak<Follower>) {
         let Some(Ok((_, used))) = link.peek().cloned() else {
             continue;
         };
-        let (named, _) = follower.resolver.ask_all().await;
-        let sound = follower.resolver.sound_votes(&used).await;
-        if sound * 2 > follower.resolver.sentinels.len() {
-            *follower
-                .confirmed_until
-                .lock()
-                .unwrap_or_else(|e| e.into_inner()) = Instant::now() + CONFIRMED_FOR;
+        let views = follower.resolver.ask_all().await;
+        let sound = views
+            .iter()
+            .filter(|v| matches!(v, Ok(v) if v.sound && v.named == *used))
+            .count();
+        // Only the sentinel leading a failover says so, and it promotes a replica a
+        // moment later: one is enough to stop at once.
+        let failing_over = views.iter().any(|v| matches!(v, Ok(v) if v.failing_over));
+        let mut confirmed = follower.confirmed.lock().unwrap_or_else(|e| e.into_inner());
+        if failing_over {
+            *confirmed = (generation, Instant::now());
+        } else if sound * 2 > follower.resolver.sentinels.len() {
+            *confirmed = (generation, Instant::now() + CONFIRMED_FOR);
         }
+        drop(confirmed);
+        let (named, _) = tally(&follower.resolver.name, views);
         // Only a clear plurality: a tie (one sentinel behind) is no reason to move.
         let clear = match named.as_slice() {
             [(addr, _)] => Some(addr),
@@ -289,11 +305,39 @@ fn no_master(detail: String) -> RedisError {
     std::io::Error::new(std::io::ErrorKind::ConnectionRefused, detail).into()
 }
 
+/// One sentinel's answer: the master's address it names, and whether it sees that
+/// master with nothing amiss (not subjectively or objectively down, no failover in
+/// progress).
+struct View {
+    named: Addr,
+    sound: bool,
+    /// This sentinel leads a failover of the master now.
+    failing_over: bool,
+}
+
+/// The addresses named, the most named first (a sentinel cut off from the others may
+/// name an old one), and what the others said instead.
+fn tally(name: &str, views: Vec<Result<View, String>>) -> (Vec<(Addr, usize)>, Vec<String>) {
+    let mut named: Vec<(Addr, usize)> = Vec::new();
+    let mut errors = Vec::new();
+    for view in views {
+        match view {
+            Ok(View { named: addr, .. }) => match named.iter_mut().find(|(a, _)| *a == addr) {
+                Some((_, votes)) => *votes += 1,
+                None => named.push((addr, 1)),
+            },
+            Err(e) => errors.push(format!("master {name:?}: {e}")),
+        }
+    }
+    named.sort_by_key(|(_, votes)| std::cmp::Reverse(*votes));
+    (named, errors)
+}
+
 impl Resolver {
     /// Tries the addresses the sentinels name, the most named first, until one node says
     /// it is the master.
     async fn connect(&self) -> RedisResult<(MultiplexedConnection, Arc<Addr>)> {
-        let (named, mut errors) = self.ask_all().await;
+        let (named, mut errors) = tally(&self.name, self.ask_all().await);
         for ((host, port), _) in named {
             match self.connect_master(&host, port).await {
                 Ok(conn) => {
@@ -310,62 +354,50 @@ impl Resolver {
         )))
     }
 
-    /// Asks every sentinel at once for the master's address: the addresses named, the
-    /// most named first (a sentinel cut off from the others may name an old one), and
-    /// what the others said instead.
-    async fn ask_all(&self) -> (Vec<(Addr, usize)>, Vec<String>) {
+    /// Asks every sentinel at once, in one round trip each, where the master is and how
+    /// it sees it; a sentinel that does not answer within [`ASK_TIMEOUT`] counts as
+    /// silent.
+    async fn ask_all(&self) -> Vec<Result<View, String>> {
         let ask = |sentinel: &ConnectionManager| {
             let mut conn = sentinel.clone();
             async move {
-                redis::cmd("SENTINEL")
+                let mut pipe = redis::pipe();
+                pipe.cmd("SENTINEL")
                     .arg("get-master-addr-by-name")
                     .arg(&self.name)
-                    .query_async::<Option<Addr>>(&mut conn)
-                    .await
-            }
-        };
-        let answers = futures_util::future::join_all(self.sentinels.iter().map(ask)).await;
-        let mut named: Vec<(Addr, usize)> = Vec::new();
-        let mut errors = Vec::new();
-        for answer in answers {
-            match answer {
-                Ok(Some(addr)) => match named.iter_mut().find(|(a, _)| *a == addr) {
-                    Some((_, votes)) => *votes += 1,
-                    None => named.push((addr, 1)),
-                },
-                Ok(None) => errors.push(format!("a sentinel knows no master {:?}", self.name)),
-                Err(e) => errors.push(e.to_string()),
-            }
-        }
-        named.sort_by_key(|(_, votes)| std::cmp::Reverse(*votes));
-        (named, errors)
-    }
-
-    /// How many sentinels see the master they name at `used` with nothing amiss: not
-    /// subjectively or objectively down, no failover in progress.
-    async fn sound_votes(&self, used: &Addr) -> usize {
-        let ask = |sentinel: &ConnectionManager| {
-            let mut conn = sentinel.clone();
-            async move {
-                let master: std::collections::HashMap<String, String> = redis::cmd("SENTINEL")
+                    .cmd("SENTINEL")
                     .arg("MASTER")
-                    .arg(&self.name)
-                    .query_async(&mut conn)
-                    .await
-                    .ok()?;
-                let at = (master.get("ip")?.clone(), master.get("port")?.parse().ok()?);
-                let flags = master.get("flags")?;
-                let amiss = ["s_down", "o_down", "failover_in_progress"]
-                    .iter()
-                    .any(|f| flags.split(',').any(|g| g == *f));
-                Some(at == *used && !amiss)
+                    .arg(&self.name);
+                let asked = pipe
+                    .query_async::<(Option<Addr>, std::collections::HashMap<String, String>)>(
+                        &mut conn,
+                    );
+                let (named, master) = match tokio::time::timeout(ASK_TIMEOUT, asked).await {
+                    Err(_) => return Err("a sentinel did not answer in time".to_string()),
+                    Ok(Err(e)) => return Err(e.to_string()),
+                    Ok(Ok((None, _))) => return Err("a sentinel knows no such master".into()),
+                    Ok(Ok((Some(named), master))) => (named, master),
+                };
+                // (The address `SENTINEL MASTER` gives moves at the end of a failover;
+                // the one asked for first, as soon as the replica is promoted.)
+                let at: Option<Addr> = master
+                    .get("ip")
+                    .zip(master.get("port").and_then(|p| p.parse().ok()))
+                    .map(|(ip, port)| (ip.clone(), port));
+                let flags = master.get("flags").map_or("", |f| f.as_str());
+                let flagged = |f: &str| flags.split(',').any(|g| g == f);
+                let failing_over = flagged("failover_in_progress");
+                let amiss =
+                    flags.is_empty() || failing_over || flagged("s_down") || flagged("o_down");
+                let sound = at.as_ref() == Some(&named) && !amiss;
+                Ok(View {
+                    named,
+                    sound,
+                    failing_over,
+                })
             }
         };
-        futures_util::future::join_all(self.sentinels.iter().map(ask))
-            .await
-            .into_iter()
-            .filter(|sound| *sound == Some(true))
-            .count()
+        futures_util::future::join_all(self.sentinels.iter().map(ask)).await
     }
 
     /// A connection to `host:port`, kept only if the node says it is the master.

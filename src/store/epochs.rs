@@ -92,6 +92,29 @@ pub(crate) async fn record(
     Ok(())
 }
 
+/// Records order `order_id` of `user_id` as carried into the part's current epoch: it
+/// was admitted again into the current state (its first entry, of a stale epoch or lost,
+/// would otherwise never be written). Until the part's next build, which counts it
+/// again if it is still in flight.
+pub(crate) async fn carry(
+    tx: &mut Transaction<'_, Postgres>,
+    part: SalePart,
+    order_id: OrderId,
+    user_id: UserId,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO sale_carried (voucher_id, part, order_id, user_id) VALUES ($1, $2, $3, $4) \
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(part.voucher_id)
+    .bind(part.part as i16)
+    .bind(order_id)
+    .bind(user_id)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
 /// Which of `orders` the fence lets become rows: those whose entry carries their
 /// part's current epoch, those the part's last build carried (the order of that user:
 /// an id minted twice across a split is not carried by another's), and every order of a

@@ -430,9 +430,9 @@ pub(crate) async fn written_among(
 }
 
 /// Which of these order ids Postgres has settled: written (whatever their status), or
-/// tombstoned. Read in one snapshot, outside any lock (an answer for now, not a fence).
-pub(crate) async fn settled_among(
-    db: &PgPool,
+/// tombstoned, in one snapshot (under the sale's row lock, an answer that stands).
+pub(crate) async fn settled_among<'e>(
+    db: impl sqlx::PgExecutor<'e>,
     ids: &[OrderId],
 ) -> Result<HashSet<OrderId>, sqlx::Error> {
     if ids.is_empty() {

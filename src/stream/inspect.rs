@@ -3,6 +3,7 @@
 use redis::aio::ConnectionLike;
 use redis::{RedisResult, Value};
 
+use crate::domain::OrderId;
 use crate::keys::{Keys, Shard};
 
 use super::entry::{parse_entries, parse_raw, Entry, RawEntry};
@@ -40,6 +41,35 @@ pub(crate) async fn page<C: ConnectionLike + Send>(
         .query_async(conn)
         .await?;
     parse_entries(reply)
+}
+
+/// Which of `orders` (order id, its entry's id) the shard's stream holds in that entry:
+/// one XRANGE of each entry, pipelined. An entry Redis lost is missing, or holds other
+/// orders (a server that came back older gives its ids to new entries).
+pub(crate) async fn held_in<C: ConnectionLike + Send>(
+    conn: &mut C,
+    keys: &Keys,
+    shard: Shard,
+    orders: &[(OrderId, (u64, u64))],
+) -> RedisResult<std::collections::HashSet<OrderId>> {
+    let mut held = std::collections::HashSet::new();
+    for chunk in orders.chunks(500) {
+        let mut pipe = redis::pipe();
+        for (_, (ms, seq)) in chunk {
+            let id = format!("{ms}-{seq}");
+            pipe.cmd("XRANGE").arg(keys.stream(shard)).arg(&id).arg(&id);
+        }
+        let replies: Vec<Value> = pipe.query_async(conn).await?;
+        for ((order, _), reply) in chunk.iter().zip(replies) {
+            if parse_entries(reply)?
+                .iter()
+                .any(|e| e.order().is_some_and(|o| o.id == *order))
+            {
+                held.insert(*order);
+            }
+        }
+    }
+    Ok(held)
 }
 
 /// Up to `limit` entries of the stream at `key`, oldest first, read in pages of a

@@ -21,7 +21,7 @@ pub(crate) use group::{
     still_pending, touch,
 };
 pub use group::{ReadFrom, GROUP};
-pub(crate) use inspect::{entries, page, range};
+pub(crate) use inspect::{entries, held_in, page, range};
 pub use inspect::{stats, StreamStats};
-pub(crate) use readmit::{readmit, Readmitted};
-pub(crate) use trim::{done_below, trim_acknowledged};
+pub(crate) use readmit::{readmit, Readmission, Readmitted};
+pub(crate) use trim::trim_acknowledged;

@@ -5,10 +5,9 @@
 //! current state. Its shopper may hold a 202 for it all the same: its acknowledgement
 //! came from a replica that then followed another primary. Before such an order is
 //! buried, or dropped, it is admitted again into the sale's current state under its own
-//! id (`seckill_adopt`): a unit taken there, its buyer recorded, a new entry stamped with
-//! the current epoch, which a worker then writes like any other ([`stream::readmit`]). It is kept whenever the
-//! sale still has a unit for it and its user holds no other order; otherwise it goes the
-//! old way.
+//! id ([`stream::readmit`]), and written from there. It is kept whenever the sale part
+//! still has a unit for it and its user holds no other order; otherwise it goes the old
+//! way.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -17,61 +16,35 @@ use tokio::time::Instant;
 
 use super::batch::Fate;
 use super::{BatchReport, Worker};
-use crate::domain::{Epoch, OrderId};
 use crate::keys::SalePart;
-use crate::store;
 use crate::store::orders::{NewOrder, Rejection};
-use crate::stream::{self, Readmitted};
+use crate::stream::{self, Readmission, Readmitted};
 
-/// How long a batch waits for its sale's current state before its orders go the old
-/// way: a worker that reaches only an old primary (partitioned with it) is told the
-/// sale lives elsewhere until it is demoted, or this long.
+/// How long a sale part may stay out of this worker's reach (its current state not in
+/// the Redis the worker uses: an old primary's worker, partitioned with it) before its
+/// stale or lost orders go the old way.
 pub(super) const ADOPT_PATIENCE: Duration = Duration::from_secs(30);
 
 impl Worker {
     /// Admits again, where they can be, the batch's orders the fence refused as stale
     /// and those whose entry is gone; their fates become [`Fate::Adopted`]. An `Err`
-    /// while the sale's current state is not reachable here (for at most
-    /// [`ADOPT_PATIENCE`]): the batch is held and tried again.
+    /// while some order's sale part is out of reach, for at most [`ADOPT_PATIENCE`] per
+    /// part: the batch is held and tried again.
     pub(super) async fn adopt(
         &self,
         fates: &mut [Fate],
         report: &mut BatchReport,
     ) -> anyhow::Result<()> {
-        let candidates: Vec<NewOrder> = fates
-            .iter()
-            .filter_map(|f| match f {
-                Fate::Bury(order, Rejection::StaleEpoch) | Fate::Gone(order) => Some(*order),
-                _ => None,
-            })
-            .collect();
-        if candidates.is_empty() {
-            return Ok(());
-        }
-        let ids: Vec<OrderId> = candidates.iter().map(|o| o.id).collect();
-        // (Held already: the usual paths settle them.)
-        let settled = store::orders::settled_among(&self.db, &ids).await?;
-        let mut epochs: HashMap<SalePart, Option<Epoch>> = HashMap::new();
-        let mut elsewhere = false;
+        let mut waiting = false;
         for fate in fates.iter_mut() {
             let order = match fate {
                 Fate::Bury(order, Rejection::StaleEpoch) | Fate::Gone(order) => *order,
                 _ => continue,
             };
-            if settled.contains(&order.id) {
-                continue;
-            }
             let part = order.sale_part();
-            let epoch = match epochs.get(&part) {
-                Some(e) => *e,
-                None => {
-                    let e = store::epochs::of(&self.db, part).await?;
-                    *epochs.entry(part).or_insert(e)
-                }
-            };
-            let Some(epoch) = epoch else { continue };
-            match self.adopt_one(&order, epoch).await {
-                Readmitted::Kept => {
+            match self.adopt_one(&order).await? {
+                Readmitted::Kept(_) => {
+                    self.in_reach(part);
                     tracing::warn!(
                         order_id = order.id.get(),
                         voucher_id = order.voucher_id.get(),
@@ -83,52 +56,73 @@ impl Worker {
                     report.adopted += 1;
                     *fate = Fate::Adopted;
                 }
-                Readmitted::Refused => {}
-                Readmitted::Elsewhere => elsewhere = true,
+                // Postgres holds it: the usual paths settle it.
+                Readmitted::Settled => {}
+                Readmitted::Refused => self.in_reach(part),
+                Readmitted::Elsewhere => waiting |= self.out_of_reach(part),
             }
         }
-        self.wait_for_the_sales_state(elsewhere)
+        anyhow::ensure!(
+            !waiting,
+            "the sale's current state is not in the redis this worker reaches (an old \
+             primary?): its stale or lost orders wait to be admitted again there"
+        );
+        Ok(())
     }
 
-    /// One order into its sale's current state (see [`stream::readmit`]).
-    async fn adopt_one(&self, order: &NewOrder, epoch: Epoch) -> Readmitted {
+    async fn adopt_one(&self, order: &NewOrder) -> anyhow::Result<Readmitted> {
+        let r = Readmission {
+            part: order.sale_part(),
+            user_id: order.user_id,
+            order_id: order.id,
+            admitted_at: order.admitted_at,
+        };
         stream::readmit(
+            &self.db,
             &mut self.redis.clone(),
             &self.keys,
-            order.sale_part(),
-            epoch,
-            order.user_id,
-            order.id,
-            order.admitted_at,
+            r,
             self.config.replicas,
         )
         .await
     }
 
-    /// `Err` (the batch held, to be tried again) while some order's sale lives on a
-    /// Redis this worker does not reach, up to [`ADOPT_PATIENCE`]; then its orders go
-    /// the old way.
-    fn wait_for_the_sales_state(&self, elsewhere: bool) -> anyhow::Result<()> {
-        let mut since = self
-            .adopt_blocked_since
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if !elsewhere {
-            *since = None;
-            return Ok(());
+    fn parts_out_of_reach(&self) -> std::sync::MutexGuard<'_, HashMap<SalePart, OutOfReach>> {
+        self.out_of_reach.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `part` found out of reach now: `true` while the batch is to wait for it (each
+    /// order is still tried, so that one the sale's state comes back for is kept).
+    fn out_of_reach(&self, part: SalePart) -> bool {
+        let mut parts = self.parts_out_of_reach();
+        let seen = parts.entry(part).or_insert_with(|| OutOfReach {
+            since: Instant::now(),
+            told: false,
+        });
+        if seen.since.elapsed() < ADOPT_PATIENCE {
+            return true;
         }
-        let began = *since.get_or_insert_with(Instant::now);
-        if began.elapsed() < ADOPT_PATIENCE {
-            anyhow::bail!(
-                "the sale's current state is not in the redis this worker reaches (an old \
-                 primary?): its stale or lost orders wait to be admitted again there"
-            );
+        if std::mem::replace(&mut seen.told, true) {
+            return false;
         }
-        *since = None;
         tracing::warn!(
+            voucher_id = part.voucher_id.get(),
+            part = part.part,
             "the sale's current state stayed out of reach for {ADOPT_PATIENCE:?}: its stale \
              or lost orders go unwritten"
         );
-        Ok(())
+        false
     }
+
+    fn in_reach(&self, part: SalePart) {
+        self.parts_out_of_reach().remove(&part);
+    }
+}
+
+/// Since when a sale part's current state has been out of this worker's reach, and
+/// whether that was logged once past [`ADOPT_PATIENCE`].
+#[derive(Debug, Clone, Copy)]
+pub(super) struct OutOfReach {
+    since: Instant,
+    told: bool,
 }

@@ -107,9 +107,10 @@ pub struct Worker {
     /// Orders per stream entry in the last read (an entry holds one admission call's
     /// orders): reads ask for `batch_size` orders' worth of entries.
     orders_per_entry: std::sync::atomic::AtomicUsize,
-    /// Since when batches have waited for a sale's current state to admit their stale
-    /// or lost orders again (see `adopt`).
-    adopt_blocked_since: std::sync::Mutex<Option<Instant>>,
+    /// Since when each sale part's current state has been out of this worker's reach
+    /// (see `adopt`).
+    out_of_reach:
+        std::sync::Mutex<std::collections::HashMap<crate::keys::SalePart, adopt::OutOfReach>>,
 }
 
 impl Worker {
@@ -121,7 +122,7 @@ impl Worker {
             keys,
             config,
             orders_per_entry: std::sync::atomic::AtomicUsize::new(1),
-            adopt_blocked_since: std::sync::Mutex::new(None),
+            out_of_reach: Default::default(),
         }
     }
 

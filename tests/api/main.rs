@@ -27,6 +27,7 @@ mod nemesis;
 mod observability;
 mod operations;
 mod order_ids;
+mod promises;
 mod readme;
 mod reconcile;
 mod recovery;

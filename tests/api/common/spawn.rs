@@ -64,6 +64,7 @@ impl TestApp {
             },
             jwt,
             bind: "127.0.0.1:0".parse().unwrap(),
+            promises_file: None,
             skip_migrations: true,
             sale_state_retention_secs: settings.sale_state_retention.as_secs(),
             cors_allowed_origins: settings.cors_allowed_origins,

@@ -77,8 +77,11 @@ impl Service {
         let mut cmd = match self.owner {
             Owner::Api(_) => {
                 let mut cmd = env.command("api");
+                // Its promises outlive a kill -9, as in a deployment that keeps the
+                // file across the instance's restarts.
                 cmd.env("BIND", format!("127.0.0.1:{}", self.port.unwrap()))
-                    .env("RATE_LIMIT_PER_IP", "0");
+                    .env("RATE_LIMIT_PER_IP", "0")
+                    .env("PROMISES_FILE", self.log.with_extension("promises"));
                 cmd
             }
             _ => {
