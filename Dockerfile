@@ -14,7 +14,8 @@ FROM debian:bookworm-slim
 RUN apt-get update \
     && apt-get install -y --no-install-recommends ca-certificates curl \
     && rm -rf /var/lib/apt/lists/* \
-    && useradd --system --uid 10001 seckill
+    && useradd --system --uid 10001 seckill \
+    && mkdir -p /var/lib/seckill && chown seckill /var/lib/seckill
 COPY --from=build /app/target/release/seckill /usr/local/bin/seckill
 USER seckill
 EXPOSE 8080
