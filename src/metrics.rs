@@ -52,6 +52,9 @@ pub(crate) const PART_UNITS_MOVED: &str = "seckill_part_units_moved_total";
 /// 202s this instance gave that Redis lost with every copy and that could not be admitted
 /// again where their sale lives (see `admission::promises`).
 pub(crate) const PROMISES_BROKEN: &str = "seckill_promises_broken_total";
+/// 202s this instance gave that Redis lost with every copy, admitted again where their
+/// sale lives (see `admission::promises`).
+pub(crate) const PROMISES_READMITTED: &str = "seckill_promises_readmitted_total";
 /// 202s this instance keeps until their entry is acknowledged.
 pub(crate) const PROMISES_KEPT: &str = "seckill_promises_kept";
 /// Grabs this instance answered by itself, without Redis (see `admission::edge`).
@@ -142,6 +145,8 @@ pub(crate) const DESCRIBED: &[Described] = &[
         "Units this process moved between the parts of segmented sales (credited to a part that had run dry)."),
     m(PROMISES_KEPT, Kind::Gauge, None,
         "202s this instance gave whose stream entry is not yet known acknowledged (written to Postgres): kept, to admit them again should Redis lose them."),
+    m(PROMISES_READMITTED, Kind::Counter, None,
+        "202s this instance gave that Redis lost with every copy of their entry (a failover to a lagging replica, a restart from an older snapshot), admitted again under their own ids where their sale lives: kept promises."),
     m(PROMISES_BROKEN, Kind::Counter, None,
         "202s this instance gave that Redis lost with every copy of their entry and that could not be admitted again where their sale lives (no unit left, or their user held another order): broken promises."),
 ];
@@ -211,6 +216,7 @@ fn register_known_series() {
     metrics::counter!(SALES_REBUILT).increment(0);
     metrics::counter!(PART_UNITS_MOVED).increment(0);
     metrics::counter!(PROMISES_BROKEN).increment(0);
+    metrics::counter!(PROMISES_READMITTED).increment(0);
     for outcome in HotPath::OUTCOMES {
         metrics::counter!(ADMISSIONS, "outcome" => outcome).increment(0);
     }

@@ -275,8 +275,11 @@ impl Promises {
                     admitted_at: admitted_at(p.order_id),
                 };
                 match stream::readmit(db, conn, keys, r, replicas).await? {
-                    Readmitted::Kept(entry) => {
-                        report.readmitted += 1;
+                    Readmitted::Kept { entry, anew } => {
+                        if anew {
+                            report.readmitted += 1;
+                            metrics::counter!(crate::metrics::PROMISES_READMITTED).increment(1);
+                        }
                         moved.insert(p.order_id, Move::To(entry.unwrap_or(p.entry)));
                     }
                     Readmitted::Settled => {

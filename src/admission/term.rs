@@ -198,6 +198,9 @@ struct Seen {
     /// Servers (by the shard asked) whose promises are to be kept again: healed, and
     /// some promise's sale not found where it lives yet.
     promises_due: std::collections::HashSet<Shard>,
+    /// Servers (by the shard asked) to heal at the next look, each with whether it lost
+    /// writes (a term replaced one seen before): their heal has not succeeded yet.
+    heal_due: HashMap<Shard, bool>,
 }
 
 impl Seen {
@@ -339,7 +342,18 @@ async fn look_at(
         seen.remember(&term.term, now);
     }
     let changed = was.as_ref() != Some(&term.term);
-    if !changed && !everything && !seen.promises_due.contains(&asked) {
+    if changed {
+        // A new life of the server (a promoted replica, say): it refuses writes while
+        // too few replicas acknowledge, from now on.
+        super::guard::require_replicas(conn, &marker, w.replicas).await?;
+        // A term that replaced one seen before is a rollback even when a grab that met
+        // it rebuilds every sale first (and wakes a look).
+        *seen.heal_due.entry(asked).or_default() |= was.is_some();
+    } else if everything {
+        seen.heal_due.entry(asked).or_default();
+    }
+    let due = seen.heal_due.get(&asked).copied();
+    if due.is_none() && !seen.promises_due.contains(&asked) {
         // The term it knows, read with where the workers are done: no write was lost
         // below that, so those promises are kept already.
         if let Some(promises) = &w.promises {
@@ -350,18 +364,14 @@ async fn look_at(
             }
         }
     }
-    if changed {
-        // A new life of the server (a promoted replica, say): it refuses writes while
-        // too few replicas acknowledge, from now on.
-        super::guard::require_replicas(conn, &marker, w.replicas).await?;
-    }
     let mut healed = Ok(());
-    if changed || everything {
+    if let Some(rollback) = due {
         seen.promises_due.insert(asked);
+        // Until a heal succeeds (a promoted master refuses writes until it has a
+        // replica, say), every look tries again.
         healed = heal(w, shards).await.map(|rebuilt| {
-            // A term that replaced one seen before is a rollback even when a grab that met
-            // it rebuilt every sale first (and woke this look).
-            if (changed && was.is_some()) || !rebuilt.is_empty() {
+            seen.heal_due.remove(&asked);
+            if rollback || !rebuilt.is_empty() {
                 metrics::counter!(crate::metrics::ROLLBACKS_HEALED).increment(1);
                 tracing::warn!(
                     term = %term.term,

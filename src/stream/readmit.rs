@@ -22,9 +22,12 @@ use crate::store;
 /// What admitting an order again did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Readmitted {
-    /// Admitted again now (its new entry's id), or found admitted already (the stream's
-    /// last entry id then: its entry is no later).
-    Kept(Option<(u64, u64)>),
+    /// Admitted again now (`anew`, its new entry's id), or found admitted already (the
+    /// stream's last entry id then: its entry is no later).
+    Kept {
+        entry: Option<(u64, u64)>,
+        anew: bool,
+    },
     /// Postgres holds it already (written or buried): nothing to do.
     Settled,
     /// No unit left for it, or its user holds another order there.
@@ -93,7 +96,10 @@ pub(crate) async fn readmit<C: ConnectionLike + Send>(
         Some(0 | 1) => {
             store::epochs::carry(&mut tx, r.part, r.order_id, r.user_id).await?;
             tx.commit().await?;
-            Readmitted::Kept(entry)
+            Readmitted::Kept {
+                entry,
+                anew: code == Some(1),
+            }
         }
         Some(4 | 5) => Readmitted::Refused,
         _ => Readmitted::Elsewhere,

@@ -43,7 +43,7 @@ impl Worker {
             };
             let part = order.sale_part();
             match self.adopt_one(&order).await? {
-                Readmitted::Kept(_) => {
+                Readmitted::Kept { .. } => {
                     self.in_reach(part);
                     tracing::warn!(
                         order_id = order.id.get(),
