@@ -19,18 +19,24 @@
 //! term and where the workers are done in the same instant: below that, while the term
 //! is the one it knows (a server that lost writes shows a new term before anything else,
 //! and then nothing is forgotten until the promises are kept).
+//!
+//! While a server's promises may be lost and are not kept again yet (its term changed,
+//! or a grab met a state of another term), a grab by a user this instance holds such a
+//! promise for on the same sale is refused (503, nothing reserved): admitted afresh, it
+//! would take the place of the 202 that user was already given.
 
 use std::collections::{HashMap, VecDeque};
 use std::fs::File;
 use std::io::{BufRead, BufWriter, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use redis::aio::ConnectionLike;
 use sqlx::PgPool;
 
 use super::Grab;
-use crate::domain::{OrderId, UserId};
+use crate::domain::{OrderId, UserId, VoucherId};
 use crate::keys::{Keys, SalePart, Shard};
 use crate::scripts::Replicas;
 use crate::stream::{self, Readmission, Readmitted};
@@ -61,6 +67,10 @@ pub struct Promises {
     kept: Mutex<HashMap<Shard, VecDeque<Promise>>>,
     /// Where they are written too, if anywhere.
     log: Option<Mutex<Log>>,
+    /// Shards whose server may have lost them, until they are kept again.
+    due: Mutex<std::collections::HashSet<Shard>>,
+    /// Whether any shard is due (the grab path's one look when none is).
+    any_due: AtomicBool,
 }
 
 /// The promises file: one line per promise recorded, rewritten with only the promises
@@ -134,6 +144,8 @@ impl Promises {
         }
         let promises = Self {
             kept: Mutex::new(kept),
+            due: Default::default(),
+            any_due: AtomicBool::new(false),
             log: Some(Mutex::new(Log {
                 path: path.to_path_buf(),
                 file,
@@ -178,6 +190,38 @@ impl Promises {
         }
     }
 
+    /// Marks `shards` as due (their server may have lost their promises) or kept again.
+    pub(crate) fn set_due(&self, shards: impl IntoIterator<Item = Shard>, due: bool) {
+        let mut set = self.due.lock().unwrap_or_else(|e| e.into_inner());
+        for shard in shards {
+            if due {
+                set.insert(shard);
+            } else {
+                set.remove(&shard);
+            }
+        }
+        self.any_due.store(!set.is_empty(), Ordering::Release);
+    }
+
+    /// Whether this instance holds a promise to `user_id` on `voucher_id` that its
+    /// server may have lost and that is not kept again yet: a fresh grab of theirs there
+    /// waits until it is.
+    pub fn at_risk(&self, user_id: UserId, voucher_id: VoucherId) -> bool {
+        if !self.any_due.load(Ordering::Acquire) {
+            return false;
+        }
+        let due: Vec<Shard> = {
+            let set = self.due.lock().unwrap_or_else(|e| e.into_inner());
+            set.iter().copied().collect()
+        };
+        let kept = self.lock();
+        due.iter().filter_map(|s| kept.get(s)).any(|queue| {
+            queue
+                .iter()
+                .any(|p| p.user_id == user_id && p.part.voucher_id == voucher_id)
+        })
+    }
+
     /// How many are kept.
     pub(crate) fn len(&self) -> usize {
         self.lock().values().map(VecDeque::len).sum()
@@ -186,6 +230,13 @@ impl Promises {
     /// Rewrites the promises file with only the promises kept, once it holds many more
     /// lines than that (and at start).
     pub(crate) fn compact(&self) -> anyhow::Result<()> {
+        self.rewrite(false)
+    }
+
+    /// Rewrites the promises file with only the promises kept: when `force`, at once
+    /// (promises settled, broken or moved by [`Self::keep`]: a restart must not judge
+    /// them again from their old lines), else once it holds many more lines than that.
+    fn rewrite(&self, force: bool) -> anyhow::Result<()> {
         let Some(log) = &self.log else {
             return Ok(());
         };
@@ -193,7 +244,7 @@ impl Promises {
         let kept = self.lock();
         let mut log = log.lock().unwrap_or_else(|e| e.into_inner());
         let held: usize = kept.values().map(VecDeque::len).sum();
-        if log.lines != usize::MAX && log.lines <= 2 * held + 4096 {
+        if !force && log.lines != usize::MAX && log.lines <= 2 * held + 4096 {
             return Ok(());
         }
         let fresh = log.path.with_extension("new");
@@ -245,6 +296,7 @@ impl Promises {
         replicas: Replicas,
     ) -> anyhow::Result<Kept> {
         let mut report = Kept::default();
+        let mut rewrite = false;
         for &shard in shards {
             let due: Vec<Promise> = self
                 .lock()
@@ -301,7 +353,13 @@ impl Promises {
                     }
                 }
             }
+            rewrite |= moved.values().any(|m| !matches!(m, Move::Wait));
             self.settle(shard, &moved);
+        }
+        if rewrite {
+            if let Err(e) = self.rewrite(true) {
+                tracing::warn!(error = %e, "promises file not rewritten");
+            }
         }
         Ok(report)
     }
@@ -442,5 +500,29 @@ mod tests {
         );
         assert_eq!(Promise::parse("2 119610283197054976 10012"), None);
         assert_eq!(Promise::parse(&format!("{} x", line.trim_end())), None);
+    }
+
+    #[test]
+    fn a_users_fresh_grab_waits_only_while_their_promise_there_may_be_lost() {
+        let keys = Keys::with_shards("", 2).unwrap();
+        let promises = Promises::default();
+        let (user, other) = (UserId::new(7).unwrap(), UserId::new(8).unwrap());
+        let (sale, elsewhere) = (VoucherId::new(3).unwrap(), VoucherId::new(4).unwrap());
+        let grab = Grab {
+            voucher_id: sale,
+            user_id: user,
+            order_id: OrderId::new(119_610_283_197_054_976).unwrap(),
+            part: 0,
+            parts: 1,
+        };
+        promises.record(&keys, &[grab], "1795742908154-7");
+        let shard = keys.shard_of_part(grab.sale_part());
+        assert!(!promises.at_risk(user, sale), "nothing lost: redis answers");
+        promises.set_due(keys.shards(), true);
+        assert!(promises.at_risk(user, sale));
+        assert!(!promises.at_risk(other, sale));
+        assert!(!promises.at_risk(user, elsewhere));
+        promises.set_due([shard], false);
+        assert!(!promises.at_risk(user, sale), "kept again");
     }
 }

@@ -367,6 +367,10 @@ async fn look_at(
     let mut healed = Ok(());
     if let Some(rollback) = due {
         seen.promises_due.insert(asked);
+        if let Some(promises) = &w.promises {
+            // Until they are kept again, their users' fresh grabs wait.
+            promises.set_due(shards.iter().copied(), true);
+        }
         // Until a heal succeeds (a promoted master refuses writes until it has a
         // replica, say), every look tries again.
         healed = heal(w, shards).await.map(|rebuilt| {
@@ -386,6 +390,9 @@ async fn look_at(
     // again now, the rest at the next look.
     if seen.promises_due.contains(&asked) && keep_promises(w, conn, shards).await? {
         seen.promises_due.remove(&asked);
+        if let Some(promises) = &w.promises {
+            promises.set_due(shards.iter().copied(), false);
+        }
     }
     if let Some(promises) = &w.promises {
         metrics::gauge!(crate::metrics::PROMISES_KEPT).set(promises.len() as f64);

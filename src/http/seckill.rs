@@ -97,6 +97,19 @@ pub(crate) async fn grab(
     if let Some(known) = state.edge.answer(voucher_id, user.user_id, Instant::now()) {
         return Err(at_edge(&state, voucher_id, known));
     }
+    // A 202 this instance gave that user there, which Redis may have lost and which is
+    // not admitted again yet: a fresh admission would take its place.
+    if state
+        .admissions
+        .promises()
+        .at_risk(user.user_id, voucher_id)
+    {
+        return Err(AppError::Unavailable(
+            "your earlier order for this sale is being recovered; try again shortly; \
+             nothing was reserved"
+                .into(),
+        ));
+    }
     let order_id = state.ids.next().ok_or_else(|| {
         AppError::Unavailable("order ids are not ready yet (waiting for redis)".into())
     })?;
@@ -124,7 +137,11 @@ pub(crate) async fn grab(
         }
         Ok(Outcome::NotLoaded) => return Err(not_loaded(&state, voucher_id).await),
         Ok(Outcome::Stale) => {
-            // Redis came back in a new term: the watcher heals every sale on it.
+            // Redis came back in a new term: the watcher heals every sale on it, and
+            // keeps this instance's promises there again (meanwhile, their users' fresh
+            // grabs wait).
+            let promises = state.admissions.promises();
+            promises.set_due(state.keys.shards(), true);
             state.heal.notify_one();
             reload_in_background(&state, voucher_id, loader::Mode::Heal);
         }
