@@ -25,7 +25,7 @@
 //! promise for on the same sale is refused (503, nothing reserved): admitted afresh, it
 //! would take the place of the 202 that user was already given.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::File;
 use std::io::{BufRead, BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -68,9 +68,18 @@ pub struct Promises {
     /// Where they are written too, if anywhere.
     log: Option<Mutex<Log>>,
     /// Shards whose server may have lost them, until they are kept again.
-    due: Mutex<std::collections::HashSet<Shard>>,
+    due: Mutex<HashMap<Shard, Due>>,
     /// Whether any shard is due (the grab path's one look when none is).
     any_due: AtomicBool,
+}
+
+/// A shard whose promises may be lost: the users and sales they were given on, and the
+/// alarm it answers to (each alarm draws a new one: the watcher clears only the alarm
+/// it saw before keeping them again).
+#[derive(Debug)]
+struct Due {
+    alarm: u64,
+    users: HashSet<(UserId, VoucherId)>,
 }
 
 /// The promises file: one line per promise recorded, rewritten with only the promises
@@ -190,17 +199,48 @@ impl Promises {
         }
     }
 
-    /// Marks `shards` as due (their server may have lost their promises) or kept again.
-    pub(crate) fn set_due(&self, shards: impl IntoIterator<Item = Shard>, due: bool) {
-        let mut set = self.due.lock().unwrap_or_else(|e| e.into_inner());
-        for shard in shards {
-            if due {
-                set.insert(shard);
-            } else {
-                set.remove(&shard);
+    /// Raises an alarm on `shards`: their server may have lost their promises, and until
+    /// they are kept again, their users' fresh grabs on those sales wait.
+    pub(crate) fn alarm(&self, shards: impl IntoIterator<Item = Shard>) {
+        let raised: Vec<(Shard, HashSet<(UserId, VoucherId)>)> = {
+            let kept = self.lock();
+            shards
+                .into_iter()
+                .map(|shard| {
+                    let users = kept.get(&shard).map_or_else(HashSet::new, |queue| {
+                        queue
+                            .iter()
+                            .map(|p| (p.user_id, p.part.voucher_id))
+                            .collect()
+                    });
+                    (shard, users)
+                })
+                .collect()
+        };
+        let mut due = self.due.lock().unwrap_or_else(|e| e.into_inner());
+        for (shard, users) in raised {
+            let alarm = due.get(&shard).map_or(0, |d| d.alarm) + 1;
+            due.insert(shard, Due { alarm, users });
+        }
+        self.any_due.store(!due.is_empty(), Ordering::Release);
+    }
+
+    /// The alarms `shards` answer to now (read before their promises are kept again).
+    pub(crate) fn alarms(&self, shards: &[Shard]) -> Vec<Option<u64>> {
+        let due = self.due.lock().unwrap_or_else(|e| e.into_inner());
+        shards.iter().map(|s| due.get(s).map(|d| d.alarm)).collect()
+    }
+
+    /// `shards`' promises are kept again: their alarms `seen` are over (one raised
+    /// meanwhile stays).
+    pub(crate) fn all_clear(&self, shards: &[Shard], seen: &[Option<u64>]) {
+        let mut due = self.due.lock().unwrap_or_else(|e| e.into_inner());
+        for (shard, seen) in shards.iter().zip(seen) {
+            if due.get(shard).map(|d| d.alarm) == *seen {
+                due.remove(shard);
             }
         }
-        self.any_due.store(!set.is_empty(), Ordering::Release);
+        self.any_due.store(!due.is_empty(), Ordering::Release);
     }
 
     /// Whether this instance holds a promise to `user_id` on `voucher_id` that its
@@ -210,16 +250,9 @@ impl Promises {
         if !self.any_due.load(Ordering::Acquire) {
             return false;
         }
-        let due: Vec<Shard> = {
-            let set = self.due.lock().unwrap_or_else(|e| e.into_inner());
-            set.iter().copied().collect()
-        };
-        let kept = self.lock();
-        due.iter().filter_map(|s| kept.get(s)).any(|queue| {
-            queue
-                .iter()
-                .any(|p| p.user_id == user_id && p.part.voucher_id == voucher_id)
-        })
+        let due = self.due.lock().unwrap_or_else(|e| e.into_inner());
+        due.values()
+            .any(|d| d.users.contains(&(user_id, voucher_id)))
     }
 
     /// How many are kept.
@@ -518,11 +551,17 @@ mod tests {
         promises.record(&keys, &[grab], "1795742908154-7");
         let shard = keys.shard_of_part(grab.sale_part());
         assert!(!promises.at_risk(user, sale), "nothing lost: redis answers");
-        promises.set_due(keys.shards(), true);
+        promises.alarm(keys.shards());
         assert!(promises.at_risk(user, sale));
         assert!(!promises.at_risk(other, sale));
         assert!(!promises.at_risk(user, elsewhere));
-        promises.set_due([shard], false);
+        // An alarm raised while the promises were being kept again outlives that keep.
+        let seen = promises.alarms(&[shard]);
+        promises.alarm([shard]);
+        promises.all_clear(&[shard], &seen);
+        assert!(promises.at_risk(user, sale), "the later alarm stands");
+        let seen = promises.alarms(&[shard]);
+        promises.all_clear(&[shard], &seen);
         assert!(!promises.at_risk(user, sale), "kept again");
     }
 }

@@ -369,7 +369,7 @@ async fn look_at(
         seen.promises_due.insert(asked);
         if let Some(promises) = &w.promises {
             // Until they are kept again, their users' fresh grabs wait.
-            promises.set_due(shards.iter().copied(), true);
+            promises.alarm(shards.iter().copied());
         }
         // Until a heal succeeds (a promoted master refuses writes until it has a
         // replica, say), every look tries again.
@@ -388,10 +388,13 @@ async fn look_at(
     seen.terms.insert(asked, term.term);
     // Kept even when some sale could not be healed: the others' promises are admitted
     // again now, the rest at the next look.
-    if seen.promises_due.contains(&asked) && keep_promises(w, conn, shards).await? {
-        seen.promises_due.remove(&asked);
-        if let Some(promises) = &w.promises {
-            promises.set_due(shards.iter().copied(), false);
+    if seen.promises_due.contains(&asked) {
+        let alarms = w.promises.as_ref().map(|p| p.alarms(shards));
+        if keep_promises(w, conn, shards).await? {
+            seen.promises_due.remove(&asked);
+            if let (Some(promises), Some(alarms)) = (&w.promises, alarms) {
+                promises.all_clear(shards, &alarms);
+            }
         }
     }
     if let Some(promises) = &w.promises {

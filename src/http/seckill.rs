@@ -140,8 +140,7 @@ pub(crate) async fn grab(
             // Redis came back in a new term: the watcher heals every sale on it, and
             // keeps this instance's promises there again (meanwhile, their users' fresh
             // grabs wait).
-            let promises = state.admissions.promises();
-            promises.set_due(state.keys.shards(), true);
+            state.admissions.promises().alarm(state.keys.shards());
             state.heal.notify_one();
             reload_in_background(&state, voucher_id, loader::Mode::Heal);
         }
@@ -247,6 +246,11 @@ async fn not_loaded(state: &AppState, voucher_id: VoucherId) -> AppError {
         Ok(SaleLookup::NoSale) => AppError::no_sale(voucher_id),
         Ok(SaleLookup::Sale(sale)) if sale.end_time <= Utc::now() => AppError::Ended,
         Ok(SaleLookup::Sale(_)) => {
+            // An open sale Redis does not hold: Redis may have lost it with this
+            // instance's promises there (an empty server after a restart or a
+            // failover), which are to be kept again first.
+            state.admissions.promises().alarm(state.keys.shards());
+            state.heal.notify_one();
             reload_in_background(state, voucher_id, loader::Mode::Heal);
             AppError::Unavailable(
                 "the sale is being loaded, try again shortly; nothing was reserved".into(),
