@@ -246,11 +246,6 @@ async fn not_loaded(state: &AppState, voucher_id: VoucherId) -> AppError {
         Ok(SaleLookup::NoSale) => AppError::no_sale(voucher_id),
         Ok(SaleLookup::Sale(sale)) if sale.end_time <= Utc::now() => AppError::Ended,
         Ok(SaleLookup::Sale(_)) => {
-            // An open sale Redis does not hold: Redis may have lost it with this
-            // instance's promises there (an empty server after a restart or a
-            // failover), which are to be kept again first.
-            state.admissions.promises().alarm(state.keys.shards());
-            state.heal.notify_one();
             reload_in_background(state, voucher_id, loader::Mode::Heal);
             AppError::Unavailable(
                 "the sale is being loaded, try again shortly; nothing was reserved".into(),
