@@ -17,7 +17,7 @@
 -- Raised with every change of this library (a unit test in src/scripts.rs holds it to
 -- the code): a process replaces a loaded library only if it is older, or of the same
 -- version with other code, so two releases never take turns replacing each other.
-local VERSION = 5
+local VERSION = 6
 -- A hash of this code, filled in when it is loaded.
 local CODE = '__CODE__'
 
@@ -29,6 +29,11 @@ local CODE = '__CODE__'
 local term, term_ms
 -- The terms this life drew, and the other lives' terms it has answered with a draw.
 local known = {}
+-- Per term marker (one key space's slot), the term whose sales may admit: a new term
+-- holds every grab (code 9) until every API instance has admitted again the 202s an
+-- earlier life may have lost (src/admission/keepers.rs), so that no shopper wins a
+-- second time before their first 202 is back (seckill_open_term).
+local opened = {}
 
 local function clock()
   local t = redis.call('TIME')
@@ -147,7 +152,8 @@ end
 --   4 already ordered (the existing order_id), 5 sold out, 6 stale (built in another
 --   term: to be rebuilt from Postgres), 7 corrupt (a field that is not a number: to be
 --   rebuilt from Postgres), 8 part drained (a part of a segmented sale has no unit left:
---   the caller moves units to it from the sale's other parts, or answers sold out)
+--   the caller moves units to it from the sale's other parts, or answers sold out),
+--   9 held (the sale is open, but this term is not opened yet: see `opened`)
 local function admit(keys, argv)
   local now = clock()
   local now_s = string.format('%d', now)
@@ -199,6 +205,8 @@ local function admit(keys, argv)
       s.closed = 2
     elseif now >= end_ms then
       s.closed = 3
+    elseif opened[keys[2]] ~= this_term then
+      s.closed = 9
     else
       s.stock = stock
       s.gen = tonumber(v[5])
@@ -404,11 +412,12 @@ end
 -- want of replicas too.
 -- KEYS[1] the term marker of the slot asked about (keys::Keys::term_marker)
 -- KEYS[2..] order streams of that server  ARGV[1] the consumer group (when streams)
--- Returns {term, age in ms, then per stream the id it is done below ('' unknown)}.
+-- Returns {term, age in ms, 1 opened or 0 held (see `opened`), then per stream the id
+-- it is done below ('' unknown)}.
 local function term_of(keys, argv)
   current_term(keys[1], false)
   local now = clock()
-  local out = {term, now - term_ms}
+  local out = {term, now - term_ms, opened[keys[1]] == term and 1 or 0}
   -- A slot whose marker is not this term's may have lost its data (a FLUSHALL keeps the
   -- term): nothing is known done there until a write brings the marker back.
   local intact = redis.call('GET', keys[1]) == term
@@ -423,6 +432,21 @@ end
 local function new_term(keys, argv)
   draw()
   return term_of(keys, argv)
+end
+
+-- Opens term ARGV[1] on the term markers KEYS (every shard of the server): their sales
+-- admit again. Returns 1, or 0 when the server's term is another by now (that one stays
+-- held).
+local function open_term(keys, argv)
+  for _, marker in ipairs(keys) do
+    if current_term(marker, true) ~= argv[1] then
+      return 0
+    end
+  end
+  for _, marker in ipairs(keys) do
+    opened[marker] = argv[1]
+  end
+  return 1
 end
 
 -- Claims an order-id node lease if free, or held by `token` already (a claim whose
@@ -508,6 +532,7 @@ redis.register_function('seckill_admit', admit)
 redis.register_function('seckill_adopt', adopt)
 redis.register_function{function_name = 'seckill_term', callback = term_of, flags = {'no-writes'}}
 redis.register_function{function_name = 'seckill_new_term', callback = new_term, flags = {'no-writes'}}
+redis.register_function('seckill_open_term', open_term)
 redis.register_function('seckill_claim_lease', claim_lease)
 redis.register_function('seckill_renew_lease', renew_lease)
 redis.register_function('seckill_arm', arm)

@@ -269,18 +269,19 @@ fn register_known_series() {
 /// atomic add, not a registry lookup.
 pub(crate) struct HotPath {
     pub admission_seconds: metrics::Histogram,
-    outcomes: [metrics::Counter; 11],
+    outcomes: [metrics::Counter; 12],
     edge: [metrics::Counter; 4],
 }
 
 impl HotPath {
-    pub(crate) const OUTCOMES: [&'static str; 11] = [
+    pub(crate) const OUTCOMES: [&'static str; 12] = [
         "rate_limited",
         "admitted",
         "not_loaded",
         "not_found",
         "stale",
         "corrupt",
+        "held",
         "not_started",
         "ended",
         "already_ordered",

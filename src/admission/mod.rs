@@ -3,6 +3,7 @@
 pub mod batcher;
 pub mod edge;
 pub mod guard;
+pub(crate) mod keepers;
 pub mod loader;
 pub mod order_id;
 pub mod parts;
@@ -38,6 +39,9 @@ pub enum Outcome {
     Stale,
     /// The sale's state holds a field that is not a number: refused until repaired.
     Corrupt,
+    /// The server is in a new term not released yet: every instance is admitting again
+    /// the 202s it may have lost (see [`keepers`]).
+    Held,
     /// The grab's part of a segmented sale has no unit left: units are moved to it from
     /// the other parts (see [`parts`]), or, when none has any, the sale is sold out.
     /// Never an answer to a shopper.
@@ -56,6 +60,7 @@ impl Outcome {
             Outcome::SoldOut => "sold_out",
             Outcome::Stale => "stale",
             Outcome::Corrupt => "corrupt",
+            Outcome::Held => "held",
             Outcome::Drained => "drained",
         }
     }
@@ -190,6 +195,7 @@ pub async fn decide<C: ConnectionLike + Send>(
                 (6, _) => Outcome::Stale,
                 (7, _) => Outcome::Corrupt,
                 (8, _) => Outcome::Drained,
+                (9, _) => Outcome::Held,
                 _ => return Err(unexpected()),
             })
         })

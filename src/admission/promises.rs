@@ -62,8 +62,11 @@ struct Promise {
 
 /// This instance's promises not yet known done with, per shard, in the order of their
 /// entries (one admission call at a time per shard).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Promises {
+    /// This instance's name among the keepers ([`super::keepers`]): one per life, or
+    /// one per promises file.
+    keeper: String,
     kept: Mutex<HashMap<Shard, VecDeque<Promise>>>,
     /// Where they are written too, if anywhere.
     log: Option<Mutex<Log>>,
@@ -106,7 +109,24 @@ pub(crate) struct Kept {
     pub waiting: usize,
 }
 
+impl Default for Promises {
+    fn default() -> Self {
+        Self {
+            keeper: uuid::Uuid::new_v4().to_string(),
+            kept: Default::default(),
+            log: None,
+            due: Default::default(),
+            any_due: AtomicBool::new(false),
+        }
+    }
+}
+
 impl Promises {
+    /// This instance's name among the keepers.
+    pub(crate) fn keeper(&self) -> &str {
+        &self.keeper
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Shard, VecDeque<Promise>>> {
         self.kept.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -152,15 +172,15 @@ impl Promises {
             );
         }
         let promises = Self {
+            keeper: keeper_on_file(path),
             kept: Mutex::new(kept),
-            due: Default::default(),
-            any_due: AtomicBool::new(false),
             log: Some(Mutex::new(Log {
                 path: path.to_path_buf(),
                 file,
                 lines: usize::MAX,
                 failing: false,
             })),
+            ..Self::default()
         };
         promises.compact()?;
         Ok(promises)
@@ -490,6 +510,18 @@ enum Move {
     Forget,
     /// Its sale out of reach: another try at the next look.
     Wait,
+}
+
+/// The keeper's name of an instance keeping its promises in `path`: the same in every
+/// life of the instance (the file is locked, so one at a time), which then holds no new
+/// term back in the name of its previous life.
+fn keeper_on_file(path: &Path) -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_default();
+    let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    format!("{}:{}", host.trim(), path.display())
 }
 
 /// When an order was admitted, as its id says.

@@ -105,7 +105,7 @@ pub enum Answer {
 /// not in Redis (perhaps no sale at all: not worth a key).
 pub fn answer(answer: &redis::RedisResult<Outcome>, minted: OrderId) -> Option<Answer> {
     match answer {
-        Ok(Outcome::Stale | Outcome::Corrupt) => Some(Answer::Refused),
+        Ok(Outcome::Stale | Outcome::Corrupt | Outcome::Held) => Some(Answer::Refused),
         Ok(outcome) => index(outcome, minted).map(Answer::Outcome),
         Err(e) => Some(failure(e)),
     }
@@ -140,7 +140,11 @@ pub fn index(outcome: &Outcome, minted: OrderId) -> Option<usize> {
         Outcome::NotStarted => 4,
         Outcome::Ended => 5,
         // (A drained part's grab is decided again once units moved: counted then.)
-        Outcome::NotLoaded | Outcome::Stale | Outcome::Corrupt | Outcome::Drained => return None,
+        Outcome::NotLoaded
+        | Outcome::Stale
+        | Outcome::Corrupt
+        | Outcome::Held
+        | Outcome::Drained => return None,
     })
 }
 

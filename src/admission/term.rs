@@ -24,6 +24,7 @@ use sqlx::PgPool;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use super::keepers;
 use super::loader::{self, Mode};
 use crate::domain::VoucherId;
 use crate::keys::{Keys, SalePart, Shard};
@@ -36,19 +37,24 @@ use crate::scripts::{Call, Replicas};
 pub(crate) struct Term {
     pub term: String,
     pub age: Duration,
+    /// Whether its sales admit (see [`super::keepers`]).
+    pub opened: bool,
     pub done: Vec<Option<(u64, u64)>>,
 }
 
 impl Term {
-    /// From `seckill_term`'s reply: the term, its age in ms, then one id per stream.
+    /// From `seckill_term`'s reply: the term, its age in ms, whether it is opened,
+    /// then one id per stream.
     fn parse(reply: Value) -> RedisResult<Self> {
         let mut items = redis::from_redis_value::<Vec<Value>>(reply)?.into_iter();
-        let (Some(term), Some(age_ms)) = (items.next(), items.next()) else {
+        let (Some(term), Some(age_ms), Some(opened)) = (items.next(), items.next(), items.next())
+        else {
             let short = std::io::Error::new(std::io::ErrorKind::InvalidData, "short term reply");
             return Err(short.into());
         };
         let term: String = redis::from_redis_value(term)?;
         let age_ms: u64 = redis::from_redis_value(age_ms)?;
+        let opened = redis::from_redis_value::<i64>(opened)? == 1;
         let mut done = Vec::new();
         for v in items {
             let id: String = redis::from_redis_value(v)?;
@@ -57,6 +63,7 @@ impl Term {
         Ok(Self {
             term,
             age: Duration::from_millis(age_ms),
+            opened,
             done,
         })
     }
@@ -201,6 +208,16 @@ struct Seen {
     /// Servers (by the shard asked) to heal at the next look, each with whether it lost
     /// writes (a term replaced one seen before): their heal has not succeeded yet.
     heal_due: HashMap<Shard, bool>,
+    /// Per server, the term this instance kept its promises in, and the one it last
+    /// vouched for in Postgres (see [`super::keepers`]).
+    kept_in: HashMap<Shard, String>,
+    vouched: HashMap<Shard, String>,
+    /// Servers whose term is not opened yet.
+    held: HashMap<Shard, keepers::Held>,
+    /// The last beat or opening failed.
+    unsettled: bool,
+    /// This look read some server's term (this instance reaches Redis: it beats).
+    reached: bool,
 }
 
 impl Seen {
@@ -264,9 +281,10 @@ impl Watcher {
         }
     }
 
-    /// Looks every [`EVERY`] until `cancel`; when woken (a grab met a stale sale, a
-    /// lease found its key gone: Redis lost data without a new term, say a FLUSHALL),
-    /// heals every server at once.
+    /// Looks every [`EVERY`] until `cancel`; when woken (a grab met a stale or held
+    /// sale, a lease found its key gone: Redis lost data without a new term, say a
+    /// FLUSHALL), heals every server at once. An instance that keeps promises leaves
+    /// the keepers when it stops.
     pub(crate) async fn run(mut self, cancel: CancellationToken) {
         while !cancel.is_cancelled() {
             let woken = tokio::select! {
@@ -275,6 +293,9 @@ impl Watcher {
                 _ = self.w.wake.notified() => true,
             };
             self.look_healing(woken).await;
+        }
+        if let Some(promises) = &self.w.promises {
+            keepers::leave(&self.w.db, promises.keeper()).await;
         }
     }
 }
@@ -296,12 +317,50 @@ async fn pass(w: &Watch, seen: &mut Seen, everything: bool) -> anyhow::Result<()
     // replicas) does not keep the others from being looked at. The first error is the
     // look's, and the next look tries that server again.
     let mut first: Option<anyhow::Error> = None;
+    seen.reached = false;
     for (asked, shards) in servers(&w.redis, &w.keys) {
         if let Err(e) = look_at(w, seen, &mut conn, asked, &shards, everything).await {
             first.get_or_insert(e);
         }
     }
+    // (Postgres away: logged once, apart from the look, which reached Redis.)
+    if seen.reached {
+        match hold_or_open(w, seen, &mut conn).await {
+            Ok(()) if seen.unsettled => {
+                tracing::info!("keepers' beat and terms' opening recovered");
+                seen.unsettled = false;
+            }
+            Ok(()) => {}
+            Err(e) if !seen.unsettled => {
+                tracing::warn!(
+                    error = format!("{e:#}"),
+                    "keepers' beat or terms' opening failing (a new term stays held), retrying"
+                );
+                seen.unsettled = true;
+            }
+            Err(_) => {}
+        }
+    }
     first.map_or(Ok(()), Err)
+}
+
+/// After a look that reached Redis: this instance beats and vouches for the terms it
+/// kept its promises in since, and every held term all live instances vouched for is
+/// opened.
+async fn hold_or_open(w: &Watch, seen: &mut Seen, conn: &mut RedisConn) -> anyhow::Result<()> {
+    let keeper = w.promises.as_ref().map(|p| p.keeper());
+    let fresh: Vec<(Shard, String)> = seen
+        .kept_in
+        .iter()
+        .filter(|(shard, term)| seen.vouched.get(*shard) != Some(*term))
+        .map(|(shard, term)| (*shard, term.clone()))
+        .collect();
+    let vouching: Vec<String> = fresh.iter().map(|(_, t)| t.clone()).collect();
+    let held: Vec<keepers::Held> = seen.held.values().cloned().collect();
+    let opened = keepers::settle(&w.db, conn, &w.keys, keeper, &vouching, &held).await?;
+    seen.vouched.extend(fresh);
+    seen.held.retain(|_, h| !opened.contains(&h.term));
+    Ok(())
 }
 
 /// One server (the one holding shard `asked`, and `shards`): its term; a new one (or
@@ -323,6 +382,7 @@ async fn look_at(
     }
     let streams: Vec<&str> = shards.iter().map(|s| w.keys.stream(*s)).collect();
     let (term, now) = term_and_identity(conn, &marker, &streams).await?;
+    seen.reached = true;
     // A restart or a promotion draws a term by itself, and so does a server whose data
     // another life wrote (the term marker); a term that outlived a change of identity
     // all the same (a replica promoted again after a partial resync keeps its Lua state)
@@ -385,9 +445,19 @@ async fn look_at(
             }
         });
     }
-    seen.terms.insert(asked, term.term);
+    seen.terms.insert(asked, term.term.clone());
+    if term.opened {
+        seen.held.remove(&asked);
+    } else {
+        let held = keepers::Held {
+            term: term.term.clone(),
+            shards: shards.to_vec(),
+        };
+        seen.held.insert(asked, held);
+    }
     // Kept even when some sale could not be healed: the others' promises are admitted
-    // again now, the rest at the next look.
+    // again now, the rest at the next look (and this instance vouches for the term
+    // once none waits, or the last that waited is counted broken).
     if seen.promises_due.contains(&asked) {
         let alarms = w.promises.as_ref().map(|p| p.alarms(shards));
         if keep_promises(w, conn, shards).await? {
@@ -396,6 +466,9 @@ async fn look_at(
                 promises.all_clear(shards, &alarms);
             }
         }
+    }
+    if !seen.promises_due.contains(&asked) {
+        seen.kept_in.insert(asked, term.term);
     }
     if let Some(promises) = &w.promises {
         metrics::gauge!(crate::metrics::PROMISES_KEPT).set(promises.len() as f64);

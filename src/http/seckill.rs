@@ -144,6 +144,9 @@ pub(crate) async fn grab(
             state.heal.notify_one();
             reload_in_background(&state, voucher_id, loader::Mode::Heal);
         }
+        // Every instance is admitting again the 202s the server may have lost: the
+        // watcher looks now (this instance's part, and the release).
+        Ok(Outcome::Held) => state.heal.notify_one(),
         Ok(Outcome::Corrupt) => {
             tracing::error!(
                 voucher_id = voucher_id.get(),
@@ -202,6 +205,11 @@ pub fn answer(outcome: redis::RedisResult<Outcome>, minted: OrderId) -> AppResul
         Ok(Outcome::Stale | Outcome::Corrupt) => Err(AppError::Unavailable(
             "the sale is being rebuilt from the database, try again shortly; nothing was \
              reserved"
+                .into(),
+        )),
+        Ok(Outcome::Held) => Err(AppError::Unavailable(
+            "the sale is paused while orders the admission store may have lost are \
+             recovered, try again shortly; nothing was reserved"
                 .into(),
         )),
         Err(e) if crate::scripts::surely_not_run(&e) => Err(AppError::Unavailable(

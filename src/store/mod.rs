@@ -3,6 +3,7 @@
 pub mod admitted;
 pub mod dead_orders;
 pub mod epochs;
+pub mod keepers;
 pub mod lifecycle;
 pub mod live;
 pub mod orders;

@@ -4,9 +4,10 @@
 //! and started again on its promises file.
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
+use serde_json::Value;
 use sqlx::PgPool;
 
 use crate::common::faults::PrivateRedis;
@@ -127,5 +128,125 @@ async fn a_second_instance_cannot_share_a_promises_file(db: PgPool) {
     assert!(
         stderr.contains("another instance keeps its promises there"),
         "{stderr}"
+    );
+}
+
+/// Shoppers press again and again while a sale is held: not rate limited here.
+fn press_on() -> [(&'static str, String); 2] {
+    [
+        ("RATE_LIMIT_PER_USER", "1000".into()),
+        ("RATE_LIMIT_PER_USER_BURST", "1000".into()),
+    ]
+}
+
+/// One grab of `user` at `voucher` through `base`.
+async fn press(app: &TestApp, base: &str, voucher: i64, user: i64) -> (StatusCode, Value) {
+    let resp = app
+        .client
+        .post(format!("{base}/vouchers/{voucher}/seckill"))
+        .bearer_auth(app.token(user))
+        .send()
+        .await
+        .unwrap();
+    (resp.status(), resp.json().await.unwrap())
+}
+
+/// The instance that gave the lost 202s is frozen while its shoppers press again through
+/// another instance: the server's new term holds every grab until it has admitted them
+/// again (a fresh 202 there would take the unit and the place of the first).
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_shopper_whose_202_redis_lost_cannot_win_again_through_another_instance_first(
+    db: PgPool,
+) {
+    let mut redis = PrivateRedis::start();
+    let app = TestApp::spawn_with(db, redis.url.clone(), true).await;
+    let (giver, at_giver) = app.spawn_server("api", &press_on()).await;
+    let (_other, at_other) = app.spawn_server("api", &press_on()).await;
+    let stock = 20;
+    let sale = open_sale_at(&app.client, &at_giver, stock).await;
+    redis.save();
+    let promised = won(&press_through_503s(&app, &at_giver, sale, 1..=10).await);
+    assert_eq!(promised.len(), 10);
+
+    // Its instance frozen, then Redis back from its snapshot: the 10 orders live only in
+    // that instance's memory.
+    giver.freeze(true);
+    redis.crash_and_restart();
+    let lost: i64 = redis.command(redis::cmd("XLEN").arg(app.keys.stream(seckill::keys::Shard(0))));
+    assert_eq!(lost, 0, "the snapshot holds no admission");
+    // (Well within the frozen instance's lease: it still holds the new term back.)
+    let until = Instant::now() + Duration::from_secs(3);
+    let mut held = 0;
+    while Instant::now() < until {
+        for user in 1..=10 {
+            let (status, body) = press(&app, &at_other, sale, user).await;
+            assert_eq!(
+                status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "user {user} pressed again elsewhere before the first 202 was back: {body}"
+            );
+            assert_eq!(body["error"]["code"], "unavailable", "{body}");
+            held += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    giver.freeze(false);
+    let again = press_through_503s(&app, &at_other, sale, 1..=10).await;
+    for (user, (status, body)) in &again {
+        assert_eq!(*status, StatusCode::CONFLICT, "user {user}: {body}");
+        assert_eq!(body["error"]["code"], "already_ordered", "{body}");
+        assert_eq!(
+            body["error"]["order_id"],
+            promised[user].to_string(),
+            "user {user} holds the order of the first 202"
+        );
+    }
+    let metrics = metrics_at(&app.client, &at_other).await;
+    let refused = metric_value(&metrics, "seckill_admissions_total{outcome=\"held\"}");
+    assert!(refused.unwrap_or(0.0) >= held as f64, "{refused:?}");
+
+    let _worker = crate::common::faults::Process::spawn(
+        "worker",
+        &app.redis_url,
+        app.keys.prefix(),
+        &crate::common::faults::database_url(&app.db, None),
+        &[],
+    );
+    assert_eq!(
+        app.wait_for_orders(sale, 10, Duration::from_secs(30)).await,
+        10
+    );
+    let stored = app.assert_consistent(sale, stock).await;
+    assert_eq!(stored, promised.values().copied().collect());
+    println!(
+        "10 202s redis lost while their instance was frozen: {held} grabs of their shoppers \
+         elsewhere held, then 10 already_ordered with the first ids, 10 orders"
+    );
+}
+
+/// A killed instance no longer holds a new term back once its lease has run out.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_killed_instance_holds_a_new_term_back_only_until_its_lease_runs_out(db: PgPool) {
+    let mut redis = PrivateRedis::start();
+    let app = TestApp::spawn_with(db, redis.url.clone(), true).await;
+    let (mut gone, _) = app.spawn_server("api", &press_on()).await;
+    let (_other, at_other) = app.spawn_server("api", &press_on()).await;
+    let sale = open_sale_at(&app.client, &at_other, 5).await;
+
+    gone.kill9();
+    redis.crash_and_restart();
+    let began = Instant::now();
+    let (status, body) = press(&app, &at_other, sale, 1).await;
+    assert_eq!(
+        status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "held first: {body}"
+    );
+    let answers = won(&press_through_503s(&app, &at_other, sale, 1..=5).await);
+    assert_eq!(answers.len(), 5, "sold once the lease ran out");
+    println!(
+        "a new term held {:.1} s by a killed instance's lease",
+        began.elapsed().as_secs_f64()
     );
 }

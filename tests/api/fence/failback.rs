@@ -38,10 +38,12 @@ async fn fail_over(trio: &Trio, from: usize, to: usize) {
 /// The term of node `node` (its first-shard marker) and its age.
 fn term(trio: &Trio, node: usize, app: &TestApp) -> (String, i64) {
     let marker = app.keys.term_marker(seckill::keys::Shard(0));
-    trio.cmd(
+    // (Then whether it is released.)
+    let (term, age, _released): (String, i64, i64) = trio.cmd(
         node,
         redis::cmd("FCALL").arg("seckill_term").arg(1).arg(marker),
-    )
+    );
+    (term, age)
 }
 
 /// Claims order-id node `number` on node `node` with a token of the test's: (1 claimed,

@@ -1,0 +1,23 @@
+-- The API instances that keep 202s Redis may lose (src/admission/promises.rs), and the
+-- Redis terms each has vouched for. A server in a new term (a restart, a failover) may
+-- have lost admitted orders that only the instance that answered them still knows:
+-- its sales admit nothing until every instance alive has admitted its own again there
+-- and vouched for the term here, or a shopper could win a second time before their
+-- first 202 is back (and that 202 could then never be kept).
+--
+-- An instance is alive while it beats (each look of its term watcher, about every
+-- second); one silent for longer than the lease (seckill's code: ten seconds) no longer
+-- holds a term back. Rows of instances gone for a day are deleted.
+CREATE TABLE promise_keepers (
+    keeper  text        PRIMARY KEY,
+    beat_at timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE TABLE promise_vouches (
+    keeper    text        NOT NULL REFERENCES promise_keepers (keeper) ON DELETE CASCADE,
+    term      text        NOT NULL,
+    vouched_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (keeper, term)
+);
+
+CREATE INDEX promise_vouches_by_term ON promise_vouches (term);

@@ -1,0 +1,63 @@
+//! `promise_keepers` and `promise_vouches`: which API instances keep 202s that Redis
+//! may lose, and the terms each has admitted them again in (see
+//! `src/admission/keepers.rs`).
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+
+/// An instance beats (it is alive and keeps promises), and vouches for `terms`: its
+/// promises that a server in those terms lost are admitted again.
+pub(crate) async fn beat(db: &PgPool, keeper: &str, terms: &[String]) -> Result<(), sqlx::Error> {
+    let mut tx = db.begin().await?;
+    sqlx::query(
+        "INSERT INTO promise_keepers (keeper) VALUES ($1) \
+         ON CONFLICT (keeper) DO UPDATE SET beat_at = now()",
+    )
+    .bind(keeper)
+    .execute(&mut *tx)
+    .await?;
+    if !terms.is_empty() {
+        sqlx::query(
+            "INSERT INTO promise_vouches (keeper, term) SELECT $1, unnest($2::text[]) \
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(keeper)
+        .bind(terms)
+        .execute(&mut *tx)
+        .await?;
+        // (Rarely: a new term is rare.)
+        sqlx::query("DELETE FROM promise_keepers WHERE beat_at < now() - interval '1 day'")
+            .execute(&mut *tx)
+            .await?;
+    }
+    tx.commit().await
+}
+
+/// Whether every instance that beat within `lease` has vouched for `term`.
+pub(crate) async fn all_vouched(
+    db: &PgPool,
+    term: &str,
+    lease: Duration,
+) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT NOT EXISTS (SELECT 1 FROM promise_keepers k \
+           WHERE k.beat_at > now() - make_interval(secs => $2) \
+             AND NOT EXISTS (SELECT 1 FROM promise_vouches v \
+                              WHERE v.keeper = k.keeper AND v.term = $1))",
+    )
+    .bind(term)
+    .bind(lease.as_secs_f64())
+    .fetch_one(db)
+    .await
+}
+
+/// An instance that stops (its promises are all written, or kept in its file for its
+/// next life, which vouches anew): it holds no term back any more.
+pub(crate) async fn leave(db: &PgPool, keeper: &str) -> Result<(), sqlx::Error> {
+    sqlx::query("DELETE FROM promise_keepers WHERE keeper = $1")
+        .bind(keeper)
+        .execute(db)
+        .await
+        .map(|_| ())
+}
