@@ -412,18 +412,19 @@ end
 -- want of replicas too.
 -- KEYS[1] the term marker of the slot asked about (keys::Keys::term_marker)
 -- KEYS[2..] order streams of that server  ARGV[1] the consumer group (when streams)
--- Returns {term, age in ms, 1 opened or 0 held (see `opened`), then per stream the id
--- it is done below ('' unknown)}.
+-- Returns {term, age in ms, per stream the id it is done below ('' unknown), and last
+-- 1 opened or 0 held (see `opened`)}.
 local function term_of(keys, argv)
   current_term(keys[1], false)
   local now = clock()
-  local out = {term, now - term_ms, opened[keys[1]] == term and 1 or 0}
+  local out = {term, now - term_ms}
   -- A slot whose marker is not this term's may have lost its data (a FLUSHALL keeps the
   -- term): nothing is known done there until a write brings the marker back.
   local intact = redis.call('GET', keys[1]) == term
   for k = 2, #keys do
     out[#out + 1] = intact and done_below(keys[k], argv[1]) or ''
   end
+  out[#out + 1] = opened[keys[1]] == term and 1 or 0
   return out
 end
 

@@ -70,6 +70,7 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
                 retention: Duration::from_secs(args.sale_state_retention_secs),
                 replicas: args.redis.durability.replicas(),
                 wake: Default::default(),
+                look_soon: Default::default(),
                 promises: None,
             };
             let mut watcher = crate::admission::term::Watcher::new(watch);

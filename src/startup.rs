@@ -251,6 +251,7 @@ async fn start_duties(
         retention: state.settings.sale_state_retention,
         replicas: state.settings.replicas,
         wake: state.heal.clone(),
+        look_soon: state.look_soon.clone(),
         promises: Some(state.admissions.promises().clone()),
     });
     watcher.look().await;

@@ -43,12 +43,14 @@ pub(crate) struct Term {
 }
 
 impl Term {
-    /// From `seckill_term`'s reply: the term, its age in ms, whether it is opened,
-    /// then one id per stream.
+    /// From `seckill_term`'s reply: the term, its age in ms, one id per stream, then
+    /// whether it is opened (last: a process of the release before, which reads every
+    /// item after the age as a stream's, reads that one for none of its streams).
     fn parse(reply: Value) -> RedisResult<Self> {
-        let mut items = redis::from_redis_value::<Vec<Value>>(reply)?.into_iter();
-        let (Some(term), Some(age_ms), Some(opened)) = (items.next(), items.next(), items.next())
-        else {
+        let mut items = redis::from_redis_value::<Vec<Value>>(reply)?;
+        let opened = items.pop();
+        let mut items = items.into_iter();
+        let (Some(term), Some(age_ms), Some(opened)) = (items.next(), items.next(), opened) else {
             let short = std::io::Error::new(std::io::ErrorKind::InvalidData, "short term reply");
             return Err(short.into());
         };
@@ -188,6 +190,8 @@ pub(crate) struct Watch {
     /// Wakes the watcher before its next tick (admission met a stale sale; a lease
     /// found its key gone).
     pub wake: Arc<Notify>,
+    /// A look soon, healing nothing more (a grab met a held sale).
+    pub look_soon: Arc<Notify>,
     /// An API instance's 202s not yet known written: admitted again after a server
     /// that lost writes is healed (none in a worker).
     pub promises: Option<Arc<super::promises::Promises>>,
@@ -195,6 +199,9 @@ pub(crate) struct Watch {
 
 /// How often every process looks at the terms.
 const EVERY: Duration = Duration::from_secs(1);
+
+/// How soon a look asked for comes (held grabs come in storms: one look for each).
+const SOON: Duration = Duration::from_millis(50);
 
 /// What the watcher remembers: the term it last saw on each server, and the identity
 /// each term was last seen with (on any server).
@@ -291,6 +298,10 @@ impl Watcher {
                 _ = cancel.cancelled() => break,
                 _ = tokio::time::sleep(EVERY) => false,
                 _ = self.w.wake.notified() => true,
+                _ = self.w.look_soon.notified() => {
+                    tokio::time::sleep(SOON).await;
+                    false
+                }
             };
             self.look_healing(woken).await;
         }

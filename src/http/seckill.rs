@@ -146,7 +146,7 @@ pub(crate) async fn grab(
         }
         // Every instance is admitting again the 202s the server may have lost: the
         // watcher looks now (this instance's part, and the release).
-        Ok(Outcome::Held) => state.heal.notify_one(),
+        Ok(Outcome::Held) => state.look_soon.notify_one(),
         Ok(Outcome::Corrupt) => {
             tracing::error!(
                 voucher_id = voucher_id.get(),

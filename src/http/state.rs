@@ -39,6 +39,9 @@ pub struct Shared {
     pub(crate) live: crate::live::Live,
     /// Wakes the term watcher (a grab met a sale built in an earlier term of Redis).
     pub(crate) heal: Arc<tokio::sync::Notify>,
+    /// Asks the term watcher for a look soon (a grab met a held sale: this instance's
+    /// vouch, or the opening, may be due).
+    pub(crate) look_soon: Arc<tokio::sync::Notify>,
     /// Sales this instance answers by itself (sold out, not yet open, ended, none).
     pub edge: Arc<Edge>,
     /// The parts of segmented sales, and the moves of units between them.
@@ -95,6 +98,7 @@ impl AppState {
             admissions,
             live,
             heal: Arc::default(),
+            look_soon: Arc::default(),
             edge,
             parts,
             migrated,

@@ -326,13 +326,11 @@ async fn seed_1234_a_partition_with_two_primaries_loses_no_202() {
 }
 
 /// Seed 29 lost 3 202s to the primary restarted from an older snapshot before Sentinel
-/// noticed, its replicas resynced from it and the worker holding them frozen. Their
-/// instance admits them again now, but one of them can still break: its shopper pressed
-/// again through the other instance (which knows nothing of it) 5 ms before the first
-/// one, cut from Postgres until then, could admit it again (docs/durability.md, "The
-/// 202s an instance keeps").
+/// noticed, its replicas resynced from it and the worker holding them frozen; then one
+/// of them broke when its shopper won again through the other instance before the first
+/// instance, cut from Postgres, had admitted it again. The new term holds its sales
+/// until every instance has (docs/durability.md, "The 202s an instance keeps").
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "open: a kept 202 breaks when its shopper wins again through another instance first"]
 async fn seed_29_a_primary_restarted_from_an_older_snapshot_loses_no_202() {
     regression(29, 20, "older snapshot").await;
 }
