@@ -34,6 +34,10 @@ local known = {}
 -- earlier life may have lost (src/admission/keepers.rs), so that no shopper wins a
 -- second time before their first 202 is back (seckill_open_term).
 local opened = {}
+-- Per term marker, the term of the other life whose data this life found there (a
+-- failover's old primary, the life a snapshot was taken in): the instances that were
+-- on it are those whose 202s this life may have lost.
+local came_after = {}
 
 local function clock()
   local t = redis.call('TIME')
@@ -78,6 +82,7 @@ local function current_term(marker, write)
     if m ~= term then
       if m and not known[m] then
         known[m] = true
+        came_after[marker] = m
         -- (A fresh life's term is new anyway.)
         if not fresh then
           draw()
@@ -412,7 +417,8 @@ end
 -- want of replicas too.
 -- KEYS[1] the term marker of the slot asked about (keys::Keys::term_marker)
 -- KEYS[2..] order streams of that server  ARGV[1] the consumer group (when streams)
--- Returns {term, age in ms, per stream the id it is done below ('' unknown), and last
+-- Returns {term, age in ms, per stream the id it is done below ('' unknown), the term
+-- of the life whose data this one took over ('' none seen: see `came_after`), and last
 -- 1 opened or 0 held (see `opened`)}.
 local function term_of(keys, argv)
   current_term(keys[1], false)
@@ -424,6 +430,7 @@ local function term_of(keys, argv)
   for k = 2, #keys do
     out[#out + 1] = intact and done_below(keys[k], argv[1]) or ''
   end
+  out[#out + 1] = came_after[keys[1]] or ''
   out[#out + 1] = opened[keys[1]] == term and 1 or 0
   return out
 end

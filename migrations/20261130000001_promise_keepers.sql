@@ -5,12 +5,16 @@
 -- and vouched for the term here, or a shopper could win a second time before their
 -- first 202 is back (and that 202 could then never be kept).
 --
--- An instance is alive while it beats (each look of its term watcher, about every
--- second); one silent for longer than the lease (seckill's code: ten seconds) no longer
--- holds a term back. Rows of instances gone for a day are deleted.
+-- An instance is alive while it beats (each look of its term watcher that reached
+-- Redis, about every second), with the terms it is on (`terms`); one silent for longer
+-- than the lease (seckill's code: ten seconds) no longer holds a term back. Of those
+-- alive, only the instances on the new term, on the term whose data it took over, or
+-- on a term some sale was built into (`sale_epochs`) hold it back: an instance on
+-- another Redis altogether does not. Rows of instances gone for a day are deleted.
 CREATE TABLE promise_keepers (
     keeper  text        PRIMARY KEY,
-    beat_at timestamptz NOT NULL DEFAULT now()
+    beat_at timestamptz NOT NULL DEFAULT now(),
+    terms   text[]      NOT NULL DEFAULT '{}'
 );
 
 CREATE TABLE promise_vouches (

@@ -27,31 +27,65 @@ use crate::store::keepers;
 /// How long a silent instance still holds a new term back.
 pub(crate) const LEASE: Duration = Duration::from_secs(10);
 
-/// A server whose term is not opened yet: the term, and the shards it holds.
+/// How long a new term is held at most: an instance that does not come to it by then
+/// (it stays on an old primary, say) holds it back no longer.
+pub(crate) const HOLD: Duration = Duration::from_secs(10);
+
+/// A server whose term is not opened yet.
 #[derive(Debug, Clone)]
 pub(crate) struct Held {
     pub term: String,
+    /// The term of the life whose data it took over, if it saw one: the instances on
+    /// it may hold 202s this one lost (as may those on a term some sale was built into,
+    /// when the server came back empty).
+    pub came_after: Option<String>,
+    /// How old the term was when last looked at.
+    pub age: Duration,
+    /// The shards it holds.
     pub shards: Vec<Shard>,
 }
 
-/// After a look: this instance (when it keeps promises) beats and vouches for
-/// `vouched`; then each of `held` whose every live instance has vouched is opened.
-/// Returns the terms opened.
+/// This instance's beat: the terms it is on now, and those it vouches for since its
+/// last beat.
+pub(crate) struct Beat<'a> {
+    pub keeper: &'a str,
+    pub on: &'a [String],
+    pub vouching: &'a [String],
+}
+
+/// After a look: this instance beats (when it keeps promises); then each of `held`
+/// whose every live instance that may hold its lost 202s has vouched, or that is held
+/// for [`HOLD`] already, is opened. Returns the terms opened.
 pub(crate) async fn settle<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,
-    keeper: Option<&str>,
-    vouched: &[String],
+    beat: Option<Beat<'_>>,
     held: &[Held],
 ) -> anyhow::Result<Vec<String>> {
-    if let Some(keeper) = keeper {
-        keepers::beat(db, keeper, vouched).await?;
+    // (Postgres away: a term held for [`HOLD`] is opened all the same.)
+    let mut failed = None;
+    if let Some(b) = beat {
+        failed = keepers::beat(db, b.keeper, b.on, b.vouching).await.err();
     }
     let mut opened = Vec::new();
     for h in held {
-        if !keepers::all_vouched(db, &h.term, LEASE).await? {
-            continue;
+        if h.age < HOLD {
+            let after = h.came_after.as_deref();
+            match keepers::all_vouched(db, &h.term, after, LEASE).await {
+                Ok(true) => {}
+                Ok(false) => continue,
+                Err(e) => {
+                    failed.get_or_insert(e);
+                    continue;
+                }
+            }
+        } else {
+            tracing::warn!(
+                term = %h.term,
+                "a new redis term opened before every instance vouched for it: some \
+                 instance did not come to it in time"
+            );
         }
         let mut call = Call::function("seckill_open_term");
         for shard in &h.shards {
@@ -62,13 +96,15 @@ pub(crate) async fn settle<C: ConnectionLike + Send>(
             opened.push(h.term.clone());
         }
     }
-    Ok(opened)
+    failed.map_or(Ok(opened), |e| Err(e.into()))
 }
 
 /// This instance stops keeping promises.
 pub(crate) async fn leave(db: &PgPool, keeper: &str) {
     if let Err(e) = keepers::leave(db, keeper).await {
-        tracing::warn!(error = %e, "could not tell postgres this instance stops: new terms \
-            wait for its lease to end");
+        tracing::warn!(
+            error = %e,
+            "could not tell postgres this instance stops: new terms wait for its lease to end"
+        );
     }
 }

@@ -39,24 +39,31 @@ pub(crate) struct Term {
     pub age: Duration,
     /// Whether its sales admit (see [`super::keepers`]).
     pub opened: bool,
+    /// The term of the server life whose data this one took over (`None`: none seen).
+    pub came_after: Option<String>,
     pub done: Vec<Option<(u64, u64)>>,
 }
 
 impl Term {
     /// From `seckill_term`'s reply: the term, its age in ms, one id per stream, then
-    /// whether it is opened (last: a process of the release before, which reads every
-    /// item after the age as a stream's, reads that one for none of its streams).
+    /// the term it came after and whether it is opened (last: a process of the release
+    /// before, which reads every item after the age as a stream's, reads those for none
+    /// of its streams).
     fn parse(reply: Value) -> RedisResult<Self> {
         let mut items = redis::from_redis_value::<Vec<Value>>(reply)?;
-        let opened = items.pop();
+        let (opened, came_after) = (items.pop(), items.pop());
         let mut items = items.into_iter();
-        let (Some(term), Some(age_ms), Some(opened)) = (items.next(), items.next(), opened) else {
+        let (Some(term), Some(age_ms), Some(opened), Some(came_after)) =
+            (items.next(), items.next(), opened, came_after)
+        else {
             let short = std::io::Error::new(std::io::ErrorKind::InvalidData, "short term reply");
             return Err(short.into());
         };
         let term: String = redis::from_redis_value(term)?;
         let age_ms: u64 = redis::from_redis_value(age_ms)?;
         let opened = redis::from_redis_value::<i64>(opened)? == 1;
+        let came_after =
+            Some(redis::from_redis_value::<String>(came_after)?).filter(|t| !t.is_empty());
         let mut done = Vec::new();
         for v in items {
             let id: String = redis::from_redis_value(v)?;
@@ -66,6 +73,7 @@ impl Term {
             term,
             age: Duration::from_millis(age_ms),
             opened,
+            came_after,
             done,
         })
     }
@@ -368,7 +376,13 @@ async fn hold_or_open(w: &Watch, seen: &mut Seen, conn: &mut RedisConn) -> anyho
         .collect();
     let vouching: Vec<String> = fresh.iter().map(|(_, t)| t.clone()).collect();
     let held: Vec<keepers::Held> = seen.held.values().cloned().collect();
-    let opened = keepers::settle(&w.db, conn, &w.keys, keeper, &vouching, &held).await?;
+    let on: Vec<String> = seen.terms.values().cloned().collect();
+    let beat = keeper.map(|keeper| keepers::Beat {
+        keeper,
+        on: &on,
+        vouching: &vouching,
+    });
+    let opened = keepers::settle(&w.db, conn, &w.keys, beat, &held).await?;
     seen.vouched.extend(fresh);
     seen.held.retain(|_, h| !opened.contains(&h.term));
     Ok(())
@@ -462,6 +476,8 @@ async fn look_at(
     } else {
         let held = keepers::Held {
             term: term.term.clone(),
+            came_after: term.came_after.clone(),
+            age: term.age,
             shards: shards.to_vec(),
         };
         seen.held.insert(asked, held);

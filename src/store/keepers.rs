@@ -6,15 +6,21 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
-/// An instance beats (it is alive and keeps promises), and vouches for `terms`: its
-/// promises that a server in those terms lost are admitted again.
-pub(crate) async fn beat(db: &PgPool, keeper: &str, terms: &[String]) -> Result<(), sqlx::Error> {
+/// An instance beats (it is alive and keeps promises), on the terms `on`, and vouches
+/// for `terms`: its promises that a server in those terms lost are admitted again.
+pub(crate) async fn beat(
+    db: &PgPool,
+    keeper: &str,
+    on: &[String],
+    terms: &[String],
+) -> Result<(), sqlx::Error> {
     let mut tx = db.begin().await?;
     sqlx::query(
-        "INSERT INTO promise_keepers (keeper) VALUES ($1) \
-         ON CONFLICT (keeper) DO UPDATE SET beat_at = now()",
+        "INSERT INTO promise_keepers (keeper, terms) VALUES ($1, $2) \
+         ON CONFLICT (keeper) DO UPDATE SET beat_at = now(), terms = $2",
     )
     .bind(keeper)
+    .bind(on)
     .execute(&mut *tx)
     .await?;
     if !terms.is_empty() {
@@ -34,19 +40,25 @@ pub(crate) async fn beat(db: &PgPool, keeper: &str, terms: &[String]) -> Result<
     tx.commit().await
 }
 
-/// Whether every instance that beat within `lease` has vouched for `term`.
+/// Whether every instance that beat within `lease` has vouched for `term`, of those on
+/// `term`, on `came_after`, or on a term some sale was last built into (an instance on
+/// another Redis altogether holds nothing back).
 pub(crate) async fn all_vouched(
     db: &PgPool,
     term: &str,
+    came_after: Option<&str>,
     lease: Duration,
 ) -> Result<bool, sqlx::Error> {
     sqlx::query_scalar(
         "SELECT NOT EXISTS (SELECT 1 FROM promise_keepers k \
-           WHERE k.beat_at > now() - make_interval(secs => $2) \
+           WHERE k.beat_at > now() - make_interval(secs => $3) \
+             AND ($1 = ANY (k.terms) OR $2 = ANY (k.terms) \
+                  OR k.terms && ARRAY (SELECT DISTINCT term FROM sale_epochs)) \
              AND NOT EXISTS (SELECT 1 FROM promise_vouches v \
                               WHERE v.keeper = k.keeper AND v.term = $1))",
     )
     .bind(term)
+    .bind(came_after)
     .bind(lease.as_secs_f64())
     .fetch_one(db)
     .await
