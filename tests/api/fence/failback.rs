@@ -38,8 +38,8 @@ async fn fail_over(trio: &Trio, from: usize, to: usize) {
 /// The term of node `node` (its first-shard marker) and its age.
 fn term(trio: &Trio, node: usize, app: &TestApp) -> (String, i64) {
     let marker = app.keys.term_marker(seckill::keys::Shard(0));
-    // (Then whether it is released.)
-    let (term, age, _released): (String, i64, i64) = trio.cmd(
+    // (Then the term whose data it took over, and whether it is opened.)
+    let (term, age, _came_after, _opened): (String, i64, String, i64) = trio.cmd(
         node,
         redis::cmd("FCALL").arg("seckill_term").arg(1).arg(marker),
     );
