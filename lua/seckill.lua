@@ -34,10 +34,10 @@ local known = {}
 -- earlier life may have lost (src/admission/keepers.rs), so that no shopper wins a
 -- second time before their first 202 is back (seckill_open_term).
 local opened = {}
--- Per term marker, the term of the other life whose data this life found there (a
--- failover's old primary, the life a snapshot was taken in): the instances that were
--- on it are those whose 202s this life may have lost.
-local came_after = {}
+-- The terms of the other lives whose data this life found (a failover's old primary,
+-- the life a snapshot was taken in), in any slot: the instances that were on them are
+-- those whose 202s this life may have lost.
+local came_after, ncame_after = {}, 0
 
 local function clock()
   local t = redis.call('TIME')
@@ -82,7 +82,8 @@ local function current_term(marker, write)
     if m ~= term then
       if m and not known[m] then
         known[m] = true
-        came_after[marker] = m
+        ncame_after = ncame_after + 1
+        came_after[ncame_after] = m
         -- (A fresh life's term is new anyway.)
         if not fresh then
           draw()
@@ -417,9 +418,9 @@ end
 -- want of replicas too.
 -- KEYS[1] the term marker of the slot asked about (keys::Keys::term_marker)
 -- KEYS[2..] order streams of that server  ARGV[1] the consumer group (when streams)
--- Returns {term, age in ms, per stream the id it is done below ('' unknown), the term
--- of the life whose data this one took over ('' none seen: see `came_after`), and last
--- 1 opened or 0 held (see `opened`)}.
+-- Returns {term, age in ms, per stream the id it is done below ('' unknown), the terms
+-- of the lives whose data this one took over (space-separated, '' none seen: see
+-- `came_after`), and last 1 opened or 0 held (see `opened`)}.
 local function term_of(keys, argv)
   current_term(keys[1], false)
   local now = clock()
@@ -430,7 +431,7 @@ local function term_of(keys, argv)
   for k = 2, #keys do
     out[#out + 1] = intact and done_below(keys[k], argv[1]) or ''
   end
-  out[#out + 1] = came_after[keys[1]] or ''
+  out[#out + 1] = table.concat(came_after, ' ')
   out[#out + 1] = opened[keys[1]] == term and 1 or 0
   return out
 end

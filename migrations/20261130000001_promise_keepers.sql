@@ -25,3 +25,6 @@ CREATE TABLE promise_vouches (
 );
 
 CREATE INDEX promise_vouches_by_term ON promise_vouches (term);
+
+-- (Which instances a new term waits for: those on a term some sale was built into.)
+CREATE INDEX sale_epochs_by_term ON sale_epochs (term);

@@ -27,20 +27,19 @@ use crate::store::keepers;
 /// How long a silent instance still holds a new term back.
 pub(crate) const LEASE: Duration = Duration::from_secs(10);
 
-/// How long a new term is held at most: an instance that does not come to it by then
-/// (it stays on an old primary, say) holds it back no longer.
+/// How long a new term is held at most once one instance has vouched for it (so its
+/// server takes writes and its sales are rebuilt): an instance that does not come to it
+/// by then (it stays on an old primary, say) holds it back no longer.
 pub(crate) const HOLD: Duration = Duration::from_secs(10);
 
 /// A server whose term is not opened yet.
 #[derive(Debug, Clone)]
 pub(crate) struct Held {
     pub term: String,
-    /// The term of the life whose data it took over, if it saw one: the instances on
-    /// it may hold 202s this one lost (as may those on a term some sale was built into,
-    /// when the server came back empty).
-    pub came_after: Option<String>,
-    /// How old the term was when last looked at.
-    pub age: Duration,
+    /// The terms of the lives whose data it took over: the instances on them may hold
+    /// 202s this one lost (as may those on a term some sale was built into, when the
+    /// server came back empty).
+    pub came_after: Vec<String>,
     /// The shards it holds.
     pub shards: Vec<Shard>,
 }
@@ -54,8 +53,8 @@ pub(crate) struct Beat<'a> {
 }
 
 /// After a look: this instance beats (when it keeps promises); then each of `held`
-/// whose every live instance that may hold its lost 202s has vouched, or that is held
-/// for [`HOLD`] already, is opened. Returns the terms opened.
+/// whose every live instance that may hold its lost 202s has vouched, or that one
+/// instance vouched for [`HOLD`] ago, is opened. Returns the terms opened.
 pub(crate) async fn settle<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
@@ -63,40 +62,46 @@ pub(crate) async fn settle<C: ConnectionLike + Send>(
     beat: Option<Beat<'_>>,
     held: &[Held],
 ) -> anyhow::Result<Vec<String>> {
-    // (Postgres away: a term held for [`HOLD`] is opened all the same.)
-    let mut failed = None;
     if let Some(b) = beat {
-        failed = keepers::beat(db, b.keeper, b.on, b.vouching).await.err();
+        keepers::beat(db, b.keeper, b.on, b.vouching).await?;
     }
+    // Each term on its own: a master out of reach does not keep the others held.
+    let mut failed: Option<anyhow::Error> = None;
     let mut opened = Vec::new();
     for h in held {
-        if h.age < HOLD {
-            let after = h.came_after.as_deref();
-            match keepers::all_vouched(db, &h.term, after, LEASE).await {
-                Ok(true) => {}
-                Ok(false) => continue,
-                Err(e) => {
-                    failed.get_or_insert(e);
-                    continue;
-                }
+        match open(db, conn, keys, h).await {
+            Ok(true) => opened.push(h.term.clone()),
+            Ok(false) => {}
+            Err(e) => {
+                failed.get_or_insert(e);
             }
-        } else {
-            tracing::warn!(
-                term = %h.term,
-                "a new redis term opened before every instance vouched for it: some \
-                 instance did not come to it in time"
-            );
-        }
-        let mut call = Call::function("seckill_open_term");
-        for shard in &h.shards {
-            call.key(keys.term_marker(*shard));
-        }
-        let done: i64 = call.arg(&h.term).invoke(conn).await?;
-        if done == 1 {
-            opened.push(h.term.clone());
         }
     }
-    failed.map_or(Ok(opened), |e| Err(e.into()))
+    failed.map_or(Ok(opened), Err)
+}
+
+/// Opens `h` if its time has come; whether it did.
+async fn open<C: ConnectionLike + Send>(
+    db: &PgPool,
+    conn: &mut C,
+    keys: &Keys,
+    h: &Held,
+) -> anyhow::Result<bool> {
+    match keepers::may_open(db, &h.term, &h.came_after, LEASE, HOLD).await? {
+        keepers::Opening::No => return Ok(false),
+        keepers::Opening::AllVouched => {}
+        keepers::Opening::HeldLongEnough => tracing::warn!(
+            term = %h.term,
+            "a new redis term opened before every instance vouched for it: some instance \
+             did not come to it in time"
+        ),
+    }
+    let mut call = Call::function("seckill_open_term");
+    for shard in &h.shards {
+        call.key(keys.term_marker(*shard));
+    }
+    let done: i64 = call.arg(&h.term).invoke(conn).await?;
+    Ok(done == 1)
 }
 
 /// This instance stops keeping promises.

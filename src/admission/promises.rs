@@ -172,7 +172,7 @@ impl Promises {
             );
         }
         let promises = Self {
-            keeper: keeper_on_file(path),
+            keeper: keeper_on_file(path)?,
             kept: Mutex::new(kept),
             log: Some(Mutex::new(Log {
                 path: path.to_path_buf(),
@@ -512,16 +512,22 @@ enum Move {
     Wait,
 }
 
-/// The keeper's name of an instance keeping its promises in `path`: the same in every
-/// life of the instance (the file is locked, so one at a time), which then holds no new
-/// term back in the name of its previous life.
-fn keeper_on_file(path: &Path) -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_default();
-    let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
-    format!("{}:{}", host.trim(), path.display())
+/// The keeper's name of an instance keeping its promises in `path`: drawn once and kept
+/// beside it (`<path>.keeper`), the same in every life of the instance (the file is
+/// locked, so one at a time), which then holds no new term back in the name of its
+/// previous life.
+fn keeper_on_file(path: &Path) -> anyhow::Result<String> {
+    let beside = path.with_extension("keeper");
+    let what = |e: std::io::Error| anyhow::anyhow!("{}: {e}", beside.display());
+    match std::fs::read_to_string(&beside) {
+        Ok(name) if !name.trim().is_empty() => return Ok(name.trim().to_string()),
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(what(e)),
+    }
+    let name = uuid::Uuid::new_v4().to_string();
+    std::fs::write(&beside, &name).map_err(what)?;
+    Ok(name)
 }
 
 /// When an order was admitted, as its id says.

@@ -39,8 +39,8 @@ pub(crate) struct Term {
     pub age: Duration,
     /// Whether its sales admit (see [`super::keepers`]).
     pub opened: bool,
-    /// The term of the server life whose data this one took over (`None`: none seen).
-    pub came_after: Option<String>,
+    /// The terms of the server lives whose data this one took over.
+    pub came_after: Vec<String>,
     pub done: Vec<Option<(u64, u64)>>,
 }
 
@@ -60,10 +60,13 @@ impl Term {
             return Err(short.into());
         };
         let term: String = redis::from_redis_value(term)?;
-        let age_ms: u64 = redis::from_redis_value(age_ms)?;
+        // (A server clock stepped back reads as a term just drawn.)
+        let age_ms = redis::from_redis_value::<i64>(age_ms)?.max(0) as u64;
         let opened = redis::from_redis_value::<i64>(opened)? == 1;
-        let came_after =
-            Some(redis::from_redis_value::<String>(came_after)?).filter(|t| !t.is_empty());
+        let came_after = redis::from_redis_value::<String>(came_after)?
+            .split_whitespace()
+            .map(str::to_string)
+            .collect();
         let mut done = Vec::new();
         for v in items {
             let id: String = redis::from_redis_value(v)?;
@@ -477,7 +480,6 @@ async fn look_at(
         let held = keepers::Held {
             term: term.term.clone(),
             came_after: term.came_after.clone(),
-            age: term.age,
             shards: shards.to_vec(),
         };
         seen.held.insert(asked, held);

@@ -40,28 +40,47 @@ pub(crate) async fn beat(
     tx.commit().await
 }
 
-/// Whether every instance that beat within `lease` has vouched for `term`, of those on
-/// `term`, on `came_after`, or on a term some sale was last built into (an instance on
-/// another Redis altogether holds nothing back).
-pub(crate) async fn all_vouched(
+/// Whether a held term may open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Opening {
+    No,
+    /// Every instance that beat within the lease, of those on `term`, on a term in
+    /// `came_after`, or on a term some sale was last built into, has vouched for it (an
+    /// instance on another Redis altogether holds nothing back).
+    AllVouched,
+    /// Some instance vouched for it longer than the hold ago.
+    HeldLongEnough,
+}
+
+/// Whether `term` may open (times by Postgres's clock).
+pub(crate) async fn may_open(
     db: &PgPool,
     term: &str,
-    came_after: Option<&str>,
+    came_after: &[String],
     lease: Duration,
-) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar(
+    hold: Duration,
+) -> Result<Opening, sqlx::Error> {
+    let (all, long): (bool, bool) = sqlx::query_as(
         "SELECT NOT EXISTS (SELECT 1 FROM promise_keepers k \
            WHERE k.beat_at > now() - make_interval(secs => $3) \
-             AND ($1 = ANY (k.terms) OR $2 = ANY (k.terms) \
-                  OR k.terms && ARRAY (SELECT DISTINCT term FROM sale_epochs)) \
+             AND ($1 = ANY (k.terms) OR k.terms && $2::text[] \
+                  OR EXISTS (SELECT 1 FROM sale_epochs e WHERE e.term = ANY (k.terms))) \
              AND NOT EXISTS (SELECT 1 FROM promise_vouches v \
-                              WHERE v.keeper = k.keeper AND v.term = $1))",
+                              WHERE v.keeper = k.keeper AND v.term = $1)), \
+         EXISTS (SELECT 1 FROM promise_vouches \
+                  WHERE term = $1 AND vouched_at < now() - make_interval(secs => $4))",
     )
     .bind(term)
     .bind(came_after)
     .bind(lease.as_secs_f64())
+    .bind(hold.as_secs_f64())
     .fetch_one(db)
-    .await
+    .await?;
+    Ok(match (all, long) {
+        (true, _) => Opening::AllVouched,
+        (false, true) => Opening::HeldLongEnough,
+        (false, false) => Opening::No,
+    })
 }
 
 /// An instance that stops (its promises are all written, or kept in its file for its
