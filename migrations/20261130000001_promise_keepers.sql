@@ -26,5 +26,9 @@ CREATE TABLE promise_vouches (
 
 CREATE INDEX promise_vouches_by_term ON promise_vouches (term);
 
--- (Which instances a new term waits for: those on a term some sale was built into.)
+-- Which instances a new term waits for, when the server came back empty (it names no
+-- term whose data it took over): those on a term some sale was built into, now or in
+-- the build before (`term_before`: a heal into the new term replaces the old one).
+ALTER TABLE sale_epochs ADD COLUMN term_before text;
 CREATE INDEX sale_epochs_by_term ON sale_epochs (term);
+CREATE INDEX sale_epochs_by_term_before ON sale_epochs (term_before);

@@ -62,7 +62,9 @@ pub(crate) async fn record(
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
         "INSERT INTO sale_epochs (voucher_id, part, epoch, term) VALUES ($1, $2, $3, $4) \
-         ON CONFLICT (voucher_id, part) DO UPDATE SET epoch = $3, term = $4, built_at = now()",
+         ON CONFLICT (voucher_id, part) DO UPDATE SET epoch = $3, term = $4, built_at = now(), \
+           term_before = CASE WHEN sale_epochs.term <> $4 THEN sale_epochs.term \
+                              ELSE sale_epochs.term_before END",
     )
     .bind(part.voucher_id)
     .bind(part.part as i16)

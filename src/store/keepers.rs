@@ -45,8 +45,9 @@ pub(crate) async fn beat(
 pub(crate) enum Opening {
     No,
     /// Every instance that beat within the lease, of those on `term`, on a term in
-    /// `came_after`, or on a term some sale was last built into, has vouched for it (an
-    /// instance on another Redis altogether holds nothing back).
+    /// `came_after`, or on a term some sale was last built into or built into before
+    /// that, has vouched for it (an instance on another Redis altogether holds nothing
+    /// back).
     AllVouched,
     /// Some instance vouched for it longer than the hold ago.
     HeldLongEnough,
@@ -64,7 +65,8 @@ pub(crate) async fn may_open(
         "SELECT NOT EXISTS (SELECT 1 FROM promise_keepers k \
            WHERE k.beat_at > now() - make_interval(secs => $3) \
              AND ($1 = ANY (k.terms) OR k.terms && $2::text[] \
-                  OR EXISTS (SELECT 1 FROM sale_epochs e WHERE e.term = ANY (k.terms))) \
+                  OR EXISTS (SELECT 1 FROM sale_epochs e WHERE e.term = ANY (k.terms)) \
+                  OR EXISTS (SELECT 1 FROM sale_epochs e WHERE e.term_before = ANY (k.terms))) \
              AND NOT EXISTS (SELECT 1 FROM promise_vouches v \
                               WHERE v.keeper = k.keeper AND v.term = $1)), \
          EXISTS (SELECT 1 FROM promise_vouches \
