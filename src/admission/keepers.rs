@@ -8,8 +8,9 @@
 //! then never be kept. So the server holds every grab of a new term (`seckill_admit`
 //! answers "held", a 503 to the shopper, nothing reserved) until it is opened: each
 //! API instance, once it has admitted its own promises again, vouches for the term in
-//! Postgres, and the first watcher (of any process) that finds every live instance
-//! vouched opens it (`seckill_open_term`).
+//! Postgres, and the first watcher (of any process) that finds every live instance that
+//! may hold its lost 202s vouched (or one vouched [`HOLD`] ago) opens it
+//! (`seckill_open_term`).
 //!
 //! An instance is live while it beats, at every look of its watcher that reached Redis;
 //! one silent for longer than [`LEASE`] (killed, paused, cut off) holds nothing back,

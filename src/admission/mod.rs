@@ -39,7 +39,7 @@ pub enum Outcome {
     Stale,
     /// The sale's state holds a field that is not a number: refused until repaired.
     Corrupt,
-    /// The server is in a new term not released yet: every instance is admitting again
+    /// The server is in a new term not opened yet: every instance is admitting again
     /// the 202s it may have lost (see [`keepers`]).
     Held,
     /// The grab's part of a segmented sale has no unit left: units are moved to it from

@@ -145,7 +145,7 @@ pub(crate) async fn grab(
             reload_in_background(&state, voucher_id, loader::Mode::Heal);
         }
         // Every instance is admitting again the 202s the server may have lost: the
-        // watcher looks now (this instance's part, and the release).
+        // watcher looks soon (this instance's part, and the opening).
         Ok(Outcome::Held) => state.look_soon.notify_one(),
         Ok(Outcome::Corrupt) => {
             tracing::error!(
