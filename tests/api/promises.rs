@@ -11,7 +11,7 @@ use serde_json::Value;
 use sqlx::PgPool;
 
 use crate::common::faults::PrivateRedis;
-use crate::common::{metric_value, metrics_at, open_sale_at, TestApp};
+use crate::common::{metric_value, metrics_at, open_sale_at, press_all, TestApp};
 use crate::rollback::{press_through_503s, won};
 
 /// A directory of the test's own, removed when dropped.
@@ -65,15 +65,7 @@ async fn a_202_redis_lost_is_kept_by_the_instance_that_gave_it_even_after_its_ki
     // Started again on the same file, with a worker this time.
     let (_second, base) = app.spawn_server("serve", &on_file).await;
     let again = press_through_503s(&app, &base, sale, 1..=10).await;
-    for (user, (status, body)) in &again {
-        assert_eq!(*status, StatusCode::CONFLICT, "user {user}: {body}");
-        assert_eq!(body["error"]["code"], "already_ordered", "{body}");
-        assert_eq!(
-            body["error"]["order_id"],
-            promised[user].to_string(),
-            "user {user}"
-        );
-    }
+    hold_their_first_orders(&again, &promised);
     let crowd = won(&press_through_503s(&app, &base, sale, 101..=140).await);
     assert_eq!(crowd.len(), 10, "the units the promises left, no more");
 
@@ -139,16 +131,20 @@ fn press_on() -> [(&'static str, String); 2] {
     ]
 }
 
-/// One grab of `user` at `voucher` through `base`.
-async fn press(app: &TestApp, base: &str, voucher: i64, user: i64) -> (StatusCode, Value) {
-    let resp = app
-        .client
-        .post(format!("{base}/vouchers/{voucher}/seckill"))
-        .bearer_auth(app.token(user))
-        .send()
-        .await
-        .unwrap();
-    (resp.status(), resp.json().await.unwrap())
+/// Every shopper who pressed again is told they hold the order of their first 202.
+fn hold_their_first_orders(
+    again: &HashMap<i64, (StatusCode, Value)>,
+    promised: &HashMap<i64, i64>,
+) {
+    for (user, (status, body)) in again {
+        assert_eq!(*status, StatusCode::CONFLICT, "user {user}: {body}");
+        assert_eq!(body["error"]["code"], "already_ordered", "{body}");
+        assert_eq!(
+            body["error"]["order_id"],
+            promised[user].to_string(),
+            "user {user} holds the order of the first 202"
+        );
+    }
 }
 
 /// The instance that gave the lost 202s is frozen while its shoppers press again through
@@ -178,8 +174,8 @@ async fn a_shopper_whose_202_redis_lost_cannot_win_again_through_another_instanc
     let until = Instant::now() + Duration::from_secs(3);
     let mut held = 0;
     while Instant::now() < until {
-        for user in 1..=10 {
-            let (status, body) = press(&app, &at_other, sale, user).await;
+        for (user, answer) in press_all(&app, &at_other, sale, 1..=10, 10).await {
+            let (status, body) = answer.expect("an answer");
             assert_eq!(
                 status,
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -193,15 +189,7 @@ async fn a_shopper_whose_202_redis_lost_cannot_win_again_through_another_instanc
 
     giver.freeze(false);
     let again = press_through_503s(&app, &at_other, sale, 1..=10).await;
-    for (user, (status, body)) in &again {
-        assert_eq!(*status, StatusCode::CONFLICT, "user {user}: {body}");
-        assert_eq!(body["error"]["code"], "already_ordered", "{body}");
-        assert_eq!(
-            body["error"]["order_id"],
-            promised[user].to_string(),
-            "user {user} holds the order of the first 202"
-        );
-    }
+    hold_their_first_orders(&again, &promised);
     let metrics = metrics_at(&app.client, &at_other).await;
     let refused = metric_value(&metrics, "seckill_admissions_total{outcome=\"held\"}");
     assert!(refused.unwrap_or(0.0) >= held as f64, "{refused:?}");
@@ -237,7 +225,10 @@ async fn a_killed_instance_holds_a_new_term_back_only_until_its_lease_runs_out(d
     gone.kill9();
     redis.crash_and_restart();
     let began = Instant::now();
-    let (status, body) = press(&app, &at_other, sale, 1).await;
+    let (status, body) = press_all(&app, &at_other, sale, [1], 1).await[0]
+        .1
+        .clone()
+        .expect("an answer");
     assert_eq!(
         status,
         StatusCode::SERVICE_UNAVAILABLE,
