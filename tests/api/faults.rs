@@ -46,30 +46,34 @@ async fn orders_admitted_while_only_the_api_runs_survive_workers_killed_mid_drai
 
     let worker_env = [
         ("WORKER_BATCH_SIZE", "20".to_string()),
+        // One lane drains slowly enough that most kills land with work left.
+        ("WORKER_CONCURRENCY", "1".to_string()),
         ("WORKER_BLOCK_MS", "100".to_string()),
         ("WORKER_CLAIM_IDLE_MS", "300".to_string()),
         // Each kill re-delivers a batch; this test is about kills, not the poison bound.
         ("WORKER_MAX_DELIVERIES", "100".to_string()),
     ];
     // Each worker is killed as soon as it has written something: mid-drain, most
-    // likely mid-batch.
+    // likely mid-batch. How far a worker gets before its kill depends on the
+    // machine, so the kills stop once the drain is done.
     let mut progress = vec![0];
-    for _ in 0..5 {
+    while progress.len() <= 5 && *progress.last().unwrap() < stock as usize {
         let mut worker = Process::spawn("worker", &app.redis_url, &prefix, &url, &worker_env);
         let seen = *progress.last().unwrap();
         app.wait_for_orders(voucher, seen + 1, Duration::from_secs(10))
             .await;
         worker.kill9();
-        progress.push(app.pg_orders(voucher).await.len());
+        progress.push(app.pg_order_count(voucher).await);
     }
     println!("orders persisted after each kill -9: {progress:?}");
     assert!(
         progress.windows(2).all(|w| w[0] < w[1]),
         "every worker wrote something"
     );
+    let mid_drain = progress[1..].iter().filter(|&&n| n < stock as usize).count();
     assert!(
-        *progress.last().unwrap() < stock as usize,
-        "the kills happened mid-drain"
+        mid_drain >= 3,
+        "at least three kills left orders unwritten: {progress:?}"
     );
 
     let mut last = Process::spawn("worker", &app.redis_url, &prefix, &url, &worker_env);
