@@ -3,7 +3,8 @@
 //! [`jwks`]). Either may be configured alone, or both.
 //!
 //! `sub` is the user id (a positive 64-bit integer, as a JSON string or number), `exp`
-//! is required (5 s leeway), `role: "admin"` marks administrators; `iss` / `aud` must
+//! is required (5 s leeway), `role: "admin"` marks administrators, `role: "shop"` with
+//! a `shop_id` claim (a positive 64-bit integer) a shop's staff; `iss` / `aud` must
 //! match `JWT_ISSUER` / `JWT_AUDIENCE` when those are set. Anything else is a 401.
 //!
 //! The header's `alg` picks the path, and no path ever looks at another's keys: HS256 is
@@ -23,9 +24,10 @@ use serde::{Deserialize, Deserializer, Serialize};
 
 pub use jwks::Jwks;
 
-use crate::domain::UserId;
+use crate::domain::{ShopId, UserId};
 
 pub(crate) const ADMIN_ROLE: &str = "admin";
+pub(crate) const SHOP_ROLE: &str = "shop";
 
 /// Why tokens are refused (the `message` of the 401): one message per rule, so a
 /// client's developer knows what to fix; none holds anything of a key or secret.
@@ -48,6 +50,8 @@ pub(crate) const UNKNOWN_KID: &str = "unknown key id (kid)";
 pub(crate) const WRONG_ISSUER: &str = "token issuer not accepted";
 pub(crate) const WRONG_AUDIENCE: &str = "token audience not accepted";
 pub(crate) const UNKNOWN_ROLE: &str = "unknown role in token";
+pub(crate) const BAD_SHOP: &str =
+    "a shop token (role \"shop\") needs shop_id: the shop's id, a positive 64-bit integer";
 
 #[derive(Debug, Deserialize)]
 pub(crate) struct Claims {
@@ -56,6 +60,9 @@ pub(crate) struct Claims {
     pub exp: u64,
     #[serde(default)]
     pub role: Option<String>,
+    /// With `role: "shop"`: the shop the staff member works for.
+    #[serde(default)]
+    pub shop_id: Option<serde_json::Value>,
 }
 
 /// The claims `mint` writes.
@@ -65,6 +72,8 @@ struct Minted<'a> {
     exp: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     role: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    shop_id: Option<i64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     iss: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -282,15 +291,38 @@ fn decode_checked(
 
 /// The caller the (verified, unexpired) claims name.
 fn user(claims: Claims) -> Result<AuthUser, Unauthorized> {
-    let admin = match claims.role.as_deref() {
-        None => false,
-        Some(ADMIN_ROLE) => true,
+    let role = match claims.role.as_deref() {
+        None => Role::Shopper,
+        Some(ADMIN_ROLE) => Role::Admin,
+        Some(SHOP_ROLE) => Role::Shop(shop_id(claims.shop_id.as_ref()).ok_or(Unauthorized(BAD_SHOP))?),
         Some(_) => return Err(Unauthorized(UNKNOWN_ROLE)),
     };
     Ok(AuthUser {
         user_id: claims.sub,
-        admin,
+        admin: role == Role::Admin,
+        shop: match role {
+            Role::Shop(shop) => Some(shop),
+            _ => None,
+        },
     })
+}
+
+/// A `shop_id` claim: a JSON number or a string of digits, positive.
+fn shop_id(claim: Option<&serde_json::Value>) -> Option<ShopId> {
+    match claim? {
+        serde_json::Value::Number(n) => n.as_i64().and_then(ShopId::new),
+        serde_json::Value::String(s) => s.parse().ok(),
+        _ => None,
+    }
+}
+
+/// What a token lets its bearer do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Shopper,
+    Admin,
+    /// Staff of this shop: they redeem its coupons and list its orders.
+    Shop(ShopId),
 }
 
 /// HS256 signing and verifying keys, built once from the secret.
@@ -340,11 +372,25 @@ impl JwtKeys {
 
     /// An HS256 token for `user_id`, carrying the configured `iss`/`aud` if any.
     pub fn mint(&self, user_id: i64, admin: bool, ttl_secs: u64) -> anyhow::Result<String> {
+        let role = if admin { Role::Admin } else { Role::Shopper };
+        self.mint_as(user_id, role, ttl_secs)
+    }
+
+    /// An HS256 token for `user_id` in `role`.
+    pub fn mint_as(&self, user_id: i64, role: Role, ttl_secs: u64) -> anyhow::Result<String> {
         anyhow::ensure!(user_id > 0, "user id must be positive");
         let claims = Minted {
             sub: user_id.to_string(),
             exp: now_secs() + ttl_secs,
-            role: admin.then_some(ADMIN_ROLE),
+            role: match role {
+                Role::Shopper => None,
+                Role::Admin => Some(ADMIN_ROLE),
+                Role::Shop(_) => Some(SHOP_ROLE),
+            },
+            shop_id: match role {
+                Role::Shop(shop) => Some(shop.get()),
+                _ => None,
+            },
             iss: self.expected.issuer.as_deref(),
             aud: self.expected.audience.as_deref(),
         };
@@ -469,6 +515,8 @@ fn now_secs() -> u64 {
 pub(crate) struct AuthUser {
     pub user_id: UserId,
     pub admin: bool,
+    /// Staff of this shop (`role: "shop"`).
+    pub shop: Option<ShopId>,
 }
 
 /// An authenticated administrator; shoppers get 403.

@@ -6,9 +6,9 @@ use std::time::Duration;
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
-use crate::auth::{Expected, JwtKeys};
+use crate::auth::{Expected, JwtKeys, Role};
 use crate::config::{ApiArgs, Cli, Command, WorkerOptions};
-use crate::domain::VoucherId;
+use crate::domain::{ShopId, VoucherId};
 use crate::redis_conn;
 use crate::startup::{build_workers, connect_redis, key_layout, prepare_sweeper, Application};
 use crate::{store, telemetry};
@@ -32,6 +32,7 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Reconcile(args) => reconcile(args).await,
         Command::Demo(args) => crate::demo::run(args).await,
         Command::Token(args) => done(token(args)),
+        Command::Notify(args) => notify(args).await,
         Command::Migrate(args) => {
             let db = store::connect(args.database.database_url.expose(), 2).await?;
             store::migrate(&db, Duration::from_secs(30)).await?;
@@ -134,6 +135,44 @@ fn print_out(text: &str) -> anyhow::Result<()> {
     }
 }
 
+/// Signs a notification as the payment provider would and sends it; prints the
+/// answer. Exit 0 on a 2xx, 1 otherwise.
+async fn notify(args: crate::config::NotifyArgs) -> anyhow::Result<ExitCode> {
+    let secret = args.secret.iter().find(|s| !s.expose().is_empty()).ok_or_else(|| {
+        anyhow::anyhow!("no secret to sign with: set PAYMENT_WEBHOOK_SECRETS or pass --secret")
+    })?;
+    let base = crate::demo::base_url(args.url.as_deref(), args.bind.as_deref())?;
+    let fresh = || uuid::Uuid::new_v4().simple().to_string();
+    let body = serde_json::to_vec(&serde_json::json!({
+        "id": args.event.unwrap_or_else(|| format!("evt_{}", fresh())),
+        "type": match args.kind {
+            crate::config::NotifyKind::Payment => "payment.succeeded",
+            crate::config::NotifyKind::Refund => "refund.succeeded",
+        },
+        "order_id": args.order,
+        "amount": args.amount,
+        "currency": args.currency,
+        "transaction_id": args.transaction.unwrap_or_else(|| format!("tx_{}", fresh())),
+    }))?;
+    let at = args.at.unwrap_or_else(|| chrono::Utc::now().timestamp());
+    let signature = crate::lifecycle::signature::sign(secret, at, &body);
+    let answer = reqwest::Client::new()
+        .post(format!("{}/payments/notifications", base.trim_end_matches('/')))
+        .header(crate::lifecycle::signature::HEADER, signature)
+        .header(reqwest::header::CONTENT_TYPE, "application/json")
+        .body(body)
+        .send()
+        .await?;
+    let status = answer.status();
+    let text = answer.text().await.unwrap_or_default();
+    print_out(&format!("{} {text}\n", status.as_u16()))?;
+    Ok(if status.is_success() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
 /// Prints `count` tokens for users `user`, `user + 1`, ...
 fn token(args: crate::config::TokenArgs) -> anyhow::Result<()> {
     use std::io::Write;
@@ -146,7 +185,14 @@ fn token(args: crate::config::TokenArgs) -> anyhow::Result<()> {
                 .user
                 .checked_add(i)
                 .ok_or_else(|| anyhow::anyhow!("user id overflows"))?;
-            writeln!(out, "{}", keys.mint(user, args.admin, args.ttl)?)?;
+            let role = match (args.admin, args.shop) {
+                (true, _) => Role::Admin,
+                (false, Some(shop)) => {
+                    Role::Shop(ShopId::new(shop).ok_or_else(|| anyhow::anyhow!("bad shop id"))?)
+                }
+                (false, None) => Role::Shopper,
+            };
+            writeln!(out, "{}", keys.mint_as(user, role, args.ttl)?)?;
         }
         out.flush()?;
         Ok(())

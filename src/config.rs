@@ -66,6 +66,9 @@ pub(crate) enum Command {
     /// Simulate a sale against a running server: distinct shoppers grab over a few
     /// seconds; prints the outcomes and waits until the admitted orders are in Postgres.
     Demo(DemoArgs),
+    /// Sign and send a notification as the payment provider would (the stand-in
+    /// provider of tests, demos and the walk-through).
+    Notify(NotifyArgs),
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -218,6 +221,10 @@ pub struct ApiArgs {
     #[arg(long, env = "LIVE_MAX_SALES", default_value_t = defaults::LIVE_MAX_SALES,
           value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub live_max_sales: u32,
+    /// Secrets the payment provider signs its notifications with, comma-separated (two
+    /// while it rotates them). Unset: `POST /payments/notifications` accepts nothing.
+    #[arg(long, env = "PAYMENT_WEBHOOK_SECRETS", value_delimiter = ',', hide_env_values = true)]
+    pub payment_webhook_secrets: Vec<Secret>,
     #[command(flatten)]
     pub limits: LimitArgs,
     #[command(flatten)]
@@ -465,14 +472,58 @@ pub(crate) struct TokenArgs {
     #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]
     pub user: i64,
     /// Mint an administrator token.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "shop")]
     pub admin: bool,
+    /// Mint a token of this shop's staff (`role: "shop"`, `shop_id`).
+    #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]
+    pub shop: Option<i64>,
     /// Print this many tokens, one per line, for users `user`, `user + 1`, ... (load tests).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
     pub count: u64,
     /// Lifetime in seconds.
     #[arg(long, default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..=31_536_000))]
     pub ttl: u64,
+}
+
+/// What the provider tells (`type` of the notification).
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub(crate) enum NotifyKind {
+    /// `payment.succeeded`.
+    Payment,
+    /// `refund.succeeded`.
+    Refund,
+}
+
+#[derive(Debug, Clone, Args)]
+pub(crate) struct NotifyArgs {
+    /// Base URL of the running API (default: http://<BIND> when BIND is set, else
+    /// http://127.0.0.1:8080).
+    #[arg(long)]
+    pub url: Option<String>,
+    #[arg(long, env = "BIND", hide = true)]
+    pub bind: Option<String>,
+    /// The secret to sign with: the first of PAYMENT_WEBHOOK_SECRETS.
+    #[arg(long, env = "PAYMENT_WEBHOOK_SECRETS", hide_env_values = true, value_delimiter = ',')]
+    pub secret: Vec<Secret>,
+    #[arg(long, value_enum, default_value_t = NotifyKind::Payment)]
+    pub kind: NotifyKind,
+    /// The order paid (or refunded).
+    #[arg(long)]
+    pub order: String,
+    /// Cents paid (or refunded): the voucher's `pay_value`.
+    #[arg(long)]
+    pub amount: i64,
+    #[arg(long, default_value = crate::domain::CURRENCY)]
+    pub currency: String,
+    /// The provider's transaction id (default: a new one).
+    #[arg(long)]
+    pub transaction: Option<String>,
+    /// The event id (default: a new one; the same id again is a replay).
+    #[arg(long)]
+    pub event: Option<String>,
+    /// Sign as of this unix time (default: now).
+    #[arg(long)]
+    pub at: Option<i64>,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -544,6 +595,8 @@ pub struct Settings {
     /// How often the instance looks for moves between a segmented sale's parts left half
     /// done (by a mover that died); `None`: never (tests that leave one on purpose).
     pub finish_moves_every: Option<Duration>,
+    /// What payment notifications must be signed with.
+    pub payment_secrets: crate::lifecycle::signature::Secrets,
 }
 
 /// How often an API instance finishes half-done moves between parts.
@@ -558,6 +611,7 @@ impl Default for Settings {
             replicas: crate::scripts::Replicas::NONE,
             edge: EdgeArgs::default(),
             finish_moves_every: Some(FINISH_MOVES_EVERY),
+            payment_secrets: crate::lifecycle::signature::Secrets::new(&[]),
         }
     }
 }

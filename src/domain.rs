@@ -193,8 +193,9 @@ impl utoipa::PartialSchema for OrderId {
 impl utoipa::ToSchema for OrderId {}
 
 /// Where an order is in its life: `pending` while only Redis knows it, `created` once
-/// written to Postgres, then `paid`, `cancelled` or `expired`. Postgres holds all but
-/// `pending`, as text.
+/// written to Postgres, then `paid` (the payment provider confirmed it), and from there
+/// `used` (redeemed at the shop) or `refunding` → `refunded`; an unpaid order ends
+/// `cancelled` or `expired`. Postgres holds all but `pending`, as text.
 #[derive(
     Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema, sqlx::Type,
 )]
@@ -205,39 +206,140 @@ pub enum OrderStatus {
     Pending,
     Created,
     Paid,
+    Used,
+    Refunding,
+    Refunded,
     Cancelled,
     Expired,
 }
 
 impl OrderStatus {
     /// Every status, in the order of an order's life.
-    pub const ALL: [OrderStatus; 5] = [
+    pub const ALL: [OrderStatus; 8] = [
         Self::Pending,
         Self::Created,
         Self::Paid,
+        Self::Used,
+        Self::Refunding,
+        Self::Refunded,
         Self::Cancelled,
         Self::Expired,
     ];
 
-    /// The word the contract, Postgres and the metrics use.
+    /// The word the contract, Postgres and the metrics use (and the name of the sale's
+    /// counter column of orders in that status, but for `pending` and `created`).
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Pending => "pending",
             Self::Created => "created",
             Self::Paid => "paid",
+            Self::Used => "used",
+            Self::Refunding => "refunding",
+            Self::Refunded => "refunded",
             Self::Cancelled => "cancelled",
             Self::Expired => "expired",
         }
     }
 
-    /// Cancelled or expired: its unit went back on sale, and it will never be paid.
+    /// Cancelled or expired: it was never paid, and its unit went back on sale.
     pub fn is_closed(self) -> bool {
         matches!(self, Self::Cancelled | Self::Expired)
     }
 
-    /// Nothing more happens to it: paid, or closed.
+    /// Nothing more happens to it: used, refunded, or closed.
     pub fn is_final(self) -> bool {
-        self == Self::Paid || self.is_closed()
+        matches!(self, Self::Used | Self::Refunded) || self.is_closed()
+    }
+}
+
+/// Why an order's money goes back.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema, sqlx::Type,
+)]
+#[serde(rename_all = "snake_case")]
+#[sqlx(type_name = "text", rename_all = "snake_case")]
+pub enum RefundReason {
+    /// Its owner asked (the voucher is refundable).
+    Requested,
+    /// The payment came after the order had closed (its unit back on sale).
+    LatePayment,
+    /// An administrator refunded it.
+    Admin,
+}
+
+impl RefundReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Requested => "requested",
+            Self::LatePayment => "late_payment",
+            Self::Admin => "admin",
+        }
+    }
+}
+
+/// How an order was paid.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema, sqlx::Type,
+)]
+#[serde(rename_all = "lowercase")]
+#[sqlx(type_name = "text", rename_all = "lowercase")]
+pub enum PayType {
+    /// The payment provider's signed notification confirmed it.
+    Provider,
+    /// An administrator marked it paid by hand, with a reason.
+    Manual,
+}
+
+/// The one currency prices are in (amounts are in its cents).
+pub const CURRENCY: &str = "CNY";
+
+/// A paid coupon's redemption code: 16 characters of Crockford's base32 (80 random
+/// bits), shown only to its owner, typed or scanned at the shop.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RedeemCode(String);
+
+impl RedeemCode {
+    const ALPHABET: &'static [u8; 32] = b"0123456789ABCDEFGHJKMNPQRSTVWXYZ";
+    const LEN: usize = 16;
+
+    /// A new code from the operating system's random source.
+    pub fn generate() -> Self {
+        use rand::Rng;
+        let mut rng = rand::rng();
+        Self(
+            (0..Self::LEN)
+                .map(|_| Self::ALPHABET[rng.random_range(0..32)] as char)
+                .collect(),
+        )
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// Whether `typed` is this code, compared in constant time (case and dashes do not
+    /// matter: staff may type `abcd-efgh-…`).
+    pub fn matches(&self, typed: &str) -> bool {
+        let typed: Vec<u8> = typed
+            .bytes()
+            .filter(|&b| b != b'-' && b != b' ')
+            .map(|b| b.to_ascii_uppercase())
+            .collect();
+        let diff = (self.0.bytes().zip(&typed)).fold(0u8, |acc, (a, &b)| acc | (a ^ b));
+        typed.len() == self.0.len() && diff == 0
+    }
+}
+
+impl From<String> for RedeemCode {
+    fn from(stored: String) -> Self {
+        Self(stored)
+    }
+}
+
+/// Never printed whole in logs.
+impl fmt::Debug for RedeemCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("RedeemCode(***)")
     }
 }
 

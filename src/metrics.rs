@@ -33,6 +33,11 @@ pub(crate) const DEPENDENCY_ERRORS: &str = "seckill_dependency_errors_total";
 pub(crate) const TRANSITIONS: &str = "seckill_order_transitions_total";
 pub(crate) const UNITS_RETURNED: &str = "seckill_units_returned_total";
 pub(crate) const RELEASES_OWED: &str = "seckill_releases_owed";
+/// Why a payment notification was refused before anything was recorded.
+pub(crate) const REFUSED_NOTIFICATIONS: [&str; 2] = ["bad_signature", "malformed"];
+/// Payment provider notifications, by `outcome`: what a signed one did
+/// (`store::payments::Outcome`), or why one was refused (`bad_signature`, `malformed`).
+pub(crate) const PAYMENT_NOTIFICATIONS: &str = "seckill_payment_notifications_total";
 /// Fetches of the identity provider's keys (`JWT_JWKS_URL`), by `outcome`: `ok`, `error`
 /// (unreachable, timed out, not 2xx) or `invalid` (not a key set, too large, no usable key).
 pub(crate) const JWKS_FETCHES: &str = "seckill_jwks_fetches_total";
@@ -126,9 +131,11 @@ pub(crate) const DESCRIBED: &[Described] = &[
     m(STREAM_LAG, Kind::Gauge, None,
         "Order stream entries not yet delivered to any worker, per shard, sampled at scrape time."),
     m(TRANSITIONS, Kind::Counter, None,
-        "Order transitions made, by new status: paid, cancelled, expired."),
+        "Order transitions made, by new status: paid, used, refunding, refunded, cancelled, expired."),
+    m(PAYMENT_NOTIFICATIONS, Kind::Counter, None,
+        "Payment provider notifications, by outcome: paid, late_payment, already_paid, amount_mismatch, awaiting_order, no_order, refunded, not_refunding; refused: bad_signature, malformed."),
     m(UNITS_RETURNED, Kind::Counter, None,
-        "Units of stock given back by closed orders, by store: postgres (order closed), redis (release made)."),
+        "Units of stock given back (cancel, expiry, refund while the sale is open), by store: postgres (order closed), redis (release made)."),
     m(RELEASES_OWED, Kind::Gauge, None,
         "Closed orders whose unit Redis has not been given back yet, sampled by each sweeper pass."),
     m(JWKS_FETCHES, Kind::Counter, None,
@@ -246,8 +253,14 @@ fn register_known_series() {
         metrics::counter!(DEPENDENCY_ERRORS, "dependency" => dependency, "in" => within)
             .increment(0);
     }
-    for to in ["paid", "cancelled", "expired"] {
-        metrics::counter!(TRANSITIONS, "to" => to).increment(0);
+    for to in crate::domain::OrderStatus::ALL.into_iter().skip(2) {
+        metrics::counter!(TRANSITIONS, "to" => to.as_str()).increment(0);
+    }
+    for outcome in crate::store::payments::Outcome::ALL {
+        metrics::counter!(PAYMENT_NOTIFICATIONS, "outcome" => outcome.as_str()).increment(0);
+    }
+    for refused in REFUSED_NOTIFICATIONS {
+        metrics::counter!(PAYMENT_NOTIFICATIONS, "outcome" => refused).increment(0);
     }
     for store in ["postgres", "redis"] {
         metrics::counter!(UNITS_RETURNED, "store" => store).increment(0);

@@ -38,15 +38,15 @@ pub(crate) struct ErrorDetail {
 /// What went wrong, for programs (the `message` is for humans): `unauthorized` (401),
 /// `forbidden` (403), `not_found` (404), `validation` (400, 405, 413, 414, 422, 431),
 /// `not_started`, `ended`, `sold_out`, `already_ordered`, `order_pending`, `order_paid`,
-/// `order_closed`, `conflict` (409), `rate_limited` (429), `unavailable` (503),
-/// `internal` (500).
+/// `order_closed`, `order_used`, `order_unpaid`, `not_refundable`, `conflict` (409),
+/// `rate_limited` (429), `unavailable` (503), `internal` (500), `bad_signature` (401).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 #[schema(example = "sold_out")]
 pub(crate) enum ErrorCode {
     /// 401: no, malformed, expired or wrongly signed token (the message says which rule failed).
     Unauthorized,
-    /// 403: a shopper on an administrator's route.
+    /// 403: a shopper on an administrator's route; staff of another shop.
     Forbidden,
     /// 404: unknown voucher, order or route (or somebody else's order).
     NotFound,
@@ -66,6 +66,12 @@ pub(crate) enum ErrorCode {
     OrderPaid,
     /// 409: the order is cancelled or expired.
     OrderClosed,
+    /// 409: the coupon was redeemed already.
+    OrderUsed,
+    /// 409: the order is not paid (yet), and the move needs a paid one.
+    OrderUnpaid,
+    /// 409: the voucher is not refundable, or the order is not paid.
+    NotRefundable,
     /// 429: too many requests; retry after `Retry-After`.
     RateLimited,
     /// 503: a dependency is down, a limit is reached or the sale is being loaded.
@@ -74,12 +80,14 @@ pub(crate) enum ErrorCode {
     Conflict,
     /// 500: a bug.
     Internal,
+    /// 401: a payment notification whose signature, timestamp or secret does not hold.
+    BadSignature,
 }
 
 impl ErrorCode {
     /// Every code, in the order the document lists them.
     #[cfg(test)]
-    pub(crate) const ALL: [ErrorCode; 15] = [
+    pub(crate) const ALL: [ErrorCode; 19] = [
         ErrorCode::Unauthorized,
         ErrorCode::Forbidden,
         ErrorCode::NotFound,
@@ -91,10 +99,14 @@ impl ErrorCode {
         ErrorCode::OrderPending,
         ErrorCode::OrderPaid,
         ErrorCode::OrderClosed,
+        ErrorCode::OrderUsed,
+        ErrorCode::OrderUnpaid,
+        ErrorCode::NotRefundable,
         ErrorCode::RateLimited,
         ErrorCode::Unavailable,
         ErrorCode::Conflict,
         ErrorCode::Internal,
+        ErrorCode::BadSignature,
     ];
 }
 
@@ -139,6 +151,15 @@ pub enum AppError {
     /// Cancelled or expired (the status says which).
     #[error("order {0} is {1}")]
     OrderClosed(OrderId, OrderStatus),
+    #[error("order {0} is used")]
+    OrderUsed(OrderId),
+    #[error("order {0} is not paid")]
+    OrderUnpaid(OrderId),
+    #[error("not refundable: {0}")]
+    NotRefundable(String),
+    /// A payment notification's signature does not hold (the message says why).
+    #[error("bad signature: {0}")]
+    BadSignature(String),
     /// Too many requests; try again after this many seconds.
     #[error("rate limited")]
     RateLimited { retry_after_secs: u64 },
@@ -233,7 +254,9 @@ impl AppError {
             Forbidden => (
                 StatusCode::FORBIDDEN,
                 C::Forbidden,
-                "this endpoint is for administrators".into(),
+                "not allowed: this is for administrators (or, where the route says so, staff \
+                 of the voucher's shop)"
+                    .into(),
             ),
             NotFound(what) => (StatusCode::NOT_FOUND, C::NotFound, what.clone()),
             Validation { status, message } => (*status, C::Validation, message.clone()),
@@ -264,8 +287,23 @@ impl AppError {
             OrderPaid(id) => (
                 StatusCode::CONFLICT,
                 C::OrderPaid,
-                format!("order {id} is paid and cannot be cancelled"),
+                format!(
+                    "order {id} has been paid: it is not paid or cancelled again (a paid \
+                     coupon may be refunded)"
+                ),
             ),
+            OrderUsed(id) => (
+                StatusCode::CONFLICT,
+                C::OrderUsed,
+                format!("order {id} was redeemed at the shop already"),
+            ),
+            OrderUnpaid(id) => (
+                StatusCode::CONFLICT,
+                C::OrderUnpaid,
+                format!("order {id} is not paid"),
+            ),
+            NotRefundable(why) => (StatusCode::CONFLICT, C::NotRefundable, why.clone()),
+            BadSignature(why) => (StatusCode::UNAUTHORIZED, C::BadSignature, why.clone()),
             OrderClosed(id, status) => (
                 StatusCode::CONFLICT,
                 C::OrderClosed,

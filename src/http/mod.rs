@@ -7,6 +7,7 @@ pub mod limits;
 pub mod live;
 pub mod openapi;
 pub mod orders;
+pub(crate) mod payments;
 pub(crate) mod sale_orders;
 pub mod seckill;
 pub mod server;
@@ -96,8 +97,14 @@ pub fn build_app(state: AppState) -> Router {
         .route("/shops/{shop_id}/vouchers", get(vouchers::list_by_shop))
         .route("/orders", get(orders::list_mine))
         .route("/orders/{order_id}", get(orders::get))
+        .route("/orders/{order_id}/checkout", post(orders::checkout))
         .route("/orders/{order_id}/pay", post(orders::pay))
+        .route("/orders/{order_id}/redeem", post(orders::redeem))
+        .route("/orders/{order_id}/refund", post(orders::refund))
         .route("/orders/{order_id}/cancel", post(orders::cancel))
+        .route("/shops/{shop_id}/orders", get(sale_orders::list_shop_orders))
+        .route("/payments/notifications", post(payments::notify))
+        .route("/payments", get(payments::list))
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
         .route("/openapi.json", get(openapi::openapi_json))

@@ -12,14 +12,14 @@ use utoipa::ToSchema;
 
 use crate::admission::{self, PendingOrder};
 use crate::auth::AuthUser;
-use crate::domain::{OrderId, OrderStatus, UserId, VoucherId};
+use crate::domain::{OrderId, OrderStatus, PayType, RefundReason, UserId, VoucherId, CURRENCY};
 use crate::http::error::{AppError, AppResult, ErrorBody};
 use crate::http::extract::{MaybeJson, PathId};
 use crate::http::state::AppState;
 use crate::http::text::{text, Needed};
 use crate::http::{fallback_headers, redis_read};
 use crate::lifecycle;
-use crate::store::lifecycle::Transition;
+use crate::store::lifecycle::{Payment, Redeemer, Redemption, Transition};
 use crate::store::orders::{self, OrderRow};
 use crate::store::vouchers;
 
@@ -32,8 +32,9 @@ pub(crate) struct OrderResponse {
     pub voucher_id: VoucherId,
     #[schema(inline)]
     pub user_id: UserId,
-    /// `pending` until the worker has written it to Postgres, then `created`; then
-    /// `paid`, `cancelled` or `expired` (final).
+    /// `pending` until the worker has written it to Postgres, then `created`; `paid`
+    /// once the payment provider confirmed payment, then `used` (redeemed at the shop)
+    /// or `refunding` → `refunded`; an unpaid order ends `cancelled` or `expired`.
     #[schema(example = "created")]
     pub status: OrderStatus,
     /// Admission time.
@@ -42,13 +43,37 @@ pub(crate) struct OrderResponse {
     /// expires within a few seconds after it.
     pub pay_before: Option<DateTime<Utc>>,
     pub paid_at: Option<DateTime<Utc>>,
-    /// When it was cancelled or expired.
+    /// When it gave its unit back on sale: cancelled, expired, or refunded while its
+    /// sale was open.
     pub closed_at: Option<DateTime<Utc>>,
-    /// The reference given with the payment, if any.
-    pub payment_ref: Option<String>,
+    /// When its shop redeemed it.
+    pub used_at: Option<DateTime<Utc>>,
+    /// When the provider confirmed its refund.
+    pub refunded_at: Option<DateTime<Utc>>,
+    /// Why its money goes (went) back, once `refunding`.
+    pub refund_reason: Option<RefundReason>,
+    /// How it was paid, once paid.
+    pub payment: Option<PaymentView>,
+    /// The code its shop redeems it with: shown to its owner only, while it is `paid`.
+    pub redeem_code: Option<String>,
+}
+
+/// How an order was paid.
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+pub(crate) struct PaymentView {
+    /// `provider` (the payment provider's notification) or `manual` (an administrator).
+    pub provider: PayType,
+    /// The provider's transaction.
+    pub transaction_id: Option<String>,
+    /// Cents paid, and their currency.
+    pub amount: Option<i64>,
+    pub currency: Option<String>,
+    /// Why an administrator marked it paid.
+    pub reason: Option<String>,
 }
 
 impl From<OrderRow> for OrderResponse {
+    /// As anyone allowed to see the order sees it: without its redemption code.
     fn from(row: OrderRow) -> Self {
         Self {
             order_id: row.id,
@@ -59,12 +84,33 @@ impl From<OrderRow> for OrderResponse {
             pay_before: Some(row.pay_before),
             paid_at: row.paid_at,
             closed_at: row.closed_at,
-            payment_ref: row.payment_ref,
+            used_at: row.used_at,
+            refunded_at: row.refunded_at,
+            refund_reason: row.refund_reason,
+            payment: row.pay_type.map(|provider| PaymentView {
+                provider,
+                transaction_id: row.transaction_id,
+                amount: row.paid_amount,
+                currency: row.paid_currency,
+                reason: row.pay_reason,
+            }),
+            redeem_code: None,
         }
     }
 }
 
 impl OrderResponse {
+    /// The order as `caller` sees it: its owner sees the redemption code of a paid one.
+    pub(crate) fn for_caller(row: OrderRow, caller: &AuthUser) -> Self {
+        let code = (row.user_id == caller.user_id && row.status == OrderStatus::Paid)
+            .then(|| row.redeem_code.clone())
+            .flatten();
+        Self {
+            redeem_code: code,
+            ..row.into()
+        }
+    }
+
     /// A pending order; `pay_within_secs` is its sale's payment window, if known.
     fn pending(p: PendingOrder, pay_within_secs: Option<i32>) -> Self {
         let created_at = DateTime::from_timestamp_millis(p.admitted_ms).unwrap_or_default();
@@ -77,33 +123,47 @@ impl OrderResponse {
             pay_before: pay_within_secs.map(|s| created_at + chrono::Duration::seconds(s.into())),
             paid_at: None,
             closed_at: None,
-            payment_ref: None,
+            used_at: None,
+            refunded_at: None,
+            refund_reason: None,
+            payment: None,
+            redeem_code: None,
         }
     }
 }
 
-/// Optional body of `POST /orders/{order_id}/pay`.
+/// Body of an administrator's `POST /orders/{order_id}/pay`.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-pub(crate) struct PayOrder {
-    /// The payment provider's reference: 1 to 128 characters, no NUL, at least one of
-    /// them visible (not only whitespace or invisible characters).
-    #[schema(
-        min_length = 1,
-        max_length = 128,
-        pattern = "^[^\\u0000]*[^\\s\\u0000\\u00AD\\u034F\\u061C\\u115F\\u1160\\u17B4\\u17B5\\u180B-\\u180F\\u200B-\\u200F\\u202A-\\u202E\\u2060-\\u206F\\u3164\\uFE00-\\uFE0F\\uFEFF\\uFFA0\\uFFF0-\\uFFF8][^\\u0000]*$"
-    )]
-    pub payment_ref: Option<String>,
+pub(crate) struct ManualPayment {
+    /// Why the order is marked paid by hand (recorded): 1 to 256 characters, at least
+    /// one of them visible.
+    #[schema(min_length = 1, max_length = 256)]
+    pub reason: String,
 }
 
-const MAX_PAYMENT_REF: usize = 128;
+const MAX_PAY_REASON: usize = 256;
 
-impl PayOrder {
-    fn payment_ref(self) -> AppResult<Option<String>> {
-        self.payment_ref
-            .map(|r| text("payment_ref", &r, MAX_PAYMENT_REF, Needed::Required))
-            .transpose()
-    }
+/// Body of `POST /orders/{order_id}/redeem`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RedeemOrder {
+    /// The coupon's `redeem_code`, as its owner shows it (case and dashes do not matter).
+    #[schema(min_length = 1, max_length = 64)]
+    pub code: String,
+}
+
+/// What a client hands to the payment provider.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct Checkout {
+    #[schema(value_type = String, pattern = "^[1-9][0-9]{0,18}$")]
+    pub order_id: OrderId,
+    /// The voucher's `pay_value`, in cents.
+    pub amount: i64,
+    #[schema(example = "CNY")]
+    pub currency: &'static str,
+    /// The provider must confirm payment before this; a payment after it is refunded.
+    pub pay_before: DateTime<Utc>,
 }
 
 /// Sales whose Redis state may still hold buyer records (not ended longer ago than the
@@ -137,7 +197,7 @@ pub(crate) async fn get(
     PathId(order_id): PathId<OrderId>,
 ) -> AppResult<Json<OrderResponse>> {
     match find_order(&state, &user, order_id).await? {
-        Found::Stored(row) => Ok(Json(row.into())),
+        Found::Stored(row) => Ok(Json(OrderResponse::for_caller(row, &user))),
         Found::Pending(p) => {
             let windows = vouchers::pay_windows(&state.db, &[p.voucher_id]).await?;
             let window = windows.get(&p.voucher_id).copied();
@@ -215,48 +275,201 @@ async fn own_order(state: &AppState, user: &AuthUser, order_id: OrderId) -> AppR
     }
 }
 
-#[utoipa::path(post, path = "/orders/{order_id}/pay", operation_id = "payOrder", tag = "orders", security(("bearer" = [])),
+/// The answer to a move the order's status did not allow: which code says why.
+fn refused(row: OrderRow) -> AppError {
+    match row.status {
+        OrderStatus::Paid | OrderStatus::Refunding | OrderStatus::Refunded => {
+            AppError::OrderPaid(row.id)
+        }
+        OrderStatus::Used => AppError::OrderUsed(row.id),
+        OrderStatus::Created | OrderStatus::Pending => AppError::OrderUnpaid(row.id),
+        OrderStatus::Cancelled | OrderStatus::Expired => AppError::OrderClosed(row.id, row.status),
+    }
+}
+
+#[utoipa::path(post, path = "/orders/{order_id}/checkout", operation_id = "checkoutOrder", tag = "orders", security(("bearer" = [])),
     params(("order_id" = String, Path, description = "order id: 64-bit, as a string of digits (as in bodies)", pattern = "^[1-9][0-9]{0,18}$")),
-    request_body(content = Option<PayOrder>, description = "optional (no body at all is fine): the payment's reference", content_type = "application/json"),
     responses(
-        (status = 200, description = "the order, `paid` (now, or before: paying again is 200 and changes nothing)", body = OrderResponse),
-        (status = 400, description = "not a valid id or unreadable body (`validation`)", body = ErrorBody),
+        (status = 200, description = "what the client hands to the payment provider: the order, its amount and \
+            deadline. The order is paid once the provider's signed notification arrives (`POST /payments/notifications`)", body = Checkout),
+        (status = 400, description = "not a valid id (`validation`)", body = ErrorBody),
         (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
         (status = 404, description = "no such order, or somebody else's (`not_found`)", body = ErrorBody),
-        (status = 409, description = "`order_pending` (not written yet; retry after `Retry-After`), or `order_closed` \
-            (cancelled, or expired: an unpaid order past `pay_before` is never paid)", body = ErrorBody,
+        (status = 409, description = "`order_pending` (not written yet; retry after `Retry-After`), `order_paid` \
+            (paid already), `order_used`, or `order_closed` (cancelled or expired: past `pay_before` it is never paid)", body = ErrorBody,
             headers(("Retry-After" = u32, description = "seconds, with `order_pending`"))),
-        (status = 422, description = "a body of the wrong shape, or `payment_ref` out of range (`validation`)", body = ErrorBody),
+        (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
+    ))]
+pub(crate) async fn checkout(
+    State(state): State<AppState>,
+    user: AuthUser,
+    PathId(order_id): PathId<OrderId>,
+) -> AppResult<Json<Checkout>> {
+    let row = own_order(&state, &user, order_id).await?;
+    if row.user_id != user.user_id {
+        // An administrator sees the order; only its owner pays it.
+        return Err(AppError::NotFound(format!("order {order_id} not found")));
+    }
+    if row.status != OrderStatus::Created {
+        return Err(refused(row));
+    }
+    if row.pay_before <= Utc::now() {
+        return Err(AppError::OrderClosed(row.id, OrderStatus::Expired));
+    }
+    let price = vouchers::get(&state.db, row.voucher_id)
+        .await?
+        .map(|v| v.pay_value)
+        .ok_or_else(|| AppError::Internal(anyhow::anyhow!("order {order_id} has no voucher")))?;
+    Ok(Json(Checkout {
+        order_id: row.id,
+        amount: price,
+        currency: CURRENCY,
+        pay_before: row.pay_before,
+    }))
+}
+
+#[utoipa::path(post, path = "/orders/{order_id}/pay", operation_id = "payOrder", tag = "orders", security(("bearer" = [])),
+    params(("order_id" = String, Path, description = "order id: 64-bit, as a string of digits (as in bodies)", pattern = "^[1-9][0-9]{0,18}$")),
+    request_body(content = ManualPayment, description = "why the order is marked paid by hand", content_type = "application/json"),
+    responses(
+        (status = 200, description = "the order, `paid` (recorded as a manual payment, with the reason; paying a \
+            `paid` order again is 200 and changes nothing). Shoppers pay through the payment provider", body = OrderResponse),
+        (status = 400, description = "not a valid id or unreadable body (`validation`)", body = ErrorBody),
+        (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
+        (status = 403, description = "not an administrator (`forbidden`)", body = ErrorBody),
+        (status = 404, description = "no such order (`not_found`)", body = ErrorBody),
+        (status = 409, description = "`order_pending` (not written yet; retry after `Retry-After`), `order_used`, or \
+            `order_closed` (cancelled, or expired: an unpaid order past `pay_before` is never paid)", body = ErrorBody,
+            headers(("Retry-After" = u32, description = "seconds, with `order_pending`"))),
+        (status = 422, description = "a body of the wrong shape, or `reason` out of range (`validation`)", body = ErrorBody),
         (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
     ))]
 pub(crate) async fn pay(
     State(state): State<AppState>,
     user: AuthUser,
     PathId(order_id): PathId<OrderId>,
-    MaybeJson(body): MaybeJson<PayOrder>,
+    MaybeJson(body): MaybeJson<ManualPayment>,
 ) -> AppResult<Json<OrderResponse>> {
-    let payment_ref = match body {
-        Some(body) => body.payment_ref()?,
-        None => None,
-    };
+    if !user.admin {
+        return Err(AppError::Forbidden);
+    }
+    let body = body.ok_or_else(|| {
+        AppError::invalid("the body must be {\"reason\": \"<why it is paid by hand>\"}")
+    })?;
+    let reason = text("reason", &body.reason, MAX_PAY_REASON, Needed::Required)?;
     let row = own_order(&state, &user, order_id).await?;
     let mut conn = state.redis.clone();
-    let done = lifecycle::pay(
-        &state.db,
-        &mut conn,
-        &state.keys,
-        state.settings.replicas,
-        row.id,
-        payment_ref.as_deref(),
-    )
-    .await?;
+    let payment = Payment::Manual { reason: &reason };
+    let done = lifecycle::pay(&state.db, &mut conn, &state.keys, state.settings.replicas, row.id, payment)
+        .await?;
     match done {
         Transition::Moved(row) => Ok(Json(row.into())),
         Transition::Unchanged(row) if row.status == OrderStatus::Paid => Ok(Json(row.into())),
         Transition::Unchanged(row) if row.status == OrderStatus::Created => Err(
             AppError::Internal(anyhow::anyhow!("order {order_id} neither payable nor due")),
         ),
-        Transition::Unchanged(row) => Err(AppError::OrderClosed(row.id, row.status)),
+        Transition::Unchanged(row) => Err(refused(row)),
+        Transition::Missing => Err(AppError::NotFound(format!("order {order_id} not found"))),
+    }
+}
+
+#[utoipa::path(post, path = "/orders/{order_id}/redeem", operation_id = "redeemOrder", tag = "orders", security(("bearer" = [])),
+    params(("order_id" = String, Path, description = "order id: 64-bit, as a string of digits (as in bodies)", pattern = "^[1-9][0-9]{0,18}$")),
+    request_body(content = RedeemOrder, description = "the code the coupon's owner shows", content_type = "application/json"),
+    responses(
+        (status = 200, description = "the order, `used`: redeemed now. Once only: a second redemption is `order_used`", body = OrderResponse),
+        (status = 400, description = "not a valid id or unreadable body (`validation`)", body = ErrorBody),
+        (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
+        (status = 403, description = "not staff of the voucher's shop, nor an administrator (`forbidden`)", body = ErrorBody),
+        (status = 404, description = "no such order (`not_found`)", body = ErrorBody),
+        (status = 409, description = "`order_used` (redeemed already), `order_unpaid`, `order_paid` (refunding or \
+            refunded), `order_pending` or `order_closed`", body = ErrorBody),
+        (status = 422, description = "a body of the wrong shape, or a code that is not this order's (`validation`)", body = ErrorBody),
+        (status = 429, description = "too many attempts (`rate_limited`); retry after `Retry-After`", body = ErrorBody,
+            headers(("Retry-After" = u32, description = "seconds"))),
+        (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
+    ))]
+pub(crate) async fn redeem(
+    State(state): State<AppState>,
+    user: AuthUser,
+    PathId(order_id): PathId<OrderId>,
+    MaybeJson(body): MaybeJson<RedeemOrder>,
+) -> AppResult<Json<OrderResponse>> {
+    let by = match (user.admin, user.shop) {
+        (true, _) => Redeemer::Admin,
+        (false, Some(shop)) => Redeemer::Staff(shop),
+        (false, None) => return Err(AppError::Forbidden),
+    };
+    let body = body.ok_or_else(|| {
+        AppError::invalid("the body must be {\"code\": \"<the coupon's redeem_code>\"}")
+    })?;
+    // Guessing codes costs the guesser: each attempt counts against their rate.
+    state
+        .redeem_attempts
+        .check(&user.user_id)
+        .map_err(|wait| AppError::RateLimited {
+            retry_after_secs: wait.as_secs_f64().ceil() as u64,
+        })?;
+    match lifecycle::redeem(&state.db, order_id, &body.code, by, user.user_id).await? {
+        Redemption::Done(Transition::Moved(row)) => Ok(Json(row.into())),
+        Redemption::Done(Transition::Unchanged(row)) => Err(refused(row)),
+        Redemption::Done(Transition::Missing) => Err(AppError::NotFound(format!(
+            "order {order_id} not found (a pending order is not paid yet)"
+        ))),
+        Redemption::OtherShop => Err(AppError::Forbidden),
+        Redemption::WrongCode => Err(AppError::invalid(format!(
+            "the code is not order {order_id}'s redemption code"
+        ))),
+    }
+}
+
+#[utoipa::path(post, path = "/orders/{order_id}/refund", operation_id = "refundOrder", tag = "orders", security(("bearer" = [])),
+    params(("order_id" = String, Path, description = "order id: 64-bit, as a string of digits (as in bodies)", pattern = "^[1-9][0-9]{0,18}$")),
+    responses(
+        (status = 200, description = "the order, `refunding` (now, or before: asking again is 200 and changes \
+            nothing); `refunded` once the payment provider confirms the refund. A refunded coupon's unit goes back \
+            on sale if its sale is still open", body = OrderResponse),
+        (status = 400, description = "not a valid id (`validation`)", body = ErrorBody),
+        (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
+        (status = 404, description = "no such order, or somebody else's (`not_found`)", body = ErrorBody),
+        (status = 409, description = "`not_refundable` (the voucher is not refundable, or the order is not paid), \
+            `order_used` (redeemed already), `order_pending`, or `order_closed`", body = ErrorBody,
+            headers(("Retry-After" = u32, description = "seconds, with `order_pending`"))),
+        (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
+    ))]
+pub(crate) async fn refund(
+    State(state): State<AppState>,
+    user: AuthUser,
+    PathId(order_id): PathId<OrderId>,
+) -> AppResult<Json<OrderResponse>> {
+    let row = own_order(&state, &user, order_id).await?;
+    let reason = if user.admin {
+        RefundReason::Admin
+    } else {
+        let refundable = vouchers::get(&state.db, row.voucher_id)
+            .await?
+            .is_some_and(|v| v.refundable);
+        if !refundable {
+            return Err(AppError::NotRefundable(format!(
+                "voucher {} is not refundable",
+                row.voucher_id
+            )));
+        }
+        RefundReason::Requested
+    };
+    match lifecycle::ask_refund(&state.db, row.id, reason).await? {
+        Transition::Moved(row) => Ok(Json(OrderResponse::for_caller(row, &user))),
+        Transition::Unchanged(row)
+            if matches!(row.status, OrderStatus::Refunding | OrderStatus::Refunded)
+                && row.refund_reason != Some(RefundReason::LatePayment) =>
+        {
+            Ok(Json(OrderResponse::for_caller(row, &user)))
+        }
+        Transition::Unchanged(row) => Err(match row.status {
+            OrderStatus::Used => AppError::OrderUsed(row.id),
+            OrderStatus::Cancelled | OrderStatus::Expired => AppError::OrderClosed(row.id, row.status),
+            _ => AppError::NotRefundable(format!("order {order_id} is {}, not paid", row.status)),
+        }),
         Transition::Missing => Err(AppError::NotFound(format!("order {order_id} not found"))),
     }
 }
@@ -288,12 +501,10 @@ pub(crate) async fn cancel(
         {
             Ok(Json(row.into()))
         }
-        Transition::Unchanged(row) if row.status == OrderStatus::Paid => {
-            Err(AppError::OrderPaid(row.id))
-        }
         Transition::Unchanged(row) if row.status == OrderStatus::Created => Err(
             AppError::Internal(anyhow::anyhow!("order {order_id} was not closed")),
         ),
+        Transition::Unchanged(row) if !row.status.is_closed() => Err(refused(row)),
         Transition::Moved(row) | Transition::Unchanged(row) => {
             Err(AppError::OrderClosed(row.id, row.status))
         }
@@ -321,7 +532,10 @@ pub(crate) async fn list_mine(
     let headers = fallback_headers(admitted.is_none());
     let admitted = admitted.unwrap_or_default();
     let stored = orders::list_by_user(&state.db, user.user_id).await?;
-    let mut all: Vec<OrderResponse> = stored.into_iter().map(Into::into).collect();
+    let mut all: Vec<OrderResponse> = stored
+        .into_iter()
+        .map(|row| OrderResponse::for_caller(row, &user))
+        .collect();
     // Written already: Postgres's row is the one to show.
     let admitted: Vec<PendingOrder> = admitted
         .into_iter()

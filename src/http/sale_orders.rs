@@ -1,4 +1,5 @@
-//! The administrators' `GET /vouchers/{id}/orders`: one page of a sale's orders, its
+//! The administrators' `GET /vouchers/{id}/orders` (one page of a sale's orders) and
+//! a shop's `GET /shops/{shop_id}/orders` (its staff's, or an administrator's), their
 //! query read by hand so that every mistake is a `validation` error in our format.
 
 use axum::extract::{RawQuery, State};
@@ -6,8 +7,8 @@ use axum::Json;
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::auth::Admin;
-use crate::domain::{OrderId, OrderStatus, VoucherId};
+use crate::auth::{Admin, AuthUser};
+use crate::domain::{OrderId, OrderStatus, ShopId, VoucherId};
 use crate::http::error::{AppError, AppResult, ErrorBody};
 use crate::http::extract::PathId;
 use crate::http::orders::OrderResponse;
@@ -45,6 +46,12 @@ pub(crate) enum ListedStatus {
     Created,
     #[schema(rename = "paid")]
     Paid,
+    #[schema(rename = "used")]
+    Used,
+    #[schema(rename = "refunding")]
+    Refunding,
+    #[schema(rename = "refunded")]
+    Refunded,
     #[schema(rename = "cancelled")]
     Cancelled,
     #[schema(rename = "expired")]
@@ -52,8 +59,15 @@ pub(crate) enum ListedStatus {
 }
 
 impl ListedStatus {
-    pub(crate) const ALL: [ListedStatus; 4] =
-        [Self::Created, Self::Paid, Self::Cancelled, Self::Expired];
+    pub(crate) const ALL: [ListedStatus; 7] = [
+        Self::Created,
+        Self::Paid,
+        Self::Used,
+        Self::Refunding,
+        Self::Refunded,
+        Self::Cancelled,
+        Self::Expired,
+    ];
 
     fn parse(value: &str) -> AppResult<Self> {
         Self::ALL
@@ -77,6 +91,9 @@ impl From<ListedStatus> for OrderStatus {
         match s {
             ListedStatus::Created => OrderStatus::Created,
             ListedStatus::Paid => OrderStatus::Paid,
+            ListedStatus::Used => OrderStatus::Used,
+            ListedStatus::Refunding => OrderStatus::Refunding,
+            ListedStatus::Refunded => OrderStatus::Refunded,
             ListedStatus::Cancelled => OrderStatus::Cancelled,
             ListedStatus::Expired => OrderStatus::Expired,
         }
@@ -176,6 +193,49 @@ pub(crate) async fn list_orders(
     let mut rows = orders::page_of_sale(
         &state.db,
         id,
+        query.status.map(Into::into),
+        query.after,
+        query.limit + 1,
+    )
+    .await?;
+    let more = rows.len() as i64 > query.limit;
+    rows.truncate(query.limit as usize);
+    let next = more.then(|| rows.last().map(|r| r.id)).flatten();
+    Ok(Json(OrderPage {
+        items: rows.into_iter().map(Into::into).collect(),
+        next,
+    }))
+}
+
+#[utoipa::path(get, path = "/shops/{shop_id}/orders", operation_id = "listShopOrders", tag = "orders",
+    security(("bearer" = [])),
+    params(
+        ("shop_id" = i64, Path, description = "shop id", minimum = 1),
+        ("status" = Option<ListedStatus>, Query, description = "only orders in this status"),
+        ("limit" = Option<i64>, Query, description = "orders per page, 1 to 1000 (default 100)", minimum = 1, maximum = 1000),
+        ("after" = Option<String>, Query, description = "the `next` of the previous page", pattern = "^[1-9][0-9]{0,18}$"),
+    ),
+    responses(
+        (status = 200, description = "a page of the orders of the shop's vouchers written to Postgres, newest first \
+            (keyset pagination, as `GET /vouchers/{id}/orders`); redemption codes are never shown here", body = OrderPage),
+        (status = 400, description = "bad id, status, limit or cursor, or an unknown or repeated query parameter (`validation`)", body = ErrorBody),
+        (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
+        (status = 403, description = "not staff of this shop, nor an administrator (`forbidden`)", body = ErrorBody),
+        (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
+    ))]
+pub(crate) async fn list_shop_orders(
+    State(state): State<AppState>,
+    user: AuthUser,
+    PathId(shop_id): PathId<ShopId>,
+    RawQuery(raw): RawQuery,
+) -> AppResult<Json<OrderPage>> {
+    if !user.admin && user.shop != Some(shop_id) {
+        return Err(AppError::Forbidden);
+    }
+    let query = PageQuery::parse(raw.as_deref())?;
+    let mut rows = orders::page_of_shop(
+        &state.db,
+        shop_id,
         query.status.map(Into::into),
         query.after,
         query.limit + 1,

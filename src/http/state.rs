@@ -33,6 +33,8 @@ pub struct Shared {
     pub reloading: Arc<Mutex<HashSet<VoucherId>>>,
     pub(crate) per_user: Option<RateLimiter<UserId>>,
     pub(crate) per_ip: Option<RateLimiter<IpAddr>>,
+    /// Redemption attempts per staff member: codes cannot be guessed at speed.
+    pub(crate) redeem_attempts: RateLimiter<UserId>,
     /// Coalesces concurrent grabs of a shard into one admission script call.
     pub(crate) admissions: Batcher,
     /// The live view's snapshots (`/live/events`).
@@ -50,6 +52,10 @@ pub struct Shared {
     /// for Postgres when it was away at start).
     pub(crate) migrated: tokio_util::sync::CancellationToken,
 }
+
+/// Redemptions a staff member may attempt: a counter's pace, with room for a queue.
+const REDEEM_PER_SECOND: u32 = 2;
+const REDEEM_BURST: u32 = 20;
 
 impl AppState {
     // (Called once, by the one startup; each argument is a part of the state.)
@@ -95,6 +101,8 @@ impl AppState {
             reloading: Arc::default(),
             per_user,
             per_ip,
+            redeem_attempts: RateLimiter::new(REDEEM_PER_SECOND, REDEEM_BURST)
+                .expect("a positive rate"),
             admissions,
             live,
             heal: Arc::default(),

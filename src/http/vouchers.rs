@@ -69,6 +69,10 @@ pub(crate) struct CreateVoucher {
     /// What the voucher is worth, in cents.
     #[schema(minimum = 0, maximum = 9223372036854775807_i64)]
     pub actual_value: i64,
+    /// Whether a paid, unused coupon may be refunded at its owner's request (an
+    /// administrator may refund any).
+    #[serde(default)]
+    pub refundable: bool,
     #[serde(default, deserialize_with = "crate::http::extract::object_or_null")]
     pub seckill: Option<CreateSeckill>,
 }
@@ -187,6 +191,7 @@ impl CreateVoucher {
             rules: text("rules", &self.rules, MAX_RULES, Needed::Optional)?,
             pay_value: self.pay_value,
             actual_value: self.actual_value,
+            refundable: self.refundable,
             seckill,
         })
     }
@@ -202,6 +207,8 @@ pub(crate) struct VoucherResponse {
     pub rules: String,
     pub pay_value: i64,
     pub actual_value: i64,
+    /// Whether its owner may ask for a paid, unused coupon's refund.
+    pub refundable: bool,
     pub created_at: DateTime<Utc>,
     /// Live remaining stock of a flash-sale voucher (same as `seckill.stock`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -258,6 +265,7 @@ impl VoucherResponse {
             rules: row.rules,
             pay_value: row.pay_value,
             actual_value: row.actual_value,
+            refundable: row.refundable,
             created_at: row.created_at,
             stock: seckill.as_ref().map(|s| s.stock),
             seckill,

@@ -1,4 +1,6 @@
-//! The order's life after admission: payment, cancellation, and expiry of unpaid orders.
+//! The order's life after admission: payment (confirmed by the payment provider's
+//! signed notification, [`payments`]), redemption at the shop, refunds, cancellation,
+//! and expiry of unpaid orders.
 //!
 //! Postgres judges every transition ([`store::lifecycle`]): a conditional update, and for
 //! a closed order its unit back in Postgres's stock plus a release owed to Redis, in one
@@ -8,6 +10,8 @@
 //! between the commit and the release leaves the release owed in `stock_releases`, and
 //! the sweeper makes it.
 
+pub mod payments;
+pub mod signature;
 pub mod sweeper;
 
 use std::time::Duration;
@@ -19,7 +23,8 @@ use crate::domain::{OrderId, OrderStatus};
 use crate::keys::{self, Keys};
 use crate::metrics::{TRANSITIONS, UNITS_RETURNED};
 use crate::scripts::{Call, Replicas};
-use crate::store::lifecycle::{self as transitions, Close, Release, Transition};
+use crate::domain::RefundReason;
+use crate::store::lifecycle::{self as transitions, Close, Payment, Redemption, Redeemer, Release, Transition};
 use crate::store::orders::OrderRow;
 
 /// How long a request waits for Redis to take a release back before leaving it owed
@@ -69,10 +74,11 @@ pub async fn release<C: ConnectionLike + Send>(
     Ok(returned)
 }
 
-/// Counts a transition made now (and, for a closed order, the unit Postgres got back).
-fn count(row: &OrderRow) {
+/// Counts a transition made now (and, for an order that gave its unit back now, the
+/// unit Postgres got back).
+fn count(row: &OrderRow, unit_back: bool) {
     metrics::counter!(TRANSITIONS, "to" => row.status.as_str()).increment(1);
-    if row.status.is_closed() {
+    if unit_back {
         metrics::counter!(UNITS_RETURNED, "store" => "postgres").increment(1);
     }
 }
@@ -115,20 +121,21 @@ async fn release_now<C: ConnectionLike + Send>(
     }
 }
 
-/// Pays an order: `Moved` when paid now, `Unchanged` with the order as it is otherwise
-/// (already paid, or closed: an unpaid order past its deadline is expired here and then,
-/// never paid).
+/// Pays an order by hand (an administrator's, with a reason; shoppers' payments come
+/// from the provider, [`payments::receive`]): `Moved` when paid now, `Unchanged` with
+/// the order as it is otherwise (already paid, or closed: an unpaid order past its
+/// deadline is expired here and then, never paid).
 pub async fn pay<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,
     replicas: Replicas,
     order_id: OrderId,
-    payment_ref: Option<&str>,
+    payment: Payment<'_>,
 ) -> anyhow::Result<Transition> {
-    match transitions::pay(db, order_id, payment_ref).await? {
+    match transitions::pay(db, order_id, payment).await? {
         Transition::Moved(row) => {
-            count(&row);
+            count(&row, false);
             Ok(Transition::Moved(row))
         }
         Transition::Unchanged(row) if row.status == OrderStatus::Created => {
@@ -136,7 +143,7 @@ pub async fn pay<C: ConnectionLike + Send>(
             // shopper a window the sweeper is about to close.
             match transitions::close(db, order_id, Close::ExpireIfDue).await? {
                 Transition::Moved(row) => {
-                    count(&row);
+                    count(&row, true);
                     release_now(db, conn, keys, replicas, &row).await;
                     Ok(Transition::Unchanged(row))
                 }
@@ -158,8 +165,37 @@ pub async fn cancel<C: ConnectionLike + Send>(
 ) -> anyhow::Result<Transition> {
     let done = transitions::close(db, order_id, Close::Cancel).await?;
     if let Transition::Moved(row) = &done {
-        count(row);
+        count(row, true);
         release_now(db, conn, keys, replicas, row).await;
+    }
+    Ok(done)
+}
+
+/// Redeems a paid coupon at its shop (see [`transitions::redeem`]).
+pub async fn redeem(
+    db: &PgPool,
+    order_id: OrderId,
+    code: &str,
+    by: Redeemer,
+    staff: crate::domain::UserId,
+) -> anyhow::Result<Redemption> {
+    let done = transitions::redeem(db, order_id, code, by, staff).await?;
+    if let Redemption::Done(Transition::Moved(row)) = &done {
+        count(row, false);
+    }
+    Ok(done)
+}
+
+/// Asks for the refund of a paid, unused coupon: `refunding` until the provider
+/// confirms it.
+pub async fn ask_refund(
+    db: &PgPool,
+    order_id: OrderId,
+    reason: RefundReason,
+) -> anyhow::Result<Transition> {
+    let done = transitions::ask_refund(db, order_id, reason).await?;
+    if let Transition::Moved(row) = &done {
+        count(row, false);
     }
     Ok(done)
 }

@@ -1,7 +1,8 @@
 //! The expiry sweeper, run by every worker process: expires unpaid orders past their
-//! deadline (several sweepers share the work through `FOR UPDATE SKIP LOCKED`), and
-//! makes the releases owed to Redis (the expiries' own, and any left by a crash or an
-//! outage between a close's commit and its release).
+//! deadline (several sweepers share the work through `FOR UPDATE SKIP LOCKED`), makes
+//! the releases owed to Redis (the expiries' own, and any left by a crash or an outage
+//! between a close's commit and its release), and applies the payments that arrived
+//! before their order was written.
 //!
 //! The two halves run apart: expiry needs only Postgres, so a Redis outage does not
 //! hold it back (its releases wait, owed, until Redis answers again).
@@ -117,6 +118,7 @@ pub async fn sweep_once(
     batch: i64,
     replicas: Replicas,
 ) -> anyhow::Result<SweepReport> {
+    super::payments::settle_awaiting(db, conn, keys, replicas, batch).await?;
     let expired = expire_all_due(db, batch).await?;
     let report = release_owed(db, conn, keys, batch, replicas).await?;
     Ok(SweepReport { expired, ..report })
@@ -132,8 +134,20 @@ pub async fn run(
     cancel: CancellationToken,
 ) {
     let expiry = every(&cancel, config.every, "expiry", || {
-        let db = db.clone();
+        let (db, mut conn, keys) = (db.clone(), conn.clone(), keys.clone());
         async move {
+            // Payments that waited for their order first: they were in time.
+            let settled = super::payments::settle_awaiting(
+                &db,
+                &mut conn,
+                &keys,
+                config.replicas,
+                config.batch,
+            )
+            .await?;
+            if settled > 0 {
+                tracing::info!(settled, "payments applied to orders written after them");
+            }
             let expired = expire_all_due(&db, config.batch).await?;
             if expired > 0 {
                 tracing::info!(expired, "unpaid orders expired");

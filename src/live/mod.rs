@@ -174,7 +174,7 @@ impl From<(Option<i64>, tally::ShownCounts)> for Figures {
 
 /// The orders the sale's admitted grabs became, so that they add up:
 /// `admitted = persisted + in_flight + dead_letters` (the sale's), and
-/// `persisted = created + paid + cancelled + expired`.
+/// `persisted = created + paid + used + refunding + refunded + cancelled + expired`.
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct Orders {
     /// Orders admitted, as the stores account for them this second: persisted, in
@@ -189,8 +189,17 @@ pub struct Orders {
     /// Persisted, waiting to be paid.
     pub created: i64,
     pub paid: i64,
+    /// Redeemed at the shop.
+    pub used: i64,
+    /// Money to go back (asked for, or paid too late), and gone back.
+    pub refunding: i64,
+    pub refunded: i64,
     pub cancelled: i64,
     pub expired: i64,
+    /// Of the persisted, those that gave their unit back on sale.
+    pub units_back: i64,
+    /// Payments that came after their order had closed (among `refunding`/`refunded`).
+    pub late_payments: i64,
 }
 
 /// The process's live view: the latest snapshot and who watches it. Cheap to clone.
@@ -567,7 +576,8 @@ fn view(s: &SaleRow, figures: Figures, grabs_per_sec: Option<f64>, fresh: bool) 
     };
     // Not loaded in Redis (it loads on the first grab): Postgres's units not taken.
     let sold_out = remaining.unwrap_or(s.stock as i64) <= 0;
-    let persisted = s.created + s.paid + s.cancelled + s.expired;
+    let persisted =
+        s.created + s.paid + s.used + s.refunding + s.refunded + s.cancelled + s.expired;
     // Redis's stock = Postgres's - orders in flight - units whose return to Redis is
     // owed (see `reconcile`).
     let in_flight = remaining
@@ -600,8 +610,13 @@ fn view(s: &SaleRow, figures: Figures, grabs_per_sec: Option<f64>, fresh: bool) 
             in_flight,
             created: s.created,
             paid: s.paid,
+            used: s.used,
+            refunding: s.refunding,
+            refunded: s.refunded,
             cancelled: s.cancelled,
             expired: s.expired,
+            units_back: s.units_back,
+            late_payments: s.late_payments,
         },
         dead_letters: s.dead_letters,
         stale_epoch: s.stale_epoch,

@@ -95,5 +95,6 @@ impl Rejection {
 /// How the reason of every dead letter of [`Rejection::StaleEpoch`] begins.
 pub(crate) const STALE_EPOCH: &str = "stale_epoch";
 
-/// Statuses of an order that holds its unit (at most one per user and voucher).
-pub(crate) const ACTIVE: &str = "status IN ('created', 'paid')";
+/// An order that holds its unit (at most one per user and voucher): one that has not
+/// given it back (cancelled, expired, or refunded while its sale was open).
+pub(crate) const ACTIVE: &str = "closed_at IS NULL";

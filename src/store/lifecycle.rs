@@ -1,9 +1,12 @@
-//! Order transitions after admission: `created → paid | cancelled | expired`.
+//! Order transitions after admission: `created → paid | cancelled | expired`, `paid →
+//! used | refunding → refunded`, and a late payment's `cancelled | expired → refunding`.
 //!
 //! Postgres judges every transition with a conditional update on the order's current
-//! status. Closing an order (cancel, expiry) returns its unit to the sale's stock and
-//! records the release owed to Redis (`stock_releases`) in the same transaction, so a
-//! unit comes back to Postgres exactly once, and the Redis side can never be forgotten.
+//! status. Giving a unit back (cancel, expiry, a refund while the sale is open) raises
+//! the sale's stock and records the release owed to Redis (`stock_releases`) in the same
+//! transaction, so a unit comes back to Postgres exactly once, and the Redis side can
+//! never be forgotten. Each transition also moves the order between the sale's counts
+//! by status ([`recount`]), which the live view reads.
 //!
 //! Locks: a transaction that writes an order row and a sale row (pay, cancel, expiry)
 //! locks the order rows first (`FOR UPDATE`; the sweeper skips locked ones), then the
@@ -23,7 +26,7 @@ use sqlx::{FromRow, PgPool, Postgres, Transaction};
 
 use super::orders::{OrderRow, ORDER_COLUMNS};
 use super::vouchers::lock_sales;
-use crate::domain::{OrderId, OrderStatus, UserId, VoucherId};
+use crate::domain::{OrderId, OrderStatus, PayType, RedeemCode, RefundReason, ShopId, UserId, VoucherId};
 
 /// A unit owed back to a sale's live stock in Redis, for a closed order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, FromRow)]
@@ -62,14 +65,35 @@ pub enum Transition {
     Missing,
 }
 
-/// Pays a `created` order whose deadline has not passed (by Postgres's clock), and
-/// counts it on its sale's row: the order's lock, then the sale's, then the writes (the
-/// module's lock order).
+/// How an order is paid.
+#[derive(Debug, Clone, Copy)]
+pub enum Payment<'a> {
+    /// Confirmed by the payment provider's notification.
+    Provider {
+        transaction_id: &'a str,
+        amount: i64,
+        currency: &'a str,
+    },
+    /// Marked paid by an administrator, for this reason.
+    Manual { reason: &'a str },
+}
+
+impl Payment<'_> {
+    fn pay_type(&self) -> PayType {
+        match self {
+            Payment::Provider { .. } => PayType::Provider,
+            Payment::Manual { .. } => PayType::Manual,
+        }
+    }
+}
+
+/// Pays a `created` order whose deadline has not passed (by Postgres's clock): the
+/// order's lock, then the sale's, then the writes (the module's lock order).
 #[tracing::instrument(skip(db))]
 pub(crate) async fn pay(
     db: &PgPool,
     order_id: OrderId,
-    payment_ref: Option<&str>,
+    payment: Payment<'_>,
 ) -> Result<Transition, sqlx::Error> {
     let mut tx = db.begin().await?;
     let payable: Option<VoucherId> = sqlx::query_scalar(
@@ -79,25 +103,9 @@ pub(crate) async fn pay(
     .bind(order_id)
     .fetch_optional(&mut *tx)
     .await?;
-    let paid: Option<OrderRow> = match payable {
+    let paid = match payable {
         None => None,
-        Some(voucher_id) => {
-            lock_sales(&mut tx, &[voucher_id]).await?;
-            // Still payable: locked since the check, and now() is the transaction's.
-            let row: OrderRow = sqlx::query_as(&format!(
-                "UPDATE voucher_orders SET status = 'paid', paid_at = now(), payment_ref = $2 \
-                 WHERE id = $1 RETURNING {ORDER_COLUMNS}"
-            ))
-            .bind(order_id)
-            .bind(payment_ref)
-            .fetch_one(&mut *tx)
-            .await?;
-            sqlx::query("UPDATE seckill_vouchers SET paid = paid + 1 WHERE voucher_id = $1")
-                .bind(voucher_id)
-                .execute(&mut *tx)
-                .await?;
-            Some(row)
-        }
+        Some(voucher_id) => Some(pay_locked(&mut tx, order_id, voucher_id, payment).await?),
     };
     tx.commit().await?;
     Ok(match paid {
@@ -107,6 +115,279 @@ pub(crate) async fn pay(
             None => Transition::Missing,
         },
     })
+}
+
+/// Pays an order this transaction holds locked as `created` and not yet due: it gets
+/// its redemption code now.
+pub(crate) async fn pay_locked(
+    tx: &mut Transaction<'_, Postgres>,
+    order_id: OrderId,
+    voucher_id: VoucherId,
+    payment: Payment<'_>,
+) -> Result<OrderRow, sqlx::Error> {
+    lock_sales(tx, &[voucher_id]).await?;
+    let row = set_payment(tx, order_id, OrderStatus::Paid, None, payment).await?;
+    recount(tx, voucher_id, OrderStatus::Created, OrderStatus::Paid, 0, 0).await?;
+    Ok(row)
+}
+
+/// A payment for an order this transaction holds locked as cancelled or expired (its
+/// unit back on sale, maybe sold again): the money must go back, so it goes to
+/// `refunding` (`late_payment`) without taking a unit.
+pub(crate) async fn pay_late(
+    tx: &mut Transaction<'_, Postgres>,
+    order_id: OrderId,
+    voucher_id: VoucherId,
+    was: OrderStatus,
+    payment: Payment<'_>,
+) -> Result<OrderRow, sqlx::Error> {
+    debug_assert!(was.is_closed());
+    lock_sales(tx, &[voucher_id]).await?;
+    let row = set_payment(
+        tx,
+        order_id,
+        OrderStatus::Refunding,
+        Some(RefundReason::LatePayment),
+        payment,
+    )
+    .await?;
+    recount(tx, voucher_id, was, OrderStatus::Refunding, 0, 1).await?;
+    Ok(row)
+}
+
+/// Writes a payment onto a locked order, moving it to `to`.
+async fn set_payment(
+    tx: &mut Transaction<'_, Postgres>,
+    order_id: OrderId,
+    to: OrderStatus,
+    refund_reason: Option<RefundReason>,
+    payment: Payment<'_>,
+) -> Result<OrderRow, sqlx::Error> {
+    let (transaction_id, amount, currency, reason) = match payment {
+        Payment::Provider {
+            transaction_id,
+            amount,
+            currency,
+        } => (Some(transaction_id), Some(amount), Some(currency), None),
+        Payment::Manual { reason } => (None, None, None, Some(reason)),
+    };
+    sqlx::query_as(&format!(
+        "UPDATE voucher_orders SET status = $2, paid_at = now(), pay_type = $3, \
+           transaction_id = $4, paid_amount = $5, paid_currency = $6, pay_reason = $7, \
+           redeem_code = CASE WHEN $2 = 'paid' THEN $8 END, refund_reason = $9, \
+           refund_asked_at = CASE WHEN $9 IS NULL THEN NULL ELSE now() END \
+         WHERE id = $1 RETURNING {ORDER_COLUMNS}"
+    ))
+    .bind(order_id)
+    .bind(to)
+    .bind(payment.pay_type())
+    .bind(transaction_id)
+    .bind(amount)
+    .bind(currency)
+    .bind(reason)
+    .bind(RedeemCode::generate().as_str())
+    .bind(refund_reason)
+    .fetch_one(&mut **tx)
+    .await
+}
+
+/// Moves one order of a sale (whose row this transaction holds locked) between the
+/// sale's counts by status: every status but `created` (which is derived) has its
+/// column; `units_back` and `late_payments` only grow.
+pub(crate) async fn recount(
+    tx: &mut Transaction<'_, Postgres>,
+    voucher_id: VoucherId,
+    from: OrderStatus,
+    to: OrderStatus,
+    units_back: i32,
+    late_payments: i32,
+) -> Result<(), sqlx::Error> {
+    let mut sets = vec![
+        "units_back = units_back + $2".to_string(),
+        "late_payments = late_payments + $3".to_string(),
+    ];
+    for (status, delta) in [(from, "- 1"), (to, "+ 1")] {
+        if !matches!(status, OrderStatus::Created | OrderStatus::Pending) {
+            let column = status.as_str();
+            sets.push(format!("{column} = {column} {delta}"));
+        }
+    }
+    sqlx::query(&format!(
+        "UPDATE seckill_vouchers SET {} WHERE voucher_id = $1",
+        sets.join(", ")
+    ))
+    .bind(voucher_id)
+    .bind(units_back)
+    .bind(late_payments)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// Who redeems a coupon.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Redeemer {
+    /// Staff of this shop: only its vouchers' coupons.
+    Staff(ShopId),
+    Admin,
+}
+
+/// What a redemption found or did.
+#[derive(Debug, Clone)]
+pub enum Redemption {
+    /// Used now, or before (the order as it is): redeeming is done once.
+    Done(Transition),
+    /// The voucher is another shop's.
+    OtherShop,
+    /// The code is not this order's.
+    WrongCode,
+}
+
+/// Redeems a paid coupon at its shop: `used`, once. The order's lock decides against a
+/// refund asked at the same moment: whichever commits first wins, the other finds the
+/// order moved.
+#[tracing::instrument(skip(db, code))]
+pub(crate) async fn redeem(
+    db: &PgPool,
+    order_id: OrderId,
+    code: &str,
+    by: Redeemer,
+    staff: UserId,
+) -> Result<Redemption, sqlx::Error> {
+    let mut tx = db.begin().await?;
+    let found: Option<(OrderStatus, VoucherId, ShopId, Option<String>)> = sqlx::query_as(
+        "SELECT o.status, o.voucher_id, v.shop_id, o.redeem_code \
+         FROM voucher_orders o JOIN vouchers v ON v.id = o.voucher_id \
+         WHERE o.id = $1 FOR UPDATE OF o",
+    )
+    .bind(order_id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some((status, voucher_id, shop_id, stored)) = found else {
+        return Ok(Redemption::Done(Transition::Missing));
+    };
+    if matches!(by, Redeemer::Staff(shop) if shop != shop_id) {
+        return Ok(Redemption::OtherShop);
+    }
+    let code_holds = stored.is_some_and(|c| RedeemCode::from(c).matches(code));
+    if status != OrderStatus::Paid {
+        let row = super::orders::get(&mut *tx, order_id).await?;
+        return Ok(match (status, code_holds) {
+            // Used already: the same code again is the same answer, not a new use.
+            (OrderStatus::Used, false) => Redemption::WrongCode,
+            _ => Redemption::Done(row.map_or(Transition::Missing, Transition::Unchanged)),
+        });
+    }
+    if !code_holds {
+        return Ok(Redemption::WrongCode);
+    }
+    lock_sales(&mut tx, &[voucher_id]).await?;
+    let row: OrderRow = sqlx::query_as(&format!(
+        "UPDATE voucher_orders SET status = 'used', used_at = now(), used_by = $2 \
+         WHERE id = $1 RETURNING {ORDER_COLUMNS}"
+    ))
+    .bind(order_id)
+    .bind(staff)
+    .fetch_one(&mut *tx)
+    .await?;
+    recount(&mut tx, voucher_id, OrderStatus::Paid, OrderStatus::Used, 0, 0).await?;
+    tx.commit().await?;
+    Ok(Redemption::Done(Transition::Moved(row)))
+}
+
+/// Asks for the refund of a paid, unused coupon: `refunding` with `reason`, until the
+/// provider confirms the refund ([`refunded`]). A second ask finds it `refunding`
+/// (unchanged).
+#[tracing::instrument(skip(db))]
+pub(crate) async fn ask_refund(
+    db: &PgPool,
+    order_id: OrderId,
+    reason: RefundReason,
+) -> Result<Transition, sqlx::Error> {
+    let mut tx = db.begin().await?;
+    let found: Option<(OrderStatus, VoucherId)> =
+        sqlx::query_as("SELECT status, voucher_id FROM voucher_orders WHERE id = $1 FOR UPDATE")
+            .bind(order_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+    let Some((status, voucher_id)) = found else {
+        return Ok(Transition::Missing);
+    };
+    if status != OrderStatus::Paid {
+        let row = super::orders::get(&mut *tx, order_id).await?;
+        return Ok(row.map_or(Transition::Missing, Transition::Unchanged));
+    }
+    lock_sales(&mut tx, &[voucher_id]).await?;
+    let row: OrderRow = sqlx::query_as(&format!(
+        "UPDATE voucher_orders SET status = 'refunding', refund_reason = $2, \
+           refund_asked_at = now() \
+         WHERE id = $1 RETURNING {ORDER_COLUMNS}"
+    ))
+    .bind(order_id)
+    .bind(reason)
+    .fetch_one(&mut *tx)
+    .await?;
+    recount(&mut tx, voucher_id, OrderStatus::Paid, OrderStatus::Refunding, 0, 0).await?;
+    tx.commit().await?;
+    Ok(Transition::Moved(row))
+}
+
+/// The provider confirmed the refund of an order this transaction holds locked as
+/// `refunding`: `refunded`. If it still held its unit and its sale is still open, the
+/// unit goes back on sale (its release owed to Redis), once: never after the sale ended.
+pub(crate) async fn refunded(
+    tx: &mut Transaction<'_, Postgres>,
+    order_id: OrderId,
+    voucher_id: VoucherId,
+) -> Result<(OrderRow, Option<Release>), sqlx::Error> {
+    lock_sales(tx, &[voucher_id]).await?;
+    let gives_back: bool = sqlx::query_scalar(
+        "SELECT o.closed_at IS NULL AND s.end_time > now() \
+         FROM voucher_orders o JOIN seckill_vouchers s ON s.voucher_id = o.voucher_id \
+         WHERE o.id = $1",
+    )
+    .bind(order_id)
+    .fetch_optional(&mut **tx)
+    .await?
+    .unwrap_or(false);
+    let row: OrderRow = sqlx::query_as(&format!(
+        "UPDATE voucher_orders SET status = 'refunded', refunded_at = now(), \
+           closed_at = CASE WHEN $2 THEN now() ELSE closed_at END \
+         WHERE id = $1 RETURNING {ORDER_COLUMNS}"
+    ))
+    .bind(order_id)
+    .bind(gives_back)
+    .fetch_one(&mut **tx)
+    .await?;
+    recount(
+        tx,
+        voucher_id,
+        OrderStatus::Refunding,
+        OrderStatus::Refunded,
+        gives_back as i32,
+        0,
+    )
+    .await?;
+    let release = if gives_back {
+        sqlx::query("UPDATE seckill_vouchers SET stock = stock + 1, updated_at = now() WHERE voucher_id = $1")
+            .bind(voucher_id)
+            .execute(&mut **tx)
+            .await?;
+        let release: Release = sqlx::query_as(
+            "INSERT INTO stock_releases (order_id, voucher_id, user_id) VALUES ($1, $2, $3) \
+             RETURNING order_id, voucher_id, user_id, \
+               (SELECT segments FROM seckill_vouchers s WHERE s.voucher_id = $2) AS segments",
+        )
+        .bind(order_id)
+        .bind(voucher_id)
+        .bind(row.user_id)
+        .fetch_one(&mut **tx)
+        .await?;
+        Some(release)
+    } else {
+        None
+    };
+    Ok((row, release))
 }
 
 /// Closes one `created` order: cancelled or expired as `how` and its deadline say, its
@@ -144,13 +425,17 @@ pub(crate) async fn close(
 }
 
 /// Expires up to `limit` orders whose deadline has passed, in one transaction; returns
-/// the releases now owed to Redis. Rows another sweeper (or a payment) holds are
+/// the releases now owed to Redis. An order with a payment that arrived while it was
+/// pending is left to that payment (the sweeper applies it next, judged by when it
+/// arrived). Rows another sweeper (or a payment) holds are
 /// skipped, so several sweepers share the work.
 #[tracing::instrument(skip(db))]
 pub(crate) async fn expire_due(db: &PgPool, limit: i64) -> Result<Vec<Release>, sqlx::Error> {
     let mut tx = db.begin().await?;
     let due: Vec<OrderId> = sqlx::query_scalar(
-        "SELECT id FROM voucher_orders WHERE status = 'created' AND pay_before <= now() \
+        "SELECT id FROM voucher_orders o WHERE status = 'created' AND pay_before <= now() \
+           AND NOT EXISTS (SELECT 1 FROM payment_events e \
+                           WHERE e.order_id = o.id AND e.outcome = 'awaiting_order') \
          ORDER BY pay_before LIMIT $1 FOR UPDATE SKIP LOCKED",
     )
     .bind(limit)
@@ -168,7 +453,7 @@ pub(crate) async fn expire_due(db: &PgPool, limit: i64) -> Result<Vec<Release>, 
 /// Closes orders this transaction holds locked as `created`: the sales' rows locked (in
 /// voucher order), each sale's stock raised by its closed orders, the orders moved to
 /// `to`, and their releases recorded as owed.
-async fn close_rows(
+pub(crate) async fn close_rows(
     tx: &mut Transaction<'_, Postgres>,
     order_ids: &[OrderId],
     to: OrderStatus,
@@ -199,6 +484,7 @@ async fn close_rows(
     // The unit back, and the order counted as `to` (the live view's figures).
     sqlx::query(
         "UPDATE seckill_vouchers s SET stock = s.stock + d.n, updated_at = now(), \
+             units_back = s.units_back + d.n, \
              cancelled = s.cancelled + CASE WHEN $3 = 'cancelled' THEN d.n ELSE 0 END, \
              expired = s.expired + CASE WHEN $3 = 'expired' THEN d.n ELSE 0 END \
          FROM unnest($1::int8[], $2::int4[]) AS d (voucher_id, n) \

@@ -26,8 +26,15 @@ pub struct SaleRow {
     pub end_time: DateTime<Utc>,
     pub created: i64,
     pub paid: i64,
+    pub used: i64,
+    pub refunding: i64,
+    pub refunded: i64,
     pub cancelled: i64,
     pub expired: i64,
+    /// Orders that gave their unit back on sale (cancelled, expired, refunded while open).
+    pub units_back: i64,
+    /// Payments that came after their order closed (to refund).
+    pub late_payments: i64,
     pub dead_letters: i64,
     /// Of the dead letters, the orders admitted by a Redis state that was no longer the
     /// sale's (`stale_epoch`).
@@ -78,8 +85,12 @@ pub async fn sales(db: &PgPool, limit: i64, sold_out: &[(VoucherId, i32)]) -> sq
                CASE WHEN s.end_time <= now() THEN 'ended'
                     WHEN s.begin_time > now() THEN 'upcoming' ELSE 'open' END AS state,
                s.initial_stock, s.stock, s.begin_time, s.end_time,
-               (s.initial_stock - s.stock - s.paid)::int8 AS created,
-               s.paid::int8 AS paid, s.cancelled::int8 AS cancelled, s.expired::int8 AS expired,
+               (s.initial_stock - s.stock + s.units_back - s.paid - s.used - s.refunding
+                - s.refunded - s.cancelled - s.expired)::int8 AS created,
+               s.paid::int8 AS paid, s.used::int8 AS used, s.refunding::int8 AS refunding,
+               s.refunded::int8 AS refunded, s.cancelled::int8 AS cancelled,
+               s.expired::int8 AS expired, s.units_back::int8 AS units_back,
+               s.late_payments::int8 AS late_payments,
                (SELECT count(*) FROM dead_orders d WHERE d.voucher_id = s.voucher_id) AS dead_letters,
                (SELECT count(*) FROM dead_orders d
                 WHERE d.voucher_id = s.voucher_id AND d.reason LIKE $5) AS stale_epoch,

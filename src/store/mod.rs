@@ -8,6 +8,7 @@ pub mod lifecycle;
 pub mod live;
 pub mod orders;
 pub mod parts;
+pub mod payments;
 mod tls;
 pub mod vouchers;
 

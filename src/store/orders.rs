@@ -6,7 +6,7 @@ use chrono::{DateTime, Utc};
 use futures_util::future::BoxFuture;
 use sqlx::{FromRow, PgPool, Postgres, Transaction};
 
-use crate::domain::{OrderId, OrderStatus, UserId, VoucherId};
+use crate::domain::{OrderId, OrderStatus, PayType, RefundReason, UserId, VoucherId};
 
 pub(crate) use super::admitted::ACTIVE;
 pub use super::admitted::{NewOrder, Rejection};
@@ -43,13 +43,27 @@ pub struct OrderRow {
     pub created_at: DateTime<Utc>,
     pub pay_before: DateTime<Utc>,
     pub paid_at: Option<DateTime<Utc>>,
+    /// When it gave its unit back on sale (cancelled, expired, or refunded while its
+    /// sale was open).
     pub closed_at: Option<DateTime<Utc>>,
-    pub payment_ref: Option<String>,
+    pub pay_type: Option<PayType>,
+    /// The payment provider's transaction, the amount paid (cents) and its currency.
+    pub transaction_id: Option<String>,
+    pub paid_amount: Option<i64>,
+    pub paid_currency: Option<String>,
+    /// Why an administrator marked it paid by hand.
+    pub pay_reason: Option<String>,
+    pub redeem_code: Option<String>,
+    pub used_at: Option<DateTime<Utc>>,
+    pub refund_reason: Option<RefundReason>,
+    pub refunded_at: Option<DateTime<Utc>>,
 }
 
 /// The columns of an [`OrderRow`], for `SELECT` and `RETURNING`.
 pub(crate) const ORDER_COLUMNS: &str =
-    "id, user_id, voucher_id, status, created_at, pay_before, paid_at, closed_at, payment_ref";
+    "id, user_id, voucher_id, status, created_at, pay_before, paid_at, closed_at, pay_type, \
+     transaction_id, paid_amount, paid_currency, pay_reason, redeem_code, used_at, \
+     refund_reason, refunded_at";
 
 /// Writes a batch in ONE transaction: idempotent inserts, and each voucher's stock
 /// lowered by exactly the rows inserted now, under a `stock >= n` guard.
@@ -404,7 +418,7 @@ pub(crate) async fn list_by_user(
         "(SELECT {ORDER_COLUMNS} FROM voucher_orders WHERE user_id = $1 AND {ACTIVE}) \
          UNION ALL \
          (SELECT {ORDER_COLUMNS} FROM voucher_orders \
-          WHERE user_id = $1 AND status IN ('cancelled', 'expired') \
+          WHERE user_id = $1 AND NOT ({ACTIVE}) \
           ORDER BY id DESC LIMIT 1000) \
          ORDER BY id DESC LIMIT 1000"
     ))
@@ -470,6 +484,32 @@ pub(crate) async fn page_of_sale(
          ORDER BY id DESC LIMIT $4"
     ))
     .bind(voucher_id)
+    .bind(status)
+    .bind(below)
+    .bind(limit)
+    .fetch_all(db)
+    .await
+}
+
+/// A page of a shop's orders (those of all its vouchers), newest first, keyset as
+/// [`page_of_sale`]: through the shop's vouchers (`vouchers_shop_id_idx`) and each
+/// voucher's orders.
+#[tracing::instrument(skip(db))]
+pub(crate) async fn page_of_shop(
+    db: &PgPool,
+    shop_id: crate::domain::ShopId,
+    status: Option<OrderStatus>,
+    below: Option<OrderId>,
+    limit: i64,
+) -> Result<Vec<OrderRow>, sqlx::Error> {
+    sqlx::query_as(&format!(
+        "SELECT {ORDER_COLUMNS} FROM voucher_orders \
+         WHERE voucher_id IN (SELECT id FROM vouchers WHERE shop_id = $1) \
+           AND id < coalesce($3, 9223372036854775807) \
+           AND ($2::text IS NULL OR status = $2) \
+         ORDER BY id DESC LIMIT $4"
+    ))
+    .bind(shop_id)
     .bind(status)
     .bind(below)
     .bind(limit)

@@ -14,6 +14,7 @@ pub struct NewVoucher {
     pub rules: String,
     pub pay_value: i64,
     pub actual_value: i64,
+    pub refundable: bool,
     pub seckill: Option<NewSeckill>,
 }
 
@@ -37,6 +38,7 @@ pub(crate) struct VoucherRow {
     pub rules: String,
     pub pay_value: i64,
     pub actual_value: i64,
+    pub refundable: bool,
     pub created_at: DateTime<Utc>,
     pub initial_stock: Option<i32>,
     pub stock: Option<i32>,
@@ -61,7 +63,7 @@ impl SeckillState {
 }
 
 const SELECT_VOUCHER: &str = "SELECT v.id, v.shop_id, v.title, v.sub_title, v.rules, \
-     v.pay_value, v.actual_value, v.created_at, \
+     v.pay_value, v.actual_value, v.refundable, v.created_at, \
      s.initial_stock, s.stock, s.begin_time, s.end_time, s.pay_within_secs, s.segments \
      FROM vouchers v LEFT JOIN seckill_vouchers s ON s.voucher_id = v.id";
 
@@ -70,8 +72,9 @@ const SELECT_VOUCHER: &str = "SELECT v.id, v.shop_id, v.title, v.sub_title, v.ru
 pub(crate) async fn insert(db: &PgPool, new: &NewVoucher) -> Result<VoucherRow, sqlx::Error> {
     let mut tx = db.begin().await?;
     let id: VoucherId = sqlx::query_scalar(
-        "INSERT INTO vouchers (shop_id, title, sub_title, rules, pay_value, actual_value) \
-         VALUES ($1, $2, $3, $4, $5, $6) RETURNING id",
+        "INSERT INTO vouchers \
+           (shop_id, title, sub_title, rules, pay_value, actual_value, refundable) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING id",
     )
     .bind(new.shop_id)
     .bind(&new.title)
@@ -79,6 +82,7 @@ pub(crate) async fn insert(db: &PgPool, new: &NewVoucher) -> Result<VoucherRow, 
     .bind(&new.rules)
     .bind(new.pay_value)
     .bind(new.actual_value)
+    .bind(new.refundable)
     .fetch_one(&mut *tx)
     .await?;
     if let Some(s) = &new.seckill {

@@ -102,7 +102,7 @@ function render(snap) {
     // Not loaded in Redis yet (it loads on the first grab): Postgres's count of units
     // not taken by a written order, so the bar does not read as sold out.
     const left = remaining !== null ? remaining
-      : s.initial_stock - s.orders.created - s.orders.paid;
+      : s.initial_stock - (s.orders.persisted - s.orders.units_back);
     // What the bar shows, for screen readers too.
     bar.setAttribute("aria-valuenow", Math.max(0, left));
     const pct = s.initial_stock > 0 ? Math.max(0, (100 * left) / s.initial_stock) : 0;
@@ -119,7 +119,7 @@ function render(snap) {
     for (const k of ["unavailable", "unknown"]) {
       el.querySelector('[data-field="' + k + '"]').parentElement.classList.toggle("bad", s.outcomes[k] > 0);
     }
-    for (const k of ["admitted", "persisted", "in_flight", "created", "paid", "cancelled", "expired"]) set(el, k, fmt(s.orders[k]));
+    for (const k of ["admitted", "persisted", "in_flight", "created", "paid", "used", "refunding", "refunded", "cancelled", "expired", "late_payments"]) set(el, k, fmt(s.orders[k]));
     set(el, "sale_dead_letters", fmt(s.dead_letters));
     set(el, "stale_epoch", fmt(s.stale_epoch));
     if (salesEl.children[i] !== el) salesEl.insertBefore(el, salesEl.children[i] || null);

@@ -288,6 +288,7 @@ impl Process {
             .env("REDIS_URL", redis_url)
             .env("REDIS_KEY_PREFIX", prefix)
             .env("JWT_SECRET", super::SECRET)
+            .env("PAYMENT_WEBHOOK_SECRETS", super::PAYMENT_SECRET)
             .env(
                 "RUST_LOG",
                 std::env::var("SECKILL_TEST_LOG").unwrap_or_else(|_| "warn".into()),

@@ -31,6 +31,8 @@ use seckill::worker::{BatchReport, Worker, WorkerConfig};
 use seckill::AppState;
 
 pub const SECRET: &str = "integration-test-secret";
+/// What the stand-in payment provider signs its notifications with.
+pub const PAYMENT_SECRET: &str = "integration-test-payment-secret";
 
 /// Opens a sale of `stock` (now, for an hour) through the API at `base` (another
 /// process's, say) as an administrator signed with [`SECRET`]; its id.

@@ -68,6 +68,7 @@ impl TestApp {
             skip_migrations: true,
             sale_state_retention_secs: settings.sale_state_retention.as_secs(),
             cors_allowed_origins: settings.cors_allowed_origins,
+            payment_webhook_secrets: vec![super::PAYMENT_SECRET.into()],
             live_max_viewers: seckill::config::defaults::LIVE_MAX_VIEWERS,
             live_max_sales: seckill::config::defaults::LIVE_MAX_SALES,
             limits: settings.limits,

@@ -86,7 +86,7 @@ async fn a_payment_meeting_a_batch_with_a_second_order_of_the_payer_under_the_sa
                             &keys,
                             Default::default(),
                             oid(first),
-                            Some("psp-7"),
+                            seckill::store::lifecycle::Payment::Manual { reason: "psp-7" },
                         )
                         .await
                     })
@@ -118,7 +118,7 @@ async fn a_payment_meeting_a_batch_with_a_second_order_of_the_payer_under_the_sa
     match paid {
         Ok(Transition::Moved(row)) => {
             assert_eq!((row.id.get(), row.status.as_str()), (first, "paid"));
-            assert_eq!(row.payment_ref.as_deref(), Some("psp-7"));
+            assert_eq!(row.pay_reason.as_deref(), Some("psp-7"));
         }
         other => panic!("the payment: {other:?}"),
     }
