@@ -294,7 +294,9 @@ fn user(claims: Claims) -> Result<AuthUser, Unauthorized> {
     let role = match claims.role.as_deref() {
         None => Role::Shopper,
         Some(ADMIN_ROLE) => Role::Admin,
-        Some(SHOP_ROLE) => Role::Shop(shop_id(claims.shop_id.as_ref()).ok_or(Unauthorized(BAD_SHOP))?),
+        Some(SHOP_ROLE) => {
+            Role::Shop(shop_id(claims.shop_id.as_ref()).ok_or(Unauthorized(BAD_SHOP))?)
+        }
         Some(_) => return Err(Unauthorized(UNKNOWN_ROLE)),
     };
     Ok(AuthUser {

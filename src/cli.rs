@@ -138,9 +138,13 @@ fn print_out(text: &str) -> anyhow::Result<()> {
 /// Signs a notification as the payment provider would and sends it; prints the
 /// answer. Exit 0 on a 2xx, 1 otherwise.
 async fn notify(args: crate::config::NotifyArgs) -> anyhow::Result<ExitCode> {
-    let secret = args.secret.iter().find(|s| !s.expose().is_empty()).ok_or_else(|| {
-        anyhow::anyhow!("no secret to sign with: set PAYMENT_WEBHOOK_SECRETS or pass --secret")
-    })?;
+    let secret = args
+        .secret
+        .iter()
+        .find(|s| !s.expose().is_empty())
+        .ok_or_else(|| {
+            anyhow::anyhow!("no secret to sign with: set PAYMENT_WEBHOOK_SECRETS or pass --secret")
+        })?;
     let base = crate::demo::base_url(args.url.as_deref(), args.bind.as_deref())?;
     let fresh = || uuid::Uuid::new_v4().simple().to_string();
     let body = serde_json::to_vec(&serde_json::json!({
@@ -157,7 +161,10 @@ async fn notify(args: crate::config::NotifyArgs) -> anyhow::Result<ExitCode> {
     let at = args.at.unwrap_or_else(|| chrono::Utc::now().timestamp());
     let signature = crate::lifecycle::signature::sign(secret, at, &body);
     let answer = reqwest::Client::new()
-        .post(format!("{}/payments/notifications", base.trim_end_matches('/')))
+        .post(format!(
+            "{}/payments/notifications",
+            base.trim_end_matches('/')
+        ))
         .header(crate::lifecycle::signature::HEADER, signature)
         .header(reqwest::header::CONTENT_TYPE, "application/json")
         .body(body)

@@ -223,7 +223,12 @@ pub struct ApiArgs {
     pub live_max_sales: u32,
     /// Secrets the payment provider signs its notifications with, comma-separated (two
     /// while it rotates them). Unset: `POST /payments/notifications` accepts nothing.
-    #[arg(long, env = "PAYMENT_WEBHOOK_SECRETS", value_delimiter = ',', hide_env_values = true)]
+    #[arg(
+        long,
+        env = "PAYMENT_WEBHOOK_SECRETS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
     pub payment_webhook_secrets: Vec<Secret>,
     #[command(flatten)]
     pub limits: LimitArgs,
@@ -503,7 +508,12 @@ pub(crate) struct NotifyArgs {
     #[arg(long, env = "BIND", hide = true)]
     pub bind: Option<String>,
     /// The secret to sign with: the first of PAYMENT_WEBHOOK_SECRETS.
-    #[arg(long, env = "PAYMENT_WEBHOOK_SECRETS", hide_env_values = true, value_delimiter = ',')]
+    #[arg(
+        long,
+        env = "PAYMENT_WEBHOOK_SECRETS",
+        hide_env_values = true,
+        value_delimiter = ','
+    )]
     pub secret: Vec<Secret>,
     #[arg(long, value_enum, default_value_t = NotifyKind::Payment)]
     pub kind: NotifyKind,

@@ -478,7 +478,7 @@ mod tests {
     }
 
     #[test]
-    fn only_cancelled_and_expired_are_closed() {
+    fn only_cancelled_and_expired_are_closed_and_used_or_refunded_are_final() {
         let closed: Vec<_> = OrderStatus::ALL
             .into_iter()
             .filter(|s| s.is_closed())
@@ -491,7 +491,8 @@ mod tests {
         assert_eq!(
             done,
             [
-                OrderStatus::Paid,
+                OrderStatus::Used,
+                OrderStatus::Refunded,
                 OrderStatus::Cancelled,
                 OrderStatus::Expired
             ]

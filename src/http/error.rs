@@ -454,6 +454,10 @@ mod tests {
             AppError::OrderPending(seven),
             AppError::OrderPaid(seven),
             AppError::OrderClosed(seven, OrderStatus::Expired),
+            AppError::OrderUsed(seven),
+            AppError::OrderUnpaid(seven),
+            AppError::NotRefundable("voucher 1 is not refundable".into()),
+            AppError::BadSignature("no Seckill-Signature header".into()),
             AppError::RateLimited {
                 retry_after_secs: 1,
             },

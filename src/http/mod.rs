@@ -102,7 +102,10 @@ pub fn build_app(state: AppState) -> Router {
         .route("/orders/{order_id}/redeem", post(orders::redeem))
         .route("/orders/{order_id}/refund", post(orders::refund))
         .route("/orders/{order_id}/cancel", post(orders::cancel))
-        .route("/shops/{shop_id}/orders", get(sale_orders::list_shop_orders))
+        .route(
+            "/shops/{shop_id}/orders",
+            get(sale_orders::list_shop_orders),
+        )
         .route("/payments/notifications", post(payments::notify))
         .route("/payments", get(payments::list))
         .route("/healthz", get(health::healthz))

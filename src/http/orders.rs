@@ -314,7 +314,14 @@ pub(crate) async fn checkout(
         return Err(refused(row));
     }
     if row.pay_before <= Utc::now() {
-        return Err(AppError::OrderClosed(row.id, OrderStatus::Expired));
+        // Past its deadline, not yet swept: it expires now (Postgres's clock decides).
+        let mut conn = state.redis.clone();
+        let replicas = state.settings.replicas;
+        let done =
+            lifecycle::expire_if_due(&state.db, &mut conn, &state.keys, replicas, row.id).await?;
+        if let Transition::Moved(row) = done {
+            return Err(AppError::OrderClosed(row.id, row.status));
+        }
     }
     let price = vouchers::get(&state.db, row.voucher_id)
         .await?
@@ -360,8 +367,15 @@ pub(crate) async fn pay(
     let row = own_order(&state, &user, order_id).await?;
     let mut conn = state.redis.clone();
     let payment = Payment::Manual { reason: &reason };
-    let done = lifecycle::pay(&state.db, &mut conn, &state.keys, state.settings.replicas, row.id, payment)
-        .await?;
+    let done = lifecycle::pay(
+        &state.db,
+        &mut conn,
+        &state.keys,
+        state.settings.replicas,
+        row.id,
+        payment,
+    )
+    .await?;
     match done {
         Transition::Moved(row) => Ok(Json(row.into())),
         Transition::Unchanged(row) if row.status == OrderStatus::Paid => Ok(Json(row.into())),
@@ -467,7 +481,9 @@ pub(crate) async fn refund(
         }
         Transition::Unchanged(row) => Err(match row.status {
             OrderStatus::Used => AppError::OrderUsed(row.id),
-            OrderStatus::Cancelled | OrderStatus::Expired => AppError::OrderClosed(row.id, row.status),
+            OrderStatus::Cancelled | OrderStatus::Expired => {
+                AppError::OrderClosed(row.id, row.status)
+            }
             _ => AppError::NotRefundable(format!("order {order_id} is {}, not paid", row.status)),
         }),
         Transition::Missing => Err(AppError::NotFound(format!("order {order_id} not found"))),

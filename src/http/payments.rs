@@ -189,7 +189,10 @@ pub(crate) async fn list(
                         .find(|o| o.as_str() == value)
                         .ok_or_else(|| {
                             let all: Vec<&str> = Outcome::ALL.iter().map(|o| o.as_str()).collect();
-                            AppError::bad_request(format!("outcome must be one of {}", all.join(", ")))
+                            AppError::bad_request(format!(
+                                "outcome must be one of {}",
+                                all.join(", ")
+                            ))
                         })?,
                 )
             }
@@ -198,7 +201,9 @@ pub(crate) async fn list(
                     .parse::<i64>()
                     .ok()
                     .filter(|n| (1..=PAGE_MAX).contains(n))
-                    .ok_or_else(|| AppError::bad_request(format!("limit must be 1 to {PAGE_MAX}")))?
+                    .ok_or_else(|| {
+                        AppError::bad_request(format!("limit must be 1 to {PAGE_MAX}"))
+                    })?
             }
             "after" if !value.is_empty() && value.len() <= 128 => after = Some(value.to_string()),
             "after" => return Err(AppError::bad_request("after is not a cursor of this list")),
@@ -212,7 +217,9 @@ pub(crate) async fn list(
     let mut rows = payments::page(&state.db, outcome, after.as_deref(), limit + 1).await?;
     let more = rows.len() as i64 > limit;
     rows.truncate(limit as usize);
-    let next = more.then(|| rows.last().map(|r| r.event_id.clone())).flatten();
+    let next = more
+        .then(|| rows.last().map(|r| r.event_id.clone()))
+        .flatten();
     Ok(Json(PaymentPage {
         items: rows.into_iter().map(Into::into).collect(),
         next,

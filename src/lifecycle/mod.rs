@@ -19,12 +19,14 @@ use std::time::Duration;
 use redis::aio::ConnectionLike;
 use sqlx::PgPool;
 
+use crate::domain::RefundReason;
 use crate::domain::{OrderId, OrderStatus};
 use crate::keys::{self, Keys};
 use crate::metrics::{TRANSITIONS, UNITS_RETURNED};
 use crate::scripts::{Call, Replicas};
-use crate::domain::RefundReason;
-use crate::store::lifecycle::{self as transitions, Close, Payment, Redemption, Redeemer, Release, Transition};
+use crate::store::lifecycle::{
+    self as transitions, Close, Payment, Redeemer, Redemption, Release, Transition,
+};
 use crate::store::orders::OrderRow;
 
 /// How long a request waits for Redis to take a release back before leaving it owed
@@ -139,19 +141,31 @@ pub async fn pay<C: ConnectionLike + Send>(
             Ok(Transition::Moved(row))
         }
         Transition::Unchanged(row) if row.status == OrderStatus::Created => {
-            // Past its deadline, not yet swept: expire it now rather than leave the
-            // shopper a window the sweeper is about to close.
-            match transitions::close(db, order_id, Close::ExpireIfDue).await? {
-                Transition::Moved(row) => {
-                    count(&row, true);
-                    release_now(db, conn, keys, replicas, &row).await;
-                    Ok(Transition::Unchanged(row))
-                }
+            // Past its deadline, not yet swept.
+            match expire_if_due(db, conn, keys, replicas, order_id).await? {
+                Transition::Moved(row) => Ok(Transition::Unchanged(row)),
                 other => Ok(other),
             }
         }
         other => Ok(other),
     }
+}
+
+/// Expires an unpaid order past its deadline now (`Moved`), rather than leave its
+/// shopper a window the sweeper is about to close; `Unchanged` if it is not due.
+pub async fn expire_if_due<C: ConnectionLike + Send>(
+    db: &PgPool,
+    conn: &mut C,
+    keys: &Keys,
+    replicas: Replicas,
+    order_id: OrderId,
+) -> anyhow::Result<Transition> {
+    let done = transitions::close(db, order_id, Close::ExpireIfDue).await?;
+    if let Transition::Moved(row) = &done {
+        count(row, true);
+        release_now(db, conn, keys, replicas, row).await;
+    }
+    Ok(done)
 }
 
 /// Cancels an order: `Moved` when closed now (`cancelled`, or `expired` when its

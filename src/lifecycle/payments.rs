@@ -43,9 +43,12 @@ pub fn parse(raw: &[u8]) -> Result<Event, Malformed> {
              \"currency\", \"transaction_id\"}}: {e}"
         ))
     })?;
-    let id_ok = |s: &str| !s.is_empty() && s.len() <= MAX_ID && s.bytes().all(|b| b.is_ascii_graphic());
+    let id_ok =
+        |s: &str| !s.is_empty() && s.len() <= MAX_ID && s.bytes().all(|b| b.is_ascii_graphic());
     if !id_ok(&body.id) {
-        return Err(Malformed(format!("id must be 1 to {MAX_ID} visible ASCII characters")));
+        return Err(Malformed(format!(
+            "id must be 1 to {MAX_ID} visible ASCII characters"
+        )));
     }
     if !id_ok(&body.transaction_id) {
         return Err(Malformed(format!(
@@ -56,7 +59,9 @@ pub fn parse(raw: &[u8]) -> Result<Event, Malformed> {
         return Err(Malformed("amount must be cents: zero or more".into()));
     }
     if body.currency.len() != 3 || !body.currency.bytes().all(|b| b.is_ascii_uppercase()) {
-        return Err(Malformed("currency must be an ISO 4217 code, like CNY".into()));
+        return Err(Malformed(
+            "currency must be an ISO 4217 code, like CNY".into(),
+        ));
     }
     Ok(Event {
         event_id: body.id,
@@ -134,12 +139,30 @@ mod tests {
     #[test]
     fn malformed_notifications_say_what_is_wrong() {
         for (raw, says) in [
-            (r#"{"id":"e","type":"payment.failed","order_id":"1","amount":1,"currency":"CNY","transaction_id":"t"}"#, "payment.succeeded"),
-            (r#"{"id":"e","type":"payment.succeeded","order_id":"01","amount":1,"currency":"CNY","transaction_id":"t"}"#, "order id"),
-            (r#"{"id":"","type":"payment.succeeded","order_id":"1","amount":1,"currency":"CNY","transaction_id":"t"}"#, "id must be"),
-            (r#"{"id":"e","type":"payment.succeeded","order_id":"1","amount":-1,"currency":"CNY","transaction_id":"t"}"#, "amount"),
-            (r#"{"id":"e","type":"payment.succeeded","order_id":"1","amount":1,"currency":"cny","transaction_id":"t"}"#, "currency"),
-            (r#"{"id":"e","type":"payment.succeeded","order_id":"1","amount":1,"currency":"CNY","transaction_id":"t x"}"#, "transaction_id"),
+            (
+                r#"{"id":"e","type":"payment.failed","order_id":"1","amount":1,"currency":"CNY","transaction_id":"t"}"#,
+                "payment.succeeded",
+            ),
+            (
+                r#"{"id":"e","type":"payment.succeeded","order_id":"01","amount":1,"currency":"CNY","transaction_id":"t"}"#,
+                "order id",
+            ),
+            (
+                r#"{"id":"","type":"payment.succeeded","order_id":"1","amount":1,"currency":"CNY","transaction_id":"t"}"#,
+                "id must be",
+            ),
+            (
+                r#"{"id":"e","type":"payment.succeeded","order_id":"1","amount":-1,"currency":"CNY","transaction_id":"t"}"#,
+                "amount",
+            ),
+            (
+                r#"{"id":"e","type":"payment.succeeded","order_id":"1","amount":1,"currency":"cny","transaction_id":"t"}"#,
+                "currency",
+            ),
+            (
+                r#"{"id":"e","type":"payment.succeeded","order_id":"1","amount":1,"currency":"CNY","transaction_id":"t x"}"#,
+                "transaction_id",
+            ),
         ] {
             let err = parse(raw.as_bytes()).unwrap_err();
             assert!(err.0.contains(says), "{raw}: {err}");

@@ -96,7 +96,9 @@ fn parse(header: &str) -> Option<(i64, Vec<Vec<u8>>)> {
         let (name, value) = part.trim().split_once('=')?;
         match name {
             "t" => {
-                let digits = !value.is_empty() && value.len() <= 12 && value.bytes().all(|b| b.is_ascii_digit());
+                let digits = !value.is_empty()
+                    && value.len() <= 12
+                    && value.bytes().all(|b| b.is_ascii_digit());
                 if t.is_some() || !digits {
                     return None;
                 }
@@ -128,7 +130,10 @@ mod tests {
     fn a_body_signed_with_a_configured_secret_holds() {
         let body = br#"{"id":"evt_1"}"#;
         let header = sign(&"s1".into(), NOW, body);
-        assert_eq!(secrets(&["s1"]).verify(Some(&header), body, NOW + 299), Ok(()));
+        assert_eq!(
+            secrets(&["s1"]).verify(Some(&header), body, NOW + 299),
+            Ok(())
+        );
     }
 
     #[test]
@@ -145,7 +150,11 @@ mod tests {
     fn a_header_with_several_v1_holds_if_one_matches() {
         let body = b"{}";
         let good = sign(&"s1".into(), NOW, body);
-        let header = format!("t={NOW},v1={},{}", "0".repeat(64), good.split_once(',').unwrap().1);
+        let header = format!(
+            "t={NOW},v1={},{}",
+            "0".repeat(64),
+            good.split_once(',').unwrap().1
+        );
         assert_eq!(secrets(&["s1"]).verify(Some(&header), body, NOW), Ok(()));
     }
 
@@ -154,22 +163,51 @@ mod tests {
         let body = br#"{"amount":100}"#;
         let header = sign(&"s1".into(), NOW, body);
         let s = secrets(&["s1"]);
-        assert_eq!(s.verify(Some(&header), br#"{"amount":1}"#, NOW), Err(BadSignature::Mismatch));
-        assert_eq!(secrets(&["s2"]).verify(Some(&header), body, NOW), Err(BadSignature::Mismatch));
-        assert_eq!(s.verify(Some(&header), body, NOW + 301), Err(BadSignature::OutOfTolerance));
-        assert_eq!(s.verify(Some(&header), body, NOW - 301), Err(BadSignature::OutOfTolerance));
+        assert_eq!(
+            s.verify(Some(&header), br#"{"amount":1}"#, NOW),
+            Err(BadSignature::Mismatch)
+        );
+        assert_eq!(
+            secrets(&["s2"]).verify(Some(&header), body, NOW),
+            Err(BadSignature::Mismatch)
+        );
+        assert_eq!(
+            s.verify(Some(&header), body, NOW + 301),
+            Err(BadSignature::OutOfTolerance)
+        );
+        assert_eq!(
+            s.verify(Some(&header), body, NOW - 301),
+            Err(BadSignature::OutOfTolerance)
+        );
         // Re-signed under another timestamp without the secret: the tag no longer matches.
         let moved = header.replacen(&format!("t={NOW}"), &format!("t={}", NOW + 10), 1);
-        assert_eq!(s.verify(Some(&moved), body, NOW), Err(BadSignature::Mismatch));
+        assert_eq!(
+            s.verify(Some(&moved), body, NOW),
+            Err(BadSignature::Mismatch)
+        );
     }
 
     #[test]
     fn malformed_headers_and_no_secret_are_refused() {
         let s = secrets(&["s1"]);
-        for bad in ["", "t=1", "v1=00", "t=x,v1=00", &format!("t=1,t=2,v1={}", "0".repeat(64)), "t=1,v1=zz"] {
-            assert_eq!(s.verify(Some(bad), b"", NOW), Err(BadSignature::Malformed), "{bad}");
+        for bad in [
+            "",
+            "t=1",
+            "v1=00",
+            "t=x,v1=00",
+            &format!("t=1,t=2,v1={}", "0".repeat(64)),
+            "t=1,v1=zz",
+        ] {
+            assert_eq!(
+                s.verify(Some(bad), b"", NOW),
+                Err(BadSignature::Malformed),
+                "{bad}"
+            );
         }
         assert_eq!(s.verify(None, b"", NOW), Err(BadSignature::Missing));
-        assert_eq!(secrets(&[]).verify(Some("t=1"), b"", NOW), Err(BadSignature::NotConfigured));
+        assert_eq!(
+            secrets(&[]).verify(Some("t=1"), b"", NOW),
+            Err(BadSignature::NotConfigured)
+        );
     }
 }

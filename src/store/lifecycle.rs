@@ -26,7 +26,9 @@ use sqlx::{FromRow, PgPool, Postgres, Transaction};
 
 use super::orders::{OrderRow, ORDER_COLUMNS};
 use super::vouchers::lock_sales;
-use crate::domain::{OrderId, OrderStatus, PayType, RedeemCode, RefundReason, ShopId, UserId, VoucherId};
+use crate::domain::{
+    OrderId, OrderStatus, PayType, RedeemCode, RefundReason, ShopId, UserId, VoucherId,
+};
 
 /// A unit owed back to a sale's live stock in Redis, for a closed order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, FromRow)]
@@ -127,7 +129,15 @@ pub(crate) async fn pay_locked(
 ) -> Result<OrderRow, sqlx::Error> {
     lock_sales(tx, &[voucher_id]).await?;
     let row = set_payment(tx, order_id, OrderStatus::Paid, None, payment).await?;
-    recount(tx, voucher_id, OrderStatus::Created, OrderStatus::Paid, 0, 0).await?;
+    recount(
+        tx,
+        voucher_id,
+        OrderStatus::Created,
+        OrderStatus::Paid,
+        0,
+        0,
+    )
+    .await?;
     Ok(row)
 }
 
@@ -290,7 +300,15 @@ pub(crate) async fn redeem(
     .bind(staff)
     .fetch_one(&mut *tx)
     .await?;
-    recount(&mut tx, voucher_id, OrderStatus::Paid, OrderStatus::Used, 0, 0).await?;
+    recount(
+        &mut tx,
+        voucher_id,
+        OrderStatus::Paid,
+        OrderStatus::Used,
+        0,
+        0,
+    )
+    .await?;
     tx.commit().await?;
     Ok(Redemption::Done(Transition::Moved(row)))
 }
@@ -327,7 +345,15 @@ pub(crate) async fn ask_refund(
     .bind(reason)
     .fetch_one(&mut *tx)
     .await?;
-    recount(&mut tx, voucher_id, OrderStatus::Paid, OrderStatus::Refunding, 0, 0).await?;
+    recount(
+        &mut tx,
+        voucher_id,
+        OrderStatus::Paid,
+        OrderStatus::Refunding,
+        0,
+        0,
+    )
+    .await?;
     tx.commit().await?;
     Ok(Transition::Moved(row))
 }

@@ -15,7 +15,9 @@ use super::orders::OrderRow;
 use crate::domain::{OrderId, OrderStatus, VoucherId, CURRENCY};
 
 /// What the provider tells.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, sqlx::Type, utoipa::ToSchema)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, sqlx::Type, utoipa::ToSchema,
+)]
 #[sqlx(type_name = "text")]
 pub enum Kind {
     /// The shopper paid the order.
@@ -218,9 +220,11 @@ async fn apply(
         currency: &event.currency,
     };
     match event.kind {
-        Kind::Payment if event.amount != price || event.currency != CURRENCY => {
-            Ok(done(Outcome::AmountMismatch, as_is(tx, event.order_id).await?, None))
-        }
+        Kind::Payment if event.amount != price || event.currency != CURRENCY => Ok(done(
+            Outcome::AmountMismatch,
+            as_is(tx, event.order_id).await?,
+            None,
+        )),
         Kind::Payment => match status {
             OrderStatus::Created if !due => {
                 let row = lifecycle::pay_locked(tx, event.order_id, voucher_id, payment).await?;
@@ -245,13 +249,23 @@ async fn apply(
                 let row = lifecycle::pay_late(tx, event.order_id, voucher_id, s, payment).await?;
                 Ok(done(Outcome::LatePayment, Some(row), None))
             }
-            _ => Ok(done(Outcome::AlreadyPaid, as_is(tx, event.order_id).await?, None)),
+            _ => Ok(done(
+                Outcome::AlreadyPaid,
+                as_is(tx, event.order_id).await?,
+                None,
+            )),
         },
-        Kind::Refund if status != OrderStatus::Refunding => {
-            Ok(done(Outcome::NotRefunding, as_is(tx, event.order_id).await?, None))
-        }
+        Kind::Refund if status != OrderStatus::Refunding => Ok(done(
+            Outcome::NotRefunding,
+            as_is(tx, event.order_id).await?,
+            None,
+        )),
         Kind::Refund if Some(event.amount) != paid_amount || event.currency != CURRENCY => {
-            Ok(done(Outcome::AmountMismatch, as_is(tx, event.order_id).await?, None))
+            Ok(done(
+                Outcome::AmountMismatch,
+                as_is(tx, event.order_id).await?,
+                None,
+            ))
         }
         Kind::Refund => {
             let (row, release) = lifecycle::refunded(tx, event.order_id, voucher_id).await?;
@@ -268,7 +282,10 @@ async fn as_is(
 }
 
 /// Whether the order was dead-lettered: it will never be written.
-async fn buried(tx: &mut Transaction<'_, Postgres>, order_id: OrderId) -> Result<bool, sqlx::Error> {
+async fn buried(
+    tx: &mut Transaction<'_, Postgres>,
+    order_id: OrderId,
+) -> Result<bool, sqlx::Error> {
     sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM dead_orders WHERE id = $1)")
         .bind(order_id)
         .fetch_one(&mut **tx)

@@ -70,7 +70,10 @@ async fn orders_admitted_while_only_the_api_runs_survive_workers_killed_mid_drai
         progress.windows(2).all(|w| w[0] < w[1]),
         "every worker wrote something"
     );
-    let mid_drain = progress[1..].iter().filter(|&&n| n < stock as usize).count();
+    let mid_drain = progress[1..]
+        .iter()
+        .filter(|&&n| n < stock as usize)
+        .count();
     assert!(
         mid_drain >= 3,
         "at least three kills left orders unwritten: {progress:?}"

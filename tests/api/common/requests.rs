@@ -105,12 +105,51 @@ impl TestApp {
         (status, retry_after, body)
     }
 
-    /// Pays the order as user `user_id`.
+    /// Pays the order as its owner `user_id` would: checkout, then the payment
+    /// provider's signed notification of the amount checkout named. Returns checkout's
+    /// refusal, or the notification's answer when it is not 200, or else the order as
+    /// its owner then sees it.
     pub async fn pay(&self, order_id: &str, user_id: i64) -> (StatusCode, Value) {
-        let (status, _, body) = self
-            .order_action(order_id, "pay", &self.token(user_id), None)
+        let (status, _, checkout) = self
+            .order_action(order_id, "checkout", &self.token(user_id), None)
             .await;
-        (status, body)
+        if status != StatusCode::OK {
+            return (status, checkout);
+        }
+        let amount = checkout["amount"].as_i64().unwrap();
+        let (status, notified) = self.provider_pays(order_id, amount).await;
+        if status != StatusCode::OK {
+            return (status, notified);
+        }
+        self.send(
+            self.client
+                .get(self.url(&format!("/orders/{order_id}")))
+                .bearer_auth(self.token(user_id)),
+        )
+        .await
+    }
+
+    /// The payment provider's notification that `order_id` was paid `amount` cents
+    /// (a new event and transaction each call).
+    pub async fn provider_pays(&self, order_id: &str, amount: i64) -> (StatusCode, Value) {
+        self.notify(&notification("payment.succeeded", order_id, amount))
+            .await
+    }
+
+    /// Sends `body` to `/payments/notifications`, signed now with the test secret.
+    pub async fn notify(&self, body: &Value) -> (StatusCode, Value) {
+        let raw = serde_json::to_vec(body).unwrap();
+        let now = chrono::Utc::now().timestamp();
+        let signature =
+            seckill::lifecycle::signature::sign(&super::PAYMENT_SECRET.into(), now, &raw);
+        self.send(
+            self.client
+                .post(self.url("/payments/notifications"))
+                .header("seckill-signature", signature)
+                .header("content-type", "application/json")
+                .body(raw),
+        )
+        .await
     }
 
     /// Cancels the order as user `user_id`.
@@ -144,4 +183,17 @@ impl TestApp {
             .bearer_auth(self.token(user_id));
         self.send(req).await
     }
+}
+
+/// A notification of the payment provider, with a new event id and transaction id.
+pub fn notification(kind: &str, order_id: &str, amount: i64) -> Value {
+    let fresh = || format!("{:016x}", rand::random::<u64>());
+    serde_json::json!({
+        "id": format!("evt_{}", fresh()),
+        "type": kind,
+        "order_id": order_id,
+        "amount": amount,
+        "currency": "CNY",
+        "transaction_id": format!("tx_{}", fresh()),
+    })
 }
