@@ -12,6 +12,7 @@ mod processes;
 mod requests;
 mod spawn;
 mod stores;
+pub use requests::notification;
 
 use std::time::Duration;
 

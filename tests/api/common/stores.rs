@@ -91,11 +91,12 @@ impl TestApp {
             .unwrap()
     }
 
-    /// `(order id, user id)` of the voucher's active (created or paid) orders.
+    /// `(order id, user id)` of the voucher's active orders: those holding a unit
+    /// (created, paid, used, refunding but for a late payment's).
     pub async fn pg_orders(&self, voucher_id: i64) -> Vec<(i64, i64)> {
         sqlx::query_as(
             "SELECT id, user_id FROM voucher_orders \
-             WHERE voucher_id = $1 AND status IN ('created', 'paid') ORDER BY id",
+             WHERE voucher_id = $1 AND closed_at IS NULL ORDER BY id",
         )
         .bind(voucher_id)
         .fetch_all(&self.db)
@@ -107,7 +108,7 @@ impl TestApp {
     pub async fn pg_order_count(&self, voucher_id: i64) -> usize {
         let n: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM voucher_orders \
-             WHERE voucher_id = $1 AND status IN ('created', 'paid')",
+             WHERE voucher_id = $1 AND closed_at IS NULL",
         )
         .bind(voucher_id)
         .fetch_one(&self.db)

@@ -4,48 +4,81 @@
 use super::*;
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
-async fn paying_a_created_order_makes_it_paid_and_paying_again_changes_nothing(db: PgPool) {
+async fn a_created_order_paid_through_the_provider_is_paid_and_a_replay_changes_nothing(
+    db: PgPool,
+) {
     let app = TestApp::spawn(db).await;
     let voucher = app.open_sale(5).await;
-    let id = grab_id(&app, voucher, 1).await;
+    let id = grab_id(&app, voucher, 11).await;
     app.drain().await;
 
-    let (status, order) = app.get(&format!("/orders/{id}"), Some(&app.token(1))).await;
+    let (status, order) = app.get(&format!("/orders/{id}"), Some(&app.token(11))).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(order["status"], "created");
     assert!(order["pay_before"].is_string(), "{order}");
     assert!(order["paid_at"].is_null() && order["closed_at"].is_null());
 
-    let body = json!({"payment_ref": "psp-42"});
-    let (status, _, paid) = app
-        .order_action(&id, "pay", &app.token(1), Some(&body))
+    let (status, _, checkout) = app
+        .order_action(&id, "checkout", &app.token(11), None)
         .await;
-    assert_eq!(status, StatusCode::OK, "{paid}");
-    assert_eq!(paid["status"], "paid");
-    assert_eq!(paid["payment_ref"], "psp-42");
-    assert!(paid["paid_at"].is_string());
+    assert_eq!(status, StatusCode::OK, "{checkout}");
+    assert_eq!(checkout["order_id"], id.as_str());
+    assert_eq!(checkout["currency"], "CNY");
+    assert_eq!(checkout["pay_before"], order["pay_before"]);
+    let amount = checkout["amount"].as_i64().unwrap();
 
-    let other = json!({"payment_ref": "psp-43"});
-    let (status, _, again) = app
-        .order_action(&id, "pay", &app.token(1), Some(&other))
-        .await;
-    assert_eq!(status, StatusCode::OK, "{again}");
+    let event = crate::common::notification("payment.succeeded", &id, amount);
+    let (status, notified) = app.notify(&event).await;
+    assert_eq!(status, StatusCode::OK, "{notified}");
     assert_eq!(
-        (&again["paid_at"], &again["payment_ref"]),
-        (&paid["paid_at"], &paid["payment_ref"]),
-        "paying again changes nothing"
+        (&notified["outcome"], &notified["replay"]),
+        (&json!("paid"), &json!(false))
     );
+    let (_, paid) = app.get(&format!("/orders/{id}"), Some(&app.token(11))).await;
+    assert_eq!(paid["status"], "paid");
+    assert!(paid["paid_at"].is_string());
+    assert_eq!(paid["payment"]["provider"], "provider");
+    assert_eq!(paid["payment"]["transaction_id"], event["transaction_id"]);
+    assert_eq!(paid["payment"]["amount"], amount);
+    let code = paid["redeem_code"].as_str().expect("its owner sees the code");
+    assert_eq!(code.len(), 16);
+    let (_, as_admin) = app
+        .get(&format!("/orders/{id}"), Some(&app.admin_token()))
+        .await;
+    assert!(as_admin["redeem_code"].is_null(), "only its owner sees it");
 
-    let (status, refused) = app.cancel(&id, 1).await;
-    assert_eq!(status, StatusCode::CONFLICT);
-    assert_eq!(refused["error"]["code"], "order_paid");
+    // The same notification again, and the same transaction under another event id:
+    // the first answer, nothing changed.
+    let mut renamed = event.clone();
+    renamed["id"] = json!("evt_another");
+    for again in [&event, &renamed] {
+        let (status, replay) = app.notify(again).await;
+        assert_eq!(status, StatusCode::OK, "{replay}");
+        assert_eq!(
+            (&replay["outcome"], &replay["replay"]),
+            (&json!("paid"), &json!(true))
+        );
+    }
+    let (_, still) = app.get(&format!("/orders/{id}"), Some(&app.token(11))).await;
+    assert_eq!(still, paid, "a replay changes nothing");
+
+    // Another transaction for a paid order is money to give back, not a second payment.
+    let (status, twice) = app.provider_pays(&id, amount).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(twice["outcome"], "already_paid");
+
+    for action in ["checkout", "cancel"] {
+        let (status, _, refused) = app.order_action(&id, action, &app.token(11), None).await;
+        assert_eq!(status, StatusCode::CONFLICT, "{action}");
+        assert_eq!(refused["error"]["code"], "order_paid");
+    }
     assert_eq!(app.pg_status(&id).await.as_deref(), Some("paid"));
     assert_eq!(
         stocks(&app, voucher).await,
         (4, Some(4)),
         "a paid unit stays sold"
     );
-    // (Checked against the sale row's counts, which paying again did not raise.)
+    // (Checked against the sale row's counts, which the replays did not raise.)
     assert_eq!(app.pg_statuses(voucher).await.get("paid"), Some(&1));
 }
 
@@ -277,14 +310,16 @@ async fn a_pending_order_answers_order_pending_with_retry_after_and_changes_noth
     let app = TestApp::spawn(db).await;
     let voucher = app.open_sale(2).await;
     let id = grab_id(&app, voucher, 3).await;
-    for action in ["pay", "cancel"] {
+    let reason = json!({"reason": "paid at the counter"});
+    for action in ["checkout", "cancel"] {
         let (status, retry, body) = app.order_action(&id, action, &app.token(3), None).await;
         assert_eq!(status, StatusCode::CONFLICT, "{action}: {body}");
         assert_eq!(body["error"]["code"], "order_pending");
         assert_eq!(retry.as_deref(), Some("1"));
         // An administrator sees the same, through the stream.
+        let action = if action == "checkout" { "pay" } else { action };
         let (status, _, body) = app
-            .order_action(&id, action, &app.admin_token(), None)
+            .order_action(&id, action, &app.admin_token(), Some(&reason))
             .await;
         assert_eq!(status, StatusCode::CONFLICT);
         assert_eq!(body["error"]["code"], "order_pending");
@@ -307,7 +342,7 @@ async fn unknown_or_foreign_orders_are_404_and_bad_bodies_are_refused_with_nothi
     let id = grab_id(&app, voucher, 5).await;
     app.drain().await;
 
-    for action in ["pay", "cancel"] {
+    for action in ["checkout", "cancel", "refund"] {
         let (status, _, body) = app.order_action(&id, action, &app.token(6), None).await;
         assert_eq!(status, StatusCode::NOT_FOUND, "somebody else's: {body}");
         let (status, _, _) = app
@@ -317,46 +352,45 @@ async fn unknown_or_foreign_orders_are_404_and_bad_bodies_are_refused_with_nothi
         let (status, _, _) = app.order_action("0", action, &app.token(5), None).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "not an id");
     }
-    let long = "x".repeat(129);
-    for (body, want) in [
-        (
-            json!({"payment_ref": long}),
-            StatusCode::UNPROCESSABLE_ENTITY,
-        ),
-        (json!({"payment_ref": ""}), StatusCode::UNPROCESSABLE_ENTITY),
-        (
-            json!({"payment_ref": "   "}),
-            StatusCode::UNPROCESSABLE_ENTITY,
-        ),
-        (
-            json!({"payment_ref": "\u{200B}\u{FEFF}"}),
-            StatusCode::UNPROCESSABLE_ENTITY,
-        ),
-        (
-            json!({"payment_ref": "a\u{0}b"}),
-            StatusCode::UNPROCESSABLE_ENTITY,
-        ),
-        (json!({"payment_ref": 12}), StatusCode::UNPROCESSABLE_ENTITY),
-        (
-            json!({"payment_ref": "ok", "amount": 1}),
-            StatusCode::UNPROCESSABLE_ENTITY,
-        ),
-        (json!([1]), StatusCode::UNPROCESSABLE_ENTITY),
+    // Shoppers no longer mark their orders paid: the payment provider does.
+    let reason = json!({"reason": "paid at the counter"});
+    let (status, _, refused) = app
+        .order_action(&id, "pay", &app.token(5), Some(&reason))
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{refused}");
+    assert_eq!(refused["error"]["code"], "forbidden");
+
+    // An administrator's manual payment needs a reason of 1 to 256 visible characters.
+    let long = "x".repeat(257);
+    for body in [
+        json!({"reason": long}),
+        json!({"reason": ""}),
+        json!({"reason": "   "}),
+        json!({"reason": "\u{200B}\u{FEFF}"}),
+        json!({"reason": "a\u{0}b"}),
+        json!({"reason": 12}),
+        json!({"reason": "ok", "amount": 1}),
+        json!({"payment_ref": "psp-1"}),
+        json!([1]),
         // serde reads a struct from an array of its fields: not a body here.
-        (json!(["psp-1"]), StatusCode::UNPROCESSABLE_ENTITY),
-        (json!([null]), StatusCode::UNPROCESSABLE_ENTITY),
-        (json!("psp-1"), StatusCode::UNPROCESSABLE_ENTITY),
+        json!(["paid"]),
+        json!([null]),
+        json!("paid"),
     ] {
         let (status, _, err) = app
-            .order_action(&id, "pay", &app.token(5), Some(&body))
+            .order_action(&id, "pay", &app.admin_token(), Some(&body))
             .await;
-        assert_eq!(status, want, "{body}: {err}");
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}: {err}");
         assert_eq!(err["error"]["code"], "validation");
     }
+    let (status, _, err) = app
+        .order_action(&id, "pay", &app.admin_token(), None)
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "no body: {err}");
     let raw = app
         .client
         .post(app.url(&format!("/orders/{id}/pay")))
-        .bearer_auth(app.token(5))
+        .bearer_auth(app.admin_token())
         .header("content-type", "application/json")
         .body("{not json")
         .send()
@@ -373,11 +407,13 @@ async fn unknown_or_foreign_orders_are_404_and_bad_bodies_are_refused_with_nothi
     assert_eq!(app.pg_status(&id).await.as_deref(), Some("created"));
     assert_eq!(stocks(&app, voucher).await, (1, Some(1)), "nothing changed");
 
-    // A 128-character reference is fine, and an administrator may pay anyone's order.
-    let body = json!({"payment_ref": "é".repeat(128)});
+    // A 256-character reason is fine: the order is paid by hand, the reason recorded.
+    let body = json!({"reason": "é".repeat(256)});
     let (status, _, paid) = app
         .order_action(&id, "pay", &app.admin_token(), Some(&body))
         .await;
     assert_eq!(status, StatusCode::OK, "{paid}");
     assert_eq!(paid["status"], "paid");
+    assert_eq!(paid["payment"]["provider"], "manual");
+    assert_eq!(paid["payment"]["reason"], body["reason"]);
 }
