@@ -172,7 +172,8 @@ async fn notify(args: crate::config::NotifyArgs) -> anyhow::Result<ExitCode> {
         .await?;
     let status = answer.status();
     let text = answer.text().await.unwrap_or_default();
-    print_out(&format!("{} {text}\n", status.as_u16()))?;
+    // As `curl -w ' %{http_code}'` prints it: the body, then the status.
+    print_out(&format!("{text} {}\n", status.as_u16()))?;
     Ok(if status.is_success() {
         ExitCode::SUCCESS
     } else {

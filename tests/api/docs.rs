@@ -16,6 +16,7 @@ const SUBCOMMANDS: &[&str] = &[
     "worker",
     "migrate",
     "token",
+    "notify",
     "reconcile",
     "dead-letters",
     "demo",

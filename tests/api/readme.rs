@@ -9,7 +9,7 @@ use std::process::Command;
 use sqlx::PgPool;
 
 use crate::common::faults::BIN;
-use crate::common::{TestApp, SECRET};
+use crate::common::{TestApp, PAYMENT_SECRET, SECRET};
 
 const SECTION: &str = "## A five-minute walk-through";
 
@@ -102,7 +102,7 @@ fn script(steps: &[Step], dir: &Path, addr: &str) -> String {
     let mut s = format!(
         "set -u\n\
          docker() {{\n  local all=\"$*\"\n  [ \"${{all#compose exec -T seckill seckill }}\" != \"$all\" ] || exit 97\n  \
-         shift 5; JWT_SECRET='{SECRET}' BIND='{addr}' '{BIN}' \"$@\"\n}}\n"
+         shift 5; JWT_SECRET='{SECRET}' PAYMENT_WEBHOOK_SECRETS='{PAYMENT_SECRET}' BIND='{addr}' '{BIN}' \"$@\"\n}}\n"
     );
     for (i, step) in steps.iter().enumerate() {
         let commands = step.commands.join("\n").replace("localhost:8080", addr);
