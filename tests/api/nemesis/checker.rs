@@ -22,8 +22,10 @@ pub struct PgOrder {
 }
 
 impl PgOrder {
+    /// Holds its unit: not given back (cancelled, expired, or refunded while its sale
+    /// was open; a late payment's `refunding` order gave it back when it closed).
     pub fn is_active(&self) -> bool {
-        matches!(self.status.as_str(), "created" | "paid")
+        self.closed_ms.is_none()
     }
 }
 

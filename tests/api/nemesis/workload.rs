@@ -136,11 +136,23 @@ impl Workload {
         let mut req = self
             .http
             .post(format!("{}{path}", self.bases[api as usize]))
-            .bearer_auth(self.token(user, admin))
             .timeout(REQUEST_TIMEOUT);
-        if let Some(body) = body {
-            req = req.json(&body);
-        }
+        req = match (kind, body) {
+            // The payment provider's notification: signed, no bearer token.
+            (Kind::Pay, Some(body)) => {
+                let raw = serde_json::to_vec(&body).unwrap();
+                let now = chrono::Utc::now().timestamp();
+                let secret = crate::common::PAYMENT_SECRET.into();
+                req.header(
+                    "seckill-signature",
+                    seckill::lifecycle::signature::sign(&secret, now, &raw),
+                )
+                .header("content-type", "application/json")
+                .body(raw)
+            }
+            (_, Some(body)) => req.bearer_auth(self.token(user, admin)).json(&body),
+            (_, None) => req.bearer_auth(self.token(user, admin)),
+        };
         let sent_ms = self.recorder.now_ms();
         let mut record = Record {
             kind,
@@ -168,7 +180,12 @@ impl Workload {
                 let (code, order_id, outcome) = answer_fields(&body);
                 record.recv_ms = Some(self.recorder.now_ms());
                 record.status = Some(status);
-                record.code = code;
+                // A notification's 200 says what it did (`paid`, `late_payment`, ...).
+                record.code = code.or_else(|| {
+                    (kind == Kind::Pay)
+                        .then(|| body["outcome"].as_str().map(str::to_string))
+                        .flatten()
+                });
                 record.outcome = outcome;
                 record.order_id = order_id.filter(|_| kind == Kind::Grab);
                 if kind == Kind::CreateSale && status == 201 {
@@ -356,8 +373,9 @@ impl Workload {
             let (voucher, id) = rng.pick(&live);
             let dice = rng.range(0, 99);
             let r = if dice < 45 {
-                let body = json!({"payment_ref": format!("nemesis-{id}")});
-                let path = format!("/orders/{id}/pay");
+                // The provider confirms the shopper's payment (the sale's price, 100).
+                let body = crate::common::notification("payment.succeeded", &id.to_string(), 100);
+                let path = "/payments/notifications".to_string();
                 self.send(
                     Kind::Pay,
                     Phase::Campaign,
@@ -427,12 +445,17 @@ fn learn(holds: &mut HashMap<(i64, i64), Hold>, r: &Record) {
     let key = (r.user, r.voucher);
     match (r.kind, r.status, r.code.as_deref()) {
         (Kind::Grab, ..) => learn_grab(holds, r),
-        (Kind::Pay, Some(200), _) | (Kind::Cancel, Some(409), Some("order_paid")) => {
+        (Kind::Pay, Some(200), Some("paid" | "already_paid"))
+        | (Kind::Cancel, Some(409), Some("order_paid")) => {
             if let Some(Hold::Order { paid, .. }) = holds.get_mut(&key) {
                 *paid = true;
             }
         }
-        (Kind::Cancel, Some(200), _) | (_, Some(409), Some("order_closed")) | (_, Some(404), _) => {
+        // Paid after it closed: the money goes back, the order holds nothing.
+        (Kind::Pay, Some(200), Some("late_payment"))
+        | (Kind::Cancel, Some(200), _)
+        | (_, Some(409), Some("order_closed"))
+        | (_, Some(404), _) => {
             holds.remove(&key);
         }
         _ => {}
