@@ -14,6 +14,7 @@ use seckill::domain::OrderId;
 mod crashes;
 mod expiry;
 mod pay_and_cancel;
+mod payments;
 
 /// Grabs as `user` and returns the order id (the grab must succeed).
 async fn grab_id(app: &TestApp, voucher: i64, user: i64) -> String {

@@ -12,7 +12,9 @@ async fn a_created_order_paid_through_the_provider_is_paid_and_a_replay_changes_
     let id = grab_id(&app, voucher, 11).await;
     app.drain().await;
 
-    let (status, order) = app.get(&format!("/orders/{id}"), Some(&app.token(11))).await;
+    let (status, order) = app
+        .get(&format!("/orders/{id}"), Some(&app.token(11)))
+        .await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(order["status"], "created");
     assert!(order["pay_before"].is_string(), "{order}");
@@ -34,13 +36,17 @@ async fn a_created_order_paid_through_the_provider_is_paid_and_a_replay_changes_
         (&notified["outcome"], &notified["replay"]),
         (&json!("paid"), &json!(false))
     );
-    let (_, paid) = app.get(&format!("/orders/{id}"), Some(&app.token(11))).await;
+    let (_, paid) = app
+        .get(&format!("/orders/{id}"), Some(&app.token(11)))
+        .await;
     assert_eq!(paid["status"], "paid");
     assert!(paid["paid_at"].is_string());
     assert_eq!(paid["payment"]["provider"], "provider");
     assert_eq!(paid["payment"]["transaction_id"], event["transaction_id"]);
     assert_eq!(paid["payment"]["amount"], amount);
-    let code = paid["redeem_code"].as_str().expect("its owner sees the code");
+    let code = paid["redeem_code"]
+        .as_str()
+        .expect("its owner sees the code");
     assert_eq!(code.len(), 16);
     let (_, as_admin) = app
         .get(&format!("/orders/{id}"), Some(&app.admin_token()))
@@ -59,7 +65,9 @@ async fn a_created_order_paid_through_the_provider_is_paid_and_a_replay_changes_
             (&json!("paid"), &json!(true))
         );
     }
-    let (_, still) = app.get(&format!("/orders/{id}"), Some(&app.token(11))).await;
+    let (_, still) = app
+        .get(&format!("/orders/{id}"), Some(&app.token(11)))
+        .await;
     assert_eq!(still, paid, "a replay changes nothing");
 
     // Another transaction for a paid order is money to give back, not a second payment.
@@ -383,9 +391,7 @@ async fn unknown_or_foreign_orders_are_404_and_bad_bodies_are_refused_with_nothi
         assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}: {err}");
         assert_eq!(err["error"]["code"], "validation");
     }
-    let (status, _, err) = app
-        .order_action(&id, "pay", &app.admin_token(), None)
-        .await;
+    let (status, _, err) = app.order_action(&id, "pay", &app.admin_token(), None).await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "no body: {err}");
     let raw = app
         .client
