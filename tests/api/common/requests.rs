@@ -12,6 +12,14 @@ impl TestApp {
         self.jwt.mint(1, true, 3600).unwrap()
     }
 
+    /// A token of `shop`'s staff member `user_id`.
+    pub fn staff_token(&self, user_id: i64, shop: i64) -> String {
+        let shop = seckill::domain::ShopId::new(shop).unwrap();
+        (self.jwt)
+            .mint_as(user_id, seckill::auth::Role::Shop(shop), 3600)
+            .unwrap()
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("{}{}", self.base, path)
     }

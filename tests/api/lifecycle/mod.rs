@@ -15,6 +15,7 @@ mod crashes;
 mod expiry;
 mod pay_and_cancel;
 mod payments;
+mod redemption_and_refunds;
 
 /// Grabs as `user` and returns the order id (the grab must succeed).
 async fn grab_id(app: &TestApp, voucher: i64, user: i64) -> String {
