@@ -47,6 +47,8 @@ async fn a_client_generated_from_the_api_document_runs_the_whole_flow(db: PgPool
         .env("SECKILL_BASE", &app.base)
         .env("SECKILL_ADMIN", app.admin_token())
         .env("SECKILL_SHOPPERS", shoppers)
+        .env("SECKILL_STAFF", app.staff_token(3001, 7))
+        .env("SECKILL_PAYMENT_SECRET", crate::common::PAYMENT_SECRET)
         .output();
     let flow = tokio::time::timeout(std::time::Duration::from_secs(120), flow)
         .await
