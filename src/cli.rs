@@ -246,7 +246,7 @@ fn shutdown_token() -> CancellationToken {
 
 async fn serve(api: ApiArgs, worker_opts: Option<WorkerOptions>) -> anyhow::Result<()> {
     let app = Application::build(api, worker_opts, shutdown_token()).await?;
-    tracing::info!(addr = %app.local_addr()?, "listening");
+    tracing::info!(addr = %app.local_addr()?, admin = %app.admin_addr()?, "listening");
     app.run().await;
     tracing::info!("stopped");
     Ok(())

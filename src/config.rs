@@ -189,6 +189,11 @@ pub struct ApiArgs {
     /// Listen address of the API.
     #[arg(long, env = "BIND", default_value = "0.0.0.0:8080")]
     pub bind: SocketAddr,
+    /// The internal listener, for operators and Prometheus: `/metrics`, `/live` and
+    /// `/live/events` without a token (on the API port they need an administrator's).
+    /// Keep it off the public network; each instance on a host needs its own.
+    #[arg(long, env = "ADMIN_BIND", default_value = "127.0.0.1:9090")]
+    pub admin_bind: SocketAddr,
     /// A file where the instance also writes each 202 it keeps until its order is
     /// written, so that an instance started again on it (after a crash, a `kill -9`)
     /// still admits again the ones Redis lost. One file per instance, kept across its

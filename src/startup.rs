@@ -25,6 +25,8 @@ use crate::worker::{Worker, WorkerConfig};
 /// A bound, ready API process (and its worker, for `serve`), not yet serving.
 pub struct Application {
     listener: TcpListener,
+    /// The internal listener (`ADMIN_BIND`): metrics and the live view.
+    admin_listener: TcpListener,
     state: AppState,
     limits: ServerLimits,
     tasks: TaskTracker,
@@ -128,8 +130,15 @@ impl Application {
             }
         }
         let listener = TcpListener::bind(api.bind).await?;
+        let admin_listener = TcpListener::bind(api.admin_bind).await.map_err(|e| {
+            anyhow::anyhow!(
+                "ADMIN_BIND {}: {e} (each instance on a host needs its own)",
+                api.admin_bind
+            )
+        })?;
         Ok(Self {
             listener,
+            admin_listener,
             state,
             limits: (&api.server).into(),
             tasks,
@@ -142,6 +151,11 @@ impl Application {
         self.listener.local_addr()
     }
 
+    /// Where the internal listener (`ADMIN_BIND`) listens.
+    pub fn admin_addr(&self) -> std::io::Result<SocketAddr> {
+        self.admin_listener.local_addr()
+    }
+
     pub fn state(&self) -> &AppState {
         &self.state
     }
@@ -149,8 +163,20 @@ impl Application {
     /// Serves until the token fires, lets requests in progress finish, then waits for
     /// the background duties and the worker (which finishes its batch) to stop.
     pub async fn run(self) {
+        let admin = crate::http::build_admin_app(self.state.clone());
         let app = crate::build_app(self.state);
-        crate::http::server::serve(self.listener, app, self.limits, self.cancel.clone()).await;
+        let internal = crate::http::server::serve(
+            self.admin_listener,
+            admin,
+            self.limits,
+            self.cancel.clone(),
+        );
+        let public = async {
+            crate::http::server::serve(self.listener, app, self.limits, self.cancel.clone()).await;
+            // The internal listener stops with the API.
+            self.cancel.cancel();
+        };
+        tokio::join!(public, internal);
         self.cancel.cancel();
         self.served.cancel();
         self.tasks.close();

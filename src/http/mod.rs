@@ -81,9 +81,52 @@ pub(crate) fn fallback_headers(fell_back: bool) -> axum::http::HeaderMap {
     headers
 }
 
+/// The internal listener's routes (`ADMIN_BIND`, loopback by default): the metrics and
+/// the live view for operators and Prometheus, without a token. On the API port the
+/// same routes need an administrator's.
+pub fn build_admin_app(state: AppState) -> Router {
+    crate::metrics::handle();
+    Router::new()
+        .route("/metrics", get(health::metrics))
+        .route("/healthz", get(health::healthz))
+        .route("/live", get(live::page))
+        .route("/live/app.js", get(live::script))
+        .route("/live/app.css", get(live::style))
+        .route("/live/favicon.svg", get(live::icon))
+        .route("/live/events", get(live::events))
+        .fallback(|| async {
+            AppError::NotFound(
+                "no such route: the internal listener serves /metrics, /live, /live/events".into(),
+            )
+        })
+        .layer(
+            ServiceBuilder::new()
+                .layer(SetRequestIdLayer::new(REQUEST_ID, MakeRequestUuid))
+                .layer(PropagateRequestIdLayer::new(REQUEST_ID))
+                .layer(middleware::from_fn(log_failures)),
+        )
+        .with_state(state)
+}
+
+/// What the internal listener serves, kept from anonymous callers on the API port:
+/// only an administrator's token passes.
+async fn admin_only(
+    axum::extract::State(state): axum::extract::State<AppState>,
+    req: Request,
+    next: Next,
+) -> Response {
+    use axum::extract::FromRequestParts;
+    let (mut parts, body) = req.into_parts();
+    match crate::auth::Admin::from_request_parts(&mut parts, &state).await {
+        Ok(_) => next.run(Request::from_parts(parts, body)).await,
+        Err(refused) => refused.into_response(),
+    }
+}
+
 pub fn build_app(state: AppState) -> Router {
     // Install the metrics recorder before the first request records anything.
     crate::metrics::handle();
+    let admin_only = || middleware::from_fn_with_state(state.clone(), admin_only);
     let limits = &state.settings.limits;
     let timeout = Duration::from_secs(limits.request_timeout_secs);
     let max_concurrent = limits.max_concurrent_requests as usize;
@@ -113,11 +156,11 @@ pub fn build_app(state: AppState) -> Router {
         .route("/openapi.json", get(openapi::openapi_json))
         .route("/docs", get(openapi::docs))
         .route("/docs/{asset}", get(openapi::docs_asset))
-        .route("/live", get(live::page))
+        .route("/live", get(live::page).route_layer(admin_only()))
         .route("/live/app.js", get(live::script))
         .route("/live/app.css", get(live::style))
         .route("/live/favicon.svg", get(live::icon))
-        .route("/live/events", get(live::events))
+        .route("/live/events", get(live::events).route_layer(admin_only()))
         .fallback(|| async { AppError::NotFound("no such route".into()) })
         .layer(
             ServiceBuilder::new()
@@ -145,7 +188,10 @@ pub fn build_app(state: AppState) -> Router {
         ))
         .timeout(METRICS_TIMEOUT);
     limited
-        .route("/metrics", get(health::metrics).layer(scrape))
+        .route(
+            "/metrics",
+            get(health::metrics).layer(scrape).route_layer(admin_only()),
+        )
         // After every route: it applies only to the routes already there.
         .method_not_allowed_fallback(|| async {
             AppError::Validation {

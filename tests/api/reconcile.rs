@@ -126,10 +126,7 @@ async fn dead_letters_are_listed_with_their_reason(db: PgPool) {
     );
     assert!(listing.contains("orig.order_id=nope"));
     assert!(listing.contains("1 dead letter(s) in all"));
-    let (_, metrics) = {
-        let resp = app.client.get(app.url("/metrics")).send().await.unwrap();
-        (resp.status(), resp.text().await.unwrap())
-    };
+    let metrics = app.metrics_text().await;
     let gauge = metrics
         .lines()
         .find(|l| l.starts_with("seckill_dead_letters{"))

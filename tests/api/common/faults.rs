@@ -289,6 +289,8 @@ impl Process {
             .env("REDIS_KEY_PREFIX", prefix)
             .env("JWT_SECRET", super::SECRET)
             .env("PAYMENT_WEBHOOK_SECRETS", super::PAYMENT_SECRET)
+            // Many instances on one host: each its own internal listener.
+            .env("ADMIN_BIND", "127.0.0.1:0")
             .env(
                 "RUST_LOG",
                 std::env::var("SECKILL_TEST_LOG").unwrap_or_else(|_| "warn".into()),

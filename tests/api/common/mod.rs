@@ -103,6 +103,8 @@ pub fn redis_url() -> String {
 pub struct TestApp {
     pub redis_url: String,
     pub base: String,
+    /// The internal listener (`ADMIN_BIND`): metrics and the live view, no token.
+    pub admin_base: String,
     pub db: PgPool,
     pub redis: RedisConn,
     pub keys: Keys,
@@ -135,9 +137,19 @@ impl Drop for TestApp {
     }
 }
 
-/// The `/metrics` page of the server at `base`.
+/// An administrator's token: what `/metrics` and the live view need on the API port.
+pub fn admin_bearer() -> String {
+    JwtKeys::new(SECRET).unwrap().mint(1, true, 3600).unwrap()
+}
+
+/// The `/metrics` page of the server at `base` (its API port: with an admin's token).
 pub async fn metrics_at(http: &reqwest::Client, base: &str) -> String {
-    let resp = http.get(format!("{base}/metrics")).send().await.unwrap();
+    let resp = http
+        .get(format!("{base}/metrics"))
+        .bearer_auth(admin_bearer())
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
     resp.text().await.unwrap()
 }

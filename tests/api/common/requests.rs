@@ -168,9 +168,16 @@ impl TestApp {
         (status, body)
     }
 
-    /// The `/metrics` page.
+    /// The `/metrics` page, from the internal listener (no token there).
     pub async fn metrics_text(&self) -> String {
-        metrics_at(&self.client, &self.base).await
+        let resp = self
+            .client
+            .get(format!("{}/metrics", self.admin_base))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        resp.text().await.unwrap()
     }
 
     /// A sale that is open now and for the next hour.

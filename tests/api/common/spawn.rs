@@ -64,6 +64,7 @@ impl TestApp {
             },
             jwt,
             bind: "127.0.0.1:0".parse().unwrap(),
+            admin_bind: "127.0.0.1:0".parse().unwrap(),
             promises_file: None,
             skip_migrations: true,
             sale_state_retention_secs: settings.sale_state_retention.as_secs(),
@@ -78,12 +79,14 @@ impl TestApp {
         let cancel = CancellationToken::new();
         let app = Application::build(api, None, cancel.clone()).await.unwrap();
         let addr = app.local_addr().unwrap();
+        let admin_addr = app.admin_addr().unwrap();
         let state = app.state().clone();
         tokio::spawn(app.run());
         let redis = redis_conn::connect(&redis_url, redis_conn::COMMAND_TIMEOUT).unwrap();
         Self {
             redis_url,
             base: format!("http://{addr}"),
+            admin_base: format!("http://{admin_addr}"),
             db,
             redis,
             keys,
@@ -107,6 +110,9 @@ impl TestApp {
         let port = faults::free_port();
         let mut env = env.to_vec();
         env.push(("BIND", format!("127.0.0.1:{port}")));
+        if !env.iter().any(|(k, _)| *k == "ADMIN_BIND") {
+            env.push(("ADMIN_BIND", format!("127.0.0.1:{}", faults::free_port())));
+        }
         let process = faults::Process::spawn(
             subcommand,
             &self.redis_url,

@@ -90,9 +90,11 @@ async fn a_client_that_stops_reading_cannot_hold_the_process_at_shutdown(db: PgP
     let (mut server, base) = app.spawn_server("api", &[]).await;
     let _stuck = stop_reading(&addr_of(&base), 8).await;
     let mut page = TcpStream::connect(addr_of(&base)).await.unwrap();
-    page.write_all(b"GET /live/events HTTP/1.1\r\nHost: test\r\n\r\n")
-        .await
-        .unwrap();
+    let request = format!(
+        "GET /live/events HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {}\r\n\r\n",
+        crate::common::admin_bearer()
+    );
+    page.write_all(request.as_bytes()).await.unwrap();
     tokio::time::sleep(Duration::from_secs(2)).await;
     let stopping = std::time::Instant::now();
     server.sigterm();
@@ -160,7 +162,12 @@ async fn the_concurrency_limit_is_one_for_all_routes_and_never_blinds_metrics(db
     assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
     let body: serde_json::Value = resp.json().await.unwrap();
     assert_eq!(body["error"]["code"], "unavailable", "{body}");
-    let resp = http.get(format!("{base}/metrics")).send().await.unwrap();
+    let resp = http
+        .get(format!("{base}/metrics"))
+        .bearer_auth(crate::common::admin_bearer())
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), StatusCode::OK, "a scrape at the limit");
     let text = resp.text().await.unwrap();
     let shed = text

@@ -8,7 +8,7 @@ async fn the_live_page_in_a_real_browser_updates_after_grabs_without_a_reload(db
     let app = TestApp::spawn(db).await;
     let voucher = app.open_sale(5).await;
     let browser = Browser::start().await;
-    browser.goto(&app.url("/live")).await;
+    browser.goto(&format!("{}/live", app.admin_base)).await;
 
     let field = |name: &str| {
         format!(
@@ -109,7 +109,7 @@ async fn a_hostile_title_is_shown_as_text_in_a_real_browser_and_runs_nothing(db:
     let voucher = voucher["id"].as_i64().unwrap();
 
     let browser = Browser::start().await;
-    browser.goto(&app.url("/live")).await;
+    browser.goto(&format!("{}/live", app.admin_base)).await;
     let card = format!("document.querySelector('[data-sale-id=\"{voucher}\"]')");
     let title = browser
         .wait_for(
@@ -157,11 +157,16 @@ async fn a_hostile_title_is_shown_as_text_in_a_real_browser_and_runs_nothing(db:
 async fn the_page_shows_live_again_after_the_server_restarts_without_a_reload(db: PgPool) {
     use crate::common::faults;
     let app = TestApp::spawn(db).await;
-    let (mut first, base) = app.spawn_server("api", &[]).await;
+    // The page is served by the internal listener, which comes back at the same address.
+    let admin_port = faults::free_port();
+    let admin_bind = ("ADMIN_BIND", format!("127.0.0.1:{admin_port}"));
+    let (mut first, base) = app.spawn_server("api", &[admin_bind.clone()]).await;
     let port = base.rsplit(':').next().unwrap().to_string();
     let voucher = app.open_sale(5).await;
     let browser = Browser::start().await;
-    browser.goto(&format!("{base}/live")).await;
+    browser
+        .goto(&format!("http://127.0.0.1:{admin_port}/live"))
+        .await;
     let status = "return document.getElementById('status').textContent;";
     browser.wait_for(status, WAIT, |v| v == "live").await;
     browser
@@ -175,7 +180,7 @@ async fn the_page_shows_live_again_after_the_server_restarts_without_a_reload(db
         &app.redis_url,
         app.keys.prefix(),
         &faults::database_url(&app.db, None),
-        &[("BIND", format!("127.0.0.1:{port}"))],
+        &[("BIND", format!("127.0.0.1:{port}")), admin_bind],
     );
     faults::wait_ready(&base).await;
     browser
@@ -198,12 +203,14 @@ async fn the_page_shows_live_again_after_the_server_restarts_without_a_reload(db
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn a_refused_page_retries_after_a_backoff_and_says_how_many_sales_it_leaves_out(db: PgPool) {
     let app = TestApp::spawn(db).await;
+    let admin_port = crate::common::faults::free_port();
     let (_api, base) = app
         .spawn_server(
             "api",
             &[
                 ("LIVE_MAX_VIEWERS", "1".to_string()),
                 ("LIVE_MAX_SALES", "1".to_string()),
+                ("ADMIN_BIND", format!("127.0.0.1:{admin_port}")),
             ],
         )
         .await;
@@ -213,7 +220,9 @@ async fn a_refused_page_retries_after_a_backoff_and_says_how_many_sales_it_leave
     let held = Events::open(&client, &base).await;
 
     let browser = Browser::start().await;
-    browser.goto(&format!("{base}/live")).await;
+    browser
+        .goto(&format!("http://127.0.0.1:{admin_port}/live"))
+        .await;
     let status = "return document.getElementById('status').textContent;";
     let busy = browser
         .wait_for(status, WAIT, |v| {
@@ -275,7 +284,7 @@ async fn a_refused_page_retries_after_a_backoff_and_says_how_many_sales_it_leave
 async fn the_page_says_stale_when_the_snapshots_time_stops_advancing(db: PgPool) {
     let app = TestApp::spawn(db).await;
     let browser = Browser::start().await;
-    browser.goto(&app.url("/live")).await;
+    browser.goto(&format!("{}/live", app.admin_base)).await;
     let status = "return document.getElementById('status').textContent;";
     browser.wait_for(status, WAIT, |v| v == "live").await;
     browser
@@ -314,7 +323,7 @@ async fn the_page_puts_the_selling_sale_first_badges_sold_out_and_shows_sums_rat
     let app = TestApp::spawn(db).await;
     let (sold, in_flight, selling, upcoming, ended) = sales_mid_sale(&app).await;
     let browser = Browser::start().await;
-    browser.goto(&app.url("/live")).await;
+    browser.goto(&format!("{}/live", app.admin_base)).await;
     let cards = "return [...document.querySelectorAll('[data-sale-id]')].map(c => \
                  [Number(c.dataset.saleId), c.querySelector('[data-field=\"state\"]').textContent]);";
     let shown = browser

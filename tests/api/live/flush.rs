@@ -78,6 +78,7 @@ async fn many_open_pages_cost_one_snapshot_a_second_and_pages_beyond_the_limit_g
     // One more is refused, in our error format.
     let resp = client
         .get(format!("{base}/live/events"))
+        .bearer_auth(crate::common::admin_bearer())
         .send()
         .await
         .unwrap();
@@ -91,6 +92,7 @@ async fn many_open_pages_cost_one_snapshot_a_second_and_pages_beyond_the_limit_g
     loop {
         let resp = client
             .get(format!("{base}/live/events"))
+            .bearer_auth(crate::common::admin_bearer())
             .send()
             .await
             .unwrap();

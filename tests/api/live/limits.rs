@@ -22,6 +22,7 @@ async fn pages_refused_for_too_many_viewers_are_logged_at_debug_not_as_warnings(
     for _ in 0..20 {
         let resp = client
             .get(format!("{base}/live/events"))
+            .bearer_auth(crate::common::admin_bearer())
             .send()
             .await
             .unwrap();
@@ -158,6 +159,7 @@ async fn viewers_are_capped_at_half_the_connections_with_a_warning(db: PgPool) {
     }
     let resp = client
         .get(format!("{base}/live/events"))
+        .bearer_auth(crate::common::admin_bearer())
         .send()
         .await
         .unwrap();
@@ -185,7 +187,10 @@ async fn viewers_are_capped_at_half_the_connections_with_a_warning(db: PgPool) {
 async fn the_page_and_its_stream_carry_csp_nosniff_and_no_buffering_headers(db: PgPool) {
     let app = TestApp::spawn(db).await;
     for path in ["/live", "/live/app.js", "/live/app.css"] {
-        let resp = app.client.get(app.url(path)).send().await.unwrap();
+        let resp = (app.client.get(format!("{}{path}", app.admin_base)))
+            .send()
+            .await
+            .unwrap();
         assert_eq!(resp.status(), StatusCode::OK, "{path}");
         let h = resp.headers();
         let csp = h["content-security-policy"].to_str().unwrap();
@@ -195,7 +200,7 @@ async fn the_page_and_its_stream_carry_csp_nosniff_and_no_buffering_headers(db: 
     }
     let resp = app
         .client
-        .get(app.url("/live/events"))
+        .get(format!("{}/live/events", app.admin_base))
         .send()
         .await
         .unwrap();
@@ -251,4 +256,48 @@ async fn the_selling_sale_comes_first_and_the_limit_never_leaves_it_out_for_a_so
             assert_eq!(shown, [selling, upcoming], "{snapshot}");
         }
     }
+}
+
+/// `/metrics`, `/live` and `/live/events` tell every sale and the worker's lag: on the
+/// API port only an administrator reads them; the internal listener (`ADMIN_BIND`,
+/// loopback by default) serves them to operators and Prometheus without a token, and
+/// nothing else.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn the_metrics_and_the_live_view_are_not_reachable_anonymously_on_the_api_port(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    app.open_sale(5).await;
+    for path in ["/metrics", "/live", "/live/events"] {
+        let public = app.url(path);
+        let (status, body) = app.send(app.client.get(&public)).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{path}: {body}");
+        assert_eq!(body["error"]["code"], "unauthorized");
+        let (status, _) = app
+            .send(app.client.get(&public).bearer_auth(app.token(5)))
+            .await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{path}: a shopper");
+        let (status, _) = app
+            .send(app.client.get(&public).bearer_auth(app.staff_token(6, 1)))
+            .await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{path}: a shop's staff");
+        for req in [
+            app.client.get(&public).bearer_auth(app.admin_token()),
+            app.client.get(format!("{}{path}", app.admin_base)),
+        ] {
+            let resp = req.send().await.unwrap();
+            assert_eq!(resp.status(), StatusCode::OK, "{path}");
+        }
+    }
+    // The internal listener serves those alone.
+    let (status, _) = app
+        .send(app.client.get(format!("{}/vouchers/1", app.admin_base)))
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    // The page's script and style hold no data: they stay public.
+    let resp = app
+        .client
+        .get(app.url("/live/app.js"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
 }

@@ -26,6 +26,7 @@ impl Events {
     pub(crate) async fn open(client: &reqwest::Client, base: &str) -> Self {
         let response = client
             .get(format!("{base}/live/events"))
+            .bearer_auth(crate::common::admin_bearer())
             .send()
             .await
             .unwrap();
