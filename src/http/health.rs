@@ -73,8 +73,13 @@ pub(crate) async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<V
     }
 }
 
-#[utoipa::path(get, path = "/metrics", operation_id = "metrics", tag = "operations",
-    responses((status = 200, description = "Prometheus text format", content_type = "text/plain", body = String)))]
+#[utoipa::path(get, path = "/metrics", operation_id = "metrics", tag = "operations", security(("bearer" = [])),
+    responses(
+        (status = 200, description = "Prometheus text format. Served without a token by the internal listener \
+            (`ADMIN_BIND`); on the API port, to an administrator only", content_type = "text/plain", body = String),
+        (status = 401, description = "no or bad token on the API port (`unauthorized`)", body = crate::http::error::ErrorBody),
+        (status = 403, description = "not an administrator (`forbidden`)", body = crate::http::error::ErrorBody),
+    ))]
 pub(crate) async fn metrics(State(state): State<AppState>) -> impl axum::response::IntoResponse {
     let mut conn = state.redis.clone();
     if let Err(e) = crate::metrics::sample_streams(&mut conn, &state.keys).await {

@@ -39,8 +39,13 @@ fn asset(content_type: &'static str, body: &'static str) -> impl IntoResponse {
     )
 }
 
-#[utoipa::path(get, path = "/live", operation_id = "livePage", tag = "live",
-    responses((status = 200, description = "an HTML page showing every open sale live (no external assets)", content_type = "text/html", body = String)))]
+#[utoipa::path(get, path = "/live", operation_id = "livePage", tag = "live", security(("bearer" = [])),
+    responses(
+        (status = 200, description = "an HTML page showing every open sale live (no external assets). Served without a \
+            token by the internal listener (`ADMIN_BIND`); on the API port, to an administrator only", content_type = "text/html", body = String),
+        (status = 401, description = "no or bad token on the API port (`unauthorized`)", body = crate::http::error::ErrorBody),
+        (status = 403, description = "not an administrator (`forbidden`)", body = crate::http::error::ErrorBody),
+    ))]
 pub(crate) async fn page() -> impl IntoResponse {
     asset(
         "text/html; charset=utf-8",
@@ -63,13 +68,15 @@ pub(crate) async fn icon() -> impl IntoResponse {
     asset("image/svg+xml", include_str!("live_page/favicon.svg"))
 }
 
-#[utoipa::path(get, path = "/live/events", operation_id = "liveEvents", tag = "live",
+#[utoipa::path(get, path = "/live/events", operation_id = "liveEvents", tag = "live", security(("bearer" = [])),
     responses(
+        (status = 401, description = "no or bad token on the API port (`unauthorized`); the internal listener (`ADMIN_BIND`) needs none", body = crate::http::error::ErrorBody),
+        (status = 403, description = "not an administrator (`forbidden`)", body = crate::http::error::ErrorBody),
         (status = 200, description = "`text/event-stream`: an event `snapshot` at least every second while the stream is open, \
             its data one JSON object: `at` (by Postgres's clock), `worker` (`length`, `pending`, `lag` (null when Redis cannot tell it), `dead_letters` of the order streams), \
             `sales` (selling first, then upcoming, sold out, ended; per sale: `id`, `title`, `state`, `sold_out`, `begin_time`, `end_time`, `initial_stock`, `remaining`, \
             `grabs_per_sec`, `errors_per_sec`, `admission_p99_ms` (over the last 5 s, null when unknown), \
-            `outcomes` (with the 503s: `unavailable`, `unknown`), `orders` (`admitted` = `persisted` + `in_flight` + `dead_letters`), `dead_letters` (of them `stale_epoch`: admitted by a Redis state that was no longer the sale's), `releases_owed`; \
+            `outcomes` (with the 503s: `unavailable`, `unknown`), `orders` (`admitted` = `persisted` + `in_flight` + `dead_letters`; `persisted` = `created` + `paid` + `used` + `refunding` + `refunded` + `cancelled` + `expired`; `units_back`, `late_payments`), `dead_letters` (of them `stale_epoch`: admitted by a Redis state that was no longer the sale's), `releases_owed`; \
             `state` by Postgres's clock), `open_total` (sales qualifying: open, upcoming, \
             ended in the last 5 minutes), `truncated` (true when `sales` holds fewer than `open_total`: at most `LIVE_MAX_SALES` are sent) \
             and `unavailable` (stores that did not answer)", content_type = "text/event-stream", body = String),

@@ -425,9 +425,9 @@ pub(crate) async fn redeem(
             retry_after_secs: wait.as_secs_f64().ceil() as u64,
         })?;
     match lifecycle::redeem(&state.db, order_id, &body.code, by, user.user_id).await? {
-        Redemption::Done(Transition::Moved(row)) => Ok(Json(row.into())),
-        Redemption::Done(Transition::Unchanged(row)) => Err(refused(row)),
-        Redemption::Done(Transition::Missing) => Err(AppError::NotFound(format!(
+        Redemption::Used(row) => Ok(Json(row.into())),
+        Redemption::Refused(row) => Err(refused(row)),
+        Redemption::Missing => Err(AppError::NotFound(format!(
             "order {order_id} not found (a pending order is not paid yet)"
         ))),
         Redemption::OtherShop => Err(AppError::Forbidden),

@@ -194,7 +194,7 @@ pub async fn redeem(
     staff: crate::domain::UserId,
 ) -> anyhow::Result<Redemption> {
     let done = transitions::redeem(db, order_id, code, by, staff).await?;
-    if let Redemption::Done(Transition::Moved(row)) = &done {
+    if let Redemption::Used(row) = &done {
         count(row, false);
     }
     Ok(done)

@@ -245,8 +245,12 @@ pub enum Redeemer {
 /// What a redemption found or did.
 #[derive(Debug, Clone)]
 pub enum Redemption {
-    /// Used now, or before (the order as it is): redeeming is done once.
-    Done(Transition),
+    /// Used now.
+    Used(OrderRow),
+    /// Its status does not allow it (used already, not paid, refunding...): as it is.
+    Refused(OrderRow),
+    /// No such order in Postgres.
+    Missing,
     /// The voucher is another shop's.
     OtherShop,
     /// The code is not this order's.
@@ -274,7 +278,7 @@ pub(crate) async fn redeem(
     .fetch_optional(&mut *tx)
     .await?;
     let Some((status, voucher_id, shop_id, stored)) = found else {
-        return Ok(Redemption::Done(Transition::Missing));
+        return Ok(Redemption::Missing);
     };
     if matches!(by, Redeemer::Staff(shop) if shop != shop_id) {
         return Ok(Redemption::OtherShop);
@@ -285,7 +289,7 @@ pub(crate) async fn redeem(
         return Ok(match (status, code_holds) {
             // Used already: the same code again is the same answer, not a new use.
             (OrderStatus::Used, false) => Redemption::WrongCode,
-            _ => Redemption::Done(row.map_or(Transition::Missing, Transition::Unchanged)),
+            _ => row.map_or(Redemption::Missing, Redemption::Refused),
         });
     }
     if !code_holds {
@@ -310,7 +314,7 @@ pub(crate) async fn redeem(
     )
     .await?;
     tx.commit().await?;
-    Ok(Redemption::Done(Transition::Moved(row)))
+    Ok(Redemption::Used(row))
 }
 
 /// Asks for the refund of a paid, unused coupon: `refunding` with `reason`, until the

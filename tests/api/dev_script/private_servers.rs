@@ -50,7 +50,15 @@ fn scripts_dev_starts_private_servers_serves_and_ctrl_c_stops_everything_it_star
             .to_string()
     };
     let base = format!("http://127.0.0.1:{port}");
-    assert_eq!(field("live "), format!("{base}/live"));
+    // The live view is on the internal listener, a loopback port of its own.
+    let live = field("live ");
+    assert!(
+        live.starts_with("http://127.0.0.1:")
+            && live.ends_with("/live")
+            && live != format!("{base}/live"),
+        "{live}"
+    );
+    assert_eq!(field("metrics "), live.replace("/live", "/metrics"));
     assert_eq!(field("docs "), format!("{base}/docs"));
     let redis = field("Redis ");
     let postgres = field("Postgres ");

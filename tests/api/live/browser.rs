@@ -160,7 +160,9 @@ async fn the_page_shows_live_again_after_the_server_restarts_without_a_reload(db
     // The page is served by the internal listener, which comes back at the same address.
     let admin_port = faults::free_port();
     let admin_bind = ("ADMIN_BIND", format!("127.0.0.1:{admin_port}"));
-    let (mut first, base) = app.spawn_server("api", &[admin_bind.clone()]).await;
+    let (mut first, base) = app
+        .spawn_server("api", std::slice::from_ref(&admin_bind))
+        .await;
     let port = base.rsplit(':').next().unwrap().to_string();
     let voucher = app.open_sale(5).await;
     let browser = Browser::start().await;
