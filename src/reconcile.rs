@@ -9,9 +9,11 @@
 //! - Redis buyers = Postgres's buyers + the buyers of orders in flight, each naming
 //!   the right order.
 //!
-//! With the order lifecycle, "orders" means active orders (created or paid): a
-//! cancelled or expired order gave its unit back to Postgres's stock in the
-//! transaction that closed it, and gives it back to Redis through its release. Until
+//! With the order lifecycle, "orders" means active orders, those holding a unit
+//! (`closed_at` unset: created, paid, used, refunding, or refunded after the sale
+//! ended): a cancelled or expired order, or one refunded while its sale was open, gave
+//! its unit back to Postgres's stock in the transaction that closed it, and gives it
+//! back to Redis through its release. Until
 //! that release is made its buyer record still names it with the unit out, so a
 //! release still owed explains one unit and one record of difference ("owed").
 //!
@@ -48,7 +50,8 @@ pub(crate) struct VoucherBooks {
     /// Buyer records missing or naming another order.
     pub mismatched_buyers: i64,
     pub dead_letters: i64,
-    /// Orders paid, and closed (cancelled or expired), in Postgres.
+    /// Orders paid (and not refunded: paid or used), and orders that gave their unit
+    /// back (cancelled, expired, refunded while the sale was open), in Postgres.
     pub paid: i64,
     pub closed: i64,
     /// Releases owed to Redis whose buyer record still holds the unit (counted in the
@@ -90,13 +93,13 @@ impl VoucherBooks {
         voucher_id: VoucherId,
         f: &Fenced,
         dead_letters: i64,
-        statuses: &[(OrderStatus, i64)],
+        statuses: &[(OrderStatus, bool, i64)],
     ) -> Self {
-        let count = |wanted: fn(OrderStatus) -> bool| -> i64 {
+        let count = |wanted: &dyn Fn(OrderStatus, bool) -> bool| -> i64 {
             statuses
                 .iter()
-                .filter(|(s, _)| wanted(*s))
-                .map(|(_, n)| n)
+                .filter(|(s, back, _)| wanted(*s, *back))
+                .map(|(_, _, n)| n)
                 .sum()
         };
         Self {
@@ -112,8 +115,8 @@ impl VoucherBooks {
             expected_buyers: f.expected.buyers,
             mismatched_buyers: f.mismatched_buyers,
             dead_letters,
-            paid: count(|s| s == OrderStatus::Paid),
-            closed: count(OrderStatus::is_closed),
+            paid: count(&|s, _| matches!(s, OrderStatus::Paid | OrderStatus::Used)),
+            closed: count(&|_, unit_back| unit_back),
             owed: f.owed_held,
             parts: 1,
             drifting_parts: 0,

@@ -590,14 +590,16 @@ pub(crate) async fn owed_count(db: &PgPool) -> Result<i64, sqlx::Error> {
         .await
 }
 
-/// Orders per status of a sale (for reconcile's books).
+/// Orders per status of a sale, and whether they gave their unit back (for reconcile's
+/// books).
 #[tracing::instrument(skip(db))]
 pub(crate) async fn status_counts(
     db: &PgPool,
     voucher_id: VoucherId,
-) -> Result<Vec<(OrderStatus, i64)>, sqlx::Error> {
+) -> Result<Vec<(OrderStatus, bool, i64)>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT status, count(*) FROM voucher_orders WHERE voucher_id = $1 GROUP BY status",
+        "SELECT status, closed_at IS NOT NULL, count(*) FROM voucher_orders \
+         WHERE voucher_id = $1 GROUP BY 1, 2",
     )
     .bind(voucher_id)
     .fetch_all(db)

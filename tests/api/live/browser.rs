@@ -360,7 +360,7 @@ async fn the_page_puts_the_selling_sale_first_badges_sold_out_and_shows_sums_rat
         sums,
         serde_json::json!([
             "admitted 1 = persisted 0 + in flight 1 + dead letters 0",
-            "persisted 0 = to pay 0 + paid 0 + cancelled 0 + expired 0"
+            "persisted 0 = to pay 0 + paid 0 + used 0 + refunding 0 + refunded 0 + cancelled 0 + expired 0"
         ])
     );
     // A written sale's sums.

@@ -37,6 +37,9 @@ impl Env {
             .env("REDIS_WAIT_REPLICAS", "1")
             .env("DATABASE_URL", &self.database_url)
             .env("JWT_SECRET", SECRET)
+            .env("PAYMENT_WEBHOOK_SECRETS", crate::common::PAYMENT_SECRET)
+            // Two instances on this host: each its own internal listener.
+            .env("ADMIN_BIND", "127.0.0.1:0")
             .env("REDIS_KEY_PREFIX", PREFIX)
             .env("RUST_LOG", "warn")
             .env("SKIP_MIGRATIONS", "1");
