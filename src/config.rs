@@ -574,6 +574,19 @@ pub(crate) struct DemoArgs {
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(0..=3600))]
     pub persist_timeout: u64,
     /// The server's HS256 secret: the demo mints an admin token and one token per shopper.
+    /// The payment provider's secret (the first of PAYMENT_WEBHOOK_SECRETS): with it,
+    /// the provider pays for `--paying` percent of the admitted orders once they are
+    /// written, as it would after their owners' checkouts. Unset: nobody pays.
+    #[arg(
+        long = "payment-secret",
+        env = "PAYMENT_WEBHOOK_SECRETS",
+        hide_env_values = true,
+        value_delimiter = ','
+    )]
+    pub payment_webhook_secrets: Vec<Secret>,
+    /// Percent of the admitted orders the provider pays for (0-100).
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u64).range(0..=100))]
+    pub paying: u64,
     #[arg(long, env = "JWT_SECRET", hide_env_values = true)]
     pub jwt_secret: Option<Secret>,
     /// Written as the tokens' `iss` (when the server checks it).

@@ -398,7 +398,7 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         "voucher {voucher}: stock {stock_text}, {} shoppers (users {}..={last_user}) over {:.1} s",
         args.shoppers, args.first_user, args.seconds
     );
-    eprintln!("demo: watch it at {}/live", api.base);
+    eprintln!("demo: watch it at /live on the server's internal listener (ADMIN_BIND, 127.0.0.1:9090 by default)");
 
     let replies = press(&api, voucher, &args).await;
     let grabbed_at = Instant::now();
@@ -416,12 +416,94 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         Ok(None) => {}
         Err(e) => println!("{:<16} {:>9}   ({e:#})", "stock_left", "unknown"),
     }
-    let ok = verdict(&replies, &ids, &persisted, args.persist_timeout);
+    let mut ok = verdict(&replies, &ids, &persisted, args.persist_timeout);
+    match args
+        .payment_webhook_secrets
+        .iter()
+        .find(|s| !s.expose().is_empty())
+    {
+        Some(secret) if persisted.found == ids.len() => {
+            let paying = paying_share(&ids, args.paying);
+            let paid = pay(&api, voucher, &paying, secret).await;
+            println!("{:<16} {:>9}", "paid", paid.as_ref().map_or(0, |n| *n));
+            match paid {
+                Ok(n) if n == paying.len() => {}
+                Ok(n) => {
+                    eprintln!(
+                        "demo: the provider paid {} orders, {n} were paid",
+                        paying.len()
+                    );
+                    ok = false;
+                }
+                Err(e) => {
+                    eprintln!("demo: paying: {e:#}");
+                    ok = false;
+                }
+            }
+        }
+        Some(_) => eprintln!("demo: not every order was written: nobody pays"),
+        None => eprintln!("demo: PAYMENT_WEBHOOK_SECRETS unset: nobody pays"),
+    }
     Ok(if ok {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
     })
+}
+
+/// The first `percent` of the admitted orders, in id order.
+fn paying_share(ids: &HashSet<OrderId>, percent: u64) -> Vec<OrderId> {
+    let mut ids: Vec<OrderId> = ids.iter().copied().collect();
+    ids.sort_unstable();
+    ids.truncate((ids.len() as u64 * percent / 100) as usize);
+    ids
+}
+
+/// The payment provider's notification for each order (the voucher's price, signed as
+/// `seckill notify` signs); how many the API answered `paid`.
+async fn pay(
+    api: &Api<'_>,
+    voucher: VoucherId,
+    orders: &[OrderId],
+    secret: &Secret,
+) -> anyhow::Result<usize> {
+    let resp = api
+        .http
+        .get(format!("{}/vouchers/{voucher}", api.base))
+        .send()
+        .await?;
+    let (_, body) = read(resp).await;
+    let price = body["pay_value"]
+        .as_i64()
+        .ok_or_else(|| anyhow::anyhow!("voucher {voucher} has no price"))?;
+    let mut paid = 0;
+    for order in orders {
+        let body = serde_json::to_vec(&serde_json::json!({
+            "id": format!("evt_demo_{order}"),
+            "type": "payment.succeeded",
+            "order_id": order,
+            "amount": price,
+            "currency": crate::domain::CURRENCY,
+            "transaction_id": format!("tx_demo_{order}"),
+        }))?;
+        let t = chrono::Utc::now().timestamp();
+        let resp = api
+            .http
+            .post(format!("{}/payments/notifications", api.base))
+            .header(
+                crate::lifecycle::signature::HEADER,
+                crate::lifecycle::signature::sign(secret, t, &body),
+            )
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body)
+            .send()
+            .await?;
+        let (status, answer) = read(resp).await;
+        if status == StatusCode::OK && answer["outcome"] == "paid" {
+            paid += 1;
+        }
+    }
+    Ok(paid)
 }
 
 /// The sale to grab: `--voucher`'s, or a new one open well past the demo (so that

@@ -16,6 +16,7 @@ async fn demo(base: &str, args: &[&str]) -> (Option<i32>, String, String) {
     cmd.args(["demo", "--url", base])
         .args(args)
         .env("JWT_SECRET", SECRET)
+        .env("PAYMENT_WEBHOOK_SECRETS", crate::common::PAYMENT_SECRET)
         .env_remove("BIND");
     let out = tokio::task::spawn_blocking(move || cmd.output().unwrap())
         .await
@@ -77,6 +78,9 @@ async fn the_demo_sells_exactly_the_stock_and_every_admitted_order_reaches_postg
     assert_eq!(t["total"], 50, "{stdout}");
     assert_eq!(t["persisted"], t["admitted"], "{stdout}");
     assert_eq!(t["stock_left"], 0, "{stdout}");
+    // The stand-in provider pays for half of them (7 × 50%), each exactly once.
+    assert_eq!(t["paid"], 3, "{stdout}");
+    assert_eq!(app.pg_statuses(voucher).await.get("paid"), Some(&3));
     // Not on a terminal: plain progress lines, no carriage returns.
     assert!(stderr.contains("demo: 50/50 answered"), "{stderr}");
     assert!(!stderr.contains('\r'), "{stderr}");
