@@ -417,3 +417,61 @@ fn a_secret_or_a_jwks_is_required_and_the_jwks_url_must_be_http() {
     .unwrap();
     assert!(jwks_only.hs256.is_none() && jwks_only.jwks().is_some());
 }
+
+/// A shop's staff: `role: "shop"` with a positive `shop_id` (a number or digits); a shop
+/// token without one, or with a bad one, is refused with the rule that failed.
+#[test]
+fn a_shop_token_carries_its_shop_and_one_without_a_valid_shop_id_is_refused() {
+    let k = keys();
+    let exp = now_secs() + 600;
+    for (claims, want) in [
+        (
+            serde_json::json!({"sub": 9, "exp": exp, "role": "shop", "shop_id": 7}),
+            Ok(Some(7)),
+        ),
+        (
+            serde_json::json!({"sub": 9, "exp": exp, "role": "shop", "shop_id": "7"}),
+            Ok(Some(7)),
+        ),
+        (serde_json::json!({"sub": 9, "exp": exp}), Ok(None)),
+        (
+            serde_json::json!({"sub": 9, "exp": exp, "role": "shop"}),
+            Err(BAD_SHOP),
+        ),
+        (
+            serde_json::json!({"sub": 9, "exp": exp, "role": "shop", "shop_id": 0}),
+            Err(BAD_SHOP),
+        ),
+        (
+            serde_json::json!({"sub": 9, "exp": exp, "role": "shop", "shop_id": -3}),
+            Err(BAD_SHOP),
+        ),
+        (
+            serde_json::json!({"sub": 9, "exp": exp, "role": "shop", "shop_id": "07"}),
+            Err(BAD_SHOP),
+        ),
+        (
+            serde_json::json!({"sub": 9, "exp": exp, "role": "shop", "shop_id": [7]}),
+            Err(BAD_SHOP),
+        ),
+    ] {
+        let token = sign(claims.clone(), "test-secret");
+        let got = k
+            .verify(&token)
+            .map(|u| u.shop.map(ShopId::get))
+            .map_err(|e| e.0);
+        assert_eq!(got, want, "{claims}");
+    }
+    // A shop_id without the role is no staff member, and staff are no administrators.
+    let stray = sign(
+        serde_json::json!({"sub": 9, "exp": exp, "shop_id": 7}),
+        "test-secret",
+    );
+    let user = k.verify(&stray).unwrap();
+    assert_eq!((user.shop, user.admin), (None, false));
+    let minted = k
+        .mint_as(9, Role::Shop(ShopId::new(7).unwrap()), 60)
+        .unwrap();
+    let staff = k.verify(&minted).unwrap();
+    assert_eq!((staff.shop.map(ShopId::get), staff.admin), (Some(7), false));
+}
