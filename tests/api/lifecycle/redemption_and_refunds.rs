@@ -1,7 +1,7 @@
 //! A paid coupon's life at the shop: redeemed by the staff of its voucher's shop with
 //! its owner's code, once; refunded at its owner's (or an administrator's) request,
-//! its unit back on sale once while the sale is open; refund against redemption,
-//! exactly one wins.
+//! its unit back on sale once while the sale is open; refund against redemption
+//! through two server processes, exactly one wins.
 
 use super::*;
 use crate::common::notification;
@@ -186,23 +186,42 @@ async fn a_refund_racing_a_redemption_has_exactly_one_winner(db: PgPool) {
     for user in 1..=COUPONS {
         coupons.push((user + 100, paid_order(&app, voucher, user + 100).await));
     }
+    // The owners ask through one `seckill api` process, the staff redeem through
+    // another: only Postgres's row lock stands between them.
+    let (_owners_api, owners) = app.spawn_server("api", &[]).await;
+    let (_shops_api, shops) = app.spawn_server("api", &[]).await;
     let app_ref = &app;
+    let (owners, shops) = (&owners, &shops);
     let results: Vec<(String, StatusCode, StatusCode, String)> = futures::stream::iter(coupons)
         .map(|(user, (id, code))| {
             // A staff member per counter (one member's pace is limited).
             let ours = staff(app_ref, 900 + user, 7);
             async move {
-                let token = app_ref.token(user);
-                let refund = app_ref.order_action(&id, "refund", &token, None);
+                let refund = app_ref
+                    .client
+                    .post(format!("{owners}/orders/{id}/refund"))
+                    .bearer_auth(app_ref.token(user))
+                    .send();
                 // The refund has a longer way to its row lock (the voucher's rules):
                 // the redemption starts a little later on some, so both sides win.
                 let redemption = async {
                     tokio::time::sleep(Duration::from_millis((user % 5) as u64 * 5)).await;
-                    redeem(app_ref, &id, &ours, &code).await
+                    app_ref
+                        .client
+                        .post(format!("{shops}/orders/{id}/redeem"))
+                        .bearer_auth(&ours)
+                        .json(&json!({ "code": code }))
+                        .send()
+                        .await
                 };
-                let ((refund, _, _), (redeemed, _)) = tokio::join!(refund, redemption);
+                let (refund, redeemed) = tokio::join!(refund, redemption);
                 let now = app_ref.pg_status(&id).await.unwrap();
-                (id, refund, redeemed, now)
+                (
+                    id,
+                    refund.unwrap().status(),
+                    redeemed.unwrap().status(),
+                    now,
+                )
             }
         })
         .buffer_unordered(COUPONS as usize)
