@@ -298,3 +298,74 @@ async fn an_old_primary_cannot_take_a_sale_from_the_new_one(db: PgPool) {
     );
     assert_eq!(stale_epoch_burials(&app, sale).await, 0);
 }
+
+/// The hole the 30-minute nemesis run met (seed 2026 at 1377 s, load/results/2026-11-27-
+/// nemesis.md): a second primary that keeps a replica of its own. Node 1 is promoted and
+/// the sale rebuilt there (Postgres's epoch names node 1's state), while node 0 keeps
+/// its replica (node 2 still follows it), so `REDIS_WAIT_REPLICAS=1` is met on node 0
+/// too. Its sale state, built before the rebuild, still admits: every 202 it answers is
+/// of an epoch Postgres no longer accepts, a promise no worker can keep (and the
+/// shoppers who bought through node 1 in between hold an order already). The admission
+/// must not answer 202 from a state whose epoch is not the sale's current one.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+#[ignore = "known hole: admission does not yet compare the admitting state's epoch with \
+            the sale's current one in Postgres (docs/durability.md, Limits)"]
+async fn an_old_primary_that_keeps_a_replica_answers_no_202_for_a_sale_rebuilt_elsewhere(
+    db: PgPool,
+) {
+    let trio = Trio::start().await;
+    let app = TestApp::spawn_with(db, trio.url(0).to_string(), true).await;
+    let (_api1, base1) = app
+        .spawn_server("api", &on(trio.url(0), waiting_for_one()))
+        .await;
+    let _worker1 = worker_on(&app, trio.url(0));
+    let sale = open_sale_at(&app.client, &base1, 20).await;
+    let early = press_all(&app, &base1, sale, 1..=5, 5).await;
+    assert_eq!(promised_and_unknown(&early).0.len(), 5);
+    assert_eq!(
+        app.wait_for_orders(sale, 5, Duration::from_secs(30)).await,
+        5
+    );
+
+    // Node 1 promoted, node 2 still node 0's replica: two primaries, node 0 with a
+    // replica acknowledging. API 2 on node 1 (no replica: its guard off) rebuilds the
+    // sale there and sells to 6..=10.
+    trio.promote(1);
+    let () = trio.cmd(
+        1,
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("min-replicas-to-write")
+            .arg(0),
+    );
+    let (_api2, base2) = app
+        .spawn_server(
+            "api",
+            &on(trio.url(1), vec![("REDIS_WAIT_REPLICAS", "0".to_string())]),
+        )
+        .await;
+    let _worker2 = crate::common::faults::Process::spawn(
+        "worker",
+        trio.url(1),
+        app.keys.prefix(),
+        &crate::common::faults::database_url(&app.db, None),
+        &[("REDIS_WAIT_REPLICAS", "0".to_string())],
+    );
+    let new = crate::rollback::press_through_503s(&app, &base2, sale, 6..=10).await;
+    assert!(
+        new.iter().all(|(_, (s, _))| *s == StatusCode::ACCEPTED),
+        "{new:?}"
+    );
+    assert_eq!(
+        app.wait_for_orders(sale, 10, Duration::from_secs(30)).await,
+        10
+    );
+
+    // Node 0 still admits from its own state: none of it may be a 202.
+    let stale = press_all(&app, &base1, sale, 6..=15, 10).await;
+    let (promised, _) = promised_and_unknown(&stale);
+    assert!(
+        promised.is_empty(),
+        "202s from a sale state Postgres no longer names: {promised:?}"
+    );
+}
