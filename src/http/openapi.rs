@@ -64,7 +64,7 @@ use crate::http::error::{ErrorBody, ErrorCode, ErrorDetail};
         orders::PaymentView,
         payments::Notification,
         payments::Notified,
-        payments::PaymentEvent,
+        crate::store::payments::EventRow,
         payments::PaymentPage,
         crate::store::payments::Kind,
         crate::store::payments::Outcome,

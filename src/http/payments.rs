@@ -6,7 +6,7 @@ use axum::body::Bytes;
 use axum::extract::{RawQuery, State};
 use axum::http::HeaderMap;
 use axum::Json;
-use chrono::{DateTime, Utc};
+use chrono::Utc;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
@@ -108,44 +108,11 @@ fn refused(why: &'static str) {
     metrics::counter!(PAYMENT_NOTIFICATIONS, "outcome" => why).increment(1);
 }
 
-/// One recorded notification.
-#[derive(Debug, Serialize, ToSchema)]
-pub(crate) struct PaymentEvent {
-    pub event_id: String,
-    #[serde(rename = "type")]
-    pub kind: Kind,
-    #[schema(value_type = String, pattern = "^[1-9][0-9]{0,18}$")]
-    pub order_id: OrderId,
-    pub transaction_id: String,
-    pub amount: i64,
-    pub currency: String,
-    pub outcome: Outcome,
-    pub received_at: DateTime<Utc>,
-    /// When it was applied (`null` while `awaiting_order`).
-    pub settled_at: Option<DateTime<Utc>>,
-}
-
-impl From<EventRow> for PaymentEvent {
-    fn from(r: EventRow) -> Self {
-        Self {
-            event_id: r.event_id,
-            kind: r.kind,
-            order_id: r.order_id,
-            transaction_id: r.transaction_id,
-            amount: r.amount,
-            currency: r.currency,
-            outcome: r.outcome,
-            received_at: r.received_at,
-            settled_at: r.settled_at,
-        }
-    }
-}
-
 /// A page of recorded notifications.
 #[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct PaymentPage {
     /// Newest first.
-    items: Vec<PaymentEvent>,
+    items: Vec<EventRow>,
     /// Pass as `after` for the next page; `null` on the last page.
     next: Option<String>,
 }
@@ -220,8 +187,5 @@ pub(crate) async fn list(
     let next = more
         .then(|| rows.last().map(|r| r.event_id.clone()))
         .flatten();
-    Ok(Json(PaymentPage {
-        items: rows.into_iter().map(Into::into).collect(),
-        next,
-    }))
+    Ok(Json(PaymentPage { items: rows, next }))
 }

@@ -25,6 +25,20 @@ pub(crate) struct OrderPage {
     next: Option<OrderId>,
 }
 
+impl OrderPage {
+    /// The page of `rows`, read one more than `limit`: whether a next page exists,
+    /// without an empty last page.
+    fn of(mut rows: Vec<orders::OrderRow>, limit: i64) -> Self {
+        let more = rows.len() as i64 > limit;
+        rows.truncate(limit as usize);
+        let next = more.then(|| rows.last().map(|r| r.id)).flatten();
+        Self {
+            items: rows.into_iter().map(Into::into).collect(),
+            next,
+        }
+    }
+}
+
 /// The query of `GET /vouchers/{id}/orders`, checked by hand so every mistake is a
 /// `validation` error in our format.
 struct PageQuery {
@@ -190,7 +204,7 @@ pub(crate) async fn list_orders(
         .await?
         .ok_or_else(|| AppError::no_voucher(id))?;
     // One more than asked: whether a next page exists, without an empty last page.
-    let mut rows = orders::page_of_sale(
+    let rows = orders::page_of_sale(
         &state.db,
         id,
         query.status.map(Into::into),
@@ -198,13 +212,7 @@ pub(crate) async fn list_orders(
         query.limit + 1,
     )
     .await?;
-    let more = rows.len() as i64 > query.limit;
-    rows.truncate(query.limit as usize);
-    let next = more.then(|| rows.last().map(|r| r.id)).flatten();
-    Ok(Json(OrderPage {
-        items: rows.into_iter().map(Into::into).collect(),
-        next,
-    }))
+    Ok(Json(OrderPage::of(rows, query.limit)))
 }
 
 #[utoipa::path(get, path = "/shops/{shop_id}/orders", operation_id = "listShopOrders", tag = "orders",
@@ -233,7 +241,7 @@ pub(crate) async fn list_shop_orders(
         return Err(AppError::Forbidden);
     }
     let query = PageQuery::parse(raw.as_deref())?;
-    let mut rows = orders::page_of_shop(
+    let rows = orders::page_of_shop(
         &state.db,
         shop_id,
         query.status.map(Into::into),
@@ -241,11 +249,5 @@ pub(crate) async fn list_shop_orders(
         query.limit + 1,
     )
     .await?;
-    let more = rows.len() as i64 > query.limit;
-    rows.truncate(query.limit as usize);
-    let next = more.then(|| rows.last().map(|r| r.id)).flatten();
-    Ok(Json(OrderPage {
-        items: rows.into_iter().map(Into::into).collect(),
-        next,
-    }))
+    Ok(Json(OrderPage::of(rows, query.limit)))
 }

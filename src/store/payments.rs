@@ -326,17 +326,21 @@ pub(crate) async fn settle_awaiting(db: &PgPool, limit: i64) -> Result<Vec<Recei
     Ok(settled)
 }
 
-/// One recorded notification, as operators list them.
-#[derive(Debug, Clone, sqlx::FromRow)]
+/// One recorded notification, as operators list them (`GET /payments`).
+#[derive(Debug, Clone, sqlx::FromRow, Serialize, utoipa::ToSchema)]
+#[schema(as = PaymentEvent)]
 pub struct EventRow {
     pub event_id: String,
+    #[serde(rename = "type")]
     pub kind: Kind,
+    #[schema(value_type = String, pattern = "^[1-9][0-9]{0,18}$")]
     pub order_id: OrderId,
     pub transaction_id: String,
     pub amount: i64,
     pub currency: String,
     pub outcome: Outcome,
     pub received_at: DateTime<Utc>,
+    /// When it was applied (`null` while `awaiting_order`).
     pub settled_at: Option<DateTime<Utc>>,
 }
 
