@@ -17,7 +17,7 @@
 -- Raised with every change of this library (a unit test in src/scripts.rs holds it to
 -- the code): a process replaces a loaded library only if it is older, or of the same
 -- version with other code, so two releases never take turns replacing each other.
-local VERSION = 6
+local VERSION = 7
 -- A hash of this code, filled in when it is loaded.
 local CODE = '__CODE__'
 
@@ -146,11 +146,15 @@ end
 -- this call: a write makes that wait cover every earlier write, other clients' included,
 -- so an `already ordered` answer never names an order a failover could still undo)
 -- ARGV[2..]: the grabs, in order, as runs: grabs in a row of one sale are one run, of
--- four values (index of the sale hash in KEYS, voucher_id, the part's label as the
--- caller routed it ('' for a sale in one part), the number N of its grabs) and then two
--- per grab (user_id, order_id minted by the API): 4 + 2N values. A state whose `part`
--- is not the label the caller expects is answered as not loaded (1): a grab routed
--- before the caller knew the sale's parts must not be decided in another user's part.
+-- five values (index of the sale hash in KEYS, voucher_id, the part's label as the
+-- caller routed it ('' for a sale in one part), the epoch the caller knows Postgres
+-- names for the part ('0': none known), the number N of its grabs) and then two per
+-- grab (user_id, order_id minted by the API): 5 + 2N values. A state whose `part` is
+-- not the label the caller expects is answered as not loaded (1): a grab routed before
+-- the caller knew the sale's parts must not be decided in another user's part. A state
+-- of an epoch below the one the caller knows is answered as fenced (10): Postgres has
+-- named a later build since, on another server (an old primary still taking writes
+-- after a failover), and this state's orders would never be written.
 --
 -- Returns, per grab, two values: code, order_id (0 when none), and, when any grab was
 -- admitted, the id of the call's stream entry last. Codes:
@@ -159,7 +163,8 @@ end
 --   term: to be rebuilt from Postgres), 7 corrupt (a field that is not a number: to be
 --   rebuilt from Postgres), 8 part drained (a part of a segmented sale has no unit left:
 --   the caller moves units to it from the sale's other parts, or answers sold out),
---   9 held (the sale is open, but this term is not opened yet: see `opened`)
+--   9 held (the sale is open, but this term is not opened yet: see `opened`),
+--   10 fenced (an older build than Postgres's: see ARGV above; nothing is taken)
 local function admit(keys, argv)
   local now = clock()
   local now_s = string.format('%d', now)
@@ -182,8 +187,9 @@ local function admit(keys, argv)
       order_of_sales[nsales] = s
     end
     s.label = argv[i + 2]
-    local first = i + 4
-    i = first + 2 * tonumber(argv[i + 3])
+    s.floor = tonumber(argv[i + 3]) or 0
+    local first = i + 5
+    i = first + 2 * tonumber(argv[i + 4])
     local fields, n = s.fields, s.nfields
     for j = first, i - 1, 2 do
       local buyer = 'u:' .. argv[j]
@@ -207,6 +213,8 @@ local function admit(keys, argv)
       s.closed = 7
     elseif v[4] ~= this_term then
       s.closed = 6
+    elseif whole(v[7]) < s.floor then
+      s.closed = 10
     elseif now < begin_ms then
       s.closed = 2
     elseif now >= end_ms then
@@ -240,8 +248,8 @@ local function admit(keys, argv)
   i = 2
   while i <= last_arg do
     local s, voucher = sales[argv[i]], argv[i + 1]
-    local first = i + 4
-    i = first + 2 * tonumber(argv[i + 3])
+    local first = i + 5
+    i = first + 2 * tonumber(argv[i + 4])
     for j = first, i - 1, 2 do
       g = g + 1
       local buyer = buyers[g]

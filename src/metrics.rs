@@ -282,12 +282,12 @@ fn register_known_series() {
 /// atomic add, not a registry lookup.
 pub(crate) struct HotPath {
     pub admission_seconds: metrics::Histogram,
-    outcomes: [metrics::Counter; 12],
+    outcomes: [metrics::Counter; 13],
     edge: [metrics::Counter; 4],
 }
 
 impl HotPath {
-    pub(crate) const OUTCOMES: [&'static str; 12] = [
+    pub(crate) const OUTCOMES: [&'static str; 13] = [
         "rate_limited",
         "admitted",
         "not_loaded",
@@ -295,6 +295,7 @@ impl HotPath {
         "stale",
         "corrupt",
         "held",
+        "fenced",
         "not_started",
         "ended",
         "already_ordered",

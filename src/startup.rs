@@ -276,6 +276,7 @@ async fn start_duties(
     };
     tasks.spawn(upkeep::run(lease_keeping, lease, cancel.clone()));
     tasks.spawn(produce_live_view(state, served, cancel));
+    tasks.spawn(state.fence.clone().watch(state.db.clone(), cancel.clone()));
     let mut watcher = term::Watcher::new(term::Watch {
         db: state.db.clone(),
         redis: state.redis.clone(),

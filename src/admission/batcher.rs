@@ -13,6 +13,7 @@ use tokio::sync::{mpsc, oneshot};
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::fence::Fence;
 use super::guard::ReplicaGate;
 use super::promises::Promises;
 use super::tally::{self, Tally};
@@ -52,6 +53,7 @@ impl Batcher {
         max: usize,
         replicas: Replicas,
         promises: Arc<Promises>,
+        fence: Arc<Fence>,
     ) -> Self {
         let tally = Arc::new(Tally::default());
         let gate = Arc::new(ReplicaGate::new(keys.shards().count()));
@@ -67,6 +69,7 @@ impl Batcher {
                     replicas,
                     gate: gate.clone(),
                     promises: promises.clone(),
+                    fence: fence.clone(),
                 };
                 tokio::spawn(run_shard(rx, call, tally, max.max(1)));
                 tx
@@ -129,6 +132,7 @@ struct ShardCall {
     replicas: Replicas,
     gate: Arc<ReplicaGate>,
     promises: Arc<Promises>,
+    fence: Arc<Fence>,
 }
 
 impl ShardCall {
@@ -145,7 +149,15 @@ impl ShardCall {
         if !self.conn.master_confirmed() {
             return Err(super::guard::master_unconfirmed());
         }
-        let decided = decide(&mut self.conn, &self.keys, self.shard, grabs, self.replicas).await;
+        let decided = decide(
+            &mut self.conn,
+            &self.keys,
+            self.shard,
+            grabs,
+            self.replicas,
+            &self.fence,
+        )
+        .await;
         if waits
             && decided
                 .as_ref()

@@ -2,6 +2,7 @@
 
 pub mod batcher;
 pub mod edge;
+pub mod fence;
 pub mod guard;
 pub(crate) mod keepers;
 pub mod loader;
@@ -42,6 +43,10 @@ pub enum Outcome {
     /// The server is in a new term not opened yet: every instance is admitting again
     /// the 202s it may have lost (see [`keepers`]).
     Held,
+    /// The sale's state is of an older build than the one Postgres names (see
+    /// [`fence`]): the sale lives on another Redis server now, and this one (an old
+    /// primary still taking writes) took nothing.
+    Fenced,
     /// The grab's part of a segmented sale has no unit left: units are moved to it from
     /// the other parts (see [`parts`]), or, when none has any, the sale is sold out.
     /// Never an answer to a shopper.
@@ -61,6 +66,7 @@ impl Outcome {
             Outcome::Stale => "stale",
             Outcome::Corrupt => "corrupt",
             Outcome::Held => "held",
+            Outcome::Fenced => "fenced",
             Outcome::Drained => "drained",
         }
     }
@@ -102,21 +108,26 @@ pub async fn admit<C: ConnectionLike + Send>(
         parts: 1,
     };
     let shard = keys.shard_of(voucher_id);
-    let mut outcomes = admit_many(conn, keys, shard, &[grab], Replicas::NONE).await?;
+    let none = fence::Fence::default();
+    let mut outcomes = admit_many(conn, keys, shard, &[grab], Replicas::NONE, &none).await?;
     Ok(outcomes.remove(0))
 }
 
 /// Runs the admission function once for grabs of one shard, deciding them in order: one
 /// FCALL (and, when `replicas` says so, one WAIT in the same round trip: an answer
-/// that names an order only once that many replicas hold it). One outcome per grab.
+/// that names an order only once that many replicas hold it), refusing states older
+/// than `fence` knows. One outcome per grab.
 pub async fn admit_many<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: keys::Shard,
     grabs: &[Grab],
     replicas: Replicas,
+    fence: &fence::Fence,
 ) -> RedisResult<Vec<Outcome>> {
-    Ok(decide(conn, keys, shard, grabs, replicas).await?.outcomes)
+    Ok(decide(conn, keys, shard, grabs, replicas, fence)
+        .await?
+        .outcomes)
 }
 
 /// What one admission call decided: an outcome per grab, and the id of the stream entry
@@ -134,6 +145,7 @@ pub async fn decide<C: ConnectionLike + Send>(
     shard: keys::Shard,
     grabs: &[Grab],
     replicas: Replicas,
+    fence: &fence::Fence,
 ) -> RedisResult<Decided> {
     let mut call = Call::function("seckill_admit");
     call.key(keys.stream(shard))
@@ -141,9 +153,9 @@ pub async fn decide<C: ConnectionLike + Send>(
         .arg(if replicas.waits() { "1" } else { "0" });
     let mut sales: Vec<SalePart> = Vec::new();
     // The grabs in order, as runs of one sale (part): its hash's index in KEYS, its
-    // voucher_id, its label and how many grabs, then each grab's user_id and order_id (the sale's
-    // fields once per run rather than once per grab: fewer arguments for Redis to parse
-    // and hand to Lua).
+    // voucher_id, its label, the epoch Postgres names for it (0: none known) and how
+    // many grabs, then each grab's user_id and order_id (the sale's fields once per run
+    // rather than once per grab: fewer arguments for Redis to parse and hand to Lua).
     for run in grabs.chunk_by(|a, b| a.sale_part() == b.sale_part()) {
         let part = run[0].sale_part();
         debug_assert_eq!(keys.shard_of_part(part), shard);
@@ -160,6 +172,7 @@ pub async fn decide<C: ConnectionLike + Send>(
         call.arg(index + 3)
             .arg(part.voucher_id)
             .arg(part.label().unwrap_or_default())
+            .arg(fence.floor(part).map_or(0, |e| e.get()))
             .arg(run.len());
         for g in run {
             call.arg(g.user_id).arg(g.order_id);
@@ -196,6 +209,7 @@ pub async fn decide<C: ConnectionLike + Send>(
                 (7, _) => Outcome::Corrupt,
                 (8, _) => Outcome::Drained,
                 (9, _) => Outcome::Held,
+                (10, _) => Outcome::Fenced,
                 _ => return Err(unexpected()),
             })
         })

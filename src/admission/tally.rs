@@ -105,7 +105,9 @@ pub enum Answer {
 /// not in Redis (perhaps no sale at all: not worth a key).
 pub fn answer(answer: &redis::RedisResult<Outcome>, minted: OrderId) -> Option<Answer> {
     match answer {
-        Ok(Outcome::Stale | Outcome::Corrupt | Outcome::Held) => Some(Answer::Refused),
+        Ok(Outcome::Stale | Outcome::Corrupt | Outcome::Held | Outcome::Fenced) => {
+            Some(Answer::Refused)
+        }
         Ok(outcome) => index(outcome, minted).map(Answer::Outcome),
         Err(e) => Some(failure(e)),
     }
@@ -144,6 +146,7 @@ pub fn index(outcome: &Outcome, minted: OrderId) -> Option<usize> {
         | Outcome::Stale
         | Outcome::Corrupt
         | Outcome::Held
+        | Outcome::Fenced
         | Outcome::Drained => return None,
     })
 }

@@ -147,6 +147,12 @@ pub(crate) async fn grab(
         // Every instance is admitting again the 202s the server may have lost: the
         // watcher looks soon (this instance's part, and the opening).
         Ok(Outcome::Held) => state.look_soon.notify_one(),
+        // Nothing to heal here: the sale lives on another server, and this one (an old
+        // primary) is on its way out (the term watch sees the change of server).
+        Ok(Outcome::Fenced) => tracing::warn!(
+            voucher_id = voucher_id.get(),
+            "redis holds an older build of the sale than postgres names: refused"
+        ),
         Ok(Outcome::Corrupt) => {
             tracing::error!(
                 voucher_id = voucher_id.get(),
@@ -205,6 +211,11 @@ pub fn answer(outcome: redis::RedisResult<Outcome>, minted: OrderId) -> AppResul
         Ok(Outcome::Stale | Outcome::Corrupt) => Err(AppError::Unavailable(
             "the sale is being rebuilt from the database, try again shortly; nothing was \
              reserved"
+                .into(),
+        )),
+        Ok(Outcome::Fenced) => Err(AppError::Unavailable(
+            "the sale has moved to another admission server, try again shortly; nothing \
+             was reserved"
                 .into(),
         )),
         Ok(Outcome::Held) => Err(AppError::Unavailable(

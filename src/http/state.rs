@@ -8,6 +8,7 @@ use sqlx::PgPool;
 
 use crate::admission::batcher::{self, Batcher};
 use crate::admission::edge::Edge;
+use crate::admission::fence::Fence;
 use crate::admission::order_id::OrderIds;
 use crate::admission::parts::Parts;
 use crate::auth::Verifier;
@@ -37,6 +38,9 @@ pub struct Shared {
     pub(crate) redeem_attempts: RateLimiter<UserId>,
     /// Coalesces concurrent grabs of a shard into one admission script call.
     pub(crate) admissions: Batcher,
+    /// The epoch Postgres names for each sale part, as last heard: admission refuses an
+    /// older build's state (kept by a task of the startup).
+    pub(crate) fence: Arc<Fence>,
     /// The live view's snapshots (`/live/events`).
     pub(crate) live: crate::live::Live,
     /// Wakes the term watcher (a grab met a sale built in an earlier term of Redis).
@@ -75,12 +79,14 @@ impl AppState {
         let per_user =
             RateLimiter::new(limits.rate_limit_per_user, limits.rate_limit_per_user_burst);
         let per_ip = RateLimiter::new(limits.rate_limit_per_ip, limits.rate_limit_per_ip_burst);
+        let fence = Arc::new(Fence::default());
         let admissions = Batcher::start(
             redis.clone(),
             keys.clone(),
             batcher::MAX_BATCH,
             settings.replicas,
             promises,
+            fence.clone(),
         );
         let parts = Arc::new(Parts::new(
             db.clone(),
@@ -104,6 +110,7 @@ impl AppState {
             redeem_attempts: RateLimiter::new(REDEEM_PER_SECOND, REDEEM_BURST)
                 .expect("a positive rate"),
             admissions,
+            fence,
             live,
             heal: Arc::default(),
             look_soon: Arc::default(),

@@ -11,8 +11,13 @@ use std::collections::HashSet;
 use sqlx::{PgExecutor, Postgres, Transaction};
 
 use super::admitted::NewOrder;
-use crate::domain::{Epoch, OrderId, UserId};
+use crate::domain::{Epoch, OrderId, UserId, VoucherId};
 use crate::keys::SalePart;
+
+/// The channel every build announces its epoch on (`<voucher_id> <part> <epoch>`, sent
+/// at its commit): API instances listen, and refuse to admit from an older build
+/// (`admission::fence`).
+pub(crate) const CHANNEL: &str = "seckill_sale_epochs";
 
 /// A part's current build: its epoch, and the term of the Redis server life it was built
 /// into.
@@ -72,6 +77,11 @@ pub(crate) async fn record(
     .bind(term)
     .execute(&mut **tx)
     .await?;
+    sqlx::query("SELECT pg_notify($1, $2)")
+        .bind(CHANNEL)
+        .bind(format!("{} {} {epoch}", part.voucher_id, part.part))
+        .execute(&mut **tx)
+        .await?;
     sqlx::query("DELETE FROM sale_carried WHERE voucher_id = $1 AND part = $2")
         .bind(part.voucher_id)
         .bind(part.part as i16)
@@ -92,6 +102,20 @@ pub(crate) async fn record(
         .await?;
     }
     Ok(())
+}
+
+/// The current epoch of every part of the sales that end after `since`.
+pub(crate) async fn of_sales_ending_after<'e>(
+    db: impl PgExecutor<'e>,
+    since: chrono::DateTime<chrono::Utc>,
+) -> Result<Vec<(VoucherId, i16, Epoch)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT e.voucher_id, e.part, e.epoch FROM sale_epochs e \
+         JOIN seckill_vouchers s ON s.voucher_id = e.voucher_id WHERE s.end_time > $1",
+    )
+    .bind(since)
+    .fetch_all(db)
+    .await
 }
 
 /// Records order `order_id` of `user_id` as carried into the part's current epoch: it

@@ -348,6 +348,7 @@ async fn grabs_coalesced_into_one_script_call_are_decided_in_order_each_as_if_al
             grab(other, 2, 1004),   // another sale of the shard
         ],
         seckill::scripts::Replicas::NONE,
+        &Default::default(),
     )
     .await
     .unwrap();
@@ -403,6 +404,7 @@ async fn a_corrupt_sale_in_a_coalesced_call_reserves_nothing_for_itself_and_spoi
         app.keys.shard_of(vid(sound)),
         &[grab(sound, 1, 2001), grab(corrupt, 2, 2002)],
         seckill::scripts::Replicas::NONE,
+        &Default::default(),
     )
     .await
     .unwrap();

@@ -167,8 +167,15 @@ async fn a_wait_refused_after_the_admission_ran_is_an_unknown_outcome_and_the_or
         max_lag: Duration::from_secs(1),
     };
     let shard = app.keys.shard_of(vid(sale));
-    let outcome =
-        seckill::admission::admit_many(&mut limited, &app.keys, shard, &[grab], one).await;
+    let outcome = seckill::admission::admit_many(
+        &mut limited,
+        &app.keys,
+        shard,
+        &[grab],
+        one,
+        &Default::default(),
+    )
+    .await;
     let err = outcome.expect_err("WAIT is refused");
     assert!(
         err.to_string().contains("permissions to run the 'wait'"),

@@ -193,6 +193,7 @@ async fn a_grab_abandoned_while_queued_behind_a_slow_call_is_never_sent(db: PgPo
         128,
         seckill::scripts::Replicas::NONE,
         Default::default(),
+        Default::default(),
     ));
 
     let blocked = block_redis(&redis.url, 1_000).await;

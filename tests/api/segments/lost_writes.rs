@@ -174,6 +174,7 @@ async fn a_grab_routed_as_if_the_sale_had_one_part_is_not_decided_in_part_zero(d
         shard,
         &[grab(0, 1)],
         seckill::scripts::Replicas::NONE,
+        &Default::default(),
     )
     .await
     .unwrap();
@@ -187,6 +188,7 @@ async fn a_grab_routed_as_if_the_sale_had_one_part_is_not_decided_in_part_zero(d
         app.keys.shard_of_part(home),
         &[grab(2, 3)],
         seckill::scripts::Replicas::NONE,
+        &Default::default(),
     )
     .await
     .unwrap();

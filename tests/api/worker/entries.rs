@@ -26,6 +26,7 @@ async fn admit_in_one_call(app: &TestApp, voucher: i64, users: [i64; 3]) -> Vec<
         shard,
         &grabs,
         seckill::scripts::Replicas::NONE,
+        &Default::default(),
     )
     .await
     .unwrap()
