@@ -6,10 +6,13 @@
 --
 -- Needs on the server: RATE_LIMIT_PER_IP=0 (the default; all of wrk's connections share
 -- one address). The per-user limit may stay on: a user comes round again only after the
--- whole file (100,000 users at 50,000 requests/s: every 2 s, under 5 grabs/s).
+-- whole file.
 --
 -- TOKENS_FILE holds one bearer token per line (`target/debug/seckill token --user 1
--- --count 100000`; `seckill` is not on PATH after scripts/dev).
+-- --count 1000000`; `seckill` is not on PATH after scripts/dev). Size it to the run: at
+-- least the presses it will send (rate x duration), else the file wraps and every later
+-- press is a repeat (`already_ordered`), measuring that path instead; after the run the
+-- script says so on stderr when it wrapped.
 -- The last argument, THREADS, must repeat wrk's thread count (-t): thread k takes tokens
 -- k, k+T, k+2T..., so no two requests share a user until the file wraps. wrk tells a
 -- script neither -t nor, before a thread's init runs, how many threads there will be
@@ -69,8 +72,19 @@ function request()
   return requests[position]
 end
 
--- In the main state once every thread has stopped: THREADS against the threads counted.
+-- In the main state once every thread has stopped: THREADS against the threads counted,
+-- and the presses against the tokens (a press past the file's end repeats a user).
 function done(summary, latency, requests)
+  local tokens = 0
+  for _, thread in ipairs(threads) do
+    tokens = tokens + (thread:get("count") or 0)
+  end
+  if tokens > 0 and summary.requests > tokens then
+    io.stderr:write(string.format(
+      "seckill.lua: %d presses for %d tokens: the file wrapped, and the %d presses past it " ..
+      "repeated users (already_ordered, or rate_limited): mint at least %d tokens for this run\n",
+      summary.requests, tokens, summary.requests - tokens, summary.requests))
+  end
   local given = threads[1] and threads[1]:get("total_threads")
   if given ~= #threads then
     io.stderr:write(string.format(
