@@ -37,8 +37,10 @@ pub(crate) async fn claim(u: &Upkeep) -> anyhow::Result<NodeLease> {
         tracing::info!(
             node = lease.node,
             ?wait,
-            "the redis server's term is young (it may have lost a live lease): \
-             waiting before minting order ids"
+            "the redis server's term is young (it started, failed over or was restored \
+             moments ago, so it may have lost another process's live lease on this node \
+             number): waiting out the lease's renewal window before minting order ids, \
+             so that no order id is minted twice (docs/durability.md)"
         );
         tokio::time::sleep(wait).await;
     }

@@ -233,3 +233,27 @@ pub(crate) fn is_connectivity(e: &sqlx::Error) -> bool {
         _ => false,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// docs/development.md lists every migration (between its `migrations` markers), in
+    /// order: a new file there is added to the list in the same change.
+    #[test]
+    fn the_development_guide_lists_every_migration() {
+        let root = env!("CARGO_MANIFEST_DIR");
+        let mut files: Vec<String> = std::fs::read_dir(format!("{root}/migrations"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|name| name.ends_with(".sql"))
+            .collect();
+        files.sort();
+        let guide = std::fs::read_to_string(format!("{root}/docs/development.md")).unwrap();
+        let (_, list) = guide.split_once("<!-- migrations -->").expect("start marker");
+        let (list, _) = list.split_once("<!-- /migrations -->").expect("end marker");
+        let listed: Vec<String> = list
+            .lines()
+            .filter_map(|l| Some(l.trim().strip_prefix("- `")?.strip_suffix('`')?.to_string()))
+            .collect();
+        assert_eq!(listed, files, "docs/development.md's migration list");
+    }
+}
