@@ -28,8 +28,15 @@ pub(crate) struct ErrorDetail {
     /// `unknown` on a grab's 503 whose Redis call failed after it was sent: the order
     /// may exist. Retrying tells (202, or `already_ordered` with its `order_id`).
     #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(example = "unknown")]
-    pub outcome: Option<String>,
+    pub outcome: Option<GrabOutcome>,
+}
+
+/// What a `503` knows of a grab's outcome: `unknown` (the call reached Redis and its
+/// answer did not come back: the order may exist).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum GrabOutcome {
+    Unknown,
 }
 
 // Every `code` an error answer can carry: the one list that `AppError`'s mapping answers
@@ -384,7 +391,8 @@ impl IntoResponse for AppError {
                 code,
                 message,
                 order_id,
-                outcome: matches!(self, AppError::OutcomeUnknown { .. }).then(|| "unknown".into()),
+                outcome: matches!(self, AppError::OutcomeUnknown { .. })
+                    .then_some(GrabOutcome::Unknown),
             },
         };
         let mut response = (status, axum::Json(body)).into_response();

@@ -73,6 +73,7 @@ use crate::http::error::{ErrorBody, ErrorCode, ErrorDetail};
         ErrorBody,
         ErrorDetail,
         ErrorCode,
+        crate::http::error::GrabOutcome,
     )),
     modifiers(&BearerAuth, &OptionalBodies, &LimitAnswers),
     tags(
@@ -414,6 +415,45 @@ mod tests {
         assert_eq!(
             seen, 6,
             "get, checkout, pay, redeem, refund and cancel take an order id"
+        );
+    }
+
+    /// Mainstream generators read the document alike: no property carries a schema
+    /// `default` (openapi-typescript makes such a property required, so a request body
+    /// that leaves a defaulted field out would not type-check), fields always sent are
+    /// required (`null` when they do not apply), and the fixed words are enums.
+    #[test]
+    fn generated_clients_agree_on_what_is_optional_and_what_is_fixed() {
+        let doc = document();
+        let schemas = doc["components"]["schemas"].as_object().unwrap();
+        for (name, schema) in schemas {
+            for (field, property) in schema["properties"].as_object().into_iter().flatten() {
+                assert!(
+                    property.get("default").is_none(),
+                    "{name}.{field} has a default"
+                );
+            }
+        }
+        let required = |name: &str| -> Vec<String> {
+            serde_json::from_value(schemas[name]["required"].clone()).unwrap()
+        };
+        for name in ["OrderResponse", "PaymentView"] {
+            let fields = schemas[name]["properties"].as_object().unwrap();
+            let mut all: Vec<String> = fields.keys().cloned().collect();
+            let mut listed = required(name);
+            all.sort();
+            listed.sort();
+            assert_eq!(listed, all, "{name}: every field is always sent");
+        }
+        assert!(!required("CreateSeckill").contains(&"pay_within_secs".to_string()));
+        assert!(!required("CreateSeckill").contains(&"segments".to_string()));
+        assert_eq!(
+            schemas["Admitted"]["properties"]["status"]["enum"],
+            serde_json::json!(["pending"])
+        );
+        assert_eq!(
+            schemas["GrabOutcome"]["enum"],
+            serde_json::json!(["unknown"])
         );
     }
 

@@ -24,6 +24,8 @@ use crate::store::orders::{self, OrderRow};
 use crate::store::vouchers;
 
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
+// Every field is always sent (`null` when it does not apply): required, so that
+// generated clients read it as always present.
 pub(crate) struct OrderResponse {
     /// 64-bit, as a string.
     #[schema(value_type = String, pattern = "^[1-9][0-9]{0,18}$")]
@@ -41,34 +43,47 @@ pub(crate) struct OrderResponse {
     pub created_at: DateTime<Utc>,
     /// Payment deadline: admission time + the sale's `pay_within_secs`. An unpaid order
     /// expires within a few seconds after it.
+    #[schema(required = true)]
     pub pay_before: Option<DateTime<Utc>>,
+    #[schema(required = true)]
     pub paid_at: Option<DateTime<Utc>>,
     /// When it gave its unit back on sale: cancelled, expired, or refunded while its
     /// sale was open.
+    #[schema(required = true)]
     pub closed_at: Option<DateTime<Utc>>,
     /// When its shop redeemed it.
+    #[schema(required = true)]
     pub used_at: Option<DateTime<Utc>>,
     /// When the provider confirmed its refund.
+    #[schema(required = true)]
     pub refunded_at: Option<DateTime<Utc>>,
     /// Why its money goes (went) back, once `refunding`.
+    #[schema(required = true)]
     pub refund_reason: Option<RefundReason>,
     /// How it was paid, once paid.
+    #[schema(required = true)]
     pub payment: Option<PaymentView>,
     /// The code its shop redeems it with: shown to its owner only, while it is `paid`.
+    #[schema(required = true)]
     pub redeem_code: Option<String>,
 }
 
 /// How an order was paid.
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
+// (Every field always sent, as in `OrderResponse`.)
 pub(crate) struct PaymentView {
     /// `provider` (the payment provider's notification) or `manual` (an administrator).
     pub provider: PayType,
     /// The provider's transaction.
+    #[schema(required = true)]
     pub transaction_id: Option<String>,
     /// Cents paid, and their currency.
+    #[schema(required = true)]
     pub amount: Option<i64>,
+    #[schema(required = true)]
     pub currency: Option<String>,
     /// Why an administrator marked it paid.
+    #[schema(required = true)]
     pub reason: Option<String>,
 }
 

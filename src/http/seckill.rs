@@ -13,7 +13,7 @@ use std::time::Instant;
 use crate::admission::edge::EdgeAnswer;
 use crate::admission::{self, loader, Outcome};
 use crate::auth::AuthUser;
-use crate::domain::{OrderId, VoucherId};
+use crate::domain::{OrderId, OrderStatus, VoucherId};
 use crate::http::error::{AppError, AppResult, ErrorBody};
 use crate::http::extract::PathId;
 use crate::http::state::AppState;
@@ -25,8 +25,19 @@ pub(crate) struct Admitted {
     #[schema(value_type = String, pattern = "^[1-9][0-9]{0,18}$", example = "117514385399746560")]
     pub order_id: OrderId,
     /// Always `pending`: the order is written to Postgres moments later.
-    #[schema(example = "pending")]
-    pub status: String,
+    #[schema(schema_with = pending_only)]
+    pub status: OrderStatus,
+}
+
+/// [`Admitted::status`]'s schema: an enum of the one status a 202 carries.
+fn pending_only() -> utoipa::openapi::Object {
+    utoipa::openapi::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::Type::String)
+        .enum_values(Some([OrderStatus::Pending.as_str()]))
+        .description(Some(
+            "Always `pending`: the order is written to Postgres moments later.",
+        ))
+        .build()
 }
 
 /// The client's address, when the server was started with connect info.
@@ -167,7 +178,7 @@ pub(crate) async fn grab(
         StatusCode::ACCEPTED,
         Json(Admitted {
             order_id: admitted,
-            status: "pending".into(),
+            status: OrderStatus::Pending,
         }),
     ))
 }

@@ -92,15 +92,17 @@ pub(crate) struct CreateSeckill {
     pub end_time: DateTime<Utc>,
     /// Seconds a shopper has to pay after admission (1 to 86400, default 900); an
     /// unpaid order then expires and its unit goes back on sale.
+    // (The default is stated in words, not as the schema's `default`: some generators,
+    // openapi-typescript's among them, make a property with a default required.)
     #[serde(default = "default_pay_within")]
-    #[schema(minimum = 1, maximum = 86400, default = 900)]
+    #[schema(minimum = 1, maximum = 86400)]
     pub pay_within_secs: i64,
     /// Parts the stock is split over (1 to 64, default 1), each on its own Redis hash
     /// slot: on Redis Cluster one hot sale's admissions spread over several masters. It
     /// still behaves as one sale (one order per user, `sold_out` only when no part has a
     /// unit, `stock` the total). At most `stock` parts.
     #[serde(default = "one_part")]
-    #[schema(minimum = 1, maximum = 64, default = 1)]
+    #[schema(minimum = 1, maximum = 64)]
     pub segments: i64,
 }
 

@@ -248,7 +248,9 @@ mod tests {
             .collect();
         files.sort();
         let guide = std::fs::read_to_string(format!("{root}/docs/development.md")).unwrap();
-        let (_, list) = guide.split_once("<!-- migrations -->").expect("start marker");
+        let (_, list) = guide
+            .split_once("<!-- migrations -->")
+            .expect("start marker");
         let (list, _) = list.split_once("<!-- /migrations -->").expect("end marker");
         let listed: Vec<String> = list
             .lines()
