@@ -11,6 +11,7 @@ use metrics::{KeyName, Recorder, SharedString, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use redis::aio::ConnectionLike;
 
+use crate::admission::Outcome;
 use crate::keys::Keys;
 
 pub(crate) const ADMISSIONS: &str = "seckill_admissions_total";
@@ -224,7 +225,7 @@ fn register_known_series() {
     metrics::counter!(PART_UNITS_MOVED).increment(0);
     metrics::counter!(PROMISES_BROKEN).increment(0);
     metrics::counter!(PROMISES_READMITTED).increment(0);
-    for outcome in HotPath::OUTCOMES {
+    for outcome in Outcome::LABELS {
         metrics::counter!(ADMISSIONS, "outcome" => outcome).increment(0);
     }
     for outcome in HotPath::EDGE_OUTCOMES {
@@ -282,27 +283,14 @@ fn register_known_series() {
 /// atomic add, not a registry lookup.
 pub(crate) struct HotPath {
     pub admission_seconds: metrics::Histogram,
-    outcomes: [metrics::Counter; 13],
-    edge: [metrics::Counter; 4],
+    /// Per [`Outcome::index`].
+    outcomes: [metrics::Counter; Outcome::LABELS.len()],
+    /// Per [`Outcome::index`], for the outcomes the edge answers.
+    edge: [Option<metrics::Counter>; Outcome::LABELS.len()],
 }
 
 impl HotPath {
-    pub(crate) const OUTCOMES: [&'static str; 13] = [
-        "rate_limited",
-        "admitted",
-        "not_loaded",
-        "not_found",
-        "stale",
-        "corrupt",
-        "held",
-        "fenced",
-        "not_started",
-        "ended",
-        "already_ordered",
-        "sold_out",
-        "redis_error",
-    ];
-
+    /// The outcomes an instance answers at the edge (by label).
     pub(crate) const EDGE_OUTCOMES: [&'static str; 4] =
         ["sold_out", "not_started", "ended", "not_found"];
 
@@ -312,25 +300,26 @@ impl HotPath {
             handle();
             HotPath {
                 admission_seconds: metrics::histogram!(ADMISSION_SECONDS),
-                outcomes: Self::OUTCOMES.map(|o| metrics::counter!(ADMISSIONS, "outcome" => o)),
-                edge: Self::EDGE_OUTCOMES.map(|o| metrics::counter!(EDGE_ANSWERS, "outcome" => o)),
+                outcomes: Outcome::LABELS.map(|o| metrics::counter!(ADMISSIONS, "outcome" => o)),
+                edge: Outcome::LABELS.map(|o| {
+                    Self::EDGE_OUTCOMES
+                        .contains(&o)
+                        .then(|| metrics::counter!(EDGE_ANSWERS, "outcome" => o))
+                }),
             }
         })
     }
 
-    pub(crate) fn outcome(&self, label: &str) -> &metrics::Counter {
-        let i = Self::OUTCOMES
-            .iter()
-            .position(|o| *o == label)
-            .unwrap_or(Self::OUTCOMES.len() - 1);
-        &self.outcomes[i]
+    /// A grab answered with `outcome`.
+    pub(crate) fn count(&self, outcome: &Outcome) {
+        self.outcomes[outcome.index()].increment(1);
     }
 
-    /// A grab answered at the edge with `label` (one of [`Self::EDGE_OUTCOMES`]).
-    pub(crate) fn at_edge(&self, label: &str) {
-        self.outcome(label).increment(1);
-        if let Some(i) = Self::EDGE_OUTCOMES.iter().position(|o| *o == label) {
-            self.edge[i].increment(1);
+    /// A grab answered at the edge with `outcome`.
+    pub(crate) fn at_edge(&self, outcome: &Outcome) {
+        self.count(outcome);
+        if let Some(counter) = &self.edge[outcome.index()] {
+            counter.increment(1);
         }
     }
 }

@@ -105,7 +105,7 @@ impl Application {
             // On a connection of its own: its WAITs hold their connection.
             let probing = connect_redis(&api.redis, redis_conn::COMMAND_TIMEOUT).await?;
             tasks.spawn(crate::admission::guard::probe_replicas(
-                state.admissions.replica_gate().clone(),
+                state.admission.batcher.replica_gate().clone(),
                 probing,
                 keys.clone(),
                 settings.replicas,
@@ -261,9 +261,9 @@ async fn start_duties(
     let lease_keeping = upkeep::Upkeep {
         redis: state.redis.clone(),
         keys: state.keys.clone(),
-        ids: state.ids.clone(),
+        ids: state.admission.ids.clone(),
         replicas: state.settings.replicas,
-        redis_lost_data: state.heal.clone(),
+        redis_lost_data: state.admission.heal.clone(),
         claims: Default::default(),
     };
     // Otherwise the upkeep keeps trying (the process starts, and reports not ready).
@@ -276,28 +276,41 @@ async fn start_duties(
     };
     tasks.spawn(upkeep::run(lease_keeping, lease, cancel.clone()));
     tasks.spawn(produce_live_view(state, served, cancel));
-    tasks.spawn(state.fence.clone().watch(state.db.clone(), cancel.clone()));
+    tasks.spawn(
+        state
+            .admission
+            .fence
+            .clone()
+            .watch(state.db.clone(), cancel.clone()),
+    );
     let mut watcher = term::Watcher::new(term::Watch {
         db: state.db.clone(),
         redis: state.redis.clone(),
         keys: state.keys.clone(),
         retention: state.settings.sale_state_retention,
         replicas: state.settings.replicas,
-        wake: state.heal.clone(),
-        look_soon: state.look_soon.clone(),
-        promises: Some(state.admissions.promises().clone()),
+        wake: state.admission.heal.clone(),
+        look_soon: state.admission.look_soon.clone(),
+        promises: Some(state.admission.batcher.promises().clone()),
     });
     watcher.look().await;
     tasks.spawn(watcher.run(cancel.clone()));
     tasks.spawn(state.clone().forget_idle_rate_limits(cancel.clone()));
     // Moves between the parts of a segmented sale that a dead mover left half done.
     if let Some(every) = state.settings.finish_moves_every {
-        tasks.spawn(state.parts.clone().keep_finishing(every, cancel.clone()));
+        tasks.spawn(
+            state
+                .admission
+                .parts
+                .clone()
+                .keep_finishing(every, cancel.clone()),
+        );
     }
-    if state.edge.enabled() {
+    if state.admission.edge.enabled() {
         let channel = state.keys.sale_changes();
         tasks.spawn(
             state
+                .admission
                 .edge
                 .clone()
                 .listen(subscriber, channel, cancel.clone()),
@@ -320,7 +333,7 @@ fn produce_live_view(
         state.redis.clone(),
         state.keys.clone(),
     );
-    let (tally, served) = (state.admissions.tally().clone(), served.clone());
+    let (tally, served) = (state.admission.batcher.tally().clone(), served.clone());
     restart_after_panic("the live view's producer", cancel.clone(), move || {
         live.clone().run(
             db.clone(),

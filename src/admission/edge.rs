@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use redis::aio::ConnectionLike;
 use redis::RedisResult;
 
+use super::Outcome;
 use crate::domain::{UserId, VoucherId};
 use crate::keys::{Keys, SalePart};
 
@@ -42,31 +43,6 @@ const IDLE: Duration = Duration::from_secs(10);
 /// scanning a large hash; in between, its presses go to Redis).
 const LARGE_SALE: usize = 10_000;
 const RESCAN_EVERY: Duration = Duration::from_secs(5);
-
-/// An answer the instance gives by itself.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EdgeAnswer {
-    NotStarted,
-    Ended,
-    SoldOut,
-    /// A voucher without a flash sale.
-    NotFound,
-    /// No voucher at all with this id (said apart from `NotFound`: "no such voucher" and
-    /// "this voucher has no sale" send a caller looking in different places).
-    NoVoucher,
-}
-
-impl EdgeAnswer {
-    /// A stable name for metrics (the outcome's).
-    pub fn label(self) -> &'static str {
-        match self {
-            EdgeAnswer::NotStarted => "not_started",
-            EdgeAnswer::Ended => "ended",
-            EdgeAnswer::SoldOut => "sold_out",
-            EdgeAnswer::NotFound | EdgeAnswer::NoVoucher => "not_found",
-        }
-    }
-}
 
 /// What the last read of a sale said.
 #[derive(Debug, Clone)]
@@ -206,27 +182,22 @@ impl Edge {
     }
 
     /// The answer to `user`'s press on `voucher_id`, when the instance knows it without
-    /// Redis; `None`: ask Redis.
-    pub fn answer(
-        &self,
-        voucher_id: VoucherId,
-        user_id: UserId,
-        now: Instant,
-    ) -> Option<EdgeAnswer> {
+    /// Redis (never an admission: that is always Redis's decision); `None`: ask Redis.
+    pub fn answer(&self, voucher_id: VoucherId, user_id: UserId, now: Instant) -> Option<Outcome> {
         let memory = self.read();
         let entry = memory.sales.get(&voucher_id)?;
         if now.saturating_duration_since(entry.read_at) >= self.ttl {
             return None;
         }
         match entry.verdict.as_ref()? {
-            Verdict::NotStarted { opens } if now < *opens => Some(EdgeAnswer::NotStarted),
+            Verdict::NotStarted { opens } if now < *opens => Some(Outcome::NotStarted),
             Verdict::NotStarted { .. } => None,
-            Verdict::Ended => Some(EdgeAnswer::Ended),
+            Verdict::Ended => Some(Outcome::Ended),
             // A buyer hears `already_ordered` with their id from Redis.
             Verdict::SoldOut { buyers } if buyers.users.contains(&user_id) => None,
-            Verdict::SoldOut { .. } => Some(EdgeAnswer::SoldOut),
-            Verdict::NotFound => Some(EdgeAnswer::NotFound),
-            Verdict::NoVoucher => Some(EdgeAnswer::NoVoucher),
+            Verdict::SoldOut { .. } => Some(Outcome::SoldOut),
+            Verdict::NotFound => Some(Outcome::NotFound),
+            Verdict::NoVoucher => Some(Outcome::NoVoucher),
         }
     }
 

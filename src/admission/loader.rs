@@ -14,14 +14,6 @@ use crate::scripts::{Call, Replicas};
 use crate::store;
 use staging::{page_on, Candidate, PartMoves, Stage};
 
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct LoadReport {
-    /// Sales whose state was missing or stale and is now rebuilt.
-    pub loaded: usize,
-    /// Sales whose state was current (left alone).
-    pub current: usize,
-}
-
 /// How [`load_sale`] treats existing state and orders in flight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
@@ -677,26 +669,6 @@ impl Step<'_> {
         let reply: Vec<redis::Value> = call.invoke_waiting(conn, waits).await?;
         StepReply::parse(&reply)
     }
-}
-
-/// Loads every sale that has not ended whose Redis state (of some part) is missing or
-/// stale.
-pub async fn load_open_sales<C: ConnectionLike + Send>(
-    db: &PgPool,
-    conn: &mut C,
-    keys: &Keys,
-    retention: Duration,
-    replicas: Replicas,
-) -> anyhow::Result<LoadReport> {
-    let mut report = LoadReport::default();
-    for sale in store::vouchers::open_sales(db).await? {
-        let id = sale.voucher_id;
-        match load_sale(db, conn, keys, id, retention, Mode::Heal, replicas).await? {
-            Some(_) => report.loaded += 1,
-            None => report.current += 1,
-        }
-    }
-    Ok(report)
 }
 
 /// Ends a sale now, in both stores at once: under the fence (so no load can put the old

@@ -3,8 +3,10 @@
 pub mod batcher;
 pub mod edge;
 pub mod fence;
+pub mod grab;
 pub mod guard;
 pub(crate) mod keepers;
+pub mod limits;
 pub mod loader;
 pub mod order_id;
 pub mod parts;
@@ -20,9 +22,13 @@ use crate::domain::{OrderId, UserId, VoucherId};
 use crate::keys::{self, Keys, SalePart};
 use crate::scripts::{Call, Replicas};
 
-/// The verdict of the admission script.
+/// How a grab ended: the one vocabulary of its answers. The admission script decides
+/// most (codes 0 to 10); the rest are decided before or around the call. Its metric
+/// label ([`Outcome::label`]), its count for the live view ([`tally::counted`]) and,
+/// in `http`, its answer derive from it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
+    /// A 202: the order, written to Postgres moments later.
     Admitted {
         order_id: OrderId,
     },
@@ -51,23 +57,123 @@ pub enum Outcome {
     /// the other parts (see [`parts`]), or, when none has any, the sale is sold out.
     /// Never an answer to a shopper.
     Drained,
+    /// Refused by an abuse limit before anything else: try again after this long.
+    RateLimited {
+        retry_after_secs: u64,
+    },
+    /// The voucher has no flash sale.
+    NotFound,
+    /// No voucher has this id (said apart from [`Outcome::NotFound`]: the two send a
+    /// caller looking in different places).
+    NoVoucher,
+    /// Not tried, or refused before Redis ran anything: nothing was reserved.
+    Unavailable(Unavailable),
+    /// The call was sent and its answer did not come (timeout, connection lost): it may
+    /// have run, and the order, minted with this id, may exist.
+    Unknown {
+        order_id: OrderId,
+    },
+}
+
+/// Why a grab could not be tried (nothing reserved).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unavailable {
+    /// Redis could not be reached, or refused the call.
+    Redis,
+    /// This shopper's earlier 202, which Redis may have lost, is being admitted again.
+    Recovering,
+    /// No order-id node is leased yet (waiting for Redis).
+    IdsNotReady,
 }
 
 impl Outcome {
-    /// A stable name for metrics.
-    pub(crate) fn label(&self) -> &'static str {
+    /// The metric labels, in the order of [`Outcome::index`].
+    pub(crate) const LABELS: [&'static str; 14] = [
+        "rate_limited",
+        "admitted",
+        "not_loaded",
+        "not_found",
+        "stale",
+        "corrupt",
+        "held",
+        "fenced",
+        "not_started",
+        "ended",
+        "already_ordered",
+        "sold_out",
+        "redis_error",
+        "not_ready",
+    ];
+
+    /// Its place in [`Outcome::LABELS`] (counters are arrays in that order).
+    pub(crate) fn index(&self) -> usize {
         match self {
-            Outcome::Admitted { .. } => "admitted",
-            Outcome::NotLoaded => "not_loaded",
-            Outcome::NotStarted => "not_started",
-            Outcome::Ended => "ended",
-            Outcome::AlreadyOrdered { .. } => "already_ordered",
-            Outcome::SoldOut => "sold_out",
-            Outcome::Stale => "stale",
-            Outcome::Corrupt => "corrupt",
-            Outcome::Held => "held",
-            Outcome::Fenced => "fenced",
-            Outcome::Drained => "drained",
+            Outcome::RateLimited { .. } => 0,
+            Outcome::Admitted { .. } => 1,
+            Outcome::NotLoaded | Outcome::Drained => 2,
+            Outcome::NotFound | Outcome::NoVoucher => 3,
+            Outcome::Stale => 4,
+            Outcome::Corrupt => 5,
+            Outcome::Held => 6,
+            Outcome::Fenced => 7,
+            Outcome::NotStarted => 8,
+            Outcome::Ended => 9,
+            Outcome::AlreadyOrdered { .. } => 10,
+            Outcome::SoldOut => 11,
+            Outcome::Unavailable(Unavailable::Redis) | Outcome::Unknown { .. } => 12,
+            Outcome::Unavailable(Unavailable::Recovering | Unavailable::IdsNotReady) => 13,
+        }
+    }
+
+    /// Why a grab refused with nothing reserved was refused, in words for the shopper
+    /// (a `503`).
+    pub fn unavailable_because(&self) -> &'static str {
+        match self {
+            Outcome::Stale | Outcome::Corrupt => {
+                "the sale is being rebuilt from the database, try again shortly; nothing was \
+                 reserved"
+            }
+            Outcome::Held => {
+                "the sale is paused while orders the admission store may have lost are \
+                 recovered, try again shortly; nothing was reserved"
+            }
+            Outcome::Fenced => {
+                "the sale has moved to another admission server, try again shortly; nothing \
+                 was reserved"
+            }
+            Outcome::Unavailable(Unavailable::Recovering) => {
+                "your earlier order for this sale is being recovered; try again shortly; \
+                 nothing was reserved"
+            }
+            Outcome::Unavailable(Unavailable::IdsNotReady) => {
+                "order ids are not ready yet (waiting for redis)"
+            }
+            Outcome::Unavailable(Unavailable::Redis) => {
+                "the admission store is unavailable, try again; nothing was reserved"
+            }
+            _ => "the sale is being loaded, try again shortly; nothing was reserved",
+        }
+    }
+
+    /// The outcome of the admission call made for the grab that minted `minted`.
+    pub fn of(decided: RedisResult<Outcome>, minted: OrderId) -> Outcome {
+        match decided {
+            // The script ran twice for this grab (the cluster client re-sends a command
+            // after a dropped connection): the order it names is this grab's own.
+            Ok(Outcome::AlreadyOrdered { order_id }) if order_id == minted => {
+                Outcome::Admitted { order_id }
+            }
+            // (Never leaves `parts`: a drained part is refilled or sold out.)
+            Ok(Outcome::Drained) => Outcome::SoldOut,
+            Ok(outcome) => outcome,
+            Err(e) if crate::scripts::surely_not_run(&e) => {
+                tracing::debug!(error = %e, "admission refused unsent or by redis: nothing reserved");
+                Outcome::Unavailable(Unavailable::Redis)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, order_id = %minted, "admission outcome unknown");
+                Outcome::Unknown { order_id: minted }
+            }
         }
     }
 }

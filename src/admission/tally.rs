@@ -133,21 +133,24 @@ pub const RETAIN: Duration = Duration::from_secs(7 * 24 * 3600);
 /// The index of `outcome` in [`OUTCOMES`], for the grab that minted `minted`; `None`
 /// for a sale not in Redis (perhaps no sale at all: not worth a key).
 pub fn index(outcome: &Outcome, minted: OrderId) -> Option<usize> {
+    match outcome {
+        // The script ran twice for this grab (a re-sent call): still its admission.
+        Outcome::AlreadyOrdered { order_id } if *order_id == minted => Some(0),
+        other => counted(other),
+    }
+}
+
+/// The index of `outcome` in [`OUTCOMES`], when the live view counts it.
+pub fn counted(outcome: &Outcome) -> Option<usize> {
     Some(match outcome {
         Outcome::Admitted { .. } => 0,
-        // The script ran twice for this grab (a re-sent call): still its admission.
-        Outcome::AlreadyOrdered { order_id } if *order_id == minted => 0,
-        Outcome::SoldOut => 1,
+        Outcome::SoldOut => SOLD_OUT,
         Outcome::AlreadyOrdered { .. } => 2,
+        Outcome::RateLimited { .. } => RATE_LIMITED,
         Outcome::NotStarted => 4,
         Outcome::Ended => 5,
         // (A drained part's grab is decided again once units moved: counted then.)
-        Outcome::NotLoaded
-        | Outcome::Stale
-        | Outcome::Corrupt
-        | Outcome::Held
-        | Outcome::Fenced
-        | Outcome::Drained => return None,
+        _ => return None,
     })
 }
 

@@ -180,11 +180,8 @@ pub enum AppError {
     Busy(String),
     /// The admission script was sent but no answer came (timeout, connection lost): it
     /// may have run, so the order, minted with this id, may exist.
-    #[error("admission outcome unknown: {error}")]
-    OutcomeUnknown {
-        error: redis::RedisError,
-        order_id: OrderId,
-    },
+    #[error("admission outcome unknown (order {order_id})")]
+    OutcomeUnknown { order_id: OrderId },
     #[error("database: {0}")]
     Database(#[from] sqlx::Error),
     #[error("redis: {0}")]
@@ -471,10 +468,7 @@ mod tests {
             },
             AppError::Unavailable("down".into()),
             AppError::Busy("busy".into()),
-            AppError::OutcomeUnknown {
-                error: redis(),
-                order_id: seven,
-            },
+            AppError::OutcomeUnknown { order_id: seven },
             AppError::Database(sqlx::Error::PoolTimedOut),
             AppError::Database(sqlx::Error::RowNotFound),
             AppError::Redis(redis()),

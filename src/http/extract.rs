@@ -369,6 +369,25 @@ where
     }
 }
 
+/// The client's address, when the server was started with connect info.
+pub(crate) struct PeerIp(pub Option<std::net::IpAddr>);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for PeerIp {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        _: &S,
+    ) -> Result<Self, Self::Rejection> {
+        Ok(PeerIp(
+            parts
+                .extensions
+                .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+                .map(|c| c.0.ip()),
+        ))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[derive(Debug, serde::Deserialize)]

@@ -3,7 +3,6 @@
 pub mod error;
 pub mod extract;
 pub mod health;
-pub mod limits;
 pub mod live;
 pub mod openapi;
 pub mod orders;

@@ -318,7 +318,7 @@ pub(crate) async fn create(
     let row = vouchers::insert(&state.db, &new).await?;
     let mut live = None;
     if let Some(sale) = &new.seckill {
-        state.parts.remember(row.id, sale.segments);
+        state.admission.parts.remember(row.id, sale.segments);
         // The voucher exists once committed; if Redis is down now, admission reloads
         // the sale on line (or at start-up), so this is not an error for the caller.
         let mut conn = state.redis.clone();

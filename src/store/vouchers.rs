@@ -131,17 +131,6 @@ pub(crate) async fn list_by_shop(
     .await
 }
 
-/// Flash sales that have not ended: the ones whose Redis state must exist.
-#[tracing::instrument(skip(db))]
-pub(crate) async fn open_sales(db: &PgPool) -> Result<Vec<SeckillState>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT voucher_id, end_time, segments FROM seckill_vouchers \
-         WHERE end_time > now() ORDER BY voucher_id",
-    )
-    .fetch_all(db)
-    .await
-}
-
 /// The sales that ended after `since` (or have not ended).
 #[tracing::instrument(skip(db))]
 pub(crate) async fn sales_ending_after(

@@ -22,11 +22,14 @@ async fn an_instance_whose_lease_renewals_fail_stops_minting_and_starts_again_on
     let redis: std::net::SocketAddr = redis_url().trim_start_matches("redis://").parse().unwrap();
     let proxy = Proxy::start(redis).await;
     let app = TestApp::spawn_on(db, format!("redis://{}", proxy.addr), Settings::default()).await;
-    assert!(app.state.ids.next().is_some(), "minting once leased");
+    assert!(
+        app.state.admission.ids.next().is_some(),
+        "minting once leased"
+    );
 
     proxy.cut();
     let cut = Instant::now();
-    while app.state.ids.next().is_some() {
+    while app.state.admission.ids.next().is_some() {
         assert!(
             cut.elapsed() < Duration::from_secs(5),
             "still minting 5 s after the renewals stopped"
@@ -40,7 +43,7 @@ async fn an_instance_whose_lease_renewals_fail_stops_minting_and_starts_again_on
 
     proxy.heal();
     let healed = Instant::now();
-    while app.state.ids.next().is_none() {
+    while app.state.admission.ids.next().is_none() {
         assert!(healed.elapsed() < Duration::from_secs(10), "never renewed");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -57,11 +60,11 @@ async fn a_lease_redis_forgot_is_not_minted_with_by_a_new_holder_until_the_old_o
     // renewals fail, so nothing tells it the number was forgotten.
     let path = Proxy::start(redis.addr()).await;
     let old = TestApp::spawn_on(db, format!("redis://{}", path.addr), Settings::default()).await;
-    let node = node_of(old.state.ids.next().unwrap().get());
+    let node = node_of(old.state.admission.ids.next().unwrap().get());
 
     path.cut();
     // The last id the old holder can mint, asked until it stops.
-    let ids = old.state.ids.clone();
+    let ids = old.state.admission.ids.clone();
     let old_last = tokio::spawn(async move {
         let mut last = None;
         while let Some(id) = ids.next() {

@@ -31,7 +31,7 @@ fn a_sold_out_sale_is_answered_at_the_edge_except_to_its_buyers() {
     let edge = edge(Duration::from_secs(5));
     sold_out(&edge, 7, &[1, 2]);
     let now = Instant::now();
-    assert_eq!(edge.answer(v(7), u(3), now), Some(EdgeAnswer::SoldOut));
+    assert_eq!(edge.answer(v(7), u(3), now), Some(Outcome::SoldOut));
     assert_eq!(edge.answer(v(7), u(1), now), None, "a buyer hears Redis");
     assert_eq!(
         edge.answer(v(8), u(3), now),
@@ -45,7 +45,7 @@ fn a_memory_is_believed_only_for_its_time_to_live() {
     let edge = edge(Duration::from_millis(500));
     sold_out(&edge, 7, &[]);
     let now = Instant::now();
-    assert_eq!(edge.answer(v(7), u(3), now), Some(EdgeAnswer::SoldOut));
+    assert_eq!(edge.answer(v(7), u(3), now), Some(Outcome::SoldOut));
     assert_eq!(
         edge.answer(v(7), u(3), now + Duration::from_millis(500)),
         None
@@ -68,7 +68,7 @@ fn an_announcement_during_a_learning_stops_its_recording() {
     learning.record(Instant::now(), Some(Verdict::Ended));
     assert_eq!(
         edge.answer(v(7), u(1), Instant::now()),
-        Some(EdgeAnswer::Ended)
+        Some(Outcome::Ended)
     );
     edge.forget_all();
     assert_eq!(edge.answer(v(7), u(1), Instant::now()), None);
@@ -83,7 +83,7 @@ fn a_learning_dropped_midway_lets_the_sale_be_learned_again() {
     lookup.not_found(Instant::now());
     assert_eq!(
         edge.answer(v(7), u(1), Instant::now()),
-        Some(EdgeAnswer::NotFound)
+        Some(Outcome::NotFound)
     );
 }
 
@@ -93,9 +93,9 @@ fn a_missing_voucher_is_remembered_apart_from_a_voucher_without_a_sale() {
     edge.lookup(v(7)).unwrap().no_voucher(Instant::now());
     edge.lookup(v(8)).unwrap().not_found(Instant::now());
     let now = Instant::now();
-    assert_eq!(edge.answer(v(7), u(1), now), Some(EdgeAnswer::NoVoucher));
-    assert_eq!(edge.answer(v(8), u(1), now), Some(EdgeAnswer::NotFound));
-    assert_eq!(EdgeAnswer::NoVoucher.label(), EdgeAnswer::NotFound.label());
+    assert_eq!(edge.answer(v(7), u(1), now), Some(Outcome::NoVoucher));
+    assert_eq!(edge.answer(v(8), u(1), now), Some(Outcome::NotFound));
+    assert_eq!(Outcome::NoVoucher.index(), Outcome::NotFound.index());
 }
 
 #[test]
@@ -105,7 +105,7 @@ fn a_sale_not_yet_open_is_answered_until_its_opening_only() {
     let learning = edge.begin(v(7), Purpose::Verdict).unwrap();
     let opens = now + Duration::from_millis(200);
     learning.record(now, Some(Verdict::NotStarted { opens }));
-    assert_eq!(edge.answer(v(7), u(1), now), Some(EdgeAnswer::NotStarted));
+    assert_eq!(edge.answer(v(7), u(1), now), Some(Outcome::NotStarted));
     assert_eq!(edge.answer(v(7), u(1), opens), None);
 }
 

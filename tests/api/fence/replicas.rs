@@ -153,7 +153,7 @@ async fn a_wait_refused_after_the_admission_ran_is_an_unknown_outcome_and_the_or
         .get_multiplexed_async_connection()
         .await
         .unwrap();
-    let minted = app.state.ids.next().expect("an order id");
+    let minted = app.state.admission.ids.next().expect("an order id");
     let grab = seckill::admission::Grab {
         voucher_id: vid(sale),
         user_id: uid(7),
@@ -181,7 +181,12 @@ async fn a_wait_refused_after_the_admission_ran_is_an_unknown_outcome_and_the_or
         err.to_string().contains("permissions to run the 'wait'"),
         "{err}"
     );
-    let answer = seckill::http::seckill::answer(Err(err), minted).unwrap_err();
+    let outcome = seckill::admission::Outcome::of(Err(err), minted);
+    assert_eq!(
+        outcome,
+        seckill::admission::Outcome::Unknown { order_id: minted }
+    );
+    let answer = seckill::http::seckill::answer(outcome, vid(sale)).unwrap_err();
     let response = axum::response::IntoResponse::into_response(answer);
     assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
     let body: Value = serde_json::from_slice(

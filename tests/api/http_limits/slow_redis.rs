@@ -37,7 +37,7 @@ async fn a_script_run_twice_for_one_request_answers_202_with_the_order_it_minted
     use seckill::admission::{admit, Outcome};
     let app = TestApp::spawn(db).await;
     let voucher = app.open_sale(5).await;
-    let minted = app.state.ids.next().unwrap();
+    let minted = app.state.admission.ids.next().unwrap();
     let mut conn = app.redis.clone();
     let first = admit(&mut conn, &app.keys, vid(voucher), uid(42), minted)
         .await
@@ -49,8 +49,8 @@ async fn a_script_run_twice_for_one_request_answers_202_with_the_order_it_minted
         &Outcome::AlreadyOrdered { order_id: minted }
     );
     assert_eq!(
-        seckill::http::seckill::answer(second, minted).unwrap(),
-        minted
+        Outcome::of(second, minted),
+        Outcome::Admitted { order_id: minted }
     );
     assert_eq!(app.redis_stock(voucher).await, Some(4), "one unit, once");
     // Another request of the same user (another minted id) is told about the order.

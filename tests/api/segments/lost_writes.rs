@@ -53,7 +53,13 @@ async fn a_move_a_repair_voided_is_not_recorded_when_an_older_donor_brings_it_ba
         )
         .await;
     // A finisher runs before the heal: the record in a stale state is not recorded.
-    let done = app.state.parts.finish(vid(voucher), 3).await.unwrap();
+    let done = app
+        .state
+        .admission
+        .parts
+        .finish(vid(voucher), 3)
+        .await
+        .unwrap();
     assert_eq!(done.credited, 0);
     let moved: i64 = sqlx::query_scalar("SELECT count(*) FROM seckill_part_moves")
         .fetch_one(&app.db)

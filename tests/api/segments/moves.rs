@@ -32,7 +32,13 @@ async fn allotments(app: &TestApp, voucher: i64) -> Vec<i32> {
 /// The parts hold `stocks`, and finishing moves credits nothing and leaves them so.
 async fn finishing_changes_nothing(app: &TestApp, voucher: i64, stocks: [i64; 3]) {
     assert_eq!(part_stocks(app, voucher, 3).await, stocks);
-    let done = app.state.parts.finish(vid(voucher), 3).await.unwrap();
+    let done = app
+        .state
+        .admission
+        .parts
+        .finish(vid(voucher), 3)
+        .await
+        .unwrap();
     assert_eq!(done.credited, 0);
     assert_eq!(part_stocks(app, voucher, 3).await, stocks);
 }
@@ -54,7 +60,7 @@ async fn a_move_a_dead_mover_left_taken_is_credited_once_by_finishers_racing(db:
     assert_eq!(code, 0, "{books}");
 
     // Three finishers at once (every instance looks every second): one credit.
-    let parts = &app.state.parts;
+    let parts = &app.state.admission.parts;
     let (a, b, c) = tokio::join!(
         parts.finish(vid(voucher), 3),
         parts.finish(vid(voucher), 3),
