@@ -249,7 +249,8 @@ fn settings(api: &ApiArgs) -> Settings {
 /// Starts an API process's background duties: the order-id lease (claimed now if Redis
 /// answers, so the first grab can be served), the live view's producer, the term
 /// watcher (its first look before serving: a sale left stale or missing while no
-/// process ran is rebuilt before the first grab can meet it), the rate limiters'
+/// process ran is rebuilt before the first grab can meet it), the sales' epochs heard
+/// from Postgres (read once before serving, when Postgres answers), the rate limiters'
 /// cleanup and the edge's subscription.
 async fn start_duties(
     state: &AppState,
@@ -276,13 +277,8 @@ async fn start_duties(
     };
     tasks.spawn(upkeep::run(lease_keeping, lease, cancel.clone()));
     tasks.spawn(produce_live_view(state, served, cancel));
-    tasks.spawn(
-        state
-            .admission
-            .fence
-            .clone()
-            .watch(state.db.clone(), cancel.clone()),
-    );
+    let fence = state.admission.fence.clone();
+    tasks.spawn(fence.clone().watch(state.db.clone(), cancel.clone()));
     let mut watcher = term::Watcher::new(term::Watch {
         db: state.db.clone(),
         redis: state.redis.clone(),
@@ -294,6 +290,16 @@ async fn start_duties(
         promises: Some(state.admission.batcher.promises().clone()),
     });
     watcher.look().await;
+    // Before serving: the sales' epochs read, so that an old primary's states are
+    // refused from the first grab (unless Postgres cannot be reached: then not waited).
+    let waited =
+        tokio::time::timeout(crate::admission::fence::FIRST_READ_WAIT, fence.first_read()).await;
+    if waited.is_err() {
+        tracing::warn!(
+            "serving before the sales' epochs could be read from postgres: until they are, \
+             grabs are not checked against a rebuild on another redis server"
+        );
+    }
     tasks.spawn(watcher.run(cancel.clone()));
     tasks.spawn(state.clone().forget_idle_rate_limits(cancel.clone()));
     // Moves between the parts of a segmented sale that a dead mover left half done.

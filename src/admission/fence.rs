@@ -13,7 +13,8 @@
 //! reads the whole table again whenever it (re)connects, so what it knows is never
 //! above Postgres and lags it only by the notification's way here: milliseconds, or as
 //! long as this instance's connection to Postgres is down (admission never waits for
-//! Postgres). An instance that has not read the table yet passes no floor.
+//! Postgres). A starting instance waits up to [`FIRST_READ_WAIT`] for its first read
+//! before it serves; one that has not read the table yet (Postgres down) passes no floor.
 
 use sqlx::postgres::PgListener;
 use sqlx::PgPool;
@@ -35,13 +36,35 @@ const REREAD_EVERY: Duration = Duration::from_secs(300);
 /// refused by its times anyway).
 const KEEP_AFTER_END: Duration = Duration::from_secs(3600);
 
+/// How long a starting instance waits for its first read of the table before it serves
+/// anyway (Postgres down: admission does not wait for it).
+pub(crate) const FIRST_READ_WAIT: Duration = Duration::from_secs(2);
+
 /// The current epoch of each sale part, as this instance last heard from Postgres.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Fence {
     known: RwLock<HashMap<(VoucherId, u8), Epoch>>,
+    /// Whether the table was read once.
+    read: tokio::sync::watch::Sender<bool>,
+}
+
+impl Default for Fence {
+    fn default() -> Self {
+        Self {
+            known: RwLock::default(),
+            read: tokio::sync::watch::Sender::new(false),
+        }
+    }
 }
 
 impl Fence {
+    /// Returns once the table was read (a starting instance waits for it, up to
+    /// [`FIRST_READ_WAIT`], before it serves).
+    pub(crate) async fn first_read(&self) {
+        let mut read = self.read.subscribe();
+        let _ = read.wait_for(|done| *done).await;
+    }
+
     /// The epoch below which a state of `part` may not admit (`None`: none known).
     pub fn floor(&self, part: SalePart) -> Option<Epoch> {
         self.known
@@ -74,6 +97,8 @@ impl Fence {
             }
         }
         *known = merged;
+        drop(known);
+        self.read.send_replace(true);
     }
 
     /// Listens to the builds' announcements until `cancel`, reading the whole table after

@@ -212,7 +212,8 @@ impl Admission {
             Outcome::Held => self.look_soon.notify_one(),
             // Nothing to heal here: the sale lives on another server, and this one (an
             // old primary) is on its way out (the term watch sees the change of server).
-            Outcome::Fenced => tracing::warn!(
+            // (Each refusal is logged by the request's failure and counted as `fenced`.)
+            Outcome::Fenced => tracing::debug!(
                 voucher_id = voucher_id.get(),
                 "redis holds an older build of the sale than postgres names: refused"
             ),

@@ -392,6 +392,18 @@ async fn an_old_primary_that_keeps_a_replica_answers_no_202_for_a_sale_rebuilt_e
         stale.len(),
         stale.len()
     );
+    // An instance started on node 0 now reads the epochs before it serves: refused
+    // from its first grab.
+    let (_api3, base3) = app
+        .spawn_server("api", &on(trio.url(0), waiting_for_one()))
+        .await;
+    let fresh = press_all(&app, &base3, sale, 16..=20, 5).await;
+    let (promised, unknown) = promised_and_unknown(&fresh);
+    assert!(
+        promised.is_empty() && unknown.is_empty(),
+        "a fresh instance on the old primary: {fresh:?}"
+    );
+    assert_eq!(stock(&trio), stock_before, "node 0 took no unit");
     // Node 1 goes on: its shoppers' orders all written, none buried.
     assert_eq!(
         app.wait_for_orders(sale, 10, Duration::from_secs(30)).await,
