@@ -14,6 +14,34 @@ pub(crate) struct ErrorBody {
     pub error: ErrorDetail,
 }
 
+/// The answers a route that needs a token may give besides its own (OpenAPI only:
+/// never built).
+#[derive(utoipa::IntoResponses)]
+#[allow(dead_code)]
+pub(crate) enum Authed {
+    /// no or bad token (`unauthorized`)
+    #[response(status = 401)]
+    Unauthorized(ErrorBody),
+    /// a dependency is down (`unavailable`)
+    #[response(status = 503)]
+    Unavailable(ErrorBody),
+}
+
+/// The answers an administrators' route may give besides its own (OpenAPI only).
+#[derive(utoipa::IntoResponses)]
+#[allow(dead_code)]
+pub(crate) enum AdminOnly {
+    /// no or bad token (`unauthorized`)
+    #[response(status = 401)]
+    Unauthorized(ErrorBody),
+    /// not an administrator (`forbidden`)
+    #[response(status = 403)]
+    Forbidden(ErrorBody),
+    /// a dependency is down (`unavailable`)
+    #[response(status = 503)]
+    Unavailable(ErrorBody),
+}
+
 #[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct ErrorDetail {
     /// Machine-readable: one of the codes the `ErrorCode` schema lists.

@@ -13,7 +13,7 @@ use utoipa::ToSchema;
 use crate::admission::{self, PendingOrder};
 use crate::auth::AuthUser;
 use crate::domain::{OrderId, OrderStatus, PayType, RefundReason, UserId, VoucherId, CURRENCY};
-use crate::http::error::{AppError, AppResult, ErrorBody};
+use crate::http::error::{AdminOnly, AppError, AppResult, Authed, ErrorBody};
 use crate::http::extract::{MaybeJson, PathId};
 use crate::http::state::AppState;
 use crate::http::text::{text, Needed};
@@ -308,12 +308,11 @@ fn refused(row: OrderRow) -> AppError {
         (status = 200, description = "what the client hands to the payment provider: the order, its amount and \
             deadline. The order is paid once the provider's signed notification arrives (`POST /payments/notifications`)", body = Checkout),
         (status = 400, description = "not a valid id (`validation`)", body = ErrorBody),
-        (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
         (status = 404, description = "no such order, or somebody else's (`not_found`)", body = ErrorBody),
         (status = 409, description = "`order_pending` (not written yet; retry after `Retry-After`), `order_paid` \
             (paid already), `order_used`, or `order_closed` (cancelled or expired: past `pay_before` it is never paid)", body = ErrorBody,
             headers(("Retry-After" = u32, description = "seconds, with `order_pending`"))),
-        (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
+        Authed,
     ))]
 pub(crate) async fn checkout(
     State(state): State<AppState>,
@@ -357,14 +356,12 @@ pub(crate) async fn checkout(
         (status = 200, description = "the order, `paid` (recorded as a manual payment, with the reason; paying a \
             `paid` order again is 200 and changes nothing). Shoppers pay through the payment provider", body = OrderResponse),
         (status = 400, description = "not a valid id or unreadable body (`validation`)", body = ErrorBody),
-        (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
-        (status = 403, description = "not an administrator (`forbidden`)", body = ErrorBody),
         (status = 404, description = "no such order (`not_found`)", body = ErrorBody),
         (status = 409, description = "`order_pending` (not written yet; retry after `Retry-After`), `order_used`, or \
             `order_closed` (cancelled, or expired: an unpaid order past `pay_before` is never paid)", body = ErrorBody,
             headers(("Retry-After" = u32, description = "seconds, with `order_pending`"))),
         (status = 422, description = "a body of the wrong shape, or `reason` out of range (`validation`)", body = ErrorBody),
-        (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
+        AdminOnly,
     ))]
 pub(crate) async fn pay(
     State(state): State<AppState>,
@@ -408,7 +405,6 @@ pub(crate) async fn pay(
     responses(
         (status = 200, description = "the order, `used`: redeemed now. Once only: a second redemption is `order_used`", body = OrderResponse),
         (status = 400, description = "not a valid id or unreadable body (`validation`)", body = ErrorBody),
-        (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
         (status = 403, description = "not staff of the voucher's shop, nor an administrator (`forbidden`)", body = ErrorBody),
         (status = 404, description = "no such order (`not_found`)", body = ErrorBody),
         (status = 409, description = "`order_used` (redeemed already), `order_unpaid`, `order_paid` (refunding or \
@@ -416,7 +412,7 @@ pub(crate) async fn pay(
         (status = 422, description = "a body of the wrong shape, or a code that is not this order's (`validation`)", body = ErrorBody),
         (status = 429, description = "too many attempts (`rate_limited`); retry after `Retry-After`", body = ErrorBody,
             headers(("Retry-After" = u32, description = "seconds"))),
-        (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
+        Authed,
     ))]
 pub(crate) async fn redeem(
     State(state): State<AppState>,
@@ -459,12 +455,11 @@ pub(crate) async fn redeem(
             nothing); `refunded` once the payment provider confirms the refund. A refunded coupon's unit goes back \
             on sale if its sale is still open", body = OrderResponse),
         (status = 400, description = "not a valid id (`validation`)", body = ErrorBody),
-        (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
         (status = 404, description = "no such order, or somebody else's (`not_found`)", body = ErrorBody),
         (status = 409, description = "`not_refundable` (the voucher is not refundable, or the order is not paid), \
             `order_used` (redeemed already), `order_pending`, or `order_closed`", body = ErrorBody,
             headers(("Retry-After" = u32, description = "seconds, with `order_pending`"))),
-        (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
+        Authed,
     ))]
 pub(crate) async fn refund(
     State(state): State<AppState>,
@@ -511,12 +506,11 @@ pub(crate) async fn refund(
         (status = 200, description = "the order, `cancelled` (now, or before: cancelling again is 200 and changes \
             nothing). Its unit is back on sale, and its owner may grab the voucher again while the sale is open", body = OrderResponse),
         (status = 400, description = "not a valid id (`validation`)", body = ErrorBody),
-        (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
         (status = 404, description = "no such order, or somebody else's (`not_found`)", body = ErrorBody),
         (status = 409, description = "`order_pending` (not written yet; retry after `Retry-After`), `order_paid`, or \
             `order_closed` (expired, also when its deadline passed before the cancel)", body = ErrorBody,
             headers(("Retry-After" = u32, description = "seconds, with `order_pending`"))),
-        (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
+        Authed,
     ))]
 pub(crate) async fn cancel(
     State(state): State<AppState>,
@@ -548,8 +542,7 @@ pub(crate) async fn cancel(
         (status = 200, description = "the caller's orders, newest first. If Redis does not answer within 500 ms, \
             only the orders already written to Postgres, and the answer carries `x-seckill-fallback: postgres`", body = [OrderResponse],
             headers(("x-seckill-fallback" = String, description = "`postgres` when Redis did not answer: `pending` orders are missing"))),
-        (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
-        (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
+        Authed,
     ))]
 pub(crate) async fn list_mine(
     State(state): State<AppState>,

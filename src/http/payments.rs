@@ -12,7 +12,7 @@ use utoipa::ToSchema;
 
 use crate::auth::Admin;
 use crate::domain::OrderId;
-use crate::http::error::{AppError, AppResult, ErrorBody};
+use crate::http::error::{AdminOnly, AppError, AppResult, ErrorBody};
 use crate::http::state::AppState;
 use crate::lifecycle::{self, signature};
 use crate::metrics::PAYMENT_NOTIFICATIONS;
@@ -130,9 +130,7 @@ const PAGE_MAX: i64 = 1000;
     responses(
         (status = 200, description = "the payment provider's notifications, newest first", body = PaymentPage),
         (status = 400, description = "bad outcome, limit or cursor, or an unknown or repeated query parameter (`validation`)", body = ErrorBody),
-        (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
-        (status = 403, description = "not an administrator (`forbidden`)", body = ErrorBody),
-        (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
+        AdminOnly,
     ))]
 pub(crate) async fn list(
     State(state): State<AppState>,

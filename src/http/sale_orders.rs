@@ -9,7 +9,7 @@ use utoipa::ToSchema;
 
 use crate::auth::{Admin, AuthUser};
 use crate::domain::{OrderId, OrderStatus, ShopId, VoucherId};
-use crate::http::error::{AppError, AppResult, ErrorBody};
+use crate::http::error::{AdminOnly, AppError, AppResult, Authed, ErrorBody};
 use crate::http::extract::PathId;
 use crate::http::orders::OrderResponse;
 use crate::http::state::AppState;
@@ -188,10 +188,8 @@ fn shown(name: &str) -> String {
             (keyset pagination: pages neither repeat nor skip an order while the sale goes on; an order \
             written after its page was read, with an older id, is not in later pages)", body = OrderPage),
         (status = 400, description = "bad id, status, limit or cursor, or an unknown or repeated query parameter (`validation`)", body = ErrorBody),
-        (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
-        (status = 403, description = "not an administrator (`forbidden`)", body = ErrorBody),
         (status = 404, description = "no such voucher (`not_found`)", body = ErrorBody),
-        (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
+        AdminOnly,
     ))]
 pub(crate) async fn list_orders(
     State(state): State<AppState>,
@@ -227,9 +225,8 @@ pub(crate) async fn list_orders(
         (status = 200, description = "a page of the orders of the shop's vouchers written to Postgres, newest first \
             (keyset pagination, as `GET /vouchers/{id}/orders`); redemption codes are never shown here", body = OrderPage),
         (status = 400, description = "bad id, status, limit or cursor, or an unknown or repeated query parameter (`validation`)", body = ErrorBody),
-        (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
         (status = 403, description = "not staff of this shop, nor an administrator (`forbidden`)", body = ErrorBody),
-        (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
+        Authed,
     ))]
 pub(crate) async fn list_shop_orders(
     State(state): State<AppState>,

@@ -12,7 +12,7 @@ use utoipa::ToSchema;
 use crate::admission::{self, loader};
 use crate::auth::Admin;
 use crate::domain::{ShopId, VoucherId};
-use crate::http::error::{AppError, AppResult, ErrorBody};
+use crate::http::error::{AdminOnly, AppError, AppResult, ErrorBody};
 use crate::http::extract::{AppJson, PathId};
 use crate::http::fallback_headers;
 use crate::http::state::AppState;
@@ -303,11 +303,9 @@ const STOCK_NOTE: &str = "A flash sale's `stock` is Redis's live count; \
     responses(
         (status = 201, description = "created", body = VoucherResponse),
         (status = 400, description = "unreadable JSON (`validation`)", body = ErrorBody),
-        (status = 401, description = "no or bad token (`unauthorized`)", body = ErrorBody),
-        (status = 403, description = "not an administrator (`forbidden`)", body = ErrorBody),
         (status = 413, description = "body over 64 KiB (`validation`)", body = ErrorBody),
         (status = 422, description = "invalid fields (`validation`)", body = ErrorBody),
-        (status = 503, description = "a dependency is down (`unavailable`)", body = ErrorBody),
+        AdminOnly,
     ))]
 pub(crate) async fn create(
     State(state): State<AppState>,
