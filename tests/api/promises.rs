@@ -12,7 +12,7 @@ use sqlx::PgPool;
 
 use crate::common::faults::PrivateRedis;
 use crate::common::{metric_value, metrics_at, open_sale_at, press_all, TestApp};
-use crate::rollback::{press_through_503s, won};
+use crate::recovery::rollback::{press_through_503s, won};
 
 /// A directory of the test's own, removed when dropped.
 struct Scratch(std::path::PathBuf);

@@ -97,8 +97,8 @@ async fn serve_starts_with_postgres_down_admits_what_redis_holds_and_catches_up(
     assert_eq!(body["checks"]["redis"], "up", "{body}");
 
     // Admission needs only Redis: the sale Redis holds sells on.
-    let answers = crate::rollback::press_through_503s(&app, &base, sale, 1..=20).await;
-    let won = crate::rollback::won(&answers);
+    let answers = crate::recovery::rollback::press_through_503s(&app, &base, sale, 1..=20).await;
+    let won = crate::recovery::rollback::won(&answers);
     assert_eq!(won.len(), 20, "{answers:?}");
     assert!(app.pg_orders(sale).await.is_empty(), "postgres is away");
 
@@ -150,7 +150,11 @@ async fn serve_starts_with_redis_down_and_admits_once_it_answers(db: PgPool) {
 
     proxy.heal();
     let ready_in = until_ready(&app, &base, Duration::from_secs(60)).await;
-    let answers = crate::rollback::press_through_503s(&app, &base, sale, 1..=10).await;
-    assert_eq!(crate::rollback::won(&answers).len(), 10, "{answers:?}");
+    let answers = crate::recovery::rollback::press_through_503s(&app, &base, sale, 1..=10).await;
+    assert_eq!(
+        crate::recovery::rollback::won(&answers).len(),
+        10,
+        "{answers:?}"
+    );
     println!("ready {ready_in:?} after redis came back; 10 of 10 admitted");
 }

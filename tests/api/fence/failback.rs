@@ -140,8 +140,8 @@ async fn a_primary_failed_back_after_a_partial_resync_gets_a_new_term_and_its_sa
 
     // Nobody runs anything: the instance heals the sale and sells again.
     resume(&api);
-    let again = crate::rollback::press_through_503s(&app, &base, sale, 1..=20).await;
-    let winners = crate::rollback::won(&again);
+    let again = crate::recovery::rollback::press_through_503s(&app, &base, sale, 1..=20).await;
+    let winners = crate::recovery::rollback::won(&again);
     assert_eq!(winners.len(), 10, "the ten new shoppers win");
     for user in 1..=10 {
         let (status, body) = &again[&user];

@@ -75,8 +75,8 @@ async fn a_replica_silent_longer_than_the_lag_bound_costs_availability_and_no_un
     assert_eq!(stock, Some(200), "no unit taken");
 
     // The replicas back: the sale sells again.
-    let after = crate::rollback::press_through_503s(&app, &base, sale, 601..=610).await;
-    assert_eq!(crate::rollback::won(&after).len(), 10);
+    let after = crate::recovery::rollback::press_through_503s(&app, &base, sale, 601..=610).await;
+    assert_eq!(crate::recovery::rollback::won(&after).len(), 10);
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]

@@ -93,7 +93,7 @@ async fn two_primaries(db: PgPool, order: Order, old_waits: bool) {
         .spawn_server("api", &on(trio.url(1), waiting_for_one()))
         .await;
     let _worker2 = worker_on(&app, trio.url(1));
-    let new = crate::rollback::press_through_503s(&app, &base2, sale, 16..=60).await;
+    let new = crate::recovery::rollback::press_through_503s(&app, &base2, sale, 16..=60).await;
     let new: Vec<(i64, Option<(StatusCode, Value)>)> =
         new.into_iter().map(|(u, a)| (u, Some(a))).collect();
     let (new_promised, new_unknown) = promised_and_unknown(&new);
@@ -287,8 +287,8 @@ async fn an_old_primary_cannot_take_a_sale_from_the_new_one(db: PgPool) {
     println!("{status}: {body}");
 
     // The new primary sells it whole, and every 202 is written.
-    let answers = crate::rollback::press_through_503s(&app, &base2, sale, 21..=40).await;
-    let won = crate::rollback::won(&answers);
+    let answers = crate::recovery::rollback::press_through_503s(&app, &base2, sale, 21..=40).await;
+    let won = crate::recovery::rollback::won(&answers);
     assert_eq!(won.len(), 10);
     wait_drained(trio.url(1), &app, sale).await;
     let orders = stored(&app, sale).await;
@@ -350,7 +350,7 @@ async fn an_old_primary_that_keeps_a_replica_answers_no_202_for_a_sale_rebuilt_e
         &crate::common::faults::database_url(&app.db, None),
         &[("REDIS_WAIT_REPLICAS", "0".to_string())],
     );
-    let new = crate::rollback::press_through_503s(&app, &base2, sale, 6..=10).await;
+    let new = crate::recovery::rollback::press_through_503s(&app, &base2, sale, 6..=10).await;
     assert!(
         new.iter().all(|(_, (s, _))| *s == StatusCode::ACCEPTED),
         "{new:?}"

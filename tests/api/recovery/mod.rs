@@ -20,8 +20,12 @@ use serde_json::Value;
 use sqlx::{Connection, PgPool};
 
 mod backlog;
+pub(crate) mod durability;
 mod restore;
+pub(crate) mod rollback;
+mod sale_faults;
 mod storms;
+mod worker_faults;
 
 // ---------------------------------------------------------------------------------------
 // Helpers of this file.

@@ -13,7 +13,7 @@ use sqlx::PgPool;
 use super::segmented_sale_at;
 use crate::common::faults::PrivateRedis;
 use crate::common::{uid, vid, TestApp};
-use crate::rollback::{press_through_503s, the_books_after_the_restart, won};
+use crate::recovery::rollback::{press_through_503s, the_books_after_the_restart, won};
 use seckill::keys::{home_part, SalePart};
 
 const STOCK: i64 = 300;
