@@ -458,6 +458,32 @@ mod tests {
             "seckill": {"stock": 5, "begin_time": "2026-01-01T00:00:00Z", "end_time": "2099-01-01T00:00:00Z"}})
     }
 
+    /// The payment window's default and bound are written once, in Rust; the migration
+    /// that gave the column its default and check, and the document's words and
+    /// bound, say the same.
+    #[test]
+    fn the_payment_windows_default_and_bound_are_the_same_everywhere() {
+        let (default, max) = (
+            crate::config::defaults::PAY_WITHIN_SECS,
+            MAX_PAY_WITHIN_SECS,
+        );
+        let migration = include_str!("../../migrations/20261124000001_order_lifecycle.sql");
+        assert!(migration.contains(&format!(
+            "pay_within_secs integer NOT NULL DEFAULT {default}"
+        )));
+        assert!(migration.contains(&format!("pay_within_secs BETWEEN 1 AND {max}")));
+        let schema =
+            serde_json::to_value(<CreateSeckill as utoipa::PartialSchema>::schema()).unwrap();
+        let field = &schema["properties"]["pay_within_secs"];
+        assert_eq!(field["maximum"], max, "{field}");
+        let words = field["description"].as_str().unwrap();
+        assert!(
+            words.contains(&format!("1 to {max}, default {default}")),
+            "{words}"
+        );
+        assert_eq!(body(valid()).seckill.unwrap().pay_within_secs, default);
+    }
+
     #[test]
     fn a_valid_voucher_passes() {
         let v = body(valid()).validate(Utc::now()).unwrap();
