@@ -623,8 +623,8 @@ pub struct Settings {
     /// How often the instance looks for moves between a segmented sale's parts left half
     /// done (by a mover that died); `None`: never (tests that leave one on purpose).
     pub finish_moves_every: Option<Duration>,
-    /// What payment notifications must be signed with.
-    pub payment_secrets: crate::lifecycle::signature::Secrets,
+    /// What payment notifications must be signed with (none empty).
+    pub payment_secrets: Vec<crate::secret::Secret>,
 }
 
 /// How often an API instance finishes half-done moves between parts.
@@ -639,7 +639,7 @@ impl Default for Settings {
             replicas: crate::scripts::Replicas::NONE,
             edge: EdgeArgs::default(),
             finish_moves_every: Some(FINISH_MOVES_EVERY),
-            payment_secrets: crate::lifecycle::signature::Secrets::new(&[]),
+            payment_secrets: Vec::new(),
         }
     }
 }

@@ -11,7 +11,6 @@ use metrics::{KeyName, Recorder, SharedString, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use redis::aio::ConnectionLike;
 
-use crate::admission::Outcome;
 use crate::keys::Keys;
 
 pub(crate) const ADMISSIONS: &str = "seckill_admissions_total";
@@ -96,7 +95,7 @@ const fn m(name: &'static str, kind: Kind, unit: Option<Unit>, help: &'static st
 #[rustfmt::skip]
 pub(crate) const DESCRIBED: &[Described] = &[
     m(ADMISSIONS, Kind::Counter, None,
-        "Grab attempts by outcome: admitted, sold_out, already_ordered, not_started, ended, not_loaded, not_found (no such sale, answered from the instance's memory), stale (the sale's state predates the server's term and is being rebuilt), corrupt, rate_limited, redis_error. Those answered at the edge are counted here too."),
+        "Grab attempts by outcome: admitted, sold_out, already_ordered, not_started, ended, not_loaded, not_found (no such sale, answered from the instance's memory), stale (the sale's state predates the server's term and is being rebuilt), corrupt, held (a new term not opened yet), fenced (the sale was rebuilt on another Redis server), rate_limited, redis_error, not_ready (not tried: no order-id lease yet, or the shopper's earlier 202 is being recovered). Those answered at the edge are counted here too."),
     m(EDGE_ANSWERS, Kind::Counter, None,
         "Grabs this instance answered by itself from what Redis last told it, without asking Redis, by outcome: sold_out, not_started, ended, not_found."),
     m(SALE_CHANGES_HEARD, Kind::Counter, None,
@@ -225,12 +224,8 @@ fn register_known_series() {
     metrics::counter!(PART_UNITS_MOVED).increment(0);
     metrics::counter!(PROMISES_BROKEN).increment(0);
     metrics::counter!(PROMISES_READMITTED).increment(0);
-    for outcome in Outcome::LABELS {
-        metrics::counter!(ADMISSIONS, "outcome" => outcome).increment(0);
-    }
-    for outcome in HotPath::EDGE_OUTCOMES {
-        metrics::counter!(EDGE_ANSWERS, "outcome" => outcome).increment(0);
-    }
+    // (The grab's outcomes are registered by `admission::hot`, in the processes that
+    // admit.)
     for result in ["inserted", "already_there", "dead_lettered", "adopted"] {
         metrics::counter!(WORKER_ORDERS, "result" => result).increment(0);
     }
@@ -277,51 +272,6 @@ fn register_known_series() {
     let _ = metrics::histogram!(ADMISSION_SECONDS);
     let _ = metrics::histogram!(WORKER_BATCH_SIZE);
     let _ = metrics::histogram!(WORKER_COMMIT_SECONDS);
-}
-
-/// Handles of the hot path's metrics, registered once: recording through them is an
-/// atomic add, not a registry lookup.
-pub(crate) struct HotPath {
-    pub admission_seconds: metrics::Histogram,
-    /// Per [`Outcome::index`].
-    outcomes: [metrics::Counter; Outcome::LABELS.len()],
-    /// Per [`Outcome::index`], for the outcomes the edge answers.
-    edge: [Option<metrics::Counter>; Outcome::LABELS.len()],
-}
-
-impl HotPath {
-    /// The outcomes an instance answers at the edge (by label).
-    pub(crate) const EDGE_OUTCOMES: [&'static str; 4] =
-        ["sold_out", "not_started", "ended", "not_found"];
-
-    pub(crate) fn get() -> &'static HotPath {
-        static HOT: OnceLock<HotPath> = OnceLock::new();
-        HOT.get_or_init(|| {
-            handle();
-            HotPath {
-                admission_seconds: metrics::histogram!(ADMISSION_SECONDS),
-                outcomes: Outcome::LABELS.map(|o| metrics::counter!(ADMISSIONS, "outcome" => o)),
-                edge: Outcome::LABELS.map(|o| {
-                    Self::EDGE_OUTCOMES
-                        .contains(&o)
-                        .then(|| metrics::counter!(EDGE_ANSWERS, "outcome" => o))
-                }),
-            }
-        })
-    }
-
-    /// A grab answered with `outcome`.
-    pub(crate) fn count(&self, outcome: &Outcome) {
-        self.outcomes[outcome.index()].increment(1);
-    }
-
-    /// A grab answered at the edge with `outcome`.
-    pub(crate) fn at_edge(&self, outcome: &Outcome) {
-        self.count(outcome);
-        if let Some(counter) = &self.edge[outcome.index()] {
-            counter.increment(1);
-        }
-    }
 }
 
 /// How long a scrape waits for the streams' figures (every shard together).
@@ -416,6 +366,9 @@ mod tests {
         }
         metrics::gauge!(RELEASES_OWED).set(0.0);
         metrics::gauge!(PROMISES_KEPT).set(0.0);
+        // (Registered by the admitting processes: `admission::hot`.)
+        metrics::counter!(ADMISSIONS, "outcome" => "admitted").increment(0);
+        metrics::counter!(EDGE_ANSWERS, "outcome" => "sold_out").increment(0);
         let text = handle.render();
         for d in DESCRIBED {
             let help = format!("# HELP {} {}\n", d.name, d.help);
@@ -442,7 +395,6 @@ mod tests {
             "seckill_dead_lettered_total{kind=\"stale_epoch\"} ",
             "seckill_worker_batch_errors_total ",
             "seckill_worker_schema_errors_total ",
-            "seckill_admissions_total{outcome=\"sold_out\"} ",
             "seckill_dependency_errors_total{dependency=\"postgres\",in=\"worker\"} ",
             "seckill_order_transitions_total{to=\"expired\"} ",
             "seckill_http_shed_total ",

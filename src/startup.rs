@@ -236,12 +236,10 @@ fn settings(api: &ApiArgs) -> Settings {
             .collect(),
         replicas: api.redis.durability.replicas(),
         edge: api.edge.clone(),
-        payment_secrets: crate::lifecycle::signature::Secrets::new(
-            &(api.payment_webhook_secrets.iter())
-                .filter(|s| !s.expose().is_empty())
-                .cloned()
-                .collect::<Vec<_>>(),
-        ),
+        payment_secrets: (api.payment_webhook_secrets.iter())
+            .filter(|s| !s.expose().is_empty())
+            .cloned()
+            .collect(),
         ..Settings::default()
     }
 }

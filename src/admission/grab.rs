@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use super::batcher::{self, Batcher};
 use super::edge::Edge;
 use super::fence::Fence;
+use super::hot::HotPath;
 use super::limits::RateLimiter;
 use super::order_id::OrderIds;
 use super::parts::Parts;
@@ -23,7 +24,6 @@ use super::promises::Promises;
 use super::{loader, tally, Outcome, Unavailable};
 use crate::domain::{OrderId, UserId, VoucherId};
 use crate::keys::Keys;
-use crate::metrics::HotPath;
 use crate::redis_conn::RedisConn;
 use crate::scripts::Replicas;
 use crate::store::vouchers::{self, SaleLookup};
@@ -82,6 +82,8 @@ pub struct Setup {
 impl Admission {
     /// Starts the batcher's tasks (needs a Tokio runtime).
     pub(crate) fn new(p: Setup) -> Self {
+        // Every grab series on the metrics page from the start, at zero.
+        HotPath::get();
         let fence = Arc::new(Fence::default());
         let batcher = Batcher::start(
             p.redis.clone(),

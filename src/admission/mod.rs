@@ -5,6 +5,7 @@ pub mod edge;
 pub mod fence;
 pub mod grab;
 pub mod guard;
+pub(crate) mod hot;
 pub(crate) mod keepers;
 pub mod limits;
 pub mod loader;

@@ -73,8 +73,7 @@ pub(crate) async fn notify(
     let header = headers
         .get(signature::HEADER)
         .map(|v| v.to_str().unwrap_or(""));
-    if let Err(why) = (state.settings.payment_secrets).verify(header, &body, Utc::now().timestamp())
-    {
+    if let Err(why) = (state.payment_secrets).verify(header, &body, Utc::now().timestamp()) {
         refused("bad_signature");
         return Err(AppError::BadSignature(why.to_string()));
     }

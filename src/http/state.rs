@@ -28,6 +28,8 @@ pub struct Shared {
     pub admission: Arc<Admission>,
     /// Redemption attempts per staff member: codes cannot be guessed at speed.
     pub(crate) redeem_attempts: RateLimiter<UserId>,
+    /// The keys payment notifications must be signed with.
+    pub(crate) payment_secrets: crate::lifecycle::signature::Secrets,
     /// The live view's snapshots (`/live/events`).
     pub(crate) live: crate::live::Live,
     /// Fired once the database schema is this binary's (migrations applied, which waits
@@ -54,6 +56,7 @@ impl AppState {
         promises: Arc<crate::admission::promises::Promises>,
     ) -> Self {
         let limits = &settings.limits;
+        let payment_secrets = settings.payment_secrets.clone();
         let admission = Admission::new(Setup {
             db: db.clone(),
             redis: redis.clone(),
@@ -80,6 +83,7 @@ impl AppState {
             admission: Arc::new(admission),
             redeem_attempts: RateLimiter::new(REDEEM_PER_SECOND, REDEEM_BURST)
                 .expect("a positive rate"),
+            payment_secrets: crate::lifecycle::signature::Secrets::new(&payment_secrets),
             live,
             migrated,
         }))
