@@ -165,7 +165,19 @@ async fn reloading_a_lost_sale_on_line_behind_a_long_backlog_does_not_stall_redi
     let (status, body) = press(&app, &base, voucher, 1).await;
     let reload_started = Instant::now();
     let deadline = reload_started + Duration::from_secs(60);
-    while app.redis_stock(voucher).await.is_none() && Instant::now() < deadline {
+    // Reloaded once armed: the load writes the state, Postgres commits its epoch, and
+    // only then does the state admit (a press in between is still "being loaded").
+    let armed = || async {
+        let epoch: Option<i64> = app
+            .redis_cmd(
+                redis::cmd("HGET")
+                    .arg(app.keys.voucher(vid(voucher)))
+                    .arg("epoch"),
+            )
+            .await;
+        epoch.is_some()
+    };
+    while !armed().await && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let reloaded_after = reload_started.elapsed();
