@@ -85,18 +85,14 @@ impl Fence {
     /// Replaces what is known with a whole read of the table (later epochs heard
     /// meanwhile are kept).
     fn replace(&self, rows: Vec<(VoucherId, i16, Epoch)>) {
-        let fresh: HashMap<(VoucherId, u8), Epoch> = rows
-            .into_iter()
-            .map(|(v, part, e)| ((v, part as u8), e))
-            .collect();
         let mut known = self.known.write().unwrap_or_else(|e| e.into_inner());
-        let mut merged = fresh;
-        for (key, epoch) in merged.iter_mut() {
-            if let Some(&heard) = known.get(key) {
-                *epoch = (*epoch).max(heard);
-            }
-        }
-        *known = merged;
+        *known = rows
+            .into_iter()
+            .map(|(v, part, read)| {
+                let key = (v, part as u8);
+                (key, known.get(&key).map_or(read, |&heard| read.max(heard)))
+            })
+            .collect();
         drop(known);
         self.read.send_replace(true);
     }
@@ -111,11 +107,14 @@ impl Fence {
                 _ = cancel.cancelled() => break,
                 r = self.listen(&db, &mut backoff) => r,
             };
-            if let Err(e) = result {
-                if !failing {
+            match result {
+                Err(e) if !failing => {
                     tracing::warn!(error = %e, "listening for sale epochs failed, retrying");
+                    failing = true;
                 }
-                failing = true;
+                Err(_) => {}
+                // (A connection that was lost after it worked.)
+                Ok(()) => failing = false,
             }
             tokio::select! {
                 _ = cancel.cancelled() => break,

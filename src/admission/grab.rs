@@ -131,7 +131,9 @@ impl Admission {
                 retry_after_secs: wait.as_secs_f64().ceil() as u64,
             };
             hot.count(&outcome);
-            self.batcher.tally().add(voucher_id, tally::RATE_LIMITED);
+            if let Some(i) = tally::counted(&outcome) {
+                self.batcher.tally().add(voucher_id, i);
+            }
             return Ok(outcome);
         }
         // Most presses of a flash sale can win nothing: answered here when Redis told

@@ -56,7 +56,7 @@ impl AppState {
         promises: Arc<crate::admission::promises::Promises>,
     ) -> Self {
         let limits = &settings.limits;
-        let payment_secrets = settings.payment_secrets.clone();
+        let payment_secrets = crate::lifecycle::signature::Secrets::new(&settings.payment_secrets);
         let admission = Admission::new(Setup {
             db: db.clone(),
             redis: redis.clone(),
@@ -83,7 +83,7 @@ impl AppState {
             admission: Arc::new(admission),
             redeem_attempts: RateLimiter::new(REDEEM_PER_SECOND, REDEEM_BURST)
                 .expect("a positive rate"),
-            payment_secrets: crate::lifecycle::signature::Secrets::new(&payment_secrets),
+            payment_secrets,
             live,
             migrated,
         }))
