@@ -198,7 +198,8 @@ async fn gather(
         .await;
     let settled = observe::wait_settled(world, &db, Duration::from_secs(120)).await;
     // Units on their way between the parts of a segmented sale arrive within seconds.
-    let mut sales = observe::sales(world, &db).await;
+    let mut books = observe::pg_books(&db, recorder.start_unix_ms).await;
+    let mut sales = observe::sales(world, &books).await;
     for _ in 0..5 {
         if sales
             .iter()
@@ -207,14 +208,15 @@ async fn gather(
             break;
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
-        sales = observe::sales(world, &db).await;
+        books = observe::pg_books(&db, recorder.start_unix_ms).await;
+        sales = observe::sales(world, &books).await;
     }
-    let orders = observe::orders(&db, recorder.start_unix_ms).await;
+    let observe::PgBooks { orders, dead, .. } = books;
     let redis_state = observe::describe_redis(world, &sales, &orders).await;
     let evidence = Evidence {
         history: recorder.snapshot(),
         orders,
-        dead: observe::dead(&db).await,
+        dead,
         sales,
         start_unix_ms: recorder.start_unix_ms,
         settled,

@@ -86,35 +86,70 @@ pub async fn open_sales(db: &PgPool) -> Vec<i64> {
     .unwrap_or_default()
 }
 
-/// Every order, its times on the history's axis.
-pub async fn orders(db: &PgPool, start_unix_ms: f64) -> Vec<PgOrder> {
-    let rows = sqlx::query(
+/// Postgres's books, read in one snapshot: each sale's stock, every order and every
+/// tombstone. (Read apart, an order the sweeper closes between two reads would count
+/// as live in one and its returned unit in the other.)
+pub struct PgBooks {
+    sales: Vec<PgSale>,
+    pub orders: Vec<PgOrder>,
+    pub dead: Vec<DeadOrder>,
+}
+
+struct PgSale {
+    voucher: i64,
+    parts: u8,
+    initial: i64,
+    stock: i64,
+    open: bool,
+}
+
+/// Orders' times are on the history's axis (`start_unix_ms` is its zero).
+pub async fn pg_books(db: &PgPool, start_unix_ms: f64) -> PgBooks {
+    let mut tx = db.begin().await.expect("a transaction");
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        .execute(&mut *tx)
+        .await
+        .expect("one snapshot");
+    let sales = sqlx::query(
+        "SELECT voucher_id, initial_stock, stock, segments, end_time > now() AS open
+         FROM seckill_vouchers ORDER BY voucher_id",
+    )
+    .fetch_all(&mut *tx)
+    .await
+    .expect("sales")
+    .iter()
+    .map(|r| PgSale {
+        voucher: r.get("voucher_id"),
+        parts: r.get::<i16, _>("segments") as u8,
+        initial: r.get::<i32, _>("initial_stock") as i64,
+        stock: r.get::<i32, _>("stock") as i64,
+        open: r.get("open"),
+    })
+    .collect();
+    let orders = sqlx::query(
         "SELECT id, user_id, voucher_id, status,
                 extract(epoch FROM created_at)::float8 * 1000 AS created,
                 extract(epoch FROM closed_at)::float8 * 1000 AS closed
          FROM voucher_orders",
     )
-    .fetch_all(db)
+    .fetch_all(&mut *tx)
     .await
-    .expect("orders");
-    rows.iter()
-        .map(|r| PgOrder {
-            id: r.get("id"),
-            user: r.get("user_id"),
-            voucher: r.get("voucher_id"),
-            status: r.get("status"),
-            created_ms: r.get::<f64, _>("created") - start_unix_ms,
-            closed_ms: r.get::<Option<f64>, _>("closed").map(|c| c - start_unix_ms),
-        })
-        .collect()
-}
-
-pub async fn dead(db: &PgPool) -> Vec<DeadOrder> {
-    let rows = sqlx::query("SELECT id, user_id, voucher_id, reason, returns_unit FROM dead_orders")
-        .fetch_all(db)
+    .expect("orders")
+    .iter()
+    .map(|r| PgOrder {
+        id: r.get("id"),
+        user: r.get("user_id"),
+        voucher: r.get("voucher_id"),
+        status: r.get("status"),
+        created_ms: r.get::<f64, _>("created") - start_unix_ms,
+        closed_ms: r.get::<Option<f64>, _>("closed").map(|c| c - start_unix_ms),
+    })
+    .collect();
+    let dead = sqlx::query("SELECT id, user_id, voucher_id, reason, returns_unit FROM dead_orders")
+        .fetch_all(&mut *tx)
         .await
-        .expect("dead orders");
-    rows.iter()
+        .expect("dead orders")
+        .iter()
         .map(|r| DeadOrder {
             id: r.get("id"),
             user: r.get("user_id"),
@@ -122,31 +157,28 @@ pub async fn dead(db: &PgPool) -> Vec<DeadOrder> {
             reason: r.get("reason"),
             returns_unit: r.get("returns_unit"),
         })
-        .collect()
+        .collect();
+    tx.commit().await.expect("a read-only commit");
+    PgBooks {
+        sales,
+        orders,
+        dead,
+    }
 }
 
-/// Each sale's books: Postgres's stock, and Redis's summed over its parts on the
-/// primary (`None` if a part has no state).
-pub async fn sales(world: &World, db: &PgPool) -> Vec<SaleBooks> {
-    let rows = sqlx::query(
-        "SELECT voucher_id, initial_stock, stock, segments, end_time > now() AS open
-         FROM seckill_vouchers ORDER BY voucher_id",
-    )
-    .fetch_all(db)
-    .await
-    .expect("sales");
+/// Each sale's books: Postgres's stock from `books`, and Redis's summed over its parts
+/// on the primary (`None` if a part has no state).
+pub async fn sales(world: &World, books: &PgBooks) -> Vec<SaleBooks> {
     let keys = Keys::new(PREFIX).unwrap();
     let primary = world
         .redis
         .master()
         .await
         .map(|m| world.redis.nodes[m as usize].port);
-    let mut books = Vec::new();
-    for r in rows {
-        let voucher: i64 = r.get("voucher_id");
-        let parts = r.get::<i16, _>("segments") as u8;
+    let mut out = Vec::new();
+    for s in &books.sales {
         let mut redis_stock = Some(0);
-        for part in SalePart::all(VoucherId::new(voucher).unwrap(), parts) {
+        for part in SalePart::all(VoucherId::new(s.voucher).unwrap(), s.parts) {
             let stock = match primary {
                 Some(port) => {
                     query::<Option<i64>>(port, redis::cmd("HGET").arg(keys.part(part)).arg("stock"))
@@ -158,16 +190,16 @@ pub async fn sales(world: &World, db: &PgPool) -> Vec<SaleBooks> {
             };
             redis_stock = redis_stock.zip(stock).map(|(a, b)| a + b);
         }
-        books.push(SaleBooks {
-            voucher,
-            parts,
-            initial: r.get::<i32, _>("initial_stock") as i64,
-            pg_stock: r.get::<i32, _>("stock") as i64,
+        out.push(SaleBooks {
+            voucher: s.voucher,
+            parts: s.parts,
+            initial: s.initial,
+            pg_stock: s.stock,
             redis_stock,
-            open: r.get("open"),
+            open: s.open,
         });
     }
-    books
+    out
 }
 
 /// `seckill reconcile` (no `--repair`), bounded: its exit code and output.
