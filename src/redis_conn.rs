@@ -17,6 +17,7 @@ use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Value};
 
+use crate::keys::{Keys, Shard};
 use crate::secret::ServerUrl;
 
 pub use sentinel::SentinelConn;
@@ -301,6 +302,15 @@ pub enum RedisConn {
 }
 
 impl RedisConn {
+    /// The shards to ask about their server, each with the shards on the same server:
+    /// one server holds every shard unless this is a cluster.
+    pub(crate) fn servers(&self, keys: &Keys) -> Vec<(Shard, Vec<Shard>)> {
+        match self {
+            RedisConn::Cluster(_) => keys.shards().map(|s| (s, vec![s])).collect(),
+            _ => vec![(Shard(0), keys.shards().collect())],
+        }
+    }
+
     /// Whether the master in use is confirmed by Sentinel lately (most sentinels name
     /// it, none amiss): always, without Sentinel.
     pub(crate) fn master_confirmed(&self) -> bool {

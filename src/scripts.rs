@@ -271,6 +271,18 @@ pub(crate) async fn install_library<C: ConnectionLike + Send>(
     }
 }
 
+/// Whether term `a` was drawn before term `b`: a term begins with the server's clock (in
+/// seconds and microseconds) when it was drawn, so a replica promoted by a failover
+/// draws its term after the old primary drew its own (as `older` in
+/// `lua/seckill.lua`). Terms that do not read so are never before anything.
+pub(crate) fn term_drawn_before(a: &str, b: &str) -> bool {
+    let time = |t: &str| -> Option<(u64, u64)> {
+        let mut parts = t.split('.');
+        Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
+    };
+    matches!((time(a), time(b)), (Some(a), Some(b)) if a < b)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

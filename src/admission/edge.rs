@@ -406,6 +406,18 @@ impl Edge {
             gen: state.gen,
             term: state.term,
         };
+        self.sold_out_to(conn, &keys, voucher_id, signature).await
+    }
+
+    /// A sale read sold out with `signature`: its buyers (known, or scanned), if the
+    /// sale is still the same state once they are read.
+    async fn sold_out_to<C: ConnectionLike + Send>(
+        &self,
+        conn: &mut C,
+        keys: &[StateKeys],
+        voucher_id: VoucherId,
+        signature: Signature,
+    ) -> RedisResult<Option<Verdict>> {
         let (known, scanned) = self.buyers(voucher_id);
         if let Some(buyers) = known.filter(|k| k.signature == signature) {
             return Ok(Some(Verdict::SoldOut { buyers }));
@@ -414,12 +426,12 @@ impl Edge {
             return Ok(None);
         }
         let mut users = HashSet::new();
-        for key in &keys {
+        for key in keys {
             users.extend(scan_buyers(conn, &key.sale).await?);
         }
         self.scanned(voucher_id, users.len());
         // Still the same state, and still sold out: then the list is complete.
-        match peek_all(conn, &keys).await? {
+        match peek_all(conn, keys).await? {
             Some(after)
                 if after.stock == 0
                     && after.gen == signature.gen

@@ -17,7 +17,7 @@ use crate::scripts::Replicas;
 /// policy cannot be read (CONFIG disabled, as on some managed services) is allowed
 /// with a warning; one that does not answer is checked at the next start.
 pub(crate) async fn refuse_eviction(conn: &mut RedisConn, keys: &Keys) -> anyhow::Result<()> {
-    for (shard, _) in super::term::servers(conn, keys) {
+    for (shard, _) in conn.servers(keys) {
         let mut get = redis::cmd("CONFIG");
         get.arg("GET").arg("maxmemory-policy");
         let reply = on_node_of(conn, keys.stream(shard), get).await;
@@ -110,21 +110,33 @@ pub(crate) async fn require_replicas(
     if to_write >= replicas.n as u64 && (1..=lag).contains(&max_lag) {
         return Ok(());
     }
+    let max_lag = if (1..=lag).contains(&max_lag) {
+        max_lag
+    } else {
+        lag
+    };
+    set_min_replicas(conn, route_key, to_write.max(replicas.n as u64), max_lag).await
+}
+
+/// Sets `min-replicas-to-write` and `min-replicas-max-lag` on the master holding
+/// `route_key`; a server that refuses CONFIG is logged.
+async fn set_min_replicas(
+    conn: &mut RedisConn,
+    route_key: &str,
+    to_write: u64,
+    max_lag: u64,
+) -> anyhow::Result<()> {
     let mut set = redis::cmd("CONFIG");
     set.arg("SET")
         .arg("min-replicas-to-write")
-        .arg(to_write.max(replicas.n as u64))
+        .arg(to_write)
         .arg("min-replicas-max-lag")
-        .arg(if (1..=lag).contains(&max_lag) {
-            max_lag
-        } else {
-            lag
-        });
+        .arg(max_lag);
     match on_node_of(conn, route_key, set).await {
         Ok(_) => {
             tracing::info!(
-                replicas = replicas.n,
-                max_lag_secs = lag,
+                replicas = to_write,
+                max_lag_secs = max_lag,
                 "redis now refuses writes while too few replicas acknowledge"
             );
             Ok(())
@@ -224,12 +236,10 @@ pub(crate) async fn probe_replicas(
             _ = tick.tick() => {}
         }
         // Every master at once: a silent one's WAIT holds only its own probe.
-        let probes = super::term::servers(&conn, &keys)
-            .into_iter()
-            .map(|(asked, shards)| {
-                let (mut conn, keys) = (conn.clone(), &keys);
-                async move { (probe(&mut conn, keys, asked, replicas).await, shards) }
-            });
+        let probes = conn.servers(&keys).into_iter().map(|(asked, shards)| {
+            let (mut conn, keys) = (conn.clone(), &keys);
+            async move { (probe(&mut conn, keys, asked, replicas).await, shards) }
+        });
         for (healthy, shards) in futures_util::future::join_all(probes).await {
             for shard in shards {
                 gate.set(shard, healthy);

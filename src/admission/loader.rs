@@ -141,7 +141,8 @@ async fn current<C: ConnectionLike + Send>(
     Ok(match store::epochs::built(db, part).await? {
         None => true,
         Some(b) => {
-            b.epoch.to_string() == state.epoch() || super::term::drawn_before(state.term(), &b.term)
+            b.epoch.to_string() == state.epoch()
+                || crate::scripts::term_drawn_before(state.term(), &b.term)
         }
     })
 }

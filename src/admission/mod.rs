@@ -254,6 +254,24 @@ pub async fn decide<C: ConnectionLike + Send>(
     replicas: Replicas,
     fence: &fence::Fence,
 ) -> RedisResult<Decided> {
+    let call = admission_call(keys, shard, grabs, replicas, fence);
+    let reply: Vec<redis::Value> = call.invoke_waiting(conn, replicas).await?;
+    Decided::parse(reply, grabs.len()).ok_or_else(|| {
+        redis::RedisError::from((
+            redis::ErrorKind::UnexpectedReturnType,
+            "unexpected reply from the admission script",
+        ))
+    })
+}
+
+/// The call deciding `grabs` (see `seckill_admit` in `lua/seckill.lua`).
+fn admission_call(
+    keys: &Keys,
+    shard: keys::Shard,
+    grabs: &[Grab],
+    replicas: Replicas,
+    fence: &fence::Fence,
+) -> Call {
     let mut call = Call::function("seckill_admit");
     call.key(keys.stream(shard))
         .key(keys.term_marker(shard))
@@ -285,43 +303,53 @@ pub async fn decide<C: ConnectionLike + Send>(
             call.arg(g.user_id).arg(g.order_id);
         }
     }
-    let mut reply: Vec<redis::Value> = call.invoke_waiting(conn, replicas).await?;
-    let unexpected = || {
-        redis::RedisError::from((
-            redis::ErrorKind::UnexpectedReturnType,
-            "unexpected reply from the admission script",
-        ))
-    };
-    let entry = match reply.len() {
-        n if n == 2 * grabs.len() => None,
-        n if n == 2 * grabs.len() + 1 => {
-            let id = reply.pop().expect("one more than the pairs");
-            Some(redis::from_redis_value::<String>(id).map_err(|_| unexpected())?)
-        }
-        _ => return Err(unexpected()),
-    };
-    let outcomes = reply
-        .chunks(2)
-        .map(|pair| {
-            let code = redis::from_redis_value_ref::<i64>(&pair[0]).map_err(|_| unexpected())?;
-            let id = redis::from_redis_value_ref::<i64>(&pair[1]).unwrap_or(0);
-            Ok(match (code, OrderId::new(id)) {
-                (0, Some(order_id)) => Outcome::Admitted { order_id },
-                (1, _) => Outcome::NotLoaded,
-                (2, _) => Outcome::NotStarted,
-                (3, _) => Outcome::Ended,
-                (4, Some(order_id)) => Outcome::AlreadyOrdered { order_id },
-                (5, _) => Outcome::SoldOut,
-                (6, _) => Outcome::Stale,
-                (7, _) => Outcome::Corrupt,
-                (8, _) => Outcome::Drained,
-                (9, _) => Outcome::Held,
-                (10, _) => Outcome::Fenced,
-                _ => return Err(unexpected()),
+    call
+}
+
+impl Decided {
+    /// The script's reply for `grabs` grabs: a code and an order id (0: none) per grab,
+    /// then the entry's id when it admitted any. `None`: not such a reply.
+    fn parse(mut reply: Vec<redis::Value>, grabs: usize) -> Option<Self> {
+        let entry = match reply.len() {
+            n if n == 2 * grabs => None,
+            n if n == 2 * grabs + 1 => Some(redis::from_redis_value(reply.pop()?).ok()?),
+            _ => return None,
+        };
+        let outcomes = reply
+            .chunks(2)
+            .map(|pair| {
+                let code = redis::from_redis_value_ref::<i64>(&pair[0]).ok()?;
+                let id = redis::from_redis_value_ref::<i64>(&pair[1]).unwrap_or(0);
+                Outcome::of_code(code, OrderId::new(id))
             })
+            .collect::<Option<Vec<Outcome>>>()?;
+        Some(Decided { outcomes, entry })
+    }
+}
+
+impl Outcome {
+    /// The script's verdict for one grab (its codes are listed above `admit` in
+    /// `lua/seckill.lua`); `None`: no such code, or no order id where one belongs.
+    fn of_code(code: i64, order_id: Option<OrderId>) -> Option<Self> {
+        Some(match code {
+            0 => Outcome::Admitted {
+                order_id: order_id?,
+            },
+            1 => Outcome::NotLoaded,
+            2 => Outcome::NotStarted,
+            3 => Outcome::Ended,
+            4 => Outcome::AlreadyOrdered {
+                order_id: order_id?,
+            },
+            5 => Outcome::SoldOut,
+            6 => Outcome::Stale,
+            7 => Outcome::Corrupt,
+            8 => Outcome::Drained,
+            9 => Outcome::Held,
+            10 => Outcome::Fenced,
+            _ => return None,
         })
-        .collect::<RedisResult<Vec<Outcome>>>()?;
-    Ok(Decided { outcomes, entry })
+    }
 }
 
 /// Remaining stock as Redis sees it, summed over the sale's parts (`None`: some part is

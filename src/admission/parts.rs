@@ -320,11 +320,31 @@ impl Parts {
     /// Records, credits and clears one move, from wherever it stands; `true` when it
     /// was credited by this call.
     async fn settle(&self, conn: &mut RedisConn, m: Move) -> anyhow::Result<Settled> {
-        let voucher_id = m.from.voucher_id;
+        if let Some(early) = self.record(conn, m).await? {
+            return Ok(early);
+        }
+        let Some(credited) = self.credit(conn, m).await? else {
+            return Ok(Settled::Nothing);
+        };
+        let _: i64 = redis::cmd("HDEL")
+            .arg(self.keys.moves_out(m.from))
+            .arg(m.id)
+            .query_async(conn)
+            .await?;
+        Ok(if credited {
+            Settled::Credited
+        } else {
+            Settled::Nothing
+        })
+    }
+
+    /// The move's first half: recorded in Postgres with the units its donor's record
+    /// holds, unless recorded already. `Some`: the settle ends here with that.
+    async fn record(&self, conn: &mut RedisConn, m: Move) -> anyhow::Result<Option<Settled>> {
         // Recorded only while the donor still holds the units (a load of the donor, which
         // would count them again, takes the same lock).
         let mut tx = self.db.begin().await?;
-        crate::store::vouchers::lock_sales(&mut tx, &[voucher_id]).await?;
+        crate::store::vouchers::lock_sales(&mut tx, &[m.from.voucher_id]).await?;
         if store::move_state(&mut tx, m.id).await? == MoveState::Unknown {
             // Only from the donor's current build: a record in a state of another epoch
             // (an old primary's) took units the sale's own state still holds.
@@ -340,34 +360,34 @@ impl Parts {
             if held < 0 {
                 // Its donor must be rebuilt first (which drops the record, voiding it),
                 // or it is not the sale's current state.
-                return Ok(Settled::DonorUnsound);
+                return Ok(Some(Settled::DonorUnsound));
             }
             if held == 0 {
                 // Void: the donor was rebuilt with the units (or the move is settled and
                 // its record gone).
-                return Ok(Settled::Nothing);
+                return Ok(Some(Settled::Nothing));
             }
-            store::record_move(
-                &mut tx,
-                &Move {
-                    units: held as i32,
-                    ..m
-                },
-            )
-            .await?;
+            let units = held as i32;
+            store::record_move(&mut tx, &Move { units, ..m }).await?;
         }
         tx.commit().await?;
+        Ok(None)
+    }
 
+    /// The move's second half: its units credited to the recipient once, and marked so
+    /// in Postgres. Whether credited now; `None`: the recipient's state here is not its
+    /// current one (an old primary's), so the credit is left to a process that reaches
+    /// it.
+    async fn credit(&self, conn: &mut RedisConn, m: Move) -> anyhow::Result<Option<bool>> {
         let mut tx = self.db.begin().await?;
-        crate::store::vouchers::lock_sales(&mut tx, &[voucher_id]).await?;
+        crate::store::vouchers::lock_sales(&mut tx, &[m.from.voucher_id]).await?;
         let credited = match store::move_state(&mut tx, m.id).await? {
             MoveState::Recorded => {
                 let units = store::units_of(&mut tx, m.id).await?;
                 let epoch = crate::store::epochs::of(&mut *tx, m.recipient()).await?;
                 // 1: credited now; 0: a load of the recipient counted it already; -1:
-                // the recipient is not sound, and its rebuild will count it; -2: this
-                // is not the recipient's current state (an old primary's), so the
-                // credit is left to a process that reaches it.
+                // the recipient is not sound, and its rebuild will count it; -2: not
+                // the recipient's current state.
                 let credit: i64 = Call::function("seckill_credit")
                     .key(self.keys.part(m.recipient()))
                     .key(self.keys.moves_in(m.recipient()))
@@ -378,7 +398,7 @@ impl Parts {
                     .invoke(conn)
                     .await?;
                 if credit == -2 {
-                    return Ok(Settled::Nothing);
+                    return Ok(None);
                 }
                 store::mark_credited(&mut tx, m.id).await?;
                 if credit == 1 {
@@ -391,19 +411,10 @@ impl Parts {
         // Announced as soon as the units may be there: instances that remember the sale
         // sold out look again.
         if credited {
-            crate::sale_changes::announce(conn, &self.keys, voucher_id).await;
+            crate::sale_changes::announce(conn, &self.keys, m.from.voucher_id).await;
         }
         tx.commit().await?;
-        let _: i64 = redis::cmd("HDEL")
-            .arg(self.keys.moves_out(m.from))
-            .arg(m.id)
-            .query_async(conn)
-            .await?;
-        Ok(if credited {
-            Settled::Credited
-        } else {
-            Settled::Nothing
-        })
+        Ok(Some(credited))
     }
 
     /// Finishes half-done moves of every open segmented sale, every `every`, until

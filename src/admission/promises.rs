@@ -359,53 +359,7 @@ impl Promises {
             if due.is_empty() {
                 continue;
             }
-            let entries: Vec<(OrderId, (u64, u64))> =
-                due.iter().map(|p| (p.order_id, p.entry)).collect();
-            let held = stream::held_in(conn, keys, shard, &entries).await?;
-            let lost: Vec<Promise> = due
-                .into_iter()
-                .filter(|p| !held.contains(&p.order_id))
-                .collect();
-            // Those Postgres holds already (most, after a restart on a promises file),
-            // in one query; each other one is checked again under its sale's lock.
-            let ids: Vec<OrderId> = lost.iter().map(|p| p.order_id).collect();
-            let settled = crate::store::orders::settled_among(db, &ids).await?;
-            let mut moved: HashMap<OrderId, Move> =
-                settled.iter().map(|id| (*id, Move::Forget)).collect();
-            for p in lost.into_iter().filter(|p| !settled.contains(&p.order_id)) {
-                let r = Readmission {
-                    part: p.part,
-                    user_id: p.user_id,
-                    order_id: p.order_id,
-                    admitted_at: admitted_at(p.order_id),
-                };
-                match stream::readmit(db, conn, keys, r, replicas).await? {
-                    Readmitted::Kept { entry, anew } => {
-                        if anew {
-                            report.readmitted += 1;
-                            metrics::counter!(crate::metrics::PROMISES_READMITTED).increment(1);
-                        }
-                        moved.insert(p.order_id, Move::To(entry.unwrap_or(p.entry)));
-                    }
-                    Readmitted::Settled => {
-                        moved.insert(p.order_id, Move::Forget);
-                    }
-                    Readmitted::Refused => {
-                        broken(&p);
-                        report.broken += 1;
-                        moved.insert(p.order_id, Move::Forget);
-                    }
-                    Readmitted::Elsewhere if p.tries + 1 >= PATIENCE => {
-                        broken(&p);
-                        report.broken += 1;
-                        moved.insert(p.order_id, Move::Forget);
-                    }
-                    Readmitted::Elsewhere => {
-                        report.waiting += 1;
-                        moved.insert(p.order_id, Move::Wait);
-                    }
-                }
-            }
+            let moved = keep_lost(db, conn, keys, shard, due, replicas, &mut report).await?;
             rewrite |= moved.values().any(|m| !matches!(m, Move::Wait));
             self.settle(shard, &moved);
         }
@@ -534,6 +488,67 @@ fn keeper_on_file(path: &Path) -> anyhow::Result<String> {
 fn admitted_at(order_id: OrderId) -> chrono::DateTime<chrono::Utc> {
     chrono::DateTime::from_timestamp_millis(super::order_id::timestamp_ms(order_id) as i64)
         .unwrap_or_else(chrono::Utc::now)
+}
+
+/// What becomes of `due`, the promises kept for `shard`: those whose entries its server
+/// no longer holds are admitted again (or found settled, or broken), counted in
+/// `report`.
+async fn keep_lost<C: ConnectionLike + Send>(
+    db: &PgPool,
+    conn: &mut C,
+    keys: &Keys,
+    shard: Shard,
+    due: Vec<Promise>,
+    replicas: Replicas,
+    report: &mut Kept,
+) -> anyhow::Result<HashMap<OrderId, Move>> {
+    let entries: Vec<(OrderId, (u64, u64))> = due.iter().map(|p| (p.order_id, p.entry)).collect();
+    let held = stream::held_in(conn, keys, shard, &entries).await?;
+    let lost: Vec<Promise> = due
+        .into_iter()
+        .filter(|p| !held.contains(&p.order_id))
+        .collect();
+    // Those Postgres holds already (most, after a restart on a promises file), in one
+    // query; each other one is checked again under its sale's lock.
+    let ids: Vec<OrderId> = lost.iter().map(|p| p.order_id).collect();
+    let settled = crate::store::orders::settled_among(db, &ids).await?;
+    let mut moved: HashMap<OrderId, Move> = settled.iter().map(|id| (*id, Move::Forget)).collect();
+    for p in lost.into_iter().filter(|p| !settled.contains(&p.order_id)) {
+        let r = Readmission {
+            part: p.part,
+            user_id: p.user_id,
+            order_id: p.order_id,
+            admitted_at: admitted_at(p.order_id),
+        };
+        let readmitted = stream::readmit(db, conn, keys, r, replicas).await?;
+        moved.insert(p.order_id, report.count(&p, readmitted));
+    }
+    Ok(moved)
+}
+
+impl Kept {
+    /// Counts what became of promise `p`, and says where it goes.
+    fn count(&mut self, p: &Promise, readmitted: Readmitted) -> Move {
+        match readmitted {
+            Readmitted::Kept { entry, anew } => {
+                if anew {
+                    self.readmitted += 1;
+                    metrics::counter!(crate::metrics::PROMISES_READMITTED).increment(1);
+                }
+                Move::To(entry.unwrap_or(p.entry))
+            }
+            Readmitted::Settled => Move::Forget,
+            Readmitted::Elsewhere if p.tries + 1 < PATIENCE => {
+                self.waiting += 1;
+                Move::Wait
+            }
+            Readmitted::Refused | Readmitted::Elsewhere => {
+                broken(p);
+                self.broken += 1;
+                Move::Forget
+            }
+        }
+    }
 }
 
 fn broken(p: &Promise) {

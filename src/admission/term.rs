@@ -82,18 +82,6 @@ impl Term {
     }
 }
 
-/// Whether term `a` was drawn before term `b`: a term begins with the server's clock (in
-/// seconds and microseconds) when it was drawn, so a replica promoted by a failover
-/// draws its term after the old primary drew its own (as `older` in
-/// `lua/seckill.lua`). Terms that do not read so are never before anything.
-pub(crate) fn drawn_before(a: &str, b: &str) -> bool {
-    let time = |t: &str| -> Option<(u64, u64)> {
-        let mut parts = t.split('.');
-        Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
-    };
-    matches!((time(a), time(b)), (Some(a), Some(b)) if a < b)
-}
-
 /// The term of the server holding `marker` (a slot's term marker, see
 /// [`Keys::term_marker`]), drawn now if this is its first call, or if the slot's data
 /// shows another life of a server wrote it since.
@@ -322,15 +310,6 @@ impl Watcher {
     }
 }
 
-/// The shards to ask, each with the shards on the same server: one server holds every
-/// shard unless this is a cluster.
-pub(crate) fn servers(conn: &RedisConn, keys: &Keys) -> Vec<(Shard, Vec<Shard>)> {
-    match conn {
-        RedisConn::Cluster(_) => keys.shards().map(|s| (s, vec![s])).collect(),
-        _ => vec![(Shard(0), keys.shards().collect())],
-    }
-}
-
 /// One look at every server: a term seen before under another identity draws a new
 /// term; a new term (or the first look, or `everything`) heals the server's shards.
 async fn pass(w: &Watch, seen: &mut Seen, everything: bool) -> anyhow::Result<()> {
@@ -340,7 +319,7 @@ async fn pass(w: &Watch, seen: &mut Seen, everything: bool) -> anyhow::Result<()
     // look's, and the next look tries that server again.
     let mut first: Option<anyhow::Error> = None;
     seen.reached = false;
-    for (asked, shards) in servers(&w.redis, &w.keys) {
+    for (asked, shards) in w.redis.servers(&w.keys) {
         if let Err(e) = look_at(w, seen, &mut conn, asked, &shards, everything).await {
             first.get_or_insert(e);
         }
@@ -401,6 +380,48 @@ async fn look_at(
     shards: &[Shard],
     everything: bool,
 ) -> anyhow::Result<()> {
+    let term = read_term(w, seen, conn, asked, shards, everything).await?;
+    let due = seen.heal_due.get(&asked).copied();
+    if due.is_none() && !seen.promises_due.contains(&asked) {
+        // The term it knows, read with where the workers are done: no write was lost
+        // below that, so those promises are kept already.
+        if let Some(promises) = &w.promises {
+            for (shard, done) in shards.iter().zip(&term.done) {
+                if let Some(done) = done {
+                    promises.forget_below(*shard, *done);
+                }
+            }
+        }
+    }
+    let healed = match due {
+        Some(rollback) => heal_due(w, seen, asked, shards, &term.term, rollback).await,
+        None => Ok(()),
+    };
+    seen.terms.insert(asked, term.term.clone());
+    if term.opened {
+        seen.held.remove(&asked);
+    } else {
+        let held = keepers::Held {
+            term: term.term.clone(),
+            came_after: term.came_after.clone(),
+            shards: shards.to_vec(),
+        };
+        seen.held.insert(asked, held);
+    }
+    keep_due_promises(w, seen, conn, asked, shards, term.term).await?;
+    healed
+}
+
+/// The server's term, drawn anew if it outlived a change of identity; a term not seen
+/// before makes the server require its replicas and marks its shards due a heal.
+async fn read_term(
+    w: &Watch,
+    seen: &mut Seen,
+    conn: &mut RedisConn,
+    asked: Shard,
+    shards: &[Shard],
+    everything: bool,
+) -> anyhow::Result<Term> {
     let marker = w.keys.term_marker(asked);
     let was = seen.terms.get(&asked).cloned();
     if was.is_none() || everything {
@@ -429,8 +450,7 @@ async fn look_at(
     if let Some(now) = now {
         seen.remember(&term.term, now);
     }
-    let changed = was.as_ref() != Some(&term.term);
-    if changed {
+    if was.as_ref() != Some(&term.term) {
         // A new life of the server (a promoted replica, say): it refuses writes while
         // too few replicas acknowledge, from now on.
         super::guard::require_replicas(conn, &marker, w.replicas).await?;
@@ -440,53 +460,49 @@ async fn look_at(
     } else if everything {
         seen.heal_due.entry(asked).or_default();
     }
-    let due = seen.heal_due.get(&asked).copied();
-    if due.is_none() && !seen.promises_due.contains(&asked) {
-        // The term it knows, read with where the workers are done: no write was lost
-        // below that, so those promises are kept already.
-        if let Some(promises) = &w.promises {
-            for (shard, done) in shards.iter().zip(&term.done) {
-                if let Some(done) = done {
-                    promises.forget_below(*shard, *done);
-                }
-            }
-        }
+    Ok(term)
+}
+
+/// Heals `shards`, due since `term` (a `rollback`: it replaced a term seen before).
+/// Until a heal succeeds (a promoted master refuses writes until it has a replica, say),
+/// every look tries again.
+async fn heal_due(
+    w: &Watch,
+    seen: &mut Seen,
+    asked: Shard,
+    shards: &[Shard],
+    term: &str,
+    rollback: bool,
+) -> anyhow::Result<()> {
+    seen.promises_due.insert(asked);
+    if let Some(promises) = &w.promises {
+        // Until they are kept again, their users' fresh grabs wait.
+        promises.alarm(shards.iter().copied());
     }
-    let mut healed = Ok(());
-    if let Some(rollback) = due {
-        seen.promises_due.insert(asked);
-        if let Some(promises) = &w.promises {
-            // Until they are kept again, their users' fresh grabs wait.
-            promises.alarm(shards.iter().copied());
-        }
-        // Until a heal succeeds (a promoted master refuses writes until it has a
-        // replica, say), every look tries again.
-        healed = heal(w, shards).await.map(|rebuilt| {
-            seen.heal_due.remove(&asked);
-            if rollback || !rebuilt.is_empty() {
-                metrics::counter!(crate::metrics::ROLLBACKS_HEALED).increment(1);
-                tracing::warn!(
-                    term = %term.term,
-                    rebuilt = ?rebuilt,
-                    "redis may have lost writes (new term): sales rebuilt from postgres"
-                );
-            }
-        });
+    let rebuilt = heal(w, shards).await?;
+    seen.heal_due.remove(&asked);
+    if rollback || !rebuilt.is_empty() {
+        metrics::counter!(crate::metrics::ROLLBACKS_HEALED).increment(1);
+        tracing::warn!(
+            term = %term,
+            rebuilt = ?rebuilt,
+            "redis may have lost writes (new term): sales rebuilt from postgres"
+        );
     }
-    seen.terms.insert(asked, term.term.clone());
-    if term.opened {
-        seen.held.remove(&asked);
-    } else {
-        let held = keepers::Held {
-            term: term.term.clone(),
-            came_after: term.came_after.clone(),
-            shards: shards.to_vec(),
-        };
-        seen.held.insert(asked, held);
-    }
-    // Kept even when some sale could not be healed: the others' promises are admitted
-    // again now, the rest at the next look (and this instance vouches for the term
-    // once none waits, or the last that waited is counted broken).
+    Ok(())
+}
+
+/// Admits again the promises due on `shards` (kept even when some sale could not be
+/// healed: the others' promises are admitted again now, the rest at the next look), and
+/// vouches for `term` once none waits (or the last that waited is counted broken).
+async fn keep_due_promises(
+    w: &Watch,
+    seen: &mut Seen,
+    conn: &mut RedisConn,
+    asked: Shard,
+    shards: &[Shard],
+    term: String,
+) -> anyhow::Result<()> {
     if seen.promises_due.contains(&asked) {
         let alarms = w.promises.as_ref().map(|p| p.alarms(shards));
         if keep_promises(w, conn, shards).await? {
@@ -497,7 +513,7 @@ async fn look_at(
         }
     }
     if !seen.promises_due.contains(&asked) {
-        seen.kept_in.insert(asked, term.term);
+        seen.kept_in.insert(asked, term);
     }
     if let Some(promises) = &w.promises {
         metrics::gauge!(crate::metrics::PROMISES_KEPT).set(promises.len() as f64);
@@ -505,7 +521,7 @@ async fn look_at(
             tracing::warn!(error = %e, "promises file not compacted");
         }
     }
-    healed
+    Ok(())
 }
 
 /// Admits again this instance's promises of `shards` that their server lost; whether

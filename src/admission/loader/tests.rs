@@ -64,7 +64,7 @@ fn a_builds_reply_names_its_term_and_the_orders_it_carries_into_its_epoch() {
 
 #[test]
 fn a_term_is_drawn_before_another_by_the_clock_it_begins_with() {
-    use crate::admission::term::drawn_before;
+    use crate::scripts::term_drawn_before as drawn_before;
     assert!(drawn_before("1795734190.251474.aa", "1795734190.251475.bb"));
     assert!(drawn_before("1795734189.999999.aa", "1795734190.000000.aa"));
     assert!(!drawn_before(
