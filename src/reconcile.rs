@@ -1,9 +1,9 @@
 //! `seckill reconcile`: compares each sale's Redis state with Postgres and (with
 //! `--repair`) rebuilds Redis from Postgres.
 //!
-//! Each sale is read through the same fence as loading (see
-//! [`loader::fenced`]): Postgres under the sale's row lock, Redis's state and stream
-//! position in one script. So a healthy sale in full swing balances exactly:
+//! Each sale is read through the same fence as loading (see [`loader::check`]):
+//! Postgres under the sale's row lock, Redis's state and stream position in one
+//! read-only script. So a healthy sale in full swing balances exactly:
 //! - Postgres: `initial_stock = stock + orders`;
 //! - Redis stock = Postgres stock - orders in flight (admitted, not yet written);
 //! - Redis buyers = Postgres's buyers + the buyers of orders in flight, each naming
@@ -28,7 +28,7 @@ use chrono::Utc;
 use redis::aio::ConnectionLike;
 use sqlx::PgPool;
 
-use crate::admission::loader::{self, Fenced, Mode};
+use crate::admission::loader::{self, check::Checked, Mode};
 use crate::domain::{OrderStatus, VoucherId};
 use crate::keys::{Keys, SalePart};
 use crate::scripts::Replicas;
@@ -91,7 +91,7 @@ impl Finding {
 impl VoucherBooks {
     fn new(
         voucher_id: VoucherId,
-        f: &Fenced,
+        f: &Checked,
         dead_letters: i64,
         statuses: &[(OrderStatus, bool, i64)],
     ) -> Self {
@@ -179,7 +179,7 @@ pub(crate) async fn books<C: ConnectionLike + Send>(
     let dead = crate::store::dead_orders::dead_per_voucher(db).await?;
     let mut out = Vec::with_capacity(ids.len());
     for id in ids {
-        match checked(db, conn, keys, id, retention).await? {
+        match checked(db, conn, keys, id).await? {
             Some((f, parts, drifting_parts)) => {
                 let statuses = crate::store::lifecycle::status_counts(db, id).await?;
                 let mut books =
@@ -203,17 +203,14 @@ async fn checked<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     voucher_id: VoucherId,
-    retention: Duration,
-) -> anyhow::Result<Option<(Fenced, u8, u8)>> {
+) -> anyhow::Result<Option<(Checked, u8, u8)>> {
     let Some(parts) = crate::store::parts::parts_of(db, voucher_id).await? else {
         return Ok(None);
     };
-    let mut sum: Option<Fenced> = None;
+    let mut sum: Option<Checked> = None;
     let mut drifting = 0;
     for part in SalePart::all(voucher_id, parts) {
-        let Some(f) =
-            loader::fenced(db, conn, keys, part, retention, Mode::Check, Replicas::NONE).await?
-        else {
+        let Some(f) = loader::check::check_part(db, conn, keys, part).await? else {
             return Ok(None);
         };
         // (A part whose buyers hold more units than its allotment was sold into by
@@ -230,7 +227,7 @@ async fn checked<C: ConnectionLike + Send>(
         sum = Some(match sum {
             None => f,
             // Postgres's whole-sale figures from the last part's read (one lock).
-            Some(s) => Fenced {
+            Some(s) => Checked {
                 pg_stock: s.pg_stock + f.pg_stock,
                 pg_orders: s.pg_orders + f.pg_orders,
                 sale_stock: f.sale_stock,
@@ -359,7 +356,7 @@ pub(crate) async fn dead_letters<C: ConnectionLike + Send>(
 }
 
 /// Rebuilds one sale's Redis state from Postgres through the fence (see
-/// [`loader::fenced`]): safe during a live sale.
+/// [`loader`]): safe during a live sale.
 pub(crate) async fn repair<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,

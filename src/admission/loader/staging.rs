@@ -1,79 +1,17 @@
-//! What a load stages in Redis before its last step (Postgres's buyers, the stream's
-//! candidates, paged), and the moves between parts it must know of.
+//! What a fenced step stages in Redis before it runs (Postgres's buyers, the stream's
+//! candidates, paged).
 
 use std::collections::HashMap;
 
 use redis::aio::ConnectionLike;
 
-use super::{Mode, PAGE, STAGE_CHUNK, STAGE_PIPELINE, STAGE_TTL};
+use super::{PAGE, STAGE_CHUNK, STAGE_PIPELINE, STAGE_TTL};
 use crate::domain::{OrderId, UserId};
 use crate::keys::{Keys, SalePart};
-use crate::scripts::Call;
-use crate::store;
 
-/// The moves of a part a load must know of (a segmented sale's only): moves into it
-/// Postgres recorded and has not seen credited (their units are in its allotment, so the
-/// load marks them credited), and, for a check, which of the moves taken out of it
-/// Postgres recorded (the others are units on their way, not in Redis's stock).
-#[derive(Default)]
-pub(super) struct PartMoves {
-    /// The part's label (`None`: a sale in one part).
-    label: Option<String>,
-    moved_in: Vec<(i64, i32)>,
-    recorded_out: Vec<i64>,
-}
-
-impl PartMoves {
-    pub(super) async fn read<C: ConnectionLike + Send>(
-        tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
-        conn: &mut C,
-        keys: &Keys,
-        part: SalePart,
-        mode: Mode,
-    ) -> anyhow::Result<Self> {
-        let Some(label) = part.label() else {
-            return Ok(Self::default());
-        };
-        let moved_in = store::parts::uncredited(&mut **tx, part.voucher_id)
-            .await?
-            .into_iter()
-            .filter(|m| m.to == part.part)
-            .map(|m| (m.id, m.units))
-            .collect();
-        let mut recorded_out = Vec::new();
-        if mode == Mode::Check {
-            let taken: Vec<i64> = redis::cmd("HKEYS")
-                .arg(keys.moves_out(part))
-                .query_async(conn)
-                .await?;
-            recorded_out = store::parts::recorded_among(tx, &taken).await?;
-        }
-        Ok(Self {
-            label: Some(label),
-            moved_in,
-            recorded_out,
-        })
-    }
-
-    /// The load step's arguments after the owed releases.
-    pub(super) fn args(&self, call: &mut Call) {
-        let Some(label) = &self.label else {
-            call.arg("").arg(0).arg(0);
-            return;
-        };
-        call.arg(label).arg(self.moved_in.len());
-        for (id, units) in &self.moved_in {
-            call.arg(id).arg(units);
-        }
-        call.arg(self.recorded_out.len());
-        for id in &self.recorded_out {
-            call.arg(id);
-        }
-    }
-}
-
-/// The keys a load stages its bulk in: beside the sale's hash (its hash tag, so one
-/// slot), unique to this load, expiring if the loader dies.
+/// The keys a step stages its bulk in: beside the sale's hash (its hash tag, so one
+/// slot), unique to this step, expiring if the process dies first. A load's step
+/// consumes them; a read-only one leaves them to [`Stage::remove`].
 pub(super) struct Stage {
     pub(super) buyers: String,
     pub(super) candidates: String,
@@ -86,6 +24,19 @@ impl Stage {
             buyers: format!("{sale_key}:stage:{token}:buyers"),
             candidates: format!("{sale_key}:stage:{token}:candidates"),
         }
+    }
+
+    /// Deletes both keys.
+    pub(super) async fn remove<C: ConnectionLike + Send>(
+        &self,
+        conn: &mut C,
+    ) -> anyhow::Result<()> {
+        redis::cmd("DEL")
+            .arg(&self.buyers)
+            .arg(&self.candidates)
+            .query_async::<()>(conn)
+            .await?;
+        Ok(())
     }
 
     /// Postgres's buyers as buyer records (`u:<user>` -> order).
