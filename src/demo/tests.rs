@@ -1,6 +1,7 @@
 //! Unit tests: the demo's pieces that need no server.
 
 use super::*;
+use serde_json::json;
 
 #[test]
 fn answers_are_sorted_into_the_table_outcomes() {
