@@ -287,6 +287,27 @@ pub(crate) fn term_drawn_before(a: &str, b: &str) -> bool {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_term_is_drawn_before_another_by_the_clock_it_begins_with() {
+        assert!(term_drawn_before(
+            "1795734190.251474.aa",
+            "1795734190.251475.bb"
+        ));
+        assert!(term_drawn_before(
+            "1795734189.999999.aa",
+            "1795734190.000000.aa"
+        ));
+        assert!(!term_drawn_before(
+            "1795734190.251474.aa",
+            "1795734190.251474.bb"
+        ));
+        assert!(!term_drawn_before(
+            "1795734191.0.aa",
+            "1795734190.999999.aa"
+        ));
+        assert!(!term_drawn_before("garbage", "1795734190.0.aa"));
+    }
+
     /// Every change of the library's code comes with a new VERSION: a server runs one
     /// library, and two releases with one version and different code would replace each
     /// other in turns (each time drawing a new term: every sale rebuilt).

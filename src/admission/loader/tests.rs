@@ -70,16 +70,3 @@ fn a_builds_reply_names_its_term_and_the_orders_it_carries_into_its_epoch() {
         "a reply it cannot read"
     );
 }
-
-#[test]
-fn a_term_is_drawn_before_another_by_the_clock_it_begins_with() {
-    use crate::scripts::term_drawn_before as drawn_before;
-    assert!(drawn_before("1795734190.251474.aa", "1795734190.251475.bb"));
-    assert!(drawn_before("1795734189.999999.aa", "1795734190.000000.aa"));
-    assert!(!drawn_before(
-        "1795734190.251474.aa",
-        "1795734190.251474.bb"
-    ));
-    assert!(!drawn_before("1795734191.0.aa", "1795734190.999999.aa"));
-    assert!(!drawn_before("garbage", "1795734190.0.aa"));
-}
