@@ -354,7 +354,7 @@ mod tests {
     }
 
     #[test]
-    fn errors_name_the_field_in_jsons_words_and_a_number_too_large_is_out_of_range() {
+    fn numbers_of_the_wrong_kind_name_the_field_and_one_too_large_is_out_of_range() {
         let long = "x".repeat(100);
         for (json, ours) in [
             (
@@ -391,9 +391,17 @@ mod tests {
                 "half: expected a whole number from -2147483648 to 2147483647, not the number 2.5"
                     .into(),
             ),
+        ] {
+            assert_eq!(misfit(&json), ours, "{json}");
+        }
+    }
+
+    #[test]
+    fn errors_of_other_shapes_name_the_field_in_jsons_words_or_the_types_own() {
+        for (json, ours) in [
             (
-                r#""s": {}"#.into(),
-                "s: expected a string, not an object".into(),
+                r#""s": {}"#.to_string(),
+                "s: expected a string, not an object".to_string(),
             ),
             (
                 r#""i": "a\"b\n""#.into(),

@@ -96,24 +96,40 @@ enum Framing {
     Upgrade,
 }
 
-/// The longest name of a [`Framing`] header.
-const LONGEST_NAME: usize = "transfer-encoding".len();
-/// Bytes of a method kept: enough to tell `CONNECT`.
-const LONGEST_METHOD: usize = 8;
+/// The start of a token (enough to tell `CONNECT`, or a [`Framing`] header's name),
+/// lower-cased or not, and its whole length: no allocation per request.
+#[derive(Debug, Default, Clone, Copy)]
+struct Prefix {
+    bytes: [u8; 17],
+    len: usize,
+}
+
+impl Prefix {
+    fn push(&mut self, b: u8) {
+        if let Some(slot) = self.bytes.get_mut(self.len) {
+            *slot = b;
+        }
+        self.len += 1;
+    }
+
+    fn is(&self, word: &[u8]) -> bool {
+        self.bytes.get(..self.len) == Some(word)
+    }
+}
 /// A framing header's value longer than this is not followed.
 const LONGEST_VALUE: usize = 256;
 
 /// What is known of the head being read.
 #[derive(Debug, Default)]
 struct Head {
-    method: Vec<u8>,
+    method: Prefix,
     http11: bool,
     target: usize,
     headers: usize,
     /// As the middleware counts: the target, and each header's name and value plus 4.
     bytes: usize,
-    /// The current header's name, lower-cased (while it may still be a framing one).
-    name: Vec<u8>,
+    /// The current header's name (its start), lower-cased.
+    name: Prefix,
     framing: Option<Framing>,
     /// A framing header's value so far.
     value: Vec<u8>,
@@ -197,9 +213,7 @@ impl Heads {
             (State::Idle, b'\r') => State::Lf(Line::Empty),
             (State::Idle, b'\n') => State::Idle,
             (State::Idle | State::Method, b) if is_token(b) => {
-                if head.method.len() < LONGEST_METHOD {
-                    head.method.push(b);
-                }
+                head.method.push(b);
                 State::Method
             }
             (State::Method, b' ') => State::Target(false),
@@ -293,25 +307,24 @@ impl Head {
             return Err(Refusal::HeadTooLarge);
         }
         self.count(4)?;
-        self.name.clear();
+        self.name = Prefix::default();
         self.name_byte(b)
     }
 
     fn name_byte(&mut self, b: u8) -> Result<State, Refusal> {
         self.count(1)?;
-        if self.name.len() <= LONGEST_NAME {
-            self.name.push(b.to_ascii_lowercase());
-        }
+        self.name.push(b.to_ascii_lowercase());
         Ok(State::Name)
     }
 
     fn name_end(&mut self) -> State {
-        self.framing = match &self.name[..] {
-            b"content-length" => Some(Framing::ContentLength),
-            b"transfer-encoding" => Some(Framing::TransferEncoding),
-            b"upgrade" => Some(Framing::Upgrade),
-            _ => None,
-        };
+        self.framing = [
+            (&b"content-length"[..], Framing::ContentLength),
+            (b"transfer-encoding", Framing::TransferEncoding),
+            (b"upgrade", Framing::Upgrade),
+        ]
+        .into_iter()
+        .find_map(|(name, framing)| self.name.is(name).then_some(framing));
         self.value.clear();
         self.begun = false;
         self.spaces = 0;
@@ -376,7 +389,7 @@ impl Head {
         if self.malformed || self.chunked == Some(false) {
             return Err(Refusal::NotHttp);
         }
-        if self.blind || self.method == b"CONNECT" {
+        if self.blind || self.method.is(b"CONNECT") {
             return Ok(State::Blind);
         }
         Ok(match (self.chunked, self.length) {

@@ -57,8 +57,9 @@ fn heads_within_our_limits_pass_one_byte_over_them_is_refused_where_it_comes() {
 #[test]
 fn the_next_head_is_found_after_each_kind_of_body_and_judged_too() {
     let bad = b"G@T / HTTP/1.1\r\n\r\n";
-    let bodies: [&[u8]; 4] = [
+    let bodies: [&[u8]; 5] = [
         b"GET / HTTP/1.1\r\nHost: a\r\n\r\n",
+        b"GET / HTTP/1.1\r\nContent-Lengths: 5\r\nTransfer-Encoding-X: gzip\r\n\r\n",
         b"\r\nPOST /v\xc3\xa4 HTTP/1.1\nContent-Length:  5 \ncontent-length: 5\n\nG@T /",
         b"POST /v HTTP/1.1\r\nTransfer-Encoding: gzip, Chunked\r\n\r\n\
           5;x=\"G@T\"\r\nG@T /\r\n0\r\nX-Trailer: G@T\r\n\r\n",
