@@ -145,20 +145,6 @@ impl ErrorCode {
     ];
 }
 
-/// The JSON error body of `code` and `message`, for answers written outside
-/// [`AppError`] (hyper's own refusals, rewritten by the server).
-pub(crate) fn error_json(code: ErrorCode, message: impl Into<String>) -> Vec<u8> {
-    serde_json::to_vec(&ErrorBody {
-        error: ErrorDetail {
-            code,
-            message: message.into(),
-            order_id: None,
-            outcome: None,
-        },
-    })
-    .expect("an error body serializes")
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
     #[error("unauthorized: {0}")]
@@ -525,12 +511,5 @@ mod tests {
             .collect();
         unanswered.sort();
         assert_eq!(unanswered, ["conflict"]);
-        // The body written outside `AppError` is the same format.
-        let written: serde_json::Value =
-            serde_json::from_slice(&error_json(ErrorCode::Validation, "URL too long")).unwrap();
-        assert_eq!(
-            written,
-            serde_json::json!({"error": {"code": "validation", "message": "URL too long"}})
-        );
     }
 }

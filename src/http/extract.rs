@@ -10,6 +10,8 @@ use serde::de::DeserializeOwned;
 use crate::auth::{Admin, AuthUser, Verifier};
 use crate::http::error::AppError;
 
+mod json;
+
 /// `axum::Json`, but a malformed body is a `validation` error: 400 when it cannot be
 /// read as JSON, 422 when it is JSON of the wrong shape (anything but an object, too).
 pub(crate) struct AppJson<T>(pub T);
@@ -48,8 +50,7 @@ where
 }
 
 /// Reads a body that must be a JSON object sent as `application/json`; `None` when
-/// there is no body. serde would also read a struct from a JSON array (its fields in
-/// order), so anything but an object is refused first.
+/// there is no body.
 async fn object_body<T: DeserializeOwned, S: Send + Sync>(
     req: Request,
     state: &S,
@@ -83,141 +84,21 @@ async fn object_body<T: DeserializeOwned, S: Send + Sync>(
                 "the request body could not be read".into()
             },
         })?;
-    let Some(&first) = body.iter().find(|b| !b.is_ascii_whitespace()) else {
+    if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(None);
-    };
+    }
     if !json_type {
         return Err(AppError::bad_request(
             "a request body must be JSON, sent with `Content-Type: application/json`",
         ));
     }
-    if first != b'{' {
-        return Err(
-            match serde_json::from_slice::<serde::de::IgnoredAny>(&body) {
-                Ok(_) => AppError::invalid("the body must be a JSON object"),
-                Err(e) => AppError::bad_request(format!("the body is not valid JSON: {e}")),
-            },
-        );
-    }
-    from_json(&body).map(Some)
-}
-
-/// Reads `T` from JSON: 400 when the bytes are not JSON, 422 when the JSON does not fit
-/// `T`, with the field's path and in JSON's words (serde's speak Rust: `i64`, `map`).
-fn from_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, AppError> {
-    let de = &mut serde_json::Deserializer::from_slice(body);
-    let value = serde_path_to_error::deserialize(&mut *de)
-        .map_err(|e| json_error(&e.path().to_string(), e.into_inner()))?;
-    de.end().map_err(|e| json_error(".", e))?;
-    Ok(value)
-}
-
-fn json_error(path: &str, e: serde_json::Error) -> AppError {
-    if e.classify() != serde_json::error::Category::Data {
-        return AppError::bad_request(format!("the body is not valid JSON: {e}"));
-    }
-    // The field's path says where; the line and column add nothing to it.
-    let full = e.to_string();
-    let at = format!(" at line {} column {}", e.line(), e.column());
-    let what = humane(full.strip_suffix(&at).unwrap_or(&full));
-    AppError::invalid(match path {
-        "." => what,
-        path => format!("{path}: {what}"),
-    })
-}
-
-/// serde's "invalid type: X, expected Y" and "invalid value: ..." in JSON's words; any
-/// other message (ours, `missing field`, `unknown field`) as it is.
-fn humane(message: &str) -> String {
-    let parts = message
-        .strip_prefix("invalid type: ")
-        .or_else(|| message.strip_prefix("invalid value: "))
-        .and_then(|rest| rest.split_once(", expected "));
-    let Some((got, wanted)) = parts else {
-        return message.to_string();
-    };
-    if let Some((low, high)) = integer_range(wanted) {
-        // serde_json reads an integer too large for 64 bits as a float (`1e23`).
-        let number = number_text(got)
-            .and_then(|n| n.parse::<f64>().ok())
-            .filter(|n| n.fract() == 0.0);
-        if let Some(n) = number {
-            let n = n as i128; // saturates: a huge float stays out of range
-            if n < low || n > high {
-                return format!("out of range: expected a whole number from {low} to {high}");
-            }
-        }
-    }
-    format!("expected {}, not {}", expected(wanted), unexpected(got))
-}
-
-/// The range of a Rust integer type serde names as what it expected.
-fn integer_range(wanted: &str) -> Option<(i128, i128)> {
-    Some(match wanted {
-        "i8" => (i8::MIN.into(), i8::MAX.into()),
-        "i16" => (i16::MIN.into(), i16::MAX.into()),
-        "i32" => (i32::MIN.into(), i32::MAX.into()),
-        "i64" => (i64::MIN.into(), i64::MAX.into()),
-        "u8" => (0, u8::MAX.into()),
-        "u16" => (0, u16::MAX.into()),
-        "u32" => (0, u32::MAX.into()),
-        "u64" => (0, u64::MAX.into()),
-        _ => return None,
-    })
-}
-
-fn expected(wanted: &str) -> String {
-    match wanted {
-        "i64" => "an integer".into(),
-        "f32" | "f64" => "a number".into(),
-        "a sequence" => "an array".into(),
-        "a map" => "an object".into(),
-        w if w.starts_with("struct ") => "an object".into(),
-        w => match integer_range(w) {
-            Some((low, high)) => format!("a whole number from {low} to {high}"),
-            None => w.into(),
-        },
-    }
-}
-
-/// What serde quotes after `prefix` (`` integer `5` ``), without its quotes.
-fn quoted<'a>(got: &'a str, prefix: &str) -> Option<&'a str> {
-    got.strip_prefix(prefix)?.strip_suffix('`')
-}
-
-/// The number serde found (`` integer `5` ``, `` floating point `1e23` ``), as written.
-fn number_text(got: &str) -> Option<&str> {
-    quoted(got, "integer `").or_else(|| quoted(got, "floating point `"))
-}
-
-/// serde's name of what it found, as JSON calls it (a long string is cut short).
-fn unexpected(got: &str) -> String {
-    if let Some(text) = got.strip_prefix("string ") {
-        // serde quotes and escapes it: `"..."`.
-        let inner = text.strip_prefix('"').unwrap_or(text);
-        let inner = inner.strip_suffix('"').unwrap_or(inner);
-        let mut short: String = inner.chars().take(40).collect();
-        if inner.chars().count() > 40 {
-            short.push('…');
-        }
-        return format!("the string \"{short}\"");
-    }
-    if let Some(n) = number_text(got) {
-        return format!("the number {n}");
-    }
-    if let Some(b) = quoted(got, "boolean `") {
-        return b.into();
-    }
-    match got {
-        "unit value" | "null" => "null".into(),
-        "map" => "an object".into(),
-        "sequence" => "an array".into(),
-        other => other.into(),
-    }
+    json::read_object(&body).map(Some)
 }
 
 /// For a field holding an object: refuses the JSON array serde would read the struct
-/// from (`#[serde(deserialize_with = "...")]`, `null` allowed for an `Option`). The
+/// from (`#[serde(deserialize_with = "...")]`, `null` allowed for an `Option`). Request
+/// bodies are refused that already ([`json`]); this keeps the rule under any
+/// deserializer (serde_json's own, in tests). The
 /// object is read in place, so an error inside it keeps its path
 /// (`seckill.begin_time: ...`, not just `seckill: ...`).
 pub(crate) fn object_or_null<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
@@ -445,50 +326,155 @@ mod tests {
         );
     }
 
+    /// Every kind of field a body may have, for the words of its errors.
+    #[derive(Debug, serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    #[allow(dead_code)]
+    struct Fields {
+        #[serde(default)]
+        i: i64,
+        #[serde(default)]
+        small: u8,
+        #[serde(default)]
+        half: i32,
+        #[serde(default)]
+        s: String,
+        #[serde(default)]
+        flag: bool,
+        inner: Option<Inner>,
+        title: String,
+    }
+
+    fn misfit(json: &str) -> String {
+        let body = format!(r#"{{"title": "t", {json}}}"#);
+        match super::json::read_object::<Fields>(body.as_bytes()) {
+            Err(crate::http::error::AppError::Validation { message, .. }) => message,
+            other => panic!("{json}: {other:?}"),
+        }
+    }
+
     #[test]
-    fn serdes_words_become_jsons_and_a_number_too_large_is_out_of_range() {
-        use super::humane;
+    fn numbers_of_the_wrong_kind_name_the_field_and_one_too_large_is_out_of_range() {
         let long = "x".repeat(100);
-        for (serde, ours) in [
+        for (json, ours) in [
             (
-                "invalid type: string \"1\", expected i64".to_string(),
-                "expected an integer, not the string \"1\"".to_string(),
+                r#""i": "1""#.to_string(),
+                r#"i: expected an integer, not the string "1""#.to_string(),
             ),
             (
-                format!("invalid type: string \"{long}\", expected u8"),
+                format!(r#""small": "{long}""#),
                 format!(
-                    "expected a whole number from 0 to 255, not the string \"{}…\"",
+                    "small: expected a whole number from 0 to 255, not the string \"{}…\"",
                     &long[..40]
                 ),
             ),
             (
-                "invalid value: integer `300`, expected u8".into(),
-                "out of range: expected a whole number from 0 to 255".into(),
+                r#""small": 300"#.into(),
+                "small: out of range: expected a whole number from 0 to 255".into(),
             ),
             (
-                "invalid type: floating point `1e23`, expected i64".into(),
-                "out of range: expected a whole number from -9223372036854775808 to \
+                r#""small": -1"#.into(),
+                "small: out of range: expected a whole number from 0 to 255".into(),
+            ),
+            (
+                r#""i": 1e23"#.into(),
+                "i: out of range: expected a whole number from -9223372036854775808 to \
                  9223372036854775807"
                     .into(),
             ),
             (
-                "invalid type: floating point `2.5`, expected i32".into(),
-                "expected a whole number from -2147483648 to 2147483647, not the number 2.5".into(),
+                r#""i": 5.0"#.into(),
+                "i: expected an integer, not the number 5.0".into(),
             ),
             (
-                "invalid type: map, expected a string".into(),
-                "expected a string, not an object".into(),
-            ),
-            (
-                "invalid type: sequence, expected struct CreateSeckill".into(),
-                "expected an object, not an array".into(),
-            ),
-            (
-                "missing field `title`".into(),
-                "missing field `title`".into(),
+                r#""half": 2.5"#.into(),
+                "half: expected a whole number from -2147483648 to 2147483647, not the number 2.5"
+                    .into(),
             ),
         ] {
-            assert_eq!(humane(&serde), ours);
+            assert_eq!(misfit(&json), ours, "{json}");
+        }
+    }
+
+    #[test]
+    fn errors_of_other_shapes_name_the_field_in_jsons_words_or_the_types_own() {
+        for (json, ours) in [
+            (
+                r#""s": {}"#.to_string(),
+                "s: expected a string, not an object".to_string(),
+            ),
+            (
+                r#""i": "a\"b\n""#.into(),
+                r#"i: expected an integer, not the string "a\"b\n""#.into(),
+            ),
+            (
+                r#""flag": null"#.into(),
+                "flag: expected a boolean, not null".into(),
+            ),
+            (
+                r#""inner": ["2026-12-01T10:00:00Z"]"#.into(),
+                "inner: expected an object, not an array".into(),
+            ),
+            (
+                r#""inner": {"at": 5}"#.into(),
+                "inner.at: expected an RFC 3339 date and time with a zone offset, such as \
+                 \"2026-12-01T10:00:00Z\", not the number 5"
+                    .into(),
+            ),
+            (
+                r#""inner": {"at": "2026-12-01T10:00:00"}"#.into(),
+                "inner.at: `2026-12-01T10:00:00` has no zone offset, so it names no instant: \
+                 RFC 3339 needs one, such as `2026-12-01T10:00:00Z` (UTC) or \
+                 `2026-12-01T10:00:00+08:00`"
+                    .into(),
+            ),
+            (
+                r#""x": 1"#.into(),
+                "x: unknown field `x`, expected one of `i`, `small`, `half`, `s`, `flag`, \
+                 `inner`, `title`"
+                    .into(),
+            ),
+            (r#""title": "u""#.into(), "duplicate field `title`".into()),
+        ] {
+            assert_eq!(misfit(&json), ours, "{json}");
+        }
+        let missing = super::json::read_object::<Fields>(b"{}").unwrap_err();
+        assert!(
+            format!("{missing:?}").contains("missing field `title`"),
+            "{missing:?}"
+        );
+    }
+
+    #[test]
+    fn bytes_that_are_not_a_json_object_are_refused_saying_where() {
+        for (body, status, message) in [
+            (
+                "{\"title\": \"t\",",
+                400,
+                "the body is not valid JSON: EOF while parsing a value at line 1 column 14",
+            ),
+            (
+                "{\"title\": \"t\",}",
+                400,
+                "the body is not valid JSON: syntax error at line 1 column 15, at `}`",
+            ),
+            (
+                "{\"title\":\n \"t\" \"u\"}",
+                400,
+                "the body is not valid JSON: syntax error at line 2 column 6, at `\"`",
+            ),
+            ("[1, 2]", 422, "the body must be a JSON object"),
+            ("\"t\"", 422, "the body must be a JSON object"),
+        ] {
+            match super::json::read_object::<Fields>(body.as_bytes()) {
+                Err(crate::http::error::AppError::Validation {
+                    status: s,
+                    message: m,
+                }) => {
+                    assert_eq!((s.as_u16(), m.as_str()), (status, message), "{body}");
+                }
+                other => panic!("{body}: {other:?}"),
+            }
         }
     }
 }

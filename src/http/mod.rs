@@ -34,12 +34,12 @@ use crate::http::state::AppState;
 /// Largest request body accepted (a voucher is well under 1 KiB).
 pub(crate) const BODY_LIMIT: usize = 64 * 1024;
 /// Most headers, and most bytes of request target and headers, a request may have; more
-/// is a 431 in the JSON error format. hyper refuses still larger heads (over 400 KiB)
-/// with its own 431, which has no body.
+/// is a 431 in the JSON error format. The server refuses such a head as it comes in,
+/// before hyper (whose own, higher limits would answer a bare 431) has parsed it.
 pub(crate) const MAX_HEADERS: usize = 100;
 pub(crate) const MAX_HEADER_BYTES: usize = 32 * 1024;
 /// Longest URL (path and query) a request may have; longer is a 414 in the JSON error
-/// format, whether the middleware or hyper (past 64 KiB) refuses it.
+/// format, refused as it comes in, below hyper's own (fixed) 64 KiB.
 pub(crate) const MAX_URL_BYTES: usize = MAX_HEADER_BYTES;
 
 const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -255,7 +255,9 @@ fn cors(origins: &[String]) -> tower::util::Either<CorsLayer, tower::layer::util
 }
 
 /// 414 `validation` for a URL over [`MAX_URL_BYTES`]; 431 `validation` for a head over
-/// [`MAX_HEADERS`] or [`MAX_HEADER_BYTES`] (URL and headers together).
+/// [`MAX_HEADERS`] or [`MAX_HEADER_BYTES`] (URL and headers together). The server judges
+/// heads by the same counts as they come in (`server::head`); this catches those on a
+/// connection it stopped following (after an upgrade, say).
 async fn limit_headers(req: Request, next: Next) -> Response {
     let headers = req.headers();
     let target = req.uri().path_and_query().map_or(0, |p| p.as_str().len());
@@ -281,7 +283,7 @@ async fn limit_headers(req: Request, next: Next) -> Response {
     next.run(req).await
 }
 
-/// The message of a 414, from the middleware or hyper.
+/// The message of a 414, from the middleware or the server's judging of heads.
 pub(crate) fn url_too_long() -> String {
     format!(
         "URL too long: at most {} KiB of path and query",
@@ -289,7 +291,7 @@ pub(crate) fn url_too_long() -> String {
     )
 }
 
-/// The message of a 431, from the middleware or hyper.
+/// The message of a 431, from the middleware or the server's judging of heads.
 pub(crate) fn head_too_large() -> String {
     format!(
         "request headers too large: at most {MAX_HEADERS} headers and {} KiB with the URL",

@@ -13,25 +13,23 @@
 //! `/live/events` page, say) would hold its connection, hyper's buffers and the
 //! process's shutdown for as long as it liked.
 //!
-//! What hyper refuses before the router sees it (a URL over 64 KiB: 414; more headers
-//! than its parser takes, or a head over its buffer: 431; a request that is not HTTP:
-//! 400) it answers itself, without a body. Those answers are rewritten on their way
-//! out into the JSON error format every other error has (see [`Replacement`]).
+//! Each request's head is judged on its way in, before hyper parses it ([`head`]): one
+//! over our limits, or not HTTP at all, is answered here in the JSON error format every
+//! other error has, and the connection closed. hyper's own limits are set above ours
+//! ([`PARSER_MAX_HEADERS`], [`PARSER_MAX_HEAD_BYTES`]; its 64 KiB for a URL is fixed), so
+//! its bare answers, without a body, are left for what our judging does not follow.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::pin::{pin, Pin};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use axum::body::{Body, HttpBody};
+use axum::body::Body;
 use axum::extract::Request;
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::Router;
 use hyper_util::rt::TokioIo;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
@@ -39,9 +37,25 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::{Service, ServiceExt};
 
-/// Headers hyper parses before it refuses a request with its own bare 431; above the
-/// limit the middleware enforces ([`super::MAX_HEADERS`]), so that limit answers JSON.
+use crate::http::error::AppError;
+use head::Refusal;
+use watched::{Activity, Tracked, Watched};
+
+mod head;
+mod watched;
+
+/// Headers hyper parses before it refuses a request with its own bare 431: above
+/// [`super::MAX_HEADERS`], which [`head`] enforces first.
 const PARSER_MAX_HEADERS: usize = 4 * super::MAX_HEADERS;
+/// Bytes of a head hyper takes before its own bare 431: above
+/// [`super::MAX_HEADER_BYTES`] and [`super::MAX_URL_BYTES`], which [`head`] enforces first.
+const PARSER_MAX_HEAD_BYTES: usize = 4 * super::MAX_HEADER_BYTES;
+/// hyper refuses a URL over this with its own bare 414, whatever it is told.
+const PARSER_MAX_URL_BYTES: usize = u16::MAX as usize - 1;
+const _: () = assert!(super::MAX_URL_BYTES < PARSER_MAX_URL_BYTES);
+/// How long a refused client may go on sending (read and dropped) after its answer:
+/// closing a socket with unread bytes resets it, and the reset can beat the answer.
+const LINGER: Duration = Duration::from_secs(2);
 /// Descriptors kept free of client connections: Postgres and Redis connections, the
 /// listener, the runtime, logs.
 const RESERVED_DESCRIPTORS: u64 = 64;
@@ -88,6 +102,7 @@ pub(crate) async fn serve(
     let mut make_service = router.into_make_service_with_connect_info::<SocketAddr>();
     let mut http = hyper::server::conn::http1::Builder::new();
     http.max_headers(PARSER_MAX_HEADERS)
+        .max_header_size(PARSER_MAX_HEAD_BYTES)
         // The watchdog below keeps the time (see the module comment).
         .header_read_timeout(None);
     loop {
@@ -202,7 +217,8 @@ fn descriptor_limit() -> Option<u64> {
         .ok()
 }
 
-/// Serves one connection, closing it when a deadline of [`Activity`] passes.
+/// Serves one connection, closing it when a deadline of [`Activity`] passes, and
+/// answering a request refused before hyper read it.
 async fn connection<S>(
     http: hyper::server::conn::http1::Builder,
     tcp: TcpStream,
@@ -215,11 +231,7 @@ async fn connection<S>(
     S::Future: Send,
 {
     let activity = Arc::new(Activity::new());
-    let io = TokioIo::new(Watched {
-        inner: tcp,
-        activity: activity.clone(),
-        replacing: None,
-    });
+    let io = TokioIo::new(Watched::new(tcp, activity.clone()));
     let hyper_service = hyper::service::service_fn({
         let activity = activity.clone();
         move |req: hyper::Request<hyper::body::Incoming>| {
@@ -232,20 +244,20 @@ async fn connection<S>(
             }
         }
     });
-    let mut conn = pin!(http.serve_connection(io, hyper_service));
+    let mut conn = http.serve_connection(io, hyper_service);
     let mut draining = false;
     loop {
         let deadline = activity.deadline(&limits, draining);
         tokio::select! {
-            result = conn.as_mut() => {
+            result = &mut conn => {
                 if let Err(e) = result {
                     tracing::debug!(error = %e, "connection ended with an error");
                 }
-                return;
+                break;
             }
             _ = shutdown.cancelled(), if !draining => {
                 draining = true;
-                conn.as_mut().graceful_shutdown();
+                std::pin::Pin::new(&mut conn).graceful_shutdown();
             }
             _ = tokio::time::sleep_until(deadline) => {
                 if activity.deadline(&limits, draining) <= Instant::now() {
@@ -255,294 +267,53 @@ async fn connection<S>(
             }
         }
     }
-}
-
-/// What a connection is doing, for its watchdog. Reads, requests and responses all
-/// happen on the connection's one task; atomics only make it shareable.
-struct Activity {
-    opened: Instant,
-    /// Requests whose response is not yet fully sent.
-    busy: AtomicUsize,
-    /// Since when (ms after `opened`) the connection waits for headers or sits idle.
-    since_ms: AtomicU64,
-    /// Whether it waits for headers (bytes of a request came, or it is new) rather than
-    /// idling between requests.
-    reading_head: std::sync::atomic::AtomicBool,
-    /// Since when (ms after `opened`) a write has been waiting for the client to take
-    /// bytes; [`NOT_STALLED`] while writes go through.
-    stalled_ms: AtomicU64,
-}
-
-const NOT_STALLED: u64 = u64::MAX;
-
-impl Activity {
-    fn new() -> Self {
-        Self {
-            opened: Instant::now(),
-            busy: AtomicUsize::new(0),
-            since_ms: AtomicU64::new(0),
-            reading_head: std::sync::atomic::AtomicBool::new(true),
-            stalled_ms: AtomicU64::new(NOT_STALLED),
-        }
-    }
-
-    fn now_ms(&self) -> u64 {
-        self.opened.elapsed().as_millis() as u64
-    }
-
-    /// When the connection is to be closed unless something happens first.
-    fn deadline(&self, limits: &ServerLimits, draining: bool) -> Instant {
-        // First: bytes waiting for the client, whether or not their request still
-        // counts as busy (hyper takes a whole body into its buffer before writing it).
-        let stalled = self.stalled_ms.load(Ordering::Relaxed);
-        if stalled != NOT_STALLED {
-            let limit = if draining {
-                WRITE_STALL_DRAINING
-            } else {
-                WRITE_STALL.min(limits.keepalive_idle)
-            };
-            return self.opened + Duration::from_millis(stalled) + limit;
-        }
-        if self.busy.load(Ordering::Relaxed) > 0 {
-            // The request timeout bounds the handler; look again soon, since a stall
-            // that begins meanwhile does not wake the watchdog.
-            return Instant::now() + WRITE_STALL_DRAINING.min(limits.keepalive_idle);
-        }
-        let since = self.opened + Duration::from_millis(self.since_ms.load(Ordering::Relaxed));
-        if self.reading_head.load(Ordering::Relaxed) {
-            since + limits.header_read_timeout
-        } else {
-            since + limits.keepalive_idle
-        }
-    }
-
-    fn on_read(&self) {
-        if self.busy.load(Ordering::Relaxed) == 0 && !self.reading_head.load(Ordering::Relaxed) {
-            // The first bytes of the next request: its header deadline starts.
-            self.since_ms.store(self.now_ms(), Ordering::Relaxed);
-            self.reading_head.store(true, Ordering::Relaxed);
-        }
-    }
-
-    /// A write's outcome: `Pending` starts (or continues) a stall, anything else ends it.
-    fn on_write<T>(&self, poll: &Poll<T>) {
-        if poll.is_pending() {
-            if self.stalled_ms.load(Ordering::Relaxed) == NOT_STALLED {
-                self.stalled_ms.store(self.now_ms(), Ordering::Relaxed);
-            }
-        } else {
-            self.stalled_ms.store(NOT_STALLED, Ordering::Relaxed);
-        }
-    }
-
-    fn begin_request(self: &Arc<Self>) -> Busy {
-        self.busy.fetch_add(1, Ordering::Relaxed);
-        self.reading_head.store(false, Ordering::Relaxed);
-        Busy(self.clone())
-    }
-}
-
-/// A request in progress; its drop (the response sent or abandoned) may start idling.
-struct Busy(Arc<Activity>);
-
-impl Drop for Busy {
-    fn drop(&mut self) {
-        if self.0.busy.fetch_sub(1, Ordering::Relaxed) == 1 {
-            self.0.since_ms.store(self.0.now_ms(), Ordering::Relaxed);
+    let watched = conn.into_parts().io.into_inner();
+    if let Some(refusal) = watched.refused {
+        tokio::select! {
+            _ = refuse(watched.inner, refusal) => {}
+            // Shutdown cuts the linger short, not the answer: it is sent within a second.
+            _ = async { shutdown.cancelled().await; tokio::time::sleep(WRITE_STALL_DRAINING).await } => {}
         }
     }
 }
 
-/// The socket, telling [`Activity`] when bytes arrive and leave, and sending hyper's
-/// own bare refusals as [`Replacement`]s.
-struct Watched {
-    inner: TcpStream,
-    activity: Arc<Activity>,
-    /// A replacement being written.
-    replacing: Option<Replacement>,
+/// Answers a request refused before hyper read its head, then closes the connection:
+/// hyper has ended (its input did), after writing every answer before this one.
+async fn refuse(mut tcp: TcpStream, refusal: Refusal) {
+    let answer = closing_answer(refusal.error()).await;
+    let sent = tokio::time::timeout(WRITE_STALL_DRAINING, async {
+        tcp.write_all(&answer).await?;
+        tcp.shutdown().await
+    })
+    .await;
+    if !matches!(sent, Ok(Ok(()))) {
+        return;
+    }
+    let until = Instant::now() + LINGER;
+    let mut dropped = [0u8; 4096];
+    while let Ok(Ok(1..)) = tokio::time::timeout_at(until, tcp.read(&mut dropped)).await {}
 }
 
-impl Watched {
-    /// Writes on: the replacement in progress, or the one `buf` (the start of what hyper
-    /// writes) calls for. `None` when `buf` is no bare refusal of hyper's.
-    fn replace(
-        &mut self,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Option<Poll<std::io::Result<usize>>> {
-        if self.replacing.is_none() {
-            // hyper refuses a request only between requests: never while one of this
-            // connection's responses is still being produced.
-            if self.activity.busy.load(Ordering::Relaxed) != 0 {
-                return None;
-            }
-            self.replacing = Some(Replacement::of(buf)?);
-        }
-        let replacing = self.replacing.as_mut().expect("just set");
-        while replacing.sent < replacing.bytes.len() {
-            let poll = Pin::new(&mut self.inner).poll_write(cx, &replacing.bytes[replacing.sent..]);
-            self.activity.on_write(&poll);
-            match poll {
-                Poll::Ready(Ok(0)) => {
-                    return Some(Poll::Ready(Err(std::io::ErrorKind::WriteZero.into())))
-                }
-                Poll::Ready(Ok(n)) => replacing.sent += n,
-                Poll::Ready(Err(e)) => return Some(Poll::Ready(Err(e))),
-                Poll::Pending => return Some(Poll::Pending),
-            }
-        }
-        let written = replacing.stands_for;
-        self.replacing = None;
-        Some(Poll::Ready(Ok(written)))
+/// `error`'s answer as HTTP/1.1 bytes, with `connection: close` and the `date`.
+async fn closing_answer(error: AppError) -> Vec<u8> {
+    let (parts, body) = error.into_response().into_parts();
+    let body = axum::body::to_bytes(body, usize::MAX)
+        .await
+        .unwrap_or_default();
+    let mut bytes = format!("HTTP/1.1 {}\r\n", parts.status).into_bytes();
+    for (name, value) in &parts.headers {
+        bytes.extend_from_slice(
+            &[name.as_str().as_bytes(), b": ", value.as_bytes(), b"\r\n"].concat(),
+        );
     }
-}
-
-/// The answer sent instead of one hyper wrote itself for a request it could not parse:
-/// the same status line and `date`, and the JSON error body (`validation`). hyper's
-/// own is recognised by its form, which no answer of the router has: status 400, 414
-/// or 431, `content-length: 0` and no `content-type` (every error of the router is
-/// JSON), the whole head in one write.
-struct Replacement {
-    bytes: Vec<u8>,
-    sent: usize,
-    /// How many of hyper's bytes (its head) it stands for.
-    stands_for: usize,
-}
-
-impl Replacement {
-    fn of(written: &[u8]) -> Option<Self> {
-        let status = written.strip_prefix(b"HTTP/1.1 ")?.get(..4)?;
-        let message = match status {
-            b"400 " => "malformed request: not valid HTTP/1.1".to_string(),
-            b"414 " => super::url_too_long(),
-            b"431 " => super::head_too_large(),
-            _ => return None,
-        };
-        let end = written.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
-        let head = std::str::from_utf8(&written[..end - 4]).ok()?;
-        let mut lines = head.split("\r\n");
-        let status_line = lines.next()?;
-        let mut kept = Vec::new();
-        let mut empty = false;
-        for line in lines {
-            let lower = line.to_ascii_lowercase();
-            if lower.starts_with("content-type:") {
-                return None;
-            }
-            if lower == "content-length: 0" {
-                empty = true;
-            } else if !lower.starts_with("content-length:") && !lower.starts_with("connection:") {
-                kept.push(line);
-            }
-        }
-        if !empty {
-            return None;
-        }
-        let body =
-            crate::http::error::error_json(crate::http::error::ErrorCode::Validation, message);
-        let mut bytes = format!(
-            "{status_line}\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n",
-            body.len()
-        )
-        .into_bytes();
-        for line in kept {
-            bytes.extend_from_slice(line.as_bytes());
-            bytes.extend_from_slice(b"\r\n");
-        }
-        bytes.extend_from_slice(b"\r\n");
-        bytes.extend_from_slice(&body);
-        Some(Self {
-            bytes,
-            sent: 0,
-            stands_for: end,
-        })
-    }
-}
-
-impl AsyncRead for Watched {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        let before = buf.filled().len();
-        let poll = Pin::new(&mut self.inner).poll_read(cx, buf);
-        if buf.filled().len() > before {
-            self.activity.on_read();
-        }
-        poll
-    }
-}
-
-impl AsyncWrite for Watched {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        if let Some(poll) = self.replace(cx, buf) {
-            return poll;
-        }
-        let poll = Pin::new(&mut self.inner).poll_write(cx, buf);
-        self.activity.on_write(&poll);
-        poll
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        let first = bufs
-            .iter()
-            .find(|b| !b.is_empty())
-            .map_or(&[][..], |b| &b[..]);
-        if let Some(poll) = self.replace(cx, first) {
-            return poll;
-        }
-        let poll = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
-        self.activity.on_write(&poll);
-        poll
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-}
-
-/// A response body that keeps its request [`Busy`] until it is sent or dropped.
-struct Tracked {
-    body: Body,
-    /// Never read: dropping it ends the request's busy time.
-    _busy: Busy,
-}
-
-impl HttpBody for Tracked {
-    type Data = axum::body::Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.body.size_hint()
-    }
+    let date = chrono::Utc::now().format("%a, %d %b %Y %H:%M:%S GMT");
+    let tail = format!(
+        "content-length: {}\r\nconnection: close\r\ndate: {date}\r\n\r\n",
+        body.len()
+    );
+    bytes.extend_from_slice(tail.as_bytes());
+    bytes.extend_from_slice(&body);
+    bytes
 }
 
 #[cfg(test)]
