@@ -1,5 +1,6 @@
 //! The verifier and the minting of tokens, against jsonwebtoken as the reference.
 
+use super::claims::{Claims, LEEWAY_SECS};
 use super::*;
 
 mod refusals;
