@@ -8,7 +8,7 @@ use crate::domain::{OrderId, UserId};
 use crate::keys::{Keys, SalePart, Shard};
 use crate::scripts::{Call, Replicas};
 
-use super::entry::Entry;
+use super::entry::Delivery;
 
 /// Most dead letters kept; older ones are trimmed away.
 pub(crate) const DEAD_LETTERS_KEPT: usize = 1_000_000;
@@ -18,9 +18,9 @@ pub(crate) async fn dead_letter<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: Shard,
-    entry: &Entry,
+    entry: &Delivery,
 ) -> RedisResult<()> {
-    let Entry::DeadLetter { fields, reason, .. } = entry else {
+    let Delivery::DeadLetter { fields, reason, .. } = entry else {
         return Err(redis::RedisError::from((
             redis::ErrorKind::Client,
             "only dead letters go to the dead-letter stream",

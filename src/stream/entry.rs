@@ -8,10 +8,11 @@ use crate::domain::{Epoch, OrderId, UserId, VoucherId};
 use crate::keys::{entry_field, SalePart};
 use crate::store::orders::NewOrder;
 
-/// One order of a stream entry as the worker sees it (an entry holds the orders of one
-/// admission call; they share its `entry_id`), or what cannot be an order.
+/// What the worker is delivered, one order at a time: an order of a stream entry (an
+/// entry holds the orders of one admission call; they share its `entry_id`), or what
+/// cannot be an order.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Entry {
+pub enum Delivery {
     Order {
         entry_id: String,
         order: NewOrder,
@@ -56,35 +57,35 @@ impl std::fmt::Display for DeadReason {
     }
 }
 
-impl Entry {
+impl Delivery {
     pub(crate) fn entry_id(&self) -> &str {
         match self {
-            Entry::Order { entry_id, .. } | Entry::DeadLetter { entry_id, .. } => entry_id,
+            Delivery::Order { entry_id, .. } | Delivery::DeadLetter { entry_id, .. } => entry_id,
         }
     }
 
     pub fn order(&self) -> Option<&NewOrder> {
         match self {
-            Entry::Order { order, .. } => Some(order),
-            Entry::DeadLetter { order, .. } => order.as_ref(),
+            Delivery::Order { order, .. } => Some(order),
+            Delivery::DeadLetter { order, .. } => order.as_ref(),
         }
     }
 
     /// Turns the entry into a dead letter with `reason`.
-    pub(crate) fn into_dead_letter(self, reason: DeadReason) -> Entry {
+    pub(crate) fn into_dead_letter(self, reason: DeadReason) -> Delivery {
         match self {
-            Entry::Order { entry_id, order } => Entry::DeadLetter {
+            Delivery::Order { entry_id, order } => Delivery::DeadLetter {
                 entry_id,
                 fields: order_fields(&order),
                 order: Some(order),
                 reason,
             },
-            Entry::DeadLetter {
+            Delivery::DeadLetter {
                 entry_id,
                 fields,
                 order,
                 ..
-            } => Entry::DeadLetter {
+            } => Delivery::DeadLetter {
                 entry_id,
                 fields,
                 order,
@@ -95,9 +96,9 @@ impl Entry {
 
     /// The orders of one stream entry (an entry that is deleted or does not parse is
     /// one dead letter).
-    pub(super) fn parse(entry_id: String, fields: Option<Vec<(String, String)>>) -> Vec<Entry> {
+    pub(super) fn parse(entry_id: String, fields: Option<Vec<(String, String)>>) -> Vec<Delivery> {
         let Some(fields) = fields else {
-            return vec![Entry::DeadLetter {
+            return vec![Delivery::DeadLetter {
                 entry_id,
                 fields: Vec::new(),
                 order: None,
@@ -111,12 +112,12 @@ impl Entry {
         match orders {
             Some(orders) => orders
                 .into_iter()
-                .map(|order| Entry::Order {
+                .map(|order| Delivery::Order {
                     entry_id: entry_id.clone(),
                     order,
                 })
                 .collect(),
-            None => vec![Entry::DeadLetter {
+            None => vec![Delivery::DeadLetter {
                 entry_id,
                 fields,
                 order: None,
@@ -236,7 +237,7 @@ fn order_fields(order: &NewOrder) -> Vec<(String, String)> {
 }
 
 /// `[[stream, [[id, [field, value, ...] | nil], ...]], ...]` or nil on timeout.
-pub(super) fn parse_read_reply(reply: Value) -> RedisResult<Vec<Entry>> {
+pub(super) fn parse_read_reply(reply: Value) -> RedisResult<Vec<Delivery>> {
     let mut out = Vec::new();
     let streams = match reply {
         Value::Nil => return Ok(out),
@@ -260,14 +261,14 @@ pub(super) fn parse_read_reply(reply: Value) -> RedisResult<Vec<Entry>> {
 }
 
 /// The orders of a stream reply's entries, in order (several per entry).
-pub(super) fn parse_entries(entries: Value) -> RedisResult<Vec<Entry>> {
+pub(super) fn parse_entries(entries: Value) -> RedisResult<Vec<Delivery>> {
     Ok(parse_raw(entries)?
         .into_iter()
-        .flat_map(|(id, fields)| Entry::parse(id, fields))
+        .flat_map(|(id, fields)| Delivery::parse(id, fields))
         .collect())
 }
 
-/// Entry ids and fields of a stream reply (`None`: the entry was deleted). Field names
+/// Delivery ids and fields of a stream reply (`None`: the entry was deleted). Field names
 /// and values that are not UTF-8 are kept, lossily, so a poison entry stays visible.
 pub(super) fn parse_raw(entries: Value) -> RedisResult<Vec<RawEntry>> {
     let Value::Array(entries) = entries else {
@@ -323,15 +324,15 @@ pub(crate) fn parse_id(id: &str) -> Option<(u64, u64)> {
 mod tests {
     use super::*;
 
-    fn one(id: String, fields: Option<Vec<(String, String)>>) -> Entry {
-        let mut all = Entry::parse(id, fields);
+    fn one(id: String, fields: Option<Vec<(String, String)>>) -> Delivery {
+        let mut all = Delivery::parse(id, fields);
         assert_eq!(all.len(), 1, "{all:?}");
         all.remove(0)
     }
 
     #[test]
     fn an_entry_of_a_call_parses_into_each_of_its_orders_with_its_sale_and_part() {
-        let all = Entry::parse(
+        let all = Delivery::parse(
             "7-1".into(),
             fields(&[
                 ("orders", "3"),
@@ -416,11 +417,11 @@ mod tests {
         ];
         for body in bodies {
             let all: Vec<(&str, &str)> = head.iter().chain(body).copied().collect();
-            let parsed = Entry::parse("1-0".into(), fields(&all));
+            let parsed = Delivery::parse("1-0".into(), fields(&all));
             assert!(
                 matches!(
                     parsed.as_slice(),
-                    [Entry::DeadLetter {
+                    [Delivery::DeadLetter {
                         reason: DeadReason::Malformed,
                         ..
                     }]
@@ -450,7 +451,7 @@ mod tests {
                 ("admitted_ms", "1790000000000"),
             ]),
         );
-        let Entry::Order { order, .. } = e else {
+        let Delivery::Order { order, .. } = e else {
             panic!("not an order: {e:?}")
         };
         assert_eq!(
@@ -477,7 +478,7 @@ mod tests {
         assert_eq!(with("5/8").order().map(|o| (o.part, o.parts)), Some((5, 8)));
         for bad in ["5", "3/3", "1/65", "-1/2", "x/2", "", "1/"] {
             assert!(
-                matches!(with(bad), Entry::DeadLetter { .. }),
+                matches!(with(bad), Delivery::DeadLetter { .. }),
                 "part {bad:?}"
             );
         }
@@ -501,7 +502,7 @@ mod tests {
             ]),
             None,
         ] {
-            assert!(matches!(one("1-0".into(), f), Entry::DeadLetter { .. }));
+            assert!(matches!(one("1-0".into(), f), Delivery::DeadLetter { .. }));
         }
     }
 }

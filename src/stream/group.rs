@@ -9,7 +9,7 @@ use redis::{RedisResult, Value};
 use crate::domain::OrderId;
 use crate::keys::{Keys, Shard};
 
-use super::entry::{parse_entries, parse_id, parse_raw, parse_read_reply, unexpected, Entry};
+use super::entry::{parse_entries, parse_id, parse_raw, parse_read_reply, unexpected, Delivery};
 
 pub const GROUP: &str = "seckill-workers";
 
@@ -52,7 +52,7 @@ pub(crate) async fn read<C: ConnectionLike + Send>(
     consumer: &str,
     from: ReadFrom,
     count: usize,
-) -> RedisResult<Vec<Entry>> {
+) -> RedisResult<Vec<Delivery>> {
     let mut cmd = redis::cmd("XREADGROUP");
     cmd.arg("GROUP")
         .arg(GROUP)
@@ -83,7 +83,7 @@ pub(crate) async fn claim<C: ConnectionLike + Send>(
     min_idle_ms: u64,
     cursor: &str,
     count: usize,
-) -> RedisResult<(String, Vec<Entry>)> {
+) -> RedisResult<(String, Vec<Delivery>)> {
     let reply: Value = redis::cmd("XAUTOCLAIM")
         .arg(keys.stream(shard))
         .arg(GROUP)
@@ -113,7 +113,7 @@ pub(crate) async fn ack<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: Shard,
-    entries: &[Entry],
+    entries: &[Delivery],
 ) -> RedisResult<i64> {
     if entries.is_empty() {
         return Ok(0);
@@ -231,8 +231,8 @@ async fn orders_among<C: ConnectionLike + Send>(
 }
 
 /// The distinct entry ids of a batch's orders (an entry holds several), in order.
-pub(crate) fn entry_ids(entries: &[Entry]) -> Vec<&str> {
-    distinct(entries.iter().map(Entry::entry_id))
+pub(crate) fn entry_ids(entries: &[Delivery]) -> Vec<&str> {
+    distinct(entries.iter().map(Delivery::entry_id))
 }
 
 /// Each id once, in order of first appearance.
@@ -246,7 +246,7 @@ pub(crate) async fn delivery_counts<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: Shard,
-    entries: &[Entry],
+    entries: &[Delivery],
 ) -> RedisResult<HashMap<String, u64>> {
     pending_among(conn, keys, shard, &entry_ids(entries)).await
 }
@@ -303,7 +303,7 @@ pub(crate) async fn touch<C: ConnectionLike + Send>(
     keys: &Keys,
     shard: Shard,
     consumer: &str,
-    entries: &[Entry],
+    entries: &[Delivery],
 ) -> RedisResult<()> {
     if entries.is_empty() {
         return Ok(());

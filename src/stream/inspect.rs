@@ -6,7 +6,7 @@ use redis::{RedisResult, Value};
 use crate::domain::OrderId;
 use crate::keys::{Keys, Shard};
 
-use super::entry::{parse_entries, parse_raw, Entry, RawEntry};
+use super::entry::{parse_entries, parse_raw, Delivery, RawEntry};
 
 /// The orders of up to `limit` entries of the shard's stream, oldest first.
 pub(crate) async fn entries<C: ConnectionLike + Send>(
@@ -14,11 +14,11 @@ pub(crate) async fn entries<C: ConnectionLike + Send>(
     keys: &Keys,
     shard: Shard,
     limit: usize,
-) -> RedisResult<Vec<Entry>> {
+) -> RedisResult<Vec<Delivery>> {
     Ok(range(conn, keys.stream(shard), limit)
         .await?
         .into_iter()
-        .flat_map(|(id, fields)| Entry::parse(id, fields))
+        .flat_map(|(id, fields)| Delivery::parse(id, fields))
         .collect())
 }
 
@@ -30,7 +30,7 @@ pub(crate) async fn page<C: ConnectionLike + Send>(
     shard: Shard,
     after: Option<&str>,
     count: usize,
-) -> RedisResult<Vec<Entry>> {
+) -> RedisResult<Vec<Delivery>> {
     let start = after.map_or_else(|| "-".to_string(), |id| format!("({id}"));
     let reply: Value = redis::cmd("XRANGE")
         .arg(keys.stream(shard))

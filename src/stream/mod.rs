@@ -15,7 +15,7 @@ mod trim;
 
 pub(crate) use dead::{dead_letter, settle_dead};
 pub(crate) use entry::parse_id as parse_entry_id;
-pub use entry::{DeadReason, Entry};
+pub use entry::{DeadReason, Delivery};
 pub(crate) use group::{
     ack, claim, delivery_counts, ensure_group, entry_ids, forget_idle_consumers, read,
     still_pending, touch,

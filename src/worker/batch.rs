@@ -15,7 +15,7 @@ use crate::keys::Shard;
 use crate::redis_conn::RedisConn;
 use crate::store::dead_orders::{self, Burial};
 use crate::store::orders::{self, NewOrder, Persisted, Rejection};
-use crate::stream::{self, DeadReason, Entry};
+use crate::stream::{self, DeadReason, Delivery};
 
 /// What becomes of one entry of a batch.
 pub(super) enum Fate {
@@ -38,7 +38,7 @@ impl Worker {
     pub(super) async fn heartbeat<T>(
         &self,
         shard: Shard,
-        entries: &[Entry],
+        entries: &[Delivery],
         work: impl std::future::Future<Output = T>,
     ) -> T {
         tokio::pin!(work);
@@ -66,7 +66,7 @@ impl Worker {
     pub async fn process_batch(
         &self,
         shard: Shard,
-        entries: &[Entry],
+        entries: &[Delivery],
     ) -> anyhow::Result<BatchReport> {
         self.acked_after(shard, entries, self.process_rounds(shard, entries))
             .await
@@ -77,7 +77,7 @@ impl Worker {
     async fn acked_after(
         &self,
         shard: Shard,
-        entries: &[Entry],
+        entries: &[Delivery],
         settle: impl std::future::Future<Output = anyhow::Result<(BatchReport, HashSet<String>)>>,
     ) -> anyhow::Result<BatchReport> {
         self.heartbeat(shard, entries, async {
@@ -95,7 +95,7 @@ impl Worker {
     async fn process_rounds(
         &self,
         shard: Shard,
-        entries: &[Entry],
+        entries: &[Delivery],
     ) -> anyhow::Result<(BatchReport, HashSet<String>)> {
         let rounds = orders::rounds_of_unique_ids(entries.iter().map(|e| e.order().map(|o| o.id)));
         if rounds.len() <= 1 {
@@ -113,7 +113,7 @@ impl Worker {
     async fn in_turn(
         &self,
         shard: Shard,
-        parts: Vec<Vec<Entry>>,
+        parts: Vec<Vec<Delivery>>,
     ) -> anyhow::Result<(BatchReport, HashSet<String>)> {
         let mut report = BatchReport::default();
         let mut reused = HashSet::new();
@@ -128,7 +128,7 @@ impl Worker {
     async fn process_batch_inner(
         &self,
         shard: Shard,
-        entries: &[Entry],
+        entries: &[Delivery],
     ) -> anyhow::Result<(BatchReport, HashSet<String>)> {
         let mut report = BatchReport {
             entries: entries.len(),
@@ -144,26 +144,26 @@ impl Worker {
     }
 
     /// What becomes of each entry, as far as the entry alone tells.
-    fn fates(&self, shard: Shard, entries: &[Entry]) -> Vec<Fate> {
+    fn fates(&self, shard: Shard, entries: &[Delivery]) -> Vec<Fate> {
         entries
             .iter()
             .map(|e| match e {
                 // An order naming a voucher of another shard was not written by the
                 // admission script: nothing of it is in that sale's state.
-                Entry::Order { order, .. }
+                Delivery::Order { order, .. }
                     if self.keys.shard_of_part(order.sale_part()) != shard =>
                 {
                     Fate::Malformed
                 }
-                Entry::Order { order, .. } => Fate::Write(*order),
-                Entry::DeadLetter {
+                Delivery::Order { order, .. } => Fate::Write(*order),
+                Delivery::DeadLetter {
                     order: Some(order),
                     reason: reason @ DeadReason::Poison { .. },
                     ..
                 } if self.keys.shard_of_part(order.sale_part()) == shard => {
                     Fate::Bury(*order, Rejection::Poison(reason.to_string()))
                 }
-                Entry::DeadLetter { .. } => Fate::Malformed,
+                Delivery::DeadLetter { .. } => Fate::Malformed,
             })
             .collect()
     }
@@ -174,7 +174,7 @@ impl Worker {
     async fn write(
         &self,
         shard: Shard,
-        entries: &[Entry],
+        entries: &[Delivery],
         fates: &mut [Fate],
         report: &mut BatchReport,
     ) -> anyhow::Result<HashSet<String>> {
@@ -240,7 +240,7 @@ impl Worker {
     async fn dead_letter(
         &self,
         shard: Shard,
-        entries: &[Entry],
+        entries: &[Delivery],
         fates: &[Fate],
         report: &mut BatchReport,
     ) -> anyhow::Result<()> {
@@ -254,8 +254,8 @@ impl Worker {
                         "dead-lettering a malformed stream entry"
                     );
                     let reason = match entry {
-                        Entry::DeadLetter { reason, .. } => reason.clone(),
-                        Entry::Order { .. } => DeadReason::OtherShard,
+                        Delivery::DeadLetter { reason, .. } => reason.clone(),
+                        Delivery::Order { .. } => DeadReason::OtherShard,
                     };
                     let dead = entry.clone().into_dead_letter(reason);
                     stream::dead_letter(&mut conn, &self.keys, shard, &dead).await?;
@@ -280,7 +280,7 @@ impl Worker {
     async fn ack(
         &self,
         shard: Shard,
-        entries: &[Entry],
+        entries: &[Delivery],
         reused: HashSet<String>,
     ) -> anyhow::Result<()> {
         let mut conn = self.redis.clone();
@@ -293,7 +293,7 @@ impl Worker {
             "redis gave these entry ids to other orders (it lost the batch's entries): \
              not acknowledging them"
         );
-        let ours: Vec<Entry> = entries
+        let ours: Vec<Delivery> = entries
             .iter()
             .filter(|e| !reused.contains(e.entry_id()))
             .cloned()
@@ -310,7 +310,7 @@ impl Worker {
         &self,
         conn: &mut RedisConn,
         shard: Shard,
-        entry: &Entry,
+        entry: &Delivery,
         order: &NewOrder,
         why: &Rejection,
     ) -> anyhow::Result<bool> {

@@ -27,7 +27,7 @@ use crate::backoff::Backoff;
 use crate::config::defaults;
 use crate::keys::{Keys, Shard};
 use crate::redis_conn::RedisConn;
-use crate::stream::{self, Entry, ReadFrom};
+use crate::stream::{self, Delivery, ReadFrom};
 
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
@@ -135,7 +135,7 @@ impl Worker {
         Ok(())
     }
 
-    pub async fn read_batch(&self, shard: Shard, from: ReadFrom) -> anyhow::Result<Vec<Entry>> {
+    pub async fn read_batch(&self, shard: Shard, from: ReadFrom) -> anyhow::Result<Vec<Delivery>> {
         let mut conn = self.redis.clone();
         let orders = stream::read(
             &mut conn,
@@ -159,7 +159,7 @@ impl Worker {
     }
 
     /// Remembers how many orders an entry of `orders` held.
-    pub(crate) fn saw(&self, orders: &[Entry]) {
+    pub(crate) fn saw(&self, orders: &[Delivery]) {
         let entries = stream::entry_ids(orders).len();
         if entries > 0 {
             self.orders_per_entry.store(

@@ -3,13 +3,13 @@
 
 use super::Worker;
 use crate::keys::Shard;
-use crate::stream::{self, DeadReason, Entry, ReadFrom};
+use crate::stream::{self, DeadReason, Delivery, ReadFrom};
 
 /// A batch read from the stream and not yet acknowledged.
 #[derive(Debug)]
 pub(super) struct Held {
     pub(super) shard: Shard,
-    pub(super) entries: Vec<Entry>,
+    pub(super) entries: Vec<Delivery>,
     /// Some entry was delivered more than `max_deliveries` times: write each entry in
     /// a transaction of its own, so one entry that kills workers cannot take its
     /// batch-mates down with it.
@@ -62,7 +62,7 @@ impl Worker {
     pub(super) async fn screen_redeliveries(
         &self,
         shard: Shard,
-        entries: Vec<Entry>,
+        entries: Vec<Delivery>,
     ) -> anyhow::Result<Held> {
         let mut conn = self.redis.clone();
         let counts = stream::delivery_counts(&mut conn, &self.keys, shard, &entries).await?;
@@ -144,7 +144,7 @@ impl Worker {
         &self,
         shard: Shard,
         cursor: &mut String,
-    ) -> anyhow::Result<Vec<Entry>> {
+    ) -> anyhow::Result<Vec<Delivery>> {
         let mut conn = self.redis.clone();
         while cursor != CLAIM_DONE {
             let (next, entries) = stream::claim(

@@ -11,7 +11,7 @@ impl TestApp {
         consumer: &str,
         shard: seckill::keys::Shard,
     ) -> Vec<seckill::store::orders::NewOrder> {
-        use seckill::stream::{Entry, ReadFrom};
+        use seckill::stream::{Delivery, ReadFrom};
         let dying = self.worker_named(consumer);
         dying.ensure_groups().await.unwrap();
         let batch = dying
@@ -21,7 +21,7 @@ impl TestApp {
         let orders: Vec<_> = batch
             .iter()
             .map(|e| match e {
-                Entry::Order { order, .. } => *order,
+                Delivery::Order { order, .. } => *order,
                 other => panic!("unexpected {other:?}"),
             })
             .collect();

@@ -315,8 +315,8 @@ async fn an_entry_id_redis_gave_to_another_order_is_not_written_for_the_lost_one
     // Redis loses the second entry and, its clock behind, gives that entry id to a new
     // order (a restart from an older copy, a failover): the id is pending, its order
     // is another.
-    let entry_id = |e: &seckill::stream::Entry| match e {
-        seckill::stream::Entry::Order { entry_id, .. } => entry_id.clone(),
+    let entry_id = |e: &seckill::stream::Delivery| match e {
+        seckill::stream::Delivery::Order { entry_id, .. } => entry_id.clone(),
         other => panic!("not an order: {other:?}"),
     };
     let reused = entry_id(&held[1]);

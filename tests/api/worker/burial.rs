@@ -258,7 +258,7 @@ async fn rows_inserted_before_the_row_lock_are_dropped_if_buried_or_gone_while_w
     let gone_entry = held
         .iter()
         .find_map(|e| match e {
-            Entry::Order { entry_id, order } if order.id == gone.id => Some(entry_id.clone()),
+            Delivery::Order { entry_id, order } if order.id == gone.id => Some(entry_id.clone()),
             _ => None,
         })
         .unwrap();

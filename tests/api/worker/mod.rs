@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use crate::common::{all_live, uid, vid, TestApp};
 use reqwest::StatusCode;
 use seckill::store::orders::{self, NewOrder};
-use seckill::stream::{Entry, ReadFrom};
+use seckill::stream::{Delivery, ReadFrom};
 use sqlx::PgPool;
 
 mod burial;
@@ -60,7 +60,7 @@ pub(crate) async fn read_new(
     app: &TestApp,
     voucher: i64,
     consumer: &str,
-) -> (seckill::worker::Worker, seckill::keys::Shard, Vec<Entry>) {
+) -> (seckill::worker::Worker, seckill::keys::Shard, Vec<Delivery>) {
     let worker = app.worker_named(consumer);
     worker.ensure_groups().await.unwrap();
     let shard = app.keys.shard_of(vid(voucher));
@@ -95,7 +95,7 @@ async fn batch_waiting_for_the_row_lock(
     voucher: i64,
     worker: seckill::worker::Worker,
     shard: seckill::keys::Shard,
-    held: Vec<Entry>,
+    held: Vec<Delivery>,
 ) -> (
     sqlx::Transaction<'static, sqlx::Postgres>,
     tokio::task::JoinHandle<anyhow::Result<seckill::worker::BatchReport>>,
