@@ -73,8 +73,12 @@ enum State {
     ChunkData(u64),
     /// The line end after a chunk's data.
     ChunkEnd,
-    /// The trailer lines after the last chunk; `true` at the start of one.
+    /// The trailer lines after the last chunk; `true` at the start of one. As in hyper's
+    /// decoder, only CRLF ends a line: a bare LF is a byte of a trailer line.
     Trailers(bool),
+    /// After a CR in the trailers, where only an LF may come; `true`: the CR began a
+    /// line (so the LF ends the body).
+    TrailerLf(bool),
     /// Not followed any further.
     Blind,
 }
@@ -191,7 +195,10 @@ impl Heads {
                         State::ChunkEnd
                     };
                 }
-                State::ChunkSize(..) | State::ChunkEnd | State::Trailers(_) => {
+                State::ChunkSize(..)
+                | State::ChunkEnd
+                | State::Trailers(_)
+                | State::TrailerLf(_) => {
                     self.state = chunked(self.state, bytes[at]);
                     at += 1;
                 }
@@ -415,10 +422,12 @@ fn chunked(state: State, b: u8) -> State {
         }
         (State::ChunkSize(size, _), _) => State::ChunkSize(size, true),
         (State::ChunkEnd, b'\n') => State::ChunkSize(0, false),
-        (State::Trailers(true), b'\n') => State::Idle,
-        (State::Trailers(line_start), b'\r') => State::Trailers(line_start),
-        (State::Trailers(_), b'\n') => State::Trailers(true),
+        (State::Trailers(line_start), b'\r') => State::TrailerLf(line_start),
         (State::Trailers(_), _) => State::Trailers(false),
+        (State::TrailerLf(true), b'\n') => State::Idle,
+        (State::TrailerLf(false), b'\n') => State::Trailers(true),
+        // hyper refuses the body here, and the connection with it: nothing to follow.
+        (State::TrailerLf(_), _) => State::Blind,
         (other, _) => other,
     }
 }

@@ -78,6 +78,24 @@ fn the_next_head_is_found_after_each_kind_of_body_and_judged_too() {
     }
 }
 
+/// hyper ends a trailer line only at CRLF: a bare LF is a byte of the line, so what
+/// follows it up to the next CRLF is a trailer, not a request.
+#[test]
+fn a_bare_lf_in_the_trailers_ends_no_line_as_in_hyper() {
+    let chunked = b"POST /v HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\
+        \nG@T / HTTP/1.1\r\nContent-Length: 10\r\n\r\n";
+    let next = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n";
+    assert_eq!(judge(&[&chunked[..], &next[..]].concat()), Ok(()));
+    let bad = b"G@T / HTTP/1.1\r\n\r\n";
+    assert_eq!(
+        judge(&[&chunked[..], &bad[..]].concat()),
+        Err((chunked.len() + 1, Refusal::NotHttp))
+    );
+    // A CR not followed by LF there is refused by hyper: the connection is not followed.
+    let broken = b"POST /v HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\rX";
+    assert_eq!(judge(&[&broken[..], &bad[..]].concat()), Ok(()));
+}
+
 #[test]
 fn bytes_that_are_no_http_1_request_head_are_refused() {
     for (bytes, at) in [
