@@ -262,11 +262,7 @@ async fn limit_headers(req: Request, next: Next) -> Response {
     let headers = req.headers();
     let target = req.uri().path_and_query().map_or(0, |p| p.as_str().len());
     if target > MAX_URL_BYTES {
-        return AppError::Validation {
-            status: StatusCode::URI_TOO_LONG,
-            message: url_too_long(),
-        }
-        .into_response();
+        return url_too_long().into_response();
     }
     let bytes: usize = target
         + headers
@@ -274,29 +270,31 @@ async fn limit_headers(req: Request, next: Next) -> Response {
             .map(|(name, value)| name.as_str().len() + value.len() + 4)
             .sum::<usize>();
     if headers.len() > MAX_HEADERS || bytes > MAX_HEADER_BYTES {
-        return AppError::Validation {
-            status: StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            message: head_too_large(),
-        }
-        .into_response();
+        return head_too_large().into_response();
     }
     next.run(req).await
 }
 
-/// The message of a 414, from the middleware or the server's judging of heads.
-pub(crate) fn url_too_long() -> String {
-    format!(
-        "URL too long: at most {} KiB of path and query",
-        MAX_URL_BYTES / 1024
-    )
+/// The 414, from the middleware or the server's judging of heads.
+pub(crate) fn url_too_long() -> AppError {
+    AppError::Validation {
+        status: StatusCode::URI_TOO_LONG,
+        message: format!(
+            "URL too long: at most {} KiB of path and query",
+            MAX_URL_BYTES / 1024
+        ),
+    }
 }
 
-/// The message of a 431, from the middleware or the server's judging of heads.
-pub(crate) fn head_too_large() -> String {
-    format!(
-        "request headers too large: at most {MAX_HEADERS} headers and {} KiB with the URL",
-        MAX_HEADER_BYTES / 1024
-    )
+/// The 431, from the middleware or the server's judging of heads.
+pub(crate) fn head_too_large() -> AppError {
+    AppError::Validation {
+        status: StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+        message: format!(
+            "request headers too large: at most {MAX_HEADERS} headers and {} KiB with the URL",
+            MAX_HEADER_BYTES / 1024
+        ),
+    }
 }
 
 async fn overloaded(err: BoxError) -> AppError {

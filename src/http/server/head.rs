@@ -35,18 +35,14 @@ pub(crate) enum Refusal {
 
 impl Refusal {
     pub(crate) fn error(self) -> AppError {
-        let (status, message) = match self {
-            Refusal::NotHttp => (
-                StatusCode::BAD_REQUEST,
-                "malformed request: not valid HTTP/1.1".to_string(),
-            ),
-            Refusal::UrlTooLong => (StatusCode::URI_TOO_LONG, crate::http::url_too_long()),
-            Refusal::HeadTooLarge => (
-                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-                crate::http::head_too_large(),
-            ),
-        };
-        AppError::Validation { status, message }
+        match self {
+            Refusal::NotHttp => AppError::Validation {
+                status: StatusCode::BAD_REQUEST,
+                message: "malformed request: not valid HTTP/1.1".to_string(),
+            },
+            Refusal::UrlTooLong => crate::http::url_too_long(),
+            Refusal::HeadTooLarge => crate::http::head_too_large(),
+        }
     }
 }
 
