@@ -134,33 +134,26 @@ async fn listing_a_sales_orders_refuses_bad_input_and_non_admins(db: PgPool) {
         (status, body["error"]["code"].as_str()),
         (StatusCode::NOT_FOUND, Some("not_found"))
     );
-    let (status, _) = app
-        .send(
-            app.client
-                .get(app.url(&format!("/vouchers/{voucher}/orders")))
-                .bearer_auth(app.token(5)),
-        )
-        .await;
+    let orders = format!("/vouchers/{voucher}/orders");
+    let (status, _) = app.get(&orders, Some(&app.token(5))).await;
     assert_eq!(status, StatusCode::FORBIDDEN);
-    let (status, _) = app
-        .send(
-            app.client
-                .get(app.url(&format!("/vouchers/{voucher}/orders"))),
-        )
-        .await;
+    let (status, _) = app.get(&orders, None).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
     let (status, body) = page(&app, voucher, "limit=1000&status=").await;
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(body, serde_json::json!({"items": [], "next": null}));
 }
 
+/// `POST /vouchers/{id}/close` with `token`.
+async fn close_as(app: &TestApp, voucher: i64, token: &str) -> (StatusCode, Value) {
+    let path = format!("/vouchers/{voucher}/close");
+    app.send(app.client.post(app.url(&path)).bearer_auth(token))
+        .await
+}
+
+/// `POST /vouchers/{id}/close` as an admin.
 async fn close(app: &TestApp, voucher: i64) -> (StatusCode, Value) {
-    app.send(
-        app.client
-            .post(app.url(&format!("/vouchers/{voucher}/close")))
-            .bearer_auth(app.admin_token()),
-    )
-    .await
+    close_as(app, voucher, &app.admin_token()).await
 }
 
 /// A close in the middle of a storm: every grab is either admitted (decided before the
@@ -289,13 +282,7 @@ async fn a_sale_closed_before_it_opens_reads_as_ended_and_closing_needs_a_sale_a
         (StatusCode::CONFLICT, Some("ended"))
     );
 
-    let (status, body) = app
-        .send(
-            app.client
-                .post(app.url(&format!("/vouchers/{voucher}/close")))
-                .bearer_auth(app.token(3)),
-        )
-        .await;
+    let (status, body) = close_as(&app, voucher, &app.token(3)).await;
     assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
     let (status, body) = close(&app, 999_999).await;
     assert_eq!(

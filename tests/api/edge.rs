@@ -159,10 +159,7 @@ async fn a_unit_cancelled_while_the_announcement_is_lost_is_grabbable_everywhere
     db: PgPool,
 ) {
     let app = TestApp::spawn(db).await;
-    let proxy = Proxy::start(redis_addr(&app)).await;
-    let (_b, b) = app.spawn_server("api", &[listening_through(&proxy)]).await;
-    let sale = app.open_sale(2).await;
-    let orders = sold_out_on(&app, &b, sale, 2).await;
+    let (proxy, _b, b, sale, orders) = sold_out_behind_a_proxy(&app).await;
 
     // B's subscription stays open but hears nothing more.
     proxy.freeze();
@@ -510,10 +507,7 @@ async fn a_shopper_who_won_a_returned_unit_elsewhere_while_announcements_were_lo
     db: PgPool,
 ) {
     let app = TestApp::spawn(db).await;
-    let proxy = Proxy::start(redis_addr(&app)).await;
-    let (_b, b) = app.spawn_server("api", &[listening_through(&proxy)]).await;
-    let sale = app.open_sale(2).await;
-    let orders = sold_out_on(&app, &b, sale, 2).await;
+    let (proxy, _b, b, sale, orders) = sold_out_behind_a_proxy(&app).await;
 
     // B hears nothing more; a unit comes back and a fresh shopper takes it through A.
     proxy.freeze();
@@ -568,6 +562,16 @@ async fn an_instance_whose_subscription_drops_forgets_every_sale(db: PgPool) {
 
 /// The setting that makes an instance listen for announcements through `proxy` (which
 /// a test can then freeze or cut).
+/// Instance B hearing announcements through a proxy the test can freeze, and a sale of
+/// two units it has seen sold out: (the proxy, B, its address, the sale, its orders).
+async fn sold_out_behind_a_proxy(app: &TestApp) -> (Proxy, Process, String, i64, Vec<String>) {
+    let proxy = Proxy::start(redis_addr(app)).await;
+    let (b_process, b) = app.spawn_server("api", &[listening_through(&proxy)]).await;
+    let sale = app.open_sale(2).await;
+    let orders = sold_out_on(app, &b, sale, 2).await;
+    (proxy, b_process, b, sale, orders)
+}
+
 fn listening_through(proxy: &Proxy) -> (&'static str, String) {
     ("REDIS_PUBSUB_URL", format!("redis://{}", proxy.addr))
 }

@@ -2,7 +2,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::common::{oid, uid, vid, TestApp};
+use crate::common::{grab_of, oid, vid, TestApp};
 use chrono::{Duration, Utc};
 use reqwest::StatusCode;
 use serde_json::Value;
@@ -316,27 +316,20 @@ async fn start_up_loading_fills_missing_sales_and_leaves_live_ones_alone(db: PgP
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn grabs_coalesced_into_one_script_call_are_decided_in_order_each_as_if_alone(db: PgPool) {
-    use seckill::admission::{admit_many, Grab, Outcome};
+    use seckill::admission::{admit_many, Outcome};
     let app = TestApp::spawn(db).await;
     let voucher = app.open_sale(1).await;
     let other = app.open_sale(5).await;
     let shard = app.keys.shard_of(vid(voucher));
-    let grab = |voucher_id, user_id, order_id| Grab {
-        voucher_id: vid(voucher_id),
-        user_id: uid(user_id),
-        order_id: oid(order_id),
-        part: 0,
-        parts: 1,
-    };
     let outcomes = admit_many(
         &mut app.redis.clone(),
         &app.keys,
         shard,
         &[
-            grab(voucher, 1, 1001),
-            grab(voucher, 1, 1002), // the same user again, in the same call
-            grab(voucher, 2, 1003), // the unit is gone
-            grab(other, 2, 1004),   // another sale of the shard
+            grab_of(voucher, 1, 1001),
+            grab_of(voucher, 1, 1002), // the same user again, in the same call
+            grab_of(voucher, 2, 1003), // the unit is gone
+            grab_of(other, 2, 1004),   // another sale of the shard
         ],
         seckill::scripts::Replicas::NONE,
         &Default::default(),
@@ -368,7 +361,7 @@ async fn grabs_coalesced_into_one_script_call_are_decided_in_order_each_as_if_al
 async fn a_corrupt_sale_in_a_coalesced_call_reserves_nothing_for_itself_and_spoils_no_other(
     db: PgPool,
 ) {
-    use seckill::admission::{admit_many, Grab, Outcome};
+    use seckill::admission::{admit_many, Outcome};
     let app = TestApp::spawn(db).await;
     let sound = app.open_sale(5).await;
     let corrupt = app.open_sale(5).await;
@@ -380,20 +373,13 @@ async fn a_corrupt_sale_in_a_coalesced_call_reserves_nothing_for_itself_and_spoi
                 .arg("five"),
         )
         .await;
-    let grab = |voucher_id, user_id, order_id| Grab {
-        voucher_id: vid(voucher_id),
-        user_id: uid(user_id),
-        order_id: oid(order_id),
-        part: 0,
-        parts: 1,
-    };
     // The sound sale's grab comes first: its XADD must not be followed by a failure
     // that tells its caller nothing was reserved.
     let outcomes = admit_many(
         &mut app.redis.clone(),
         &app.keys,
         app.keys.shard_of(vid(sound)),
-        &[grab(sound, 1, 2001), grab(corrupt, 2, 2002)],
+        &[grab_of(sound, 1, 2001), grab_of(corrupt, 2, 2002)],
         seckill::scripts::Replicas::NONE,
         &Default::default(),
     )

@@ -81,6 +81,18 @@ pub fn oid(id: i64) -> OrderId {
     OrderId::new(id).expect("a positive order id")
 }
 
+/// A grab of `voucher` (a sale in one segment) by `user`, minted `order`, as the
+/// admission call takes it.
+pub fn grab_of(voucher: i64, user: i64, order: i64) -> seckill::admission::Grab {
+    seckill::admission::Grab {
+        voucher_id: vid(voucher),
+        user_id: uid(user),
+        order_id: oid(order),
+        part: 0,
+        parts: 1,
+    }
+}
+
 /// A live check for `persist_batch` that calls every entry still pending.
 pub fn all_live(
     ids: Vec<OrderId>,

@@ -192,10 +192,15 @@ impl TestApp {
     }
 
     pub async fn grab(&self, voucher_id: i64, user_id: i64) -> (StatusCode, Value) {
+        self.grab_as(voucher_id, &self.token(user_id)).await
+    }
+
+    /// A grab with `token` as it is (another issuer's, a forged one, ...).
+    pub async fn grab_as(&self, voucher_id: i64, token: &str) -> (StatusCode, Value) {
         let req = self
             .client
             .post(self.url(&format!("/vouchers/{voucher_id}/seckill")))
-            .bearer_auth(self.token(user_id));
+            .bearer_auth(token);
         self.send(req).await
     }
 }

@@ -180,7 +180,8 @@ async fn read_paths_answer_from_postgres_within_a_second_while_redis_is_down(db:
 /// nothing, batched or not.
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn a_grab_abandoned_while_queued_behind_a_slow_call_is_never_sent(db: PgPool) {
-    use seckill::admission::{batcher::Batcher, Grab, Outcome};
+    use crate::common::grab_of;
+    use seckill::admission::{batcher::Batcher, Outcome};
     let redis = crate::common::faults::PrivateRedis::start();
     let app = TestApp::spawn_with(db, redis.url.clone(), false).await;
     let voucher = app.open_sale(5).await;
@@ -199,28 +200,12 @@ async fn a_grab_abandoned_while_queued_behind_a_slow_call_is_never_sent(db: PgPo
     let blocked = block_redis(&redis.url, 1_000).await;
     let in_flight = {
         let batcher = batcher.clone();
-        tokio::spawn(async move {
-            batcher
-                .admit(Grab {
-                    voucher_id: vid(voucher),
-                    user_id: uid(7),
-                    order_id: oid(7007),
-                    part: 0,
-                    parts: 1,
-                })
-                .await
-        })
+        tokio::spawn(async move { batcher.admit(grab_of(voucher, 7, 7007)).await })
     };
     tokio::time::sleep(Duration::from_millis(50)).await;
     let abandoned = tokio::time::timeout(
         Duration::from_millis(100),
-        batcher.admit(Grab {
-            voucher_id: vid(voucher),
-            user_id: uid(8),
-            order_id: oid(8008),
-            part: 0,
-            parts: 1,
-        }),
+        batcher.admit(grab_of(voucher, 8, 8008)),
     )
     .await;
     assert!(abandoned.is_err(), "still queued behind the slow call");

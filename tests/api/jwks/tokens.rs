@@ -24,13 +24,7 @@ async fn an_rs256_token_naming_a_jwks_key_is_accepted_with_its_user_and_role(db:
 
     let voucher = voucher["id"].as_i64().unwrap();
     let shopper = key.sign(&claims(7001));
-    let (status, grabbed) = app
-        .send(
-            app.client
-                .post(app.url(&format!("/vouchers/{voucher}/seckill")))
-                .bearer_auth(&shopper),
-        )
-        .await;
+    let (status, grabbed) = app.grab_as(voucher, &shopper).await;
     assert_eq!(status, StatusCode::ACCEPTED, "{grabbed}");
     let (status, orders) = my_orders(&app, &shopper).await;
     assert_eq!(status, StatusCode::OK);
@@ -65,13 +59,7 @@ async fn an_es256_token_naming_a_jwks_key_is_accepted_with_its_user(db: PgPool) 
     let mut numeric = claims(7002);
     numeric["sub"] = json!(7002);
     let shopper = ec.sign(&numeric);
-    let (status, grabbed) = app
-        .send(
-            app.client
-                .post(app.url(&format!("/vouchers/{voucher}/seckill")))
-                .bearer_auth(&shopper),
-        )
-        .await;
+    let (status, grabbed) = app.grab_as(voucher, &shopper).await;
     assert_eq!(status, StatusCode::ACCEPTED, "{grabbed}");
     let (_, orders) = my_orders(&app, &shopper).await;
     assert_eq!(orders[0]["user_id"], 7002, "{orders}");

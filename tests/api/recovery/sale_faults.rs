@@ -144,16 +144,10 @@ async fn a_postgres_outage_during_a_sale_loses_and_doubles_nothing(db: PgPool) {
     );
     proxy.heal();
 
-    assert_eq!(
-        app.wait_for_orders(voucher, 500, Duration::from_secs(30))
-            .await,
-        500
-    );
+    let winners = winners.values().copied().collect();
+    all_written(&app, voucher, stock, &winners, Duration::from_secs(30)).await;
     cancel.cancel();
     worker.await.unwrap();
-    let stored = app.assert_consistent(voucher, stock).await;
-    assert_eq!(stored, winners.values().copied().collect::<HashSet<_>>());
-    assert_eq!(app.pending_count().await, 0);
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
@@ -214,16 +208,10 @@ async fn a_flushall_during_a_sale_fails_closed_and_recovers_from_postgres(db: Pg
         "the rest of the stock sold, no more"
     );
 
-    assert_eq!(
-        app.wait_for_orders(voucher, 100, Duration::from_secs(20))
-            .await,
-        100
-    );
+    let winners = winners.values().copied().collect();
+    all_written(&app, voucher, stock, &winners, Duration::from_secs(20)).await;
     cancel.cancel();
     worker.await.unwrap();
-    let stored = app.assert_consistent(voucher, stock).await;
-    assert_eq!(stored, winners.values().copied().collect::<HashSet<_>>());
-    assert_eq!(app.pending_count().await, 0);
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
@@ -272,5 +260,22 @@ async fn sigterm_under_load_finishes_in_flight_requests_and_exits_zero(db: PgPoo
         "every admission persisted once"
     );
     assert!(winners.values().all(|id| stored.contains(id)));
+    assert_eq!(app.pending_count().await, 0);
+}
+
+/// Every one of `winners` written (waiting up to `limit`), exactly they, the stock's
+/// arithmetic holding and nothing left pending.
+async fn all_written(
+    app: &TestApp,
+    voucher: i64,
+    stock: i64,
+    winners: &HashSet<i64>,
+    limit: Duration,
+) {
+    assert_eq!(
+        app.wait_for_orders(voucher, winners.len(), limit).await,
+        winners.len()
+    );
+    assert_eq!(&app.assert_consistent(voucher, stock).await, winners);
     assert_eq!(app.pending_count().await, 0);
 }

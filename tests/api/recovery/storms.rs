@@ -14,15 +14,7 @@ async fn repair_racing_the_worker_during_a_storm_hands_out_exactly_the_stock_and
     let app = TestApp::spawn(db).await;
     let stock = 2000;
     let voucher = app.open_sale(stock).await;
-    let (_serve, base) = app
-        .spawn_server(
-            "serve",
-            &[
-                ("WORKER_BATCH_SIZE", "32".into()),
-                ("WORKER_BLOCK_MS", "100".into()),
-            ],
-        )
-        .await;
+    let (_serve, base) = serve_in_small_batches(&app).await;
 
     let voucher_arg = voucher.to_string();
     let repair = ["reconcile", "--voucher", &voucher_arg, "--repair"];
@@ -266,15 +258,7 @@ async fn reconcile_during_a_storm_on_a_healthy_sale_exits_zero(db: PgPool) {
     let app = TestApp::spawn(db).await;
     let stock = 3000;
     let voucher = app.open_sale(stock).await;
-    let (_serve, base) = app
-        .spawn_server(
-            "serve",
-            &[
-                ("WORKER_BATCH_SIZE", "32".into()),
-                ("WORKER_BLOCK_MS", "100".into()),
-            ],
-        )
-        .await;
+    let (_serve, base) = serve_in_small_batches(&app).await;
 
     let storm_done = AtomicBool::new(false);
     // A storm of some seconds: 3,600 shoppers in twelve waves, a quarter second apart.
@@ -329,4 +313,17 @@ async fn reconcile_during_a_storm_on_a_healthy_sale_exits_zero(db: PgPool) {
     assert!(wait_drained(&app, &app.keys, Duration::from_secs(60)).await);
     let (after, out, _) = seckill_async(&app, &reconcile, &[]).await;
     assert_eq!(after, Some(0), "after the drain:\n{out}");
+}
+
+/// `seckill serve` whose worker commits small batches often: many commits and
+/// acknowledgements for a storm to race.
+async fn serve_in_small_batches(app: &TestApp) -> (Process, String) {
+    app.spawn_server(
+        "serve",
+        &[
+            ("WORKER_BATCH_SIZE", "32".into()),
+            ("WORKER_BLOCK_MS", "100".into()),
+        ],
+    )
+    .await
 }

@@ -3,20 +3,14 @@
 //! a rebuild once Postgres buried it.
 
 use super::*;
-use seckill::admission::{admit_many, Grab, Outcome};
-use seckill::domain::{OrderId, UserId};
+use crate::common::grab_of;
+use seckill::admission::{admit_many, Outcome};
 
 /// Three grabs of `voucher` decided by ONE call of the admission function.
 async fn admit_in_one_call(app: &TestApp, voucher: i64, users: [i64; 3]) -> Vec<Outcome> {
-    let grabs: Vec<Grab> = users
+    let grabs: Vec<_> = users
         .iter()
-        .map(|&u| Grab {
-            voucher_id: vid(voucher),
-            user_id: UserId::new(u).unwrap(),
-            order_id: OrderId::new(900_000 + u).unwrap(),
-            part: 0,
-            parts: 1,
-        })
+        .map(|&u| grab_of(voucher, u, 900_000 + u))
         .collect();
     let mut conn = app.redis.clone();
     let shard = app.keys.shard_of(vid(voucher));
