@@ -192,6 +192,22 @@ impl utoipa::PartialSchema for OrderId {
 
 impl utoipa::ToSchema for OrderId {}
 
+/// What a voucher offers, as its shop published it: the fields every voucher has, in
+/// one shape from the validated request through its row to the answer. Money in cents.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, sqlx::FromRow, utoipa::ToSchema)]
+pub struct VoucherTerms {
+    pub shop_id: i64,
+    pub title: String,
+    pub sub_title: String,
+    pub rules: String,
+    /// What the shopper pays, in cents (at most `actual_value`).
+    pub pay_value: i64,
+    /// What the voucher is worth, in cents.
+    pub actual_value: i64,
+    /// Whether its owner may ask for a paid, unused coupon's refund.
+    pub refundable: bool,
+}
+
 /// Where an order is in its life: `pending` while only Redis knows it, `created` once
 /// written to Postgres, then `paid` (the payment provider confirmed it), and from there
 /// `used` (redeemed at the shop) or `refunding` → `refunded`; an unpaid order ends

@@ -75,7 +75,7 @@ use crate::http::error::{ErrorBody, ErrorCode, ErrorDetail};
         ErrorCode,
         crate::http::error::GrabOutcome,
     )),
-    modifiers(&BearerAuth, &OptionalBodies, &LimitAnswers),
+    modifiers(&BearerAuth, &OptionalBodies, &LimitAnswers, &FlatObjects),
     tags(
         (name = "vouchers", description = "publishing and reading vouchers"),
         (name = "seckill", description = "the flash sale itself"),
@@ -136,6 +136,40 @@ impl Modify for OptionalBodies {
             if unwrapped {
                 body.required = Some(Required::False);
             }
+        }
+    }
+}
+
+/// A shape shared by `#[serde(flatten)]` (the voucher's terms in its answer), which
+/// utoipa writes as an `allOf` of inline objects, becomes the one object it is on the
+/// wire: generators differ on `allOf` (some make a class per part), none on an object.
+struct FlatObjects;
+
+impl Modify for FlatObjects {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::schema::Schema;
+        let Some(components) = openapi.components.as_mut() else {
+            return;
+        };
+        for schema in components.schemas.values_mut() {
+            let RefOr::T(Schema::AllOf(all_of)) = schema else {
+                continue;
+            };
+            let mut parts = all_of.items.iter().map(|item| match item {
+                RefOr::T(Schema::Object(object)) => Some(object),
+                _ => None,
+            });
+            let Some(Some(first)) = parts.next() else {
+                continue;
+            };
+            let mut merged = first.clone();
+            merged.description = all_of.description.clone();
+            for part in parts {
+                let Some(part) = part else { return };
+                merged.properties.extend(part.properties.clone());
+                merged.required.extend(part.required.iter().cloned());
+            }
+            *schema = RefOr::T(Schema::Object(merged));
         }
     }
 }
@@ -416,6 +450,36 @@ mod tests {
             seen, 6,
             "get, checkout, pay, redeem, refund and cancel take an order id"
         );
+    }
+
+    /// A voucher's answer is one object with its terms' fields beside its own, as it
+    /// is on the wire, not an `allOf` that generators split differently.
+    #[test]
+    fn a_shape_shared_by_flattening_is_documented_as_one_object() {
+        let doc = document();
+        let schemas = doc["components"]["schemas"].as_object().unwrap();
+        for (name, schema) in schemas {
+            assert!(schema.get("allOf").is_none(), "{name} is an allOf");
+        }
+        let voucher = &schemas["VoucherResponse"];
+        assert_eq!(voucher["type"], "object");
+        for field in [
+            "id",
+            "shop_id",
+            "title",
+            "pay_value",
+            "refundable",
+            "created_at",
+        ] {
+            assert!(voucher["properties"].get(field).is_some(), "{field}");
+            assert!(
+                voucher["required"]
+                    .as_array()
+                    .unwrap()
+                    .contains(&field.into()),
+                "{field}"
+            );
+        }
     }
 
     /// Mainstream generators read the document alike: no property carries a schema

@@ -185,7 +185,7 @@ pub(crate) async fn checkout(
     }
     let price = vouchers::get(&state.db, row.voucher_id)
         .await?
-        .map(|v| v.pay_value)
+        .map(|v| v.terms.pay_value)
         .ok_or_else(|| AppError::Internal(anyhow::anyhow!("order {order_id} has no voucher")))?;
     Ok(Json(Checkout {
         order_id: row.id,
@@ -318,7 +318,7 @@ pub(crate) async fn refund(
     } else {
         let refundable = vouchers::get(&state.db, row.voucher_id)
             .await?
-            .is_some_and(|v| v.refundable);
+            .is_some_and(|v| v.terms.refundable);
         if !refundable {
             return Err(AppError::NotRefundable(format!(
                 "voucher {} is not refundable",

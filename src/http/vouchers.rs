@@ -11,7 +11,7 @@ use utoipa::ToSchema;
 
 use crate::admission::{self, loader};
 use crate::auth::Admin;
-use crate::domain::{ShopId, VoucherId};
+use crate::domain::{ShopId, VoucherId, VoucherTerms};
 use crate::http::error::{AdminOnly, AppError, AppResult, ErrorBody};
 use crate::http::extract::{AppJson, PathId};
 use crate::http::fallback_headers;
@@ -186,7 +186,7 @@ impl CreateVoucher {
                 })
             }
         };
-        Ok(NewVoucher {
+        let terms = VoucherTerms {
             shop_id: self.shop_id,
             title: text("title", &self.title, MAX_TITLE, Needed::Required)?,
             sub_title: text("sub_title", &self.sub_title, MAX_TITLE, Needed::Optional)?,
@@ -194,8 +194,8 @@ impl CreateVoucher {
             pay_value: self.pay_value,
             actual_value: self.actual_value,
             refundable: self.refundable,
-            seckill,
-        })
+        };
+        Ok(NewVoucher { terms, seckill })
     }
 }
 
@@ -203,14 +203,9 @@ impl CreateVoucher {
 pub(crate) struct VoucherResponse {
     #[schema(inline)]
     pub id: VoucherId,
-    pub shop_id: i64,
-    pub title: String,
-    pub sub_title: String,
-    pub rules: String,
-    pub pay_value: i64,
-    pub actual_value: i64,
-    /// Whether its owner may ask for a paid, unused coupon's refund.
-    pub refundable: bool,
+    #[serde(flatten)]
+    #[schema(inline)]
+    pub terms: VoucherTerms,
     pub created_at: DateTime<Utc>,
     /// Live remaining stock of a flash-sale voucher (same as `seckill.stock`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -261,13 +256,7 @@ impl VoucherResponse {
         };
         Self {
             id: row.id,
-            shop_id: row.shop_id,
-            title: row.title,
-            sub_title: row.sub_title,
-            rules: row.rules,
-            pay_value: row.pay_value,
-            actual_value: row.actual_value,
-            refundable: row.refundable,
+            terms: row.terms,
             created_at: row.created_at,
             stock: seckill.as_ref().map(|s| s.stock),
             seckill,
@@ -546,13 +535,14 @@ mod tests {
             let json = serde_json::json!({"shop_id": shop_id, "title": title, "pay_value": pay,
                 "actual_value": actual, "seckill": {"stock": stock, "begin_time": begin, "end_time": end}});
             let Ok(body) = serde_json::from_value::<CreateVoucher>(json) else { return Ok(()) };
-            if let Ok(v) = body.validate(now) {
+            if let Ok(new) = body.validate(now) {
+                let v = &new.terms;
                 proptest::prop_assert!(v.shop_id > 0 && v.pay_value >= 0 && v.actual_value >= 0);
                 proptest::prop_assert!(v.pay_value <= v.actual_value);
                 proptest::prop_assert!(!v.title.trim().is_empty() && v.title.chars().count() <= 255);
                 proptest::prop_assert!(v.title.chars().any(crate::http::text::is_visible));
                 proptest::prop_assert!(!v.title.contains('\0'));
-                let s = v.seckill.unwrap();
+                let s = new.seckill.unwrap();
                 proptest::prop_assert!(s.stock >= 1 && s.stock as i64 <= MAX_STOCK);
                 proptest::prop_assert!(s.end_time > s.begin_time && s.end_time > now);
             }

@@ -3,18 +3,12 @@
 use chrono::{DateTime, Utc};
 use sqlx::{FromRow, PgPool};
 
-use crate::domain::{OrderId, UserId, VoucherId};
+use crate::domain::{OrderId, UserId, VoucherId, VoucherTerms};
 
 /// A validated voucher to create.
 #[derive(Debug, Clone)]
 pub struct NewVoucher {
-    pub shop_id: i64,
-    pub title: String,
-    pub sub_title: String,
-    pub rules: String,
-    pub pay_value: i64,
-    pub actual_value: i64,
-    pub refundable: bool,
+    pub terms: VoucherTerms,
     pub seckill: Option<NewSeckill>,
 }
 
@@ -32,13 +26,8 @@ pub struct NewSeckill {
 #[derive(Debug, Clone, FromRow)]
 pub(crate) struct VoucherRow {
     pub id: VoucherId,
-    pub shop_id: i64,
-    pub title: String,
-    pub sub_title: String,
-    pub rules: String,
-    pub pay_value: i64,
-    pub actual_value: i64,
-    pub refundable: bool,
+    #[sqlx(flatten)]
+    pub terms: VoucherTerms,
     pub created_at: DateTime<Utc>,
     pub initial_stock: Option<i32>,
     pub stock: Option<i32>,
@@ -68,7 +57,7 @@ const SELECT_VOUCHER: &str = "SELECT v.id, v.shop_id, v.title, v.sub_title, v.ru
      FROM vouchers v LEFT JOIN seckill_vouchers s ON s.voucher_id = v.id";
 
 /// Creates the voucher and its flash-sale part in one transaction.
-#[tracing::instrument(skip_all, fields(shop_id = new.shop_id))]
+#[tracing::instrument(skip_all, fields(shop_id = new.terms.shop_id))]
 pub(crate) async fn insert(db: &PgPool, new: &NewVoucher) -> Result<VoucherRow, sqlx::Error> {
     let mut tx = db.begin().await?;
     let id: VoucherId = sqlx::query_scalar(
@@ -76,13 +65,13 @@ pub(crate) async fn insert(db: &PgPool, new: &NewVoucher) -> Result<VoucherRow, 
            (shop_id, title, sub_title, rules, pay_value, actual_value, refundable) \
          VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING id",
     )
-    .bind(new.shop_id)
-    .bind(&new.title)
-    .bind(&new.sub_title)
-    .bind(&new.rules)
-    .bind(new.pay_value)
-    .bind(new.actual_value)
-    .bind(new.refundable)
+    .bind(new.terms.shop_id)
+    .bind(&new.terms.title)
+    .bind(&new.terms.sub_title)
+    .bind(&new.terms.rules)
+    .bind(new.terms.pay_value)
+    .bind(new.terms.actual_value)
+    .bind(new.terms.refundable)
     .fetch_one(&mut *tx)
     .await?;
     if let Some(s) = &new.seckill {
