@@ -42,6 +42,7 @@ pub const EVERY: Duration = Duration::from_secs(1);
 /// second, so a shorter window would flicker): the recent figures Redis keeps (see
 /// `admission::tally`), and the producer's own history of the totals when Redis has
 /// none (counts added by a process of an earlier release, which keeps no recent ones).
+/// The p99 admission wait is over this long too (see `waits`).
 const RATE_WINDOW: Duration = Duration::from_secs(tally::WINDOW_SECS);
 /// A store's reads give up after this long; the snapshot says which store is missing.
 const READ_DEADLINE: Duration = Duration::from_millis(800);
@@ -206,7 +207,8 @@ async fn timeout<T, E: std::fmt::Display>(
 }
 
 /// The producer's memory between snapshots: the last figures (shown again, marked,
-/// when a store does not answer) and recent grab totals for the rates.
+/// when a store does not answer), recent grab totals for the rates and this process's
+/// recent admission waits.
 #[derive(Default)]
 struct Producer {
     sales: store::Sales,
