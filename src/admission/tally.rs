@@ -292,6 +292,7 @@ impl Tally {
             };
             match answer {
                 Answer::Decided(outcome) => counts.outcomes[outcome.index()] += 1,
+                // (`ERRORS`: `unavailable`, then `unknown`.)
                 Answer::Refused => counts.errors[0] += 1,
                 Answer::Failed { unknown } => counts.errors[usize::from(unknown)] += 1,
             }
