@@ -212,6 +212,21 @@ pub(crate) fn handle() -> PrometheusHandle {
         .clone()
 }
 
+/// This process's admission waits so far, as `/metrics` shows them: for each bucket of
+/// [`ADMISSION_SECONDS`], its upper bound and how many waits were at most that long
+/// (`+Inf` last). Rendered from the recorder, which keeps no other copy.
+pub(crate) fn admission_waits() -> Vec<(f64, u64)> {
+    let bucket = format!("{ADMISSION_SECONDS}_bucket{{le=\"");
+    handle()
+        .render()
+        .lines()
+        .filter_map(|line| {
+            let (le, n) = line.strip_prefix(&bucket)?.split_once("\"} ")?;
+            Some((le.parse().ok()?, n.parse().ok()?))
+        })
+        .collect()
+}
+
 /// Registers, at zero, every series whose labels are known before anything happens
 /// (registering does not change a value), and the unlabelled histograms (empty). Not
 /// here: the HTTP series (their routes and statuses come with traffic) and the sampled
@@ -404,6 +419,21 @@ mod tests {
                 text.lines().any(|l| l.starts_with(series)),
                 "{series} missing from\n{text}"
             );
+        }
+    }
+
+    #[test]
+    fn the_admission_waits_are_read_back_from_the_recorder_bucket_by_bucket() {
+        let before = admission_waits();
+        let bounds: Vec<f64> = before.iter().map(|&(le, _)| le).collect();
+        let mut want = SECONDS_BUCKETS.to_vec();
+        want.push(f64::INFINITY);
+        assert_eq!(bounds, want);
+        metrics::histogram!(ADMISSION_SECONDS).record(0.003);
+        let after = admission_waits();
+        // (Other tests may record too: at least this one, in the buckets from 5 ms.)
+        for ((le, was), (_, is)) in before.into_iter().zip(after) {
+            assert!(is >= was + u64::from(le >= 0.005), "{le}: {was} -> {is}");
         }
     }
 

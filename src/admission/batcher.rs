@@ -11,7 +11,6 @@ use redis::RedisResult;
 use tokio::sync::{mpsc, oneshot};
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use super::fence::Fence;
 use super::guard::ReplicaGate;
@@ -31,9 +30,8 @@ const QUEUE: usize = 16_384;
 
 type ReplyTo = oneshot::Sender<RedisResult<Outcome>>;
 
-/// A grab, when it was handed to its shard (its answer's wait is counted for the live
-/// view from then), and where its answer goes.
-type Queued = (Grab, Instant, ReplyTo);
+/// A grab, and where its answer goes.
+type Queued = (Grab, ReplyTo);
 
 /// The senders to each shard's task; the tasks end when this is dropped.
 pub struct Batcher {
@@ -105,7 +103,7 @@ impl Batcher {
         let shard = self.keys.shard_of_part(grab.sale_part());
         let (reply, answer) = oneshot::channel();
         if self.shards[shard.0 as usize]
-            .send((grab, Instant::now(), reply))
+            .send((grab, reply))
             .await
             .is_err()
         {
@@ -190,16 +188,14 @@ async fn run_shard(
     max: usize,
 ) {
     let mut grabs = Vec::with_capacity(max);
-    let mut queued = Vec::with_capacity(max);
     let mut replies = Vec::with_capacity(max);
     while let Some(first) = rx.recv().await {
         let mut next = Some(first);
-        while let Some((grab, since, reply)) = next.take() {
+        while let Some((grab, reply)) = next.take() {
             // A request that gave up while queued (client gone, request timed out) is
             // not sent: as before batching, a grab never sent admits nothing.
             if !reply.is_closed() {
                 grabs.push(grab);
-                queued.push(since);
                 replies.push(reply);
             }
             if grabs.len() < max {
@@ -210,36 +206,25 @@ async fn run_shard(
             continue;
         }
         let decided = call.admit(&grabs).await;
-        // Each grab's answer and wait, counted for the live view under one lock.
-        let answered = Instant::now();
-        let counted = |answers: Vec<Option<tally::Answer>>| {
-            tally.add_answers(grabs.iter().zip(&queued).zip(answers).filter_map(
-                |((g, since), answer)| Some((g.voucher_id, answer?, answered - *since)),
-            ));
-        };
+        // Each grab's answer, counted for the live view under one lock.
         match decided {
             Ok(outcomes) => {
-                counted(
-                    grabs
-                        .iter()
-                        .zip(&outcomes)
-                        .map(|(g, &o)| tally::answer(&Ok(o), g.order_id))
-                        .collect(),
-                );
+                tally.add_answers(grabs.iter().zip(&outcomes).filter_map(|(g, &o)| {
+                    Some((g.voucher_id, tally::answer(&Ok(o), g.order_id)?))
+                }));
                 for (reply, outcome) in replies.drain(..).zip(outcomes) {
                     let _ = reply.send(Ok(outcome));
                 }
             }
             Err(e) => {
-                let failed = Some(tally::failure(&e));
-                counted(vec![failed; grabs.len()]);
+                let failed = tally::failure(&e);
+                tally.add_answers(grabs.iter().map(|g| (g.voucher_id, failed)));
                 for reply in replies.drain(..) {
                     let _ = reply.send(Err(copy(&e)));
                 }
             }
         }
         grabs.clear();
-        queued.clear();
     }
 }
 

@@ -21,7 +21,7 @@ use super::limits::RateLimiter;
 use super::order_id::OrderIds;
 use super::parts::Parts;
 use super::promises::Promises;
-use super::{loader, tally, Outcome, Unavailable};
+use super::{loader, Outcome, Unavailable};
 use crate::domain::{OrderId, UserId, VoucherId};
 use crate::keys::Keys;
 use crate::redis_conn::RedisConn;
@@ -131,9 +131,7 @@ impl Admission {
                 retry_after_secs: wait.as_secs_f64().ceil() as u64,
             };
             hot.count(&outcome);
-            if let Some(i) = tally::counted(&outcome) {
-                self.batcher.tally().add(voucher_id, i);
-            }
+            self.batcher.tally().add(voucher_id, &outcome);
             return Ok(outcome);
         }
         // Most presses of a flash sale can win nothing: answered here when Redis told
@@ -143,9 +141,7 @@ impl Admission {
             .answer(voucher_id, shopper.user_id, Instant::now())
         {
             hot.at_edge(&known);
-            if let Some(i) = tally::counted(&known) {
-                self.batcher.tally().add_at_edge(voucher_id, i);
-            }
+            self.batcher.tally().add_at_edge(voucher_id, &known);
             return Ok(known);
         }
         let order_id = match self.ready(shopper.user_id, voucher_id) {

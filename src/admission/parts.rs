@@ -154,7 +154,7 @@ impl Parts {
                 Ok(true) => {}
                 Ok(false) => {
                     // (The drained part's answer was not counted: this one is.)
-                    batcher.tally().add(voucher_id, super::tally::SOLD_OUT);
+                    batcher.tally().add(voucher_id, &Outcome::SoldOut);
                     return Ok(Outcome::SoldOut);
                 }
                 Err(e) => {

@@ -7,8 +7,9 @@
 //! open page reads, so a thousand pages cost what one does. Every figure comes from the
 //! shared stores (grab counts too: see `admission::tally`), so every API instance, in
 //! cluster mode as well, shows the same numbers; so do the rates over the last seconds
-//! (grabs, 503s, the p99 admission wait), which Redis keeps by its own clock, so that a
-//! page's first snapshot has them. Sales still selling come first (by Redis's stock,
+//! (grabs, 503s), which Redis keeps by its own clock, so that a page's first snapshot
+//! has them. The one figure of this instance's own is the p99 admission wait, from its
+//! Prometheus recorder (see `waits`). Sales still selling come first (by Redis's stock,
 //! the live one), then upcoming, sold out and ended ones: `LIVE_MAX_SALES` never leaves
 //! out a selling sale for another.
 
@@ -30,8 +31,10 @@ use crate::store::live as store;
 use crate::stream::StreamStats;
 
 mod snapshot;
+mod waits;
 use snapshot::{rank, view, Figures};
 pub use snapshot::{Orders, Outcomes, SaleView, Snapshot};
+use waits::Waits;
 
 /// A snapshot at least this often while someone watches; grab counts flushed as often.
 pub const EVERY: Duration = Duration::from_secs(1);
@@ -39,6 +42,7 @@ pub const EVERY: Duration = Duration::from_secs(1);
 /// second, so a shorter window would flicker): the recent figures Redis keeps (see
 /// `admission::tally`), and the producer's own history of the totals when Redis has
 /// none (counts added by a process of an earlier release, which keeps no recent ones).
+/// The p99 admission wait is over this long too (see `waits`).
 const RATE_WINDOW: Duration = Duration::from_secs(tally::WINDOW_SECS);
 /// A store's reads give up after this long; the snapshot says which store is missing.
 const READ_DEADLINE: Duration = Duration::from_millis(800);
@@ -161,6 +165,10 @@ impl Live {
                 // A page opened with no snapshot to start from: it gets one at once.
                 _ = self.0.watched.notified() => false,
             };
+            if ticked {
+                // Watched or not: a page's first snapshot has the last seconds' waits.
+                producer.waits.sample(Instant::now());
+            }
             if !self.watched() {
                 // Nobody watches: no snapshot, and the last one goes (it would be stale
                 // for the next page).
@@ -199,13 +207,15 @@ async fn timeout<T, E: std::fmt::Display>(
 }
 
 /// The producer's memory between snapshots: the last figures (shown again, marked,
-/// when a store does not answer) and recent grab totals for the rates.
+/// when a store does not answer), recent grab totals for the rates and this process's
+/// recent admission waits.
 #[derive(Default)]
 struct Producer {
     sales: store::Sales,
     redis: HashMap<VoucherId, Figures>,
     worker: StreamStats,
     totals: HashMap<VoucherId, VecDeque<(Instant, u64)>>,
+    waits: Waits,
     /// Postgres's clock less ours at the last read: a snapshot's `at` is Postgres's
     /// time, like its sales' states, so that every instance's page counts down alike.
     clock_offset: chrono::TimeDelta,
@@ -244,6 +254,7 @@ impl Producer {
         let clock = Instant::now();
         let fresh = unavailable.is_empty();
         self.totals.retain(|id, _| ids.contains(id));
+        let p99 = self.waits.p99_ms();
         let mut sales: Vec<SaleView> = self
             .sales
             .rows
@@ -252,7 +263,7 @@ impl Producer {
                 let figures = self.redis.get(&s.voucher_id).copied();
                 let Some(figures) = figures else {
                     // Redis has not answered for it yet: no rate, rather than 0.
-                    return view(s, Figures::default(), None, fresh);
+                    return view(s, Figures::default(), None, None, fresh);
                 };
                 let history = rate(
                     self.totals.entry(s.voucher_id).or_default(),
@@ -264,7 +275,7 @@ impl Producer {
                 } else {
                     history
                 };
-                view(s, figures, Some(grabs_per_sec), fresh)
+                view(s, figures, Some(grabs_per_sec), p99, fresh)
             })
             .collect();
         // Selling first, then upcoming, then sold out, then ended, the soonest ending
@@ -360,7 +371,7 @@ async fn read_redis(
         async move { crate::admission::redis_stock(&mut conn, keys, id, parts).await }
     });
     let stocks = futures_util::future::try_join_all(stocks).await?;
-    let counts = tally::read_live(redis, keys, ids).await?;
+    let counts = tally::read(redis, keys, ids).await?;
     // Summed from nothing: a lag of 0, known.
     let mut worker = StreamStats {
         lag: Some(0),

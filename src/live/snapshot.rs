@@ -42,15 +42,17 @@ pub struct SaleView {
     /// Units left to grab, as admission sees them (Redis); `None` when the sale is
     /// not loaded there (it loads on its first grab).
     pub remaining: Option<i64>,
-    /// Grabs a second, every answer, over the last [`RATE_WINDOW`](super::RATE_WINDOW); `None` until Redis
-    /// has answered for the sale.
+    /// Grabs a second, every answer, over the last [`RATE_WINDOW`](super::RATE_WINDOW),
+    /// every instance's; `None` until Redis has answered for the sale.
     pub grabs_per_sec: Option<f64>,
     /// Grabs answered 503 (`outcomes.unavailable` and `unknown`) a second, over the same
     /// window; `None` as `grabs_per_sec`.
     pub errors_per_sec: Option<f64>,
     /// The 99th percentile of how long grabs waited for their admission call over the
-    /// same window, in milliseconds (from buckets, as Prometheus estimates it); `None`
-    /// when no grab reached an admission call then.
+    /// same window, in milliseconds: this instance's grabs, every sale's together (its
+    /// `seckill_admission_duration_seconds`, estimated from the buckets as Prometheus
+    /// does). `None` for a sale without grabs then, or when this instance made no
+    /// admission call then.
     pub admission_p99_ms: Option<f64>,
     pub outcomes: Outcomes,
     pub orders: Orders,
@@ -83,20 +85,20 @@ pub struct Outcomes {
     pub unknown: u64,
 }
 
-impl From<tally::Counts> for Outcomes {
-    fn from(c: tally::Counts) -> Self {
-        let [admitted, sold_out, already_ordered, rate_limited, not_started, ended, answered_at_edge] =
-            c;
+impl From<tally::SaleCounts> for Outcomes {
+    /// Each field is the count of the outcome of that label.
+    fn from(c: tally::SaleCounts) -> Self {
+        let [unavailable, unknown] = c.errors;
         Self {
-            admitted,
-            sold_out,
-            already_ordered,
-            rate_limited,
-            not_started,
-            ended,
-            answered_at_edge,
-            unavailable: 0,
-            unknown: 0,
+            admitted: c.outcome("admitted"),
+            sold_out: c.outcome("sold_out"),
+            already_ordered: c.outcome("already_ordered"),
+            rate_limited: c.outcome("rate_limited"),
+            not_started: c.outcome("not_started"),
+            ended: c.outcome("ended"),
+            answered_at_edge: c.at_edge,
+            unavailable,
+            unknown,
         }
     }
 }
@@ -122,16 +124,11 @@ pub(super) struct Figures {
     pub(super) recent: tally::Recent,
 }
 
-impl From<(Option<i64>, tally::ShownCounts)> for Figures {
-    fn from((remaining, live): (Option<i64>, tally::ShownCounts)) -> Self {
-        let [unavailable, unknown] = live.errors;
+impl From<(Option<i64>, tally::Shown)> for Figures {
+    fn from((remaining, live): (Option<i64>, tally::Shown)) -> Self {
         Self {
             remaining,
-            outcomes: Outcomes {
-                unavailable,
-                unknown,
-                ..live.outcomes.into()
-            },
+            outcomes: live.totals.into(),
             recent: live.recent,
         }
     }
@@ -178,11 +175,13 @@ pub(super) fn rank(sale: &SaleView) -> u8 {
     }
 }
 
-/// `grabs_per_sec`: `None` when Redis has not answered for the sale yet.
+/// `grabs_per_sec`: `None` when Redis has not answered for the sale yet;
+/// `admission_p99_ms`: this instance's, shown for a sale with grabs in the window.
 pub(super) fn view(
     s: &SaleRow,
     figures: Figures,
     grabs_per_sec: Option<f64>,
+    admission_p99_ms: Option<f64>,
     fresh: bool,
 ) -> SaleView {
     let Figures {
@@ -221,9 +220,7 @@ pub(super) fn view(
         remaining,
         grabs_per_sec,
         errors_per_sec: grabs_per_sec.map(|_| recent.errors_per_sec()),
-        admission_p99_ms: recent
-            .latency_quantile(0.99)
-            .map(|secs| (secs * 1e5).round() / 100.0),
+        admission_p99_ms: admission_p99_ms.filter(|_| grabs_per_sec > Some(0.0)),
         outcomes,
         orders: Orders {
             admitted: in_flight.map(|f| persisted + f + s.dead_letters),

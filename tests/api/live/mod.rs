@@ -10,6 +10,7 @@ use sqlx::PgPool;
 
 use crate::common::browser::Browser;
 use crate::common::{vid, TestApp};
+use seckill::admission::Outcome;
 
 mod browser;
 mod flush;
@@ -103,6 +104,13 @@ fn metric(text: &str, name: &str) -> f64 {
     crate::common::metric_value(text, name).unwrap_or(0.0)
 }
 
+/// An admission, as the tally counts it (whatever its order id).
+fn admitted() -> Outcome {
+    Outcome::Admitted {
+        order_id: seckill::domain::OrderId::new(1).unwrap(),
+    }
+}
+
 /// One process's grab counts and their flushes, under a key prefix of the test's own.
 struct Counter {
     tally: seckill::admission::tally::Tally,
@@ -131,13 +139,9 @@ impl Counter {
         }
     }
 
-    fn add(&self, voucher: i64, outcome: &str, n: usize) {
-        let index = seckill::admission::tally::OUTCOMES
-            .iter()
-            .position(|o| *o == outcome)
-            .unwrap();
+    fn add(&self, voucher: i64, outcome: Outcome, n: usize) {
         for _ in 0..n {
-            self.tally.add(vid(voucher), index);
+            self.tally.add(vid(voucher), &outcome);
         }
     }
 
