@@ -149,7 +149,7 @@ pub fn counted(outcome: &Outcome) -> Option<usize> {
         Outcome::RateLimited { .. } => RATE_LIMITED,
         Outcome::NotStarted => 4,
         Outcome::Ended => 5,
-        // (A drained part's grab is decided again once units moved: counted then.)
+        // (A drained segment's grab is decided again once units moved: counted then.)
         _ => return None,
     })
 }

@@ -325,8 +325,8 @@ async fn grabs_coalesced_into_one_script_call_are_decided_in_order_each_as_if_al
         voucher_id: vid(voucher_id),
         user_id: uid(user_id),
         order_id: oid(order_id),
-        part: 0,
-        parts: 1,
+        segment: 0,
+        segments: 1,
     };
     let outcomes = admit_many(
         &mut app.redis.clone(),
@@ -384,8 +384,8 @@ async fn a_corrupt_sale_in_a_coalesced_call_reserves_nothing_for_itself_and_spoi
         voucher_id: vid(voucher_id),
         user_id: uid(user_id),
         order_id: oid(order_id),
-        part: 0,
-        parts: 1,
+        segment: 0,
+        segments: 1,
     };
     // The sound sale's grab comes first: its XADD must not be followed by a failure
     // that tells its caller nothing was reserved.

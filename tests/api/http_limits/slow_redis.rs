@@ -205,8 +205,8 @@ async fn a_grab_abandoned_while_queued_behind_a_slow_call_is_never_sent(db: PgPo
                     voucher_id: vid(voucher),
                     user_id: uid(7),
                     order_id: oid(7007),
-                    part: 0,
-                    parts: 1,
+                    segment: 0,
+                    segments: 1,
                 })
                 .await
         })
@@ -218,8 +218,8 @@ async fn a_grab_abandoned_while_queued_behind_a_slow_call_is_never_sent(db: PgPo
             voucher_id: vid(voucher),
             user_id: uid(8),
             order_id: oid(8008),
-            part: 0,
-            parts: 1,
+            segment: 0,
+            segments: 1,
         }),
     )
     .await;

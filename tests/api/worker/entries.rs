@@ -14,8 +14,8 @@ async fn admit_in_one_call(app: &TestApp, voucher: i64, users: [i64; 3]) -> Vec<
             voucher_id: vid(voucher),
             user_id: UserId::new(u).unwrap(),
             order_id: OrderId::new(900_000 + u).unwrap(),
-            part: 0,
-            parts: 1,
+            segment: 0,
+            segments: 1,
         })
         .collect();
     let mut conn = app.redis.clone();
