@@ -36,16 +36,18 @@ pub(crate) const BUYER_PREFIX: &str = "u:";
 
 /// The fields of the stream's entries. `lua/seckill.lua` writes one entry per call: its
 /// first field is [`ORDERS`](entry_field::ORDERS) (their number), then `admitted_ms`, then
-/// per sale `voucher_id` (and `part`) and `epoch`, followed by `order_id` and `user_id`
-/// of each of its orders. An entry of one order without `orders` (earlier releases, tools) names each
-/// field once, in any order.
+/// per sale `voucher_id` (and `part`, its segment) and `epoch`, followed by `order_id` and
+/// `user_id` of each of its orders. An entry of one order without `orders` (earlier releases,
+/// tools) names each field once, in any order. The field names are shared with processes of
+/// other releases: they never change with the Rust names.
 pub(crate) mod entry_field {
     pub(crate) const ORDERS: &str = "orders";
     pub(crate) const ORDER_ID: &str = "order_id";
     pub(crate) const VOUCHER_ID: &str = "voucher_id";
     pub(crate) const USER_ID: &str = "user_id";
     pub(crate) const ADMITTED_MS: &str = "admitted_ms";
-    /// Only in the entries of a segmented sale: the segment that took the unit.
+    /// Only in the entries of a segmented sale: the segment that took the unit (named
+    /// `part` on the wire, where processes of other releases read and write it).
     pub(crate) const SEGMENT: &str = "part";
     /// The epoch of the sale state that admitted the orders that follow.
     pub(crate) const EPOCH: &str = "epoch";
@@ -218,7 +220,8 @@ impl Keys {
         key
     }
 
-    /// One segment's hash (as [`Keys::voucher`]; segment 0 is the voucher's own key).
+    /// One segment's hash (as [`Keys::voucher`]; segment 0 is the voucher's own key). The
+    /// key says `:part:`, as every release that knows segments names it.
     pub fn segment(&self, segment: SaleSegment) -> String {
         if segment.segment == 0 {
             return self.voucher(segment.voucher_id);

@@ -59,7 +59,8 @@ pub(super) struct Fence<'k> {
 #[derive(Serialize)]
 struct StepArgs<'a, E: Serialize> {
     voucher: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// The segment's label; `lua/load_voucher.lua` reads it as `part`.
+    #[serde(rename = "part", skip_serializing_if = "Option::is_none")]
     segment: Option<String>,
     pg_stock: i64,
     pg_buyers: i64,
