@@ -481,14 +481,14 @@ pub struct Settings {
     pub replicas: crate::scripts::Replicas,
     /// What the instance answers by itself.
     pub edge: EdgeArgs,
-    /// How often the instance looks for moves between a segmented sale's parts left half
+    /// How often the instance looks for moves between a segmented sale's segments left half
     /// done (by a mover that died); `None`: never (tests that leave one on purpose).
     pub finish_moves_every: Option<Duration>,
     /// What payment notifications must be signed with (none empty).
     pub payment_secrets: Vec<crate::secret::Secret>,
 }
 
-/// How often an API instance finishes half-done moves between parts.
+/// How often an API instance finishes half-done moves between segments.
 pub const FINISH_MOVES_EVERY: Duration = Duration::from_secs(1);
 
 impl Default for Settings {

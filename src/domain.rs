@@ -122,7 +122,7 @@ id_type!(
     OrderId
 );
 id_type!(
-    /// Which build of a sale's (part's) Redis state: drawn from a Postgres sequence by
+    /// Which build of a sale's (segment's) Redis state: drawn from a Postgres sequence by
     /// each build and recorded with it (`sale_epochs`), so a later build has a larger
     /// epoch. Only orders of the current epoch (or carried into it) become rows.
     Epoch

@@ -36,85 +36,88 @@ pub(crate) const BUYER_PREFIX: &str = "u:";
 
 /// The fields of the stream's entries. `lua/seckill.lua` writes one entry per call: its
 /// first field is [`ORDERS`](entry_field::ORDERS) (their number), then `admitted_ms`, then
-/// per sale `voucher_id` (and `part`) and `epoch`, followed by `order_id` and `user_id`
-/// of each of its orders. An entry of one order without `orders` (earlier releases, tools) names each
-/// field once, in any order.
+/// per sale `voucher_id` (and `part`, its segment) and `epoch`, followed by `order_id` and
+/// `user_id` of each of its orders. An entry of one order without `orders` (earlier releases,
+/// tools) names each field once, in any order. The field names are shared with processes of
+/// other releases: they never change with the Rust names.
 pub(crate) mod entry_field {
     pub(crate) const ORDERS: &str = "orders";
     pub(crate) const ORDER_ID: &str = "order_id";
     pub(crate) const VOUCHER_ID: &str = "voucher_id";
     pub(crate) const USER_ID: &str = "user_id";
     pub(crate) const ADMITTED_MS: &str = "admitted_ms";
-    /// Only in the entries of a segmented sale: the part that took the unit.
-    pub(crate) const PART: &str = "part";
+    /// Only in the entries of a segmented sale: the segment that took the unit (named
+    /// `part` on the wire, where processes of other releases read and write it).
+    pub(crate) const SEGMENT: &str = "part";
     /// The epoch of the sale state that admitted the orders that follow.
     pub(crate) const EPOCH: &str = "epoch";
 }
 
-/// One part of a sale's stock. A sale in K parts (its `segments`) keeps part p on the
+/// One segment of a sale's stock. A sale in K segments (its `segments`) keeps segment p on the
 /// slot of stream shard (voucher + p x max(1, S / K)) mod S: shards lie in order over the
-/// slot space (and so over a cluster's masters), so parts a stride apart land on
-/// different masters, and each part's orders go to its own shard's stream. Part 0 is the
-/// sale's own key: a sale in one part is laid out exactly as an unsegmented sale.
+/// slot space (and so over a cluster's masters), so segments a stride apart land on
+/// different masters, and each segment's orders go to its own shard's stream. Segment 0 is the
+/// sale's own key: a sale in one segment is laid out exactly as an unsegmented sale.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SalePart {
+pub struct SaleSegment {
     pub voucher_id: VoucherId,
-    pub part: u8,
-    /// How many parts the sale has.
-    pub parts: u8,
+    pub segment: u8,
+    /// How many segments the sale has.
+    pub segments: u8,
 }
 
-impl SalePart {
-    pub fn new(voucher_id: VoucherId, part: u8, parts: u8) -> Self {
+impl SaleSegment {
+    pub fn new(voucher_id: VoucherId, segment: u8, segments: u8) -> Self {
         Self {
             voucher_id,
-            part,
-            parts: parts.max(1),
+            segment,
+            segments: segments.max(1),
         }
     }
 
-    /// `user_id`'s home part of a sale in `parts` parts (see [`home_part`]).
-    pub fn home_of(voucher_id: VoucherId, user_id: UserId, parts: u8) -> Self {
-        Self::new(voucher_id, home_part(user_id, parts), parts)
+    /// `user_id`'s home segment of a sale in `segments` segments (see [`home_segment`]).
+    pub fn home_of(voucher_id: VoucherId, user_id: UserId, segments: u8) -> Self {
+        Self::new(voucher_id, home_segment(user_id, segments), segments)
     }
 
-    /// Every part of a sale in `parts` parts.
-    pub fn all(voucher_id: VoucherId, parts: u8) -> impl Iterator<Item = SalePart> {
-        (0..parts.max(1)).map(move |part| SalePart::new(voucher_id, part, parts))
+    /// Every segment of a sale in `segments` segments.
+    pub fn all(voucher_id: VoucherId, segments: u8) -> impl Iterator<Item = SaleSegment> {
+        (0..segments.max(1)).map(move |segment| SaleSegment::new(voucher_id, segment, segments))
     }
 
-    /// Another part of the same sale.
-    pub fn sibling(&self, part: u8) -> SalePart {
-        SalePart { part, ..*self }
+    /// Another segment of the same sale.
+    pub fn sibling(&self, segment: u8) -> SaleSegment {
+        SaleSegment { segment, ..*self }
     }
 
-    /// How the part names itself in its state and its orders' stream entries
-    /// (`<part>/<parts>`); `None` for a sale in one part, whose entries carry no part.
+    /// How the segment names itself in its state and its orders' stream entries
+    /// (`<segment>/<segments>`); `None` for a sale in one segment, whose entries carry no segment.
     pub fn label(&self) -> Option<String> {
-        (self.parts > 1).then(|| format!("{}/{}", self.part, self.parts))
+        (self.segments > 1).then(|| format!("{}/{}", self.segment, self.segments))
     }
 
-    /// Whether this part is `user_id`'s home part (holds their buyer record).
+    /// Whether this segment is `user_id`'s home segment (holds their buyer record).
     pub fn is_home_of(&self, user_id: UserId) -> bool {
-        home_part(user_id, self.parts) == self.part
+        home_segment(user_id, self.segments) == self.segment
     }
 
-    /// The part a label names (`None`: not a label of a part).
-    pub fn parse_label(voucher_id: VoucherId, label: &str) -> Option<SalePart> {
-        let (part, parts) = label.split_once('/')?;
-        let (part, parts) = (part.parse::<u8>().ok()?, parts.parse::<u8>().ok()?);
-        (part < parts && parts <= MAX_PARTS).then(|| SalePart::new(voucher_id, part, parts))
+    /// The segment a label names (`None`: not a label of a segment).
+    pub fn parse_label(voucher_id: VoucherId, label: &str) -> Option<SaleSegment> {
+        let (segment, segments) = label.split_once('/')?;
+        let (segment, segments) = (segment.parse::<u8>().ok()?, segments.parse::<u8>().ok()?);
+        (segment < segments && segments <= MAX_SEGMENTS)
+            .then(|| SaleSegment::new(voucher_id, segment, segments))
     }
 }
 
-/// The most parts a sale may be split into.
-pub const MAX_PARTS: u8 = 64;
+/// The most segments a sale may be split into.
+pub const MAX_SEGMENTS: u8 = 64;
 
-/// The part a user's grabs of a sale in `parts` parts go to: it holds their buyer
-/// record, so one order per user holds across parts without a cross-slot step. A mix
+/// The segment a user's grabs of a sale in `segments` segments go to: it holds their buyer
+/// record, so one order per user holds across segments without a cross-slot step. A mix
 /// of the id (not the id mod K): ids handed out in patterns still spread evenly.
-pub fn home_part(user_id: UserId, parts: u8) -> u8 {
-    if parts <= 1 {
+pub fn home_segment(user_id: UserId, segments: u8) -> u8 {
+    if segments <= 1 {
         return 0;
     }
     let mut x = user_id.get() as u64;
@@ -122,7 +125,7 @@ pub fn home_part(user_id: UserId, parts: u8) -> u8 {
     x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     x ^= x >> 31;
-    (x % parts as u64) as u8
+    (x % segments as u64) as u8
 }
 
 /// Which stream shard a voucher's orders go to.
@@ -185,12 +188,12 @@ impl Keys {
         Shard(voucher_id.get().rem_euclid(self.shards.len() as i64) as u32)
     }
 
-    /// The shard of one part of a sale (part 0: the voucher's shard).
-    pub fn shard_of_part(&self, part: SalePart) -> Shard {
+    /// The shard of one segment of a sale (segment 0: the voucher's shard).
+    pub fn shard_of_segment(&self, segment: SaleSegment) -> Shard {
         let n = self.shards.len() as i64;
-        let stride = (n / part.parts as i64).max(1);
-        let first = part.voucher_id.get().rem_euclid(n);
-        Shard((first + part.part as i64 * stride).rem_euclid(n) as u32)
+        let stride = (n / segment.segments as i64).max(1);
+        let first = segment.voucher_id.get().rem_euclid(n);
+        Shard((first + segment.segment as i64 * stride).rem_euclid(n) as u32)
     }
 
     fn shard(&self, shard: Shard) -> &ShardKeys {
@@ -217,25 +220,26 @@ impl Keys {
         key
     }
 
-    /// One part's hash (as [`Keys::voucher`]; part 0 is the voucher's own key).
-    pub fn part(&self, part: SalePart) -> String {
-        if part.part == 0 {
-            return self.voucher(part.voucher_id);
+    /// One segment's hash (as [`Keys::voucher`]; segment 0 is the voucher's own key). The
+    /// key says `:part:`, as every release that knows segments names it.
+    pub fn segment(&self, segment: SaleSegment) -> String {
+        if segment.segment == 0 {
+            return self.voucher(segment.voucher_id);
         }
-        let prefix = &self.shard(self.shard_of_part(part)).voucher_prefix;
-        format!("{prefix}{}:part:{}", part.voucher_id, part.part)
+        let prefix = &self.shard(self.shard_of_segment(segment)).voucher_prefix;
+        format!("{prefix}{}:part:{}", segment.voucher_id, segment.segment)
     }
 
-    /// Units taken out of a part for another, not yet recorded in Postgres (move id ->
-    /// `<to part> <units>`); in the part's slot.
-    pub fn moves_out(&self, part: SalePart) -> String {
-        format!("{}:moves-out", self.part(part))
+    /// Units taken out of a segment for another, not yet recorded in Postgres (move id ->
+    /// `<to segment> <units>`); in the segment's slot.
+    pub fn moves_out(&self, segment: SaleSegment) -> String {
+        format!("{}:moves-out", self.segment(segment))
     }
 
-    /// Moves credited to a part (move id -> units), so a credit is applied once; in
-    /// the part's slot.
-    pub fn moves_in(&self, part: SalePart) -> String {
-        format!("{}:moves-in", self.part(part))
+    /// Moves credited to a segment (move id -> units), so a credit is applied once; in
+    /// the segment's slot.
+    pub fn moves_in(&self, segment: SaleSegment) -> String {
+        format!("{}:moves-in", self.segment(segment))
     }
 
     /// A sale's grab outcomes counted for the live view (see `admission::tally`);
@@ -268,9 +272,9 @@ impl Keys {
         format!("{}probe", marker.strip_suffix("term").unwrap_or(&marker))
     }
 
-    /// The term marker of the slot a sale part lives on.
-    pub fn part_marker(&self, part: SalePart) -> String {
-        self.term_marker(self.shard_of_part(part))
+    /// The term marker of the slot a sale segment lives on.
+    pub fn segment_marker(&self, segment: SaleSegment) -> String {
+        self.term_marker(self.shard_of_segment(segment))
     }
 
     /// The term marker of the slot `key` lives on (its hash tag, or the whole key).
@@ -404,14 +408,14 @@ mod tests {
     }
 
     #[test]
-    fn a_sales_parts_lie_a_stride_apart_so_they_spread_over_the_slot_space() {
+    fn a_sales_segments_lie_a_stride_apart_so_they_spread_over_the_slot_space() {
         let voucher = VoucherId::new(7).unwrap();
         for shards in [3u32, 6, 12] {
             let keys = Keys::with_shards("p:", shards).unwrap();
-            let thirds: Vec<usize> = SalePart::all(voucher, 3)
+            let thirds: Vec<usize> = SaleSegment::all(voucher, 3)
                 .map(|p| {
-                    let key = keys.part(p);
-                    assert_eq!(slot(&key), slot(keys.stream(keys.shard_of_part(p))));
+                    let key = keys.segment(p);
+                    assert_eq!(slot(&key), slot(keys.stream(keys.shard_of_segment(p))));
                     slot(&key) as usize * 3 / 16384
                 })
                 .collect();
@@ -419,25 +423,25 @@ mod tests {
             distinct.sort_unstable();
             assert_eq!(distinct, [0, 1, 2], "{shards} shards: {thirds:?}");
         }
-        // Part 0 is the voucher's own key; more parts than shards still fit.
+        // Segment 0 is the voucher's own key; more segments than shards still fit.
         let keys = Keys::with_shards("", 2).unwrap();
         assert_eq!(
-            keys.part(SalePart::new(voucher, 0, 5)),
+            keys.segment(SaleSegment::new(voucher, 0, 5)),
             keys.voucher(voucher)
         );
-        let parts: Vec<Shard> = SalePart::all(voucher, 5)
-            .map(|p| keys.shard_of_part(p))
+        let segments: Vec<Shard> = SaleSegment::all(voucher, 5)
+            .map(|p| keys.shard_of_segment(p))
             .collect();
-        assert_eq!(parts, [Shard(1), Shard(0), Shard(1), Shard(0), Shard(1)]);
+        assert_eq!(segments, [Shard(1), Shard(0), Shard(1), Shard(0), Shard(1)]);
     }
 
     #[test]
-    fn home_parts_spread_users_evenly_and_a_single_part_is_home_to_all() {
+    fn home_segments_spread_users_evenly_and_a_single_segment_is_home_to_all() {
         let mut counts = [0usize; 4];
         for user in 1..=40_000 {
             let user = UserId::new(user).unwrap();
-            assert_eq!(home_part(user, 1), 0);
-            counts[home_part(user, 4) as usize] += 1;
+            assert_eq!(home_segment(user, 1), 0);
+            counts[home_segment(user, 4) as usize] += 1;
         }
         for n in counts {
             assert!((9_500..=10_500).contains(&n), "{counts:?}");
@@ -445,14 +449,14 @@ mod tests {
     }
 
     #[test]
-    fn a_part_label_names_its_part_and_nothing_else_parses() {
+    fn a_segment_label_names_its_segment_and_nothing_else_parses() {
         let voucher = VoucherId::new(3).unwrap();
-        let part = SalePart::new(voucher, 2, 5);
-        assert_eq!(part.label().as_deref(), Some("2/5"));
-        assert_eq!(SalePart::parse_label(voucher, "2/5"), Some(part));
-        assert_eq!(SalePart::new(voucher, 0, 1).label(), None);
+        let segment = SaleSegment::new(voucher, 2, 5);
+        assert_eq!(segment.label().as_deref(), Some("2/5"));
+        assert_eq!(SaleSegment::parse_label(voucher, "2/5"), Some(segment));
+        assert_eq!(SaleSegment::new(voucher, 0, 1).label(), None);
         for bad in ["5/5", "1/65", "2", "a/b", "/3", "2/"] {
-            assert_eq!(SalePart::parse_label(voucher, bad), None, "{bad}");
+            assert_eq!(SaleSegment::parse_label(voucher, bad), None, "{bad}");
         }
     }
 

@@ -51,9 +51,9 @@ pub(crate) const LIVE_VIEWERS: &str = "seckill_live_viewers";
 pub(crate) const ROLLBACKS_HEALED: &str = "seckill_redis_rollbacks_healed_total";
 /// Sales whose Redis state this process rebuilt because it was stale or missing.
 pub(crate) const SALES_REBUILT: &str = "seckill_sales_rebuilt_total";
-/// Units this process moved between the parts of segmented sales (credited to the
-/// part that ran dry; see `admission::parts`).
-pub(crate) const PART_UNITS_MOVED: &str = "seckill_part_units_moved_total";
+/// Units this process moved between the segments of segmented sales (credited to the
+/// segment that ran dry; see `admission::segments`).
+pub(crate) const SEGMENT_UNITS_MOVED: &str = "seckill_segment_units_moved_total";
 /// 202s this instance gave that Redis lost with every copy and that could not be admitted
 /// again where their sale lives (see `admission::promises`).
 pub(crate) const PROMISES_BROKEN: &str = "seckill_promises_broken_total";
@@ -148,8 +148,8 @@ pub(crate) const DESCRIBED: &[Described] = &[
         "Times this process saw a Redis server in a new term (restarted, failed over or restored: it may have lost acknowledged writes) and rebuilt the sales on it from Postgres."),
     m(SALES_REBUILT, Kind::Counter, None,
         "Sales whose Redis state this process rebuilt from Postgres because it was stale (built in an earlier term of the server) or missing."),
-    m(PART_UNITS_MOVED, Kind::Counter, None,
-        "Units this process moved between the parts of segmented sales (credited to a part that had run dry)."),
+    m(SEGMENT_UNITS_MOVED, Kind::Counter, None,
+        "Units this process moved between the segments of segmented sales (credited to a segment that had run dry)."),
     m(PROMISES_KEPT, Kind::Gauge, None,
         "202s this instance gave whose stream entry is not yet known acknowledged (written to Postgres): kept, to admit them again should Redis lose them."),
     m(PROMISES_READMITTED, Kind::Counter, None,
@@ -236,7 +236,7 @@ fn register_known_series() {
     metrics::counter!(ROLLBACKS_HEALED).increment(0);
     metrics::counter!(SALE_CHANGES_HEARD).increment(0);
     metrics::counter!(SALES_REBUILT).increment(0);
-    metrics::counter!(PART_UNITS_MOVED).increment(0);
+    metrics::counter!(SEGMENT_UNITS_MOVED).increment(0);
     metrics::counter!(PROMISES_BROKEN).increment(0);
     metrics::counter!(PROMISES_READMITTED).increment(0);
     // (The grab's outcomes are registered by `admission::hot`, in the processes that

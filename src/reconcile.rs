@@ -30,7 +30,7 @@ use sqlx::PgPool;
 
 use crate::admission::loader::{self, check::Checked, Mode};
 use crate::domain::{OrderStatus, VoucherId};
-use crate::keys::{Keys, SalePart};
+use crate::keys::{Keys, SaleSegment};
 use crate::scripts::Replicas;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,10 +57,10 @@ pub(crate) struct VoucherBooks {
     /// Releases owed to Redis whose buyer record still holds the unit (counted in the
     /// expected stock and buyers).
     pub owed: i64,
-    /// Parts the sale is split over, and how many of them are out of balance (a
-    /// segmented sale balances part by part, not only in sum).
-    pub parts: u8,
-    pub drifting_parts: u8,
+    /// Segments the sale is split over, and how many of them are out of balance (a
+    /// segmented sale balances segment by segment, not only in sum).
+    pub segments: u8,
+    pub drifting_segments: u8,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,8 +118,8 @@ impl VoucherBooks {
             paid: count(&|s, _| matches!(s, OrderStatus::Paid | OrderStatus::Used)),
             closed: count(&|_, unit_back| unit_back),
             owed: f.owed_held,
-            parts: 1,
-            drifting_parts: 0,
+            segments: 1,
+            drifting_segments: 0,
         }
     }
 
@@ -147,7 +147,7 @@ impl VoucherBooks {
         if stock_drift == 0
             && self.buyers_drift() == 0
             && self.mismatched_buyers == 0
-            && self.drifting_parts == 0
+            && self.drifting_segments == 0
         {
             Finding::Balanced
         } else {
@@ -180,12 +180,12 @@ pub(crate) async fn books<C: ConnectionLike + Send>(
     let mut out = Vec::with_capacity(ids.len());
     for id in ids {
         match checked(db, conn, keys, id).await? {
-            Some((f, parts, drifting_parts)) => {
+            Some((f, segments, drifting_segments)) => {
                 let statuses = crate::store::lifecycle::status_counts(db, id).await?;
                 let mut books =
                     VoucherBooks::new(id, &f, dead.get(&id).copied().unwrap_or(0), &statuses);
-                books.parts = parts;
-                books.drifting_parts = drifting_parts;
+                books.segments = segments;
+                books.drifting_segments = drifting_segments;
                 out.push(books)
             }
             None if voucher.is_some() => anyhow::bail!("voucher {id} has no flash sale"),
@@ -195,8 +195,8 @@ pub(crate) async fn books<C: ConnectionLike + Send>(
     Ok(out)
 }
 
-/// A sale read through the fence part by part: the parts' figures summed (Redis's
-/// stock known only if every part's is), how many parts it has, and how many of them
+/// A sale read through the fence segment by segment: the segments' figures summed (Redis's
+/// stock known only if every segment's is), how many segments it has, and how many of them
 /// are out of balance on their own.
 async fn checked<C: ConnectionLike + Send>(
     db: &PgPool,
@@ -204,16 +204,16 @@ async fn checked<C: ConnectionLike + Send>(
     keys: &Keys,
     voucher_id: VoucherId,
 ) -> anyhow::Result<Option<(Checked, u8, u8)>> {
-    let Some(parts) = crate::store::parts::parts_of(db, voucher_id).await? else {
+    let Some(segments) = crate::store::segments::segments_of(db, voucher_id).await? else {
         return Ok(None);
     };
     let mut sum: Option<Checked> = None;
     let mut drifting = 0;
-    for part in SalePart::all(voucher_id, parts) {
-        let Some(f) = loader::check::check_part(db, conn, keys, part).await? else {
+    for segment in SaleSegment::all(voucher_id, segments) {
+        let Some(f) = loader::check::check_segment(db, conn, keys, segment).await? else {
             return Ok(None);
         };
-        // (A part whose buyers hold more units than its allotment was sold into by
+        // (A segment whose buyers hold more units than its allotment was sold into by
         // units it never had: drift, whatever Redis holds. A state of another epoch
         // than Postgres's is not the sale's: its orders would never be written.)
         if f.actual_stock.is_some_and(|s| s != f.expected.stock)
@@ -226,7 +226,7 @@ async fn checked<C: ConnectionLike + Send>(
         }
         sum = Some(match sum {
             None => f,
-            // Postgres's whole-sale figures from the last part's read (one lock).
+            // Postgres's whole-sale figures from the last segment's read (one lock).
             Some(s) => Checked {
                 pg_stock: s.pg_stock + f.pg_stock,
                 pg_orders: s.pg_orders + f.pg_orders,
@@ -245,7 +245,7 @@ async fn checked<C: ConnectionLike + Send>(
             },
         });
     }
-    Ok(sum.map(|s| (s, parts, drifting)))
+    Ok(sum.map(|s| (s, segments, drifting)))
 }
 
 /// Where the report goes, a piece at a time (standard output, in the binary).
@@ -420,9 +420,9 @@ pub(crate) fn render(rows: &[VoucherBooks]) -> String {
                 (Some(_), 0) => r.buyers_drift().to_string(),
                 (Some(_), m) => format!("{}/{m}≠", r.buyers_drift()),
             },
-            match (r.parts, r.drifting_parts) {
+            match (r.segments, r.drifting_segments) {
                 (1, _) | (_, 0) => r.verdict().as_str().to_string(),
-                (k, n) => format!("{} ({n} of {k} parts)", r.verdict().as_str()),
+                (k, n) => format!("{} ({n} of {k} segments)", r.verdict().as_str()),
             }
         );
     }
@@ -450,8 +450,8 @@ mod tests {
             paid: 0,
             closed: 0,
             owed: 0,
-            parts: 1,
-            drifting_parts: 0,
+            segments: 1,
+            drifting_segments: 0,
         }
     }
 
@@ -461,10 +461,10 @@ mod tests {
     }
 
     #[test]
-    fn a_part_out_of_balance_is_drift_even_when_the_sums_balance() {
+    fn a_segment_out_of_balance_is_drift_even_when_the_sums_balance() {
         let books = VoucherBooks {
-            parts: 3,
-            drifting_parts: 2,
+            segments: 3,
+            drifting_segments: 2,
             ..books()
         };
         assert_eq!(books.verdict(), Finding::Drift);

@@ -100,7 +100,7 @@ impl Batcher {
 
     /// Decides one grab, in the next call of its shard.
     pub async fn admit(&self, grab: Grab) -> RedisResult<Outcome> {
-        let shard = self.keys.shard_of_part(grab.sale_part());
+        let shard = self.keys.shard_of_segment(grab.sale_segment());
         let (reply, answer) = oneshot::channel();
         if self.shards[shard.0 as usize]
             .send((grab, reply))

@@ -30,7 +30,7 @@ use redis::RedisResult;
 
 use super::Outcome;
 use crate::domain::{UserId, VoucherId};
-use crate::keys::{Keys, SalePart};
+use crate::keys::{Keys, SaleSegment};
 
 /// Sales remembered at most (a storm of made-up voucher ids must not grow memory
 /// without bound: beyond it, new sales are not remembered). Lookups of sales Redis does
@@ -343,7 +343,7 @@ impl Edge {
         conn: &C,
         keys: &Keys,
         voucher_id: VoucherId,
-        parts: u8,
+        segments: u8,
     ) where
         C: ConnectionLike + Send + Clone + 'static,
     {
@@ -354,7 +354,7 @@ impl Edge {
         tokio::spawn(async move {
             let read_at = Instant::now();
             let verdict = match edge
-                .learn(&mut conn, &keys, voucher_id, parts, read_at)
+                .learn(&mut conn, &keys, voucher_id, segments, read_at)
                 .await
             {
                 Ok(v) => v,
@@ -367,23 +367,23 @@ impl Edge {
         });
     }
 
-    /// The verdict one read of the sale (of every part of it) supports (`None`: the
+    /// The verdict one read of the sale (of every segment of it) supports (`None`: the
     /// sale can still sell, or its state cannot be trusted: nothing to remember).
     async fn learn<C: ConnectionLike + Send>(
         &self,
         conn: &mut C,
         keys: &Keys,
         voucher_id: VoucherId,
-        parts: u8,
+        segments: u8,
         read_at: Instant,
     ) -> RedisResult<Option<Verdict>> {
-        let moves: Vec<String> = match parts {
+        let moves: Vec<String> = match segments {
             1 => Vec::new(),
-            _ => SalePart::all(voucher_id, parts)
+            _ => SaleSegment::all(voucher_id, segments)
                 .map(|p| keys.moves_out(p))
                 .collect(),
         };
-        let keys = StateKeys::all(keys, voucher_id, parts);
+        let keys = StateKeys::all(keys, voucher_id, segments);
         let Some(state) = peek_all(conn, &keys).await? else {
             return Ok(None);
         };

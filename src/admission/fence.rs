@@ -1,4 +1,4 @@
-//! The fence at the door: what this instance knows of each sale part's current epoch
+//! The fence at the door: what this instance knows of each sale segment's current epoch
 //! (Postgres's `sale_epochs`), handed to every admission call so that a Redis state
 //! older than the build Postgres names takes no unit and answers no 202.
 //!
@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use crate::backoff::Backoff;
 use crate::domain::{Epoch, VoucherId};
-use crate::keys::SalePart;
+use crate::keys::SaleSegment;
 use crate::store::epochs;
 
 /// How often the whole table is read again though nothing was missed (it also forgets
@@ -40,7 +40,7 @@ const KEEP_AFTER_END: Duration = Duration::from_secs(3600);
 /// anyway (Postgres down: admission does not wait for it).
 pub(crate) const FIRST_READ_WAIT: Duration = Duration::from_secs(2);
 
-/// The current epoch of each sale part, as this instance last heard from Postgres.
+/// The current epoch of each sale segment, as this instance last heard from Postgres.
 #[derive(Debug)]
 pub struct Fence {
     known: RwLock<HashMap<(VoucherId, u8), Epoch>>,
@@ -65,20 +65,20 @@ impl Fence {
         let _ = read.wait_for(|done| *done).await;
     }
 
-    /// The epoch below which a state of `part` may not admit (`None`: none known).
-    pub fn floor(&self, part: SalePart) -> Option<Epoch> {
+    /// The epoch below which a state of `segment` may not admit (`None`: none known).
+    pub fn floor(&self, segment: SaleSegment) -> Option<Epoch> {
         self.known
             .read()
             .unwrap_or_else(|e| e.into_inner())
-            .get(&(part.voucher_id, part.part))
+            .get(&(segment.voucher_id, segment.segment))
             .copied()
     }
 
-    /// Postgres named `epoch` for the part: kept unless a later one is known (a read of
+    /// Postgres named `epoch` for the segment: kept unless a later one is known (a read of
     /// the table may cross a notification).
-    pub(crate) fn learn(&self, voucher_id: VoucherId, part: u8, epoch: Epoch) {
+    pub(crate) fn learn(&self, voucher_id: VoucherId, segment: u8, epoch: Epoch) {
         let mut known = self.known.write().unwrap_or_else(|e| e.into_inner());
-        let at = known.entry((voucher_id, part)).or_insert(epoch);
+        let at = known.entry((voucher_id, segment)).or_insert(epoch);
         *at = (*at).max(epoch);
     }
 
@@ -88,8 +88,8 @@ impl Fence {
         let mut known = self.known.write().unwrap_or_else(|e| e.into_inner());
         *known = rows
             .into_iter()
-            .map(|(v, part, read)| {
-                let key = (v, part as u8);
+            .map(|(v, segment, read)| {
+                let key = (v, segment as u8);
                 (key, known.get(&key).map_or(read, |&heard| read.max(heard)))
             })
             .collect();
@@ -145,7 +145,7 @@ impl Fence {
                     return Ok(());
                 };
                 match parse(heard.payload()) {
-                    Some((voucher_id, part, epoch)) => self.learn(voucher_id, part, epoch),
+                    Some((voucher_id, segment, epoch)) => self.learn(voucher_id, segment, epoch),
                     None => tracing::warn!(
                         payload = heard.payload(),
                         "an epoch announcement not understood"
@@ -156,13 +156,16 @@ impl Fence {
     }
 }
 
-/// `<voucher_id> <part> <epoch>`, as `store::epochs::record` announces it.
+/// `<voucher_id> <segment> <epoch>`, as `store::epochs::record` announces it.
 fn parse(payload: &str) -> Option<(VoucherId, u8, Epoch)> {
     let mut words = payload.split(' ');
     let voucher_id = VoucherId::new(words.next()?.parse().ok()?)?;
-    let part = words.next()?.parse().ok()?;
+    let segment = words.next()?.parse().ok()?;
     let epoch = Epoch::new(words.next()?.parse().ok()?)?;
-    words.next().is_none().then_some((voucher_id, part, epoch))
+    words
+        .next()
+        .is_none()
+        .then_some((voucher_id, segment, epoch))
 }
 
 #[cfg(test)]
@@ -178,7 +181,7 @@ mod tests {
     }
 
     #[test]
-    fn an_announcement_names_the_sale_part_and_epoch() {
+    fn an_announcement_names_the_sale_segment_and_epoch() {
         assert_eq!(parse("12 0 345"), Some((v(12), 0, e(345))));
         assert_eq!(parse("12 3 9"), Some((v(12), 3, e(9))));
         for bad in ["", "12", "12 0", "12 0 x", "0 0 1", "12 0 1 2", "12 -1 5"] {
@@ -187,20 +190,20 @@ mod tests {
     }
 
     #[test]
-    fn what_is_known_of_a_part_never_goes_back() {
+    fn what_is_known_of_a_segment_never_goes_back() {
         let fence = Fence::default();
-        let part = SalePart::new(v(7), 0, 1);
-        assert_eq!(fence.floor(part), None);
+        let segment = SaleSegment::new(v(7), 0, 1);
+        assert_eq!(fence.floor(segment), None);
         fence.learn(v(7), 0, e(5));
         fence.learn(v(7), 0, e(3));
-        assert_eq!(fence.floor(part), Some(e(5)));
+        assert_eq!(fence.floor(segment), Some(e(5)));
         // A read of the table that crossed a later announcement keeps the later one,
         // and forgets the sales it no longer lists.
         fence.learn(v(8), 0, e(2));
         fence.replace(vec![(v(7), 0, e(4))]);
-        assert_eq!(fence.floor(part), Some(e(5)));
-        assert_eq!(fence.floor(SalePart::new(v(8), 0, 1)), None);
+        assert_eq!(fence.floor(segment), Some(e(5)));
+        assert_eq!(fence.floor(SaleSegment::new(v(8), 0, 1)), None);
         fence.replace(vec![(v(7), 0, e(6))]);
-        assert_eq!(fence.floor(part), Some(e(6)));
+        assert_eq!(fence.floor(segment), Some(e(6)));
     }
 }

@@ -1,7 +1,7 @@
 //! One place decides a grab: [`Admission::grab`]. In order: the abuse limits, the edge
 //! (presses answered from what Redis last said), a 202 of this shopper's being
 //! recovered, the order id, the admission call (batched per shard, through a segmented
-//! sale's parts), then what the answer asks for: remembering a sale that can sell
+//! sale's segments), then what the answer asks for: remembering a sale that can sell
 //! nothing, healing one Redis lost or built in another life. Every answer is counted
 //! once, by its [`Outcome`]. The HTTP handler parses, calls, and maps the outcome.
 
@@ -19,8 +19,8 @@ use super::fence::Fence;
 use super::hot::HotPath;
 use super::limits::RateLimiter;
 use super::order_id::OrderIds;
-use super::parts::Parts;
 use super::promises::Promises;
+use super::segments::Segments;
 use super::{loader, Outcome, Unavailable};
 use crate::domain::{OrderId, UserId, VoucherId};
 use crate::keys::Keys;
@@ -49,11 +49,11 @@ pub struct Admission {
     pub(crate) keys: Keys,
     pub ids: Arc<OrderIds>,
     pub(crate) batcher: Batcher,
-    /// The parts of segmented sales, and the moves of units between them.
-    pub parts: Arc<Parts>,
+    /// The segments of segmented sales, and the moves of units between them.
+    pub segments: Arc<Segments>,
     /// Sales this instance answers by itself (sold out, not yet open, ended, none).
     pub(crate) edge: Arc<Edge>,
-    /// The epoch Postgres names for each sale part, as last heard.
+    /// The epoch Postgres names for each sale segment, as last heard.
     pub(crate) fence: Arc<Fence>,
     pub(crate) limits: Limits,
     /// Wakes the term watcher (a grab met a sale built in an earlier term of Redis).
@@ -93,7 +93,7 @@ impl Admission {
             p.promises,
             fence.clone(),
         );
-        let parts = Arc::new(Parts::new(
+        let segments = Arc::new(Segments::new(
             p.db.clone(),
             p.redis.clone(),
             p.keys.clone(),
@@ -105,7 +105,7 @@ impl Admission {
             keys: p.keys,
             ids: p.ids,
             batcher,
-            parts,
+            segments,
             edge: Arc::new(Edge::new(p.edge_ttl)),
             fence,
             limits: p.limits,
@@ -154,7 +154,7 @@ impl Admission {
         };
         let started = Instant::now();
         let decided = self
-            .parts
+            .segments
             .admit(&self.batcher, voucher_id, shopper.user_id, order_id)
             .await;
         hot.admission_seconds
@@ -195,9 +195,9 @@ impl Admission {
         match outcome {
             Outcome::NotStarted | Outcome::Ended | Outcome::SoldOut => {
                 // (Known by now: the grab was routed by it.)
-                let parts = self.parts.of(voucher_id).await.unwrap_or(1);
+                let segments = self.segments.of(voucher_id).await.unwrap_or(1);
                 self.edge
-                    .learn_in_background(&self.redis, &self.keys, voucher_id, parts);
+                    .learn_in_background(&self.redis, &self.keys, voucher_id, segments);
             }
             Outcome::NotLoaded => return self.not_loaded(voucher_id).await,
             Outcome::Stale => {
@@ -208,7 +208,7 @@ impl Admission {
                 self.heal.notify_one();
             }
             // Every instance is admitting again the 202s the server may have lost: the
-            // watcher looks soon (this instance's part, and the opening).
+            // watcher looks soon (this instance's segment, and the opening).
             Outcome::Held => self.look_soon.notify_one(),
             // Nothing to heal here: the sale lives on another server, and this one (an
             // old primary) is on its way out (the term watch sees the change of server).

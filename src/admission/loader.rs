@@ -4,7 +4,7 @@
 //! reconcile's read-only comparison ([`check`]) through the same fence.
 //!
 //! The fence, behind every move of a sale's state from Postgres into Redis and behind
-//! the comparison, one part of a sale at a time ([`fenced`]):
+//! the comparison, one segment of a sale at a time ([`fenced`]):
 //!
 //! 1. lock the sale's `seckill_vouchers` row and read stock and buyers: from now until
 //!    the end no worker can commit or bury an order of this sale (both take the lock),
@@ -22,7 +22,7 @@
 //! and counted in flight. Either way it is counted once: no unit is given out twice
 //! and no buyer record is lost.
 //!
-//! A segmented sale is loaded a part at a time, each under the same lock: a part's
+//! A segmented sale is loaded a segment at a time, each under the same lock: a segment's
 //! buyers are those whose home it is, its stock its allotment less their orders.
 
 use std::time::Duration;
@@ -32,7 +32,7 @@ use serde::Serialize;
 use sqlx::PgPool;
 
 use crate::domain::{Epoch, OrderId, UserId, VoucherId};
-use crate::keys::{Keys, SalePart};
+use crate::keys::{Keys, SaleSegment};
 use crate::scripts::{Call, Replicas};
 use crate::store;
 use fenced::{Counting, Fence};
@@ -82,10 +82,10 @@ const STEP_DEADLINE: Duration = Duration::from_millis(500);
 /// Rounds of paging before giving up (the stream grew faster than it could be read).
 const MAX_ROUNDS: usize = 100;
 
-/// Loads one sale (see `lua/load_voucher.lua`), each of its parts in turn: buyers are
+/// Loads one sale (see `lua/load_voucher.lua`), each of its segments in turn: buyers are
 /// Postgres's buyers plus the orders in flight, stock is Postgres's minus those. `None`
-/// when live state was left alone in every part or the voucher has no flash sale; else
-/// the sum over the parts written. A write waits for `replicas`.
+/// when live state was left alone in every segment or the voucher has no flash sale; else
+/// the sum over the segments written. A write waits for `replicas`.
 pub async fn load_sale<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
@@ -95,13 +95,13 @@ pub async fn load_sale<C: ConnectionLike + Send>(
     mode: Mode,
     replicas: Replicas,
 ) -> anyhow::Result<Option<Loaded>> {
-    let Some(parts) = store::parts::parts_of(db, voucher_id).await? else {
+    let Some(segments) = store::segments::segments_of(db, voucher_id).await? else {
         return Ok(None);
     };
     let mut sum: Option<Loaded> = None;
-    for part in SalePart::all(voucher_id, parts) {
-        let load = PartLoad {
-            part,
+    for segment in SaleSegment::all(voucher_id, segments) {
+        let load = SegmentLoad {
+            segment,
             retention,
             mode,
             replicas,
@@ -116,7 +116,7 @@ pub async fn load_sale<C: ConnectionLike + Send>(
     Ok(sum)
 }
 
-/// Whether the part's state is there, built in the server's current term, sound and
+/// Whether the segment's state is there, built in the server's current term, sound and
 /// armed, with Postgres's epoch (or Postgres's epoch went to a newer server life: not
 /// ours to take): then a heal leaves it alone (the last step checks again, atomically,
 /// under the lock).
@@ -124,13 +124,13 @@ async fn current<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,
-    part: SalePart,
+    segment: SaleSegment,
 ) -> anyhow::Result<bool> {
-    let state = super::edge::StateKeys::of(keys, part);
+    let state = super::edge::StateKeys::of(keys, segment);
     let Some(state) = super::edge::peek(conn, &state).await? else {
         return Ok(false);
     };
-    Ok(match store::epochs::built(db, part).await? {
+    Ok(match store::epochs::built(db, segment).await? {
         None => true,
         Some(b) => {
             b.epoch.to_string() == state.epoch()
@@ -145,24 +145,24 @@ async fn leave_alone<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,
-    part: SalePart,
+    segment: SaleSegment,
     mode: Mode,
 ) -> anyhow::Result<bool> {
     Ok(match mode {
         Mode::Create => {
             redis::cmd("EXISTS")
-                .arg(keys.part(part))
+                .arg(keys.segment(segment))
                 .query_async(conn)
                 .await?
         }
-        Mode::Heal => current(db, conn, keys, part).await?,
+        Mode::Heal => current(db, conn, keys, segment).await?,
         Mode::Repair => false,
     })
 }
 
-/// One part's load through the fence.
-struct PartLoad {
-    part: SalePart,
+/// One segment's load through the fence.
+struct SegmentLoad {
+    segment: SaleSegment,
     retention: Duration,
     mode: Mode,
     replicas: Replicas,
@@ -183,25 +183,25 @@ struct LoadArgs<'a> {
     expire_at_ms: i64,
 }
 
-impl PartLoad {
-    /// Writes the part's state through the fence, draws its epoch, records it with the
+impl SegmentLoad {
+    /// Writes the segment's state through the fence, draws its epoch, records it with the
     /// orders carried, and arms the state. `None`: the state was left alone.
-    #[tracing::instrument(skip(self, db, conn, keys), fields(part = ?self.part, mode = ?self.mode))]
+    #[tracing::instrument(skip(self, db, conn, keys), fields(segment = ?self.segment, mode = ?self.mode))]
     async fn run<C: ConnectionLike + Send>(
         &self,
         db: &PgPool,
         conn: &mut C,
         keys: &Keys,
     ) -> anyhow::Result<Option<Loaded>> {
-        let (part, mode, voucher_id) = (self.part, self.mode, self.part.voucher_id);
-        if leave_alone(db, conn, keys, part, mode).await? {
+        let (segment, mode, voucher_id) = (self.segment, self.mode, self.segment.voucher_id);
+        if leave_alone(db, conn, keys, segment, mode).await? {
             return Ok(None);
         }
         let counting = Counting {
             scan: mode != Mode::Create,
             unsettled_burials: false,
         };
-        let Some(mut fence) = Fence::lock(db, conn, keys, part, counting).await? else {
+        let Some(mut fence) = Fence::lock(db, conn, keys, segment, counting).await? else {
             return Ok(None);
         };
         // Drawn before the step (which writes it into the state, not armed yet); wasted
@@ -218,13 +218,13 @@ impl PartLoad {
             crate::sale_changes::announce(conn, keys, voucher_id).await;
         }
         if let Some(b) = &built {
-            store::epochs::record(&mut fence.tx, part, epoch, &b.term, &b.carried).await?;
+            store::epochs::record(&mut fence.tx, segment, epoch, &b.term, &b.carried).await?;
         }
         fence.tx.commit().await?;
         let Some(built) = built else {
             return Ok(None);
         };
-        arm(conn, keys, part, epoch).await?;
+        arm(conn, keys, segment, epoch).await?;
         let expected = built.expected;
         tracing::info!(
             voucher_id = voucher_id.get(),
@@ -301,20 +301,20 @@ impl Built {
 async fn arm<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
-    part: SalePart,
+    segment: SaleSegment,
     epoch: Epoch,
 ) -> anyhow::Result<()> {
     let armed: i64 = Call::function("seckill_arm")
-        .key(keys.part(part))
-        .key(keys.part_marker(part))
+        .key(keys.segment(segment))
+        .key(keys.segment_marker(segment))
         .arg(epoch)
         .invoke(conn)
         .await?;
     if armed != 1 {
         // Another load wrote the state since (it arms its own), or it is gone.
         tracing::warn!(
-            voucher_id = part.voucher_id.get(),
-            part = part.part,
+            voucher_id = segment.voucher_id.get(),
+            segment = segment.segment,
             epoch = epoch.get(),
             "a loaded sale state was replaced before it was armed"
         );
@@ -340,19 +340,19 @@ pub async fn close_sale<C: ConnectionLike + Send>(
     if store::vouchers::lock_sales(&mut tx, &[voucher_id]).await? == 0 {
         return Ok(false);
     }
-    let parts = store::parts::parts_of(&mut *tx, voucher_id)
+    let segments = store::segments::segments_of(&mut *tx, voucher_id)
         .await?
         .unwrap_or(1);
     // Postgres commits only once the replicas hold the close: a failover cannot reopen
     // a sale Postgres says is closed (and if it loses the close before that, the
-    // request fails and closing again finishes it). Every part closes; Postgres's end
+    // request fails and closing again finishes it). Every segment closes; Postgres's end
     // is the latest of theirs, so no admission lies after it.
     let mut end_ms = i64::MIN;
-    for part in SalePart::all(voucher_id, parts) {
-        let epoch = store::epochs::of(&mut *tx, part).await?;
+    for segment in SaleSegment::all(voucher_id, segments) {
+        let epoch = store::epochs::of(&mut *tx, segment).await?;
         let ended: i64 = Call::function("seckill_close")
-            .key(keys.part(part))
-            .key(keys.part_marker(part))
+            .key(keys.segment(segment))
+            .key(keys.segment_marker(segment))
             .arg(epoch.map(|e| e.to_string()).unwrap_or_default())
             .invoke_waiting(conn, replicas)
             .await?;

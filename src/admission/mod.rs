@@ -10,8 +10,8 @@ pub(crate) mod keepers;
 pub mod limits;
 pub mod loader;
 pub mod order_id;
-pub mod parts;
 pub mod promises;
+pub mod segments;
 pub mod tally;
 pub mod term;
 pub mod upkeep;
@@ -20,7 +20,7 @@ use redis::aio::ConnectionLike;
 use redis::RedisResult;
 
 use crate::domain::{OrderId, UserId, VoucherId};
-use crate::keys::{self, Keys, SalePart};
+use crate::keys::{self, Keys, SaleSegment};
 use crate::scripts::{Call, Replicas};
 
 /// How a grab ended: the one vocabulary of its answers. The admission script decides
@@ -54,8 +54,8 @@ pub enum Outcome {
     /// [`fence`]): the sale lives on another Redis server now, and this one (an old
     /// primary still taking writes) took nothing.
     Fenced,
-    /// The grab's part of a segmented sale has no unit left: units are moved to it from
-    /// the other parts (see [`parts`]), or, when none has any, the sale is sold out.
+    /// The grab's segment of a segmented sale has no unit left: units are moved to it from
+    /// the other segments (see [`segments`]), or, when none has any, the sale is sold out.
     /// Never an answer to a shopper.
     Drained,
     /// Refused by an abuse limit before anything else: try again after this long.
@@ -164,7 +164,7 @@ impl Outcome {
             Ok(Outcome::AlreadyOrdered { order_id }) if order_id == minted => {
                 Outcome::Admitted { order_id }
             }
-            // (Never leaves `parts`: a drained part is refilled or sold out.)
+            // (Never leaves `segments`: a drained segment is refilled or sold out.)
             Ok(Outcome::Drained) => Outcome::SoldOut,
             Ok(outcome) => outcome,
             Err(e) if crate::scripts::surely_not_run(&e) => {
@@ -186,15 +186,15 @@ pub struct Grab {
     pub user_id: UserId,
     /// Minted by the API before the call.
     pub order_id: OrderId,
-    /// The user's home part of the sale, and the sale's parts (0 and 1 for a sale in
-    /// one part).
-    pub part: u8,
-    pub parts: u8,
+    /// The user's home segment of the sale, and the sale's segments (0 and 1 for a sale in
+    /// one segment).
+    pub segment: u8,
+    pub segments: u8,
 }
 
 impl Grab {
-    pub fn sale_part(&self) -> SalePart {
-        SalePart::new(self.voucher_id, self.part, self.parts)
+    pub fn sale_segment(&self) -> SaleSegment {
+        SaleSegment::new(self.voucher_id, self.segment, self.segments)
     }
 }
 
@@ -211,8 +211,8 @@ pub async fn admit<C: ConnectionLike + Send>(
         voucher_id,
         user_id,
         order_id,
-        part: 0,
-        parts: 1,
+        segment: 0,
+        segments: 1,
     };
     let shard = keys.shard_of(voucher_id);
     let none = fence::Fence::default();
@@ -276,28 +276,28 @@ fn admission_call(
     call.key(keys.stream(shard))
         .key(keys.term_marker(shard))
         .arg(if replicas.waits() { "1" } else { "0" });
-    let mut sales: Vec<SalePart> = Vec::new();
-    // The grabs in order, as runs of one sale (part): its hash's index in KEYS, its
+    let mut sales: Vec<SaleSegment> = Vec::new();
+    // The grabs in order, as runs of one sale (segment): its hash's index in KEYS, its
     // voucher_id, its label, the epoch Postgres names for it (0: none known) and how
     // many grabs, then each grab's user_id and order_id (the sale's fields once per run
     // rather than once per grab: fewer arguments for Redis to parse and hand to Lua).
-    for run in grabs.chunk_by(|a, b| a.sale_part() == b.sale_part()) {
-        let part = run[0].sale_part();
-        debug_assert_eq!(keys.shard_of_part(part), shard);
-        let index = match sales.iter().position(|&p| p == part) {
+    for run in grabs.chunk_by(|a, b| a.sale_segment() == b.sale_segment()) {
+        let segment = run[0].sale_segment();
+        debug_assert_eq!(keys.shard_of_segment(segment), shard);
+        let index = match sales.iter().position(|&p| p == segment) {
             Some(i) => i,
             None => {
-                sales.push(part);
-                call.key(keys.part(part));
+                sales.push(segment);
+                call.key(keys.segment(segment));
                 sales.len() - 1
             }
         };
         // KEYS[1] is the stream, KEYS[2] its term marker; sale hashes from KEYS[3] (Lua
         // counts from 1).
         call.arg(index + 3)
-            .arg(part.voucher_id)
-            .arg(part.label().unwrap_or_default())
-            .arg(fence.floor(part).map_or(0, |e| e.get()))
+            .arg(segment.voucher_id)
+            .arg(segment.label().unwrap_or_default())
+            .arg(fence.floor(segment).map_or(0, |e| e.get()))
             .arg(run.len());
         for g in run {
             call.arg(g.user_id).arg(g.order_id);
@@ -352,19 +352,22 @@ impl Outcome {
     }
 }
 
-/// Remaining stock as Redis sees it, summed over the sale's parts (`None`: some part is
-/// not loaded). Units on their way between parts are not counted.
+/// Remaining stock as Redis sees it, summed over the sale's segments (`None`: some segment is
+/// not loaded). Units on their way between segments are not counted.
 pub async fn redis_stock<C: ConnectionLike + Send + Clone>(
     conn: &mut C,
     keys: &Keys,
     voucher_id: VoucherId,
-    parts: u8,
+    segments: u8,
 ) -> RedisResult<Option<i64>> {
-    // One command per part, all in flight at once (the parts may live on different
+    // One command per segment, all in flight at once (the segments may live on different
     // cluster nodes, so no pipeline).
-    let lookups = SalePart::all(voucher_id, parts).map(|part| {
+    let lookups = SaleSegment::all(voucher_id, segments).map(|segment| {
         let mut conn = conn.clone();
-        let cmd = redis::cmd("HGET").arg(keys.part(part)).arg("stock").clone();
+        let cmd = redis::cmd("HGET")
+            .arg(keys.segment(segment))
+            .arg("stock")
+            .clone();
         async move { cmd.query_async::<Option<i64>>(&mut conn).await }
     });
     let stocks = futures_util::future::try_join_all(lookups).await?;
@@ -392,8 +395,8 @@ impl PendingOrder {
     }
 }
 
-/// The user's orders in the given sales (voucher, parts), as their buyer records in
-/// Redis say (in the user's home part): the orders admitted there, whether or not the
+/// The user's orders in the given sales (voucher, segments), as their buyer records in
+/// Redis say (in the user's home segment): the orders admitted there, whether or not the
 /// worker has written them yet.
 pub async fn orders_of<C: ConnectionLike + Send + Clone>(
     conn: &mut C,
@@ -407,10 +410,13 @@ pub async fn orders_of<C: ConnectionLike + Send + Clone>(
     let field = keys::buyer_field(user_id);
     // One command per sale, all in flight at once: the sales may live on different
     // cluster nodes, so no pipeline.
-    let lookups = sales.iter().map(|&(voucher_id, parts)| {
+    let lookups = sales.iter().map(|&(voucher_id, segments)| {
         let mut conn = conn.clone();
-        let home = SalePart::home_of(voucher_id, user_id, parts);
-        let cmd = redis::cmd("HGET").arg(keys.part(home)).arg(&field).clone();
+        let home = SaleSegment::home_of(voucher_id, user_id, segments);
+        let cmd = redis::cmd("HGET")
+            .arg(keys.segment(home))
+            .arg(&field)
+            .clone();
         async move { cmd.query_async::<Option<OrderId>>(&mut conn).await }
     });
     let held: Vec<Option<OrderId>> = futures_util::future::try_join_all(lookups).await?;

@@ -37,7 +37,7 @@ use sqlx::PgPool;
 
 use super::Grab;
 use crate::domain::{OrderId, UserId, VoucherId};
-use crate::keys::{Keys, SalePart, Shard};
+use crate::keys::{Keys, SaleSegment, Shard};
 use crate::scripts::Replicas;
 use crate::stream::{self, Readmission, Readmitted};
 
@@ -55,7 +55,7 @@ const PATIENCE: u32 = 30;
 struct Promise {
     order_id: OrderId,
     user_id: UserId,
-    part: SalePart,
+    segment: SaleSegment,
     /// The stream entry that holds it: `(ms, seq)`.
     entry: (u64, u64),
     /// Looks that found its sale out of reach.
@@ -139,13 +139,13 @@ impl Promises {
         let (Some(entry), Some(first)) = (stream::parse_entry_id(entry), admitted.first()) else {
             return;
         };
-        let shard = keys.shard_of_part(first.sale_part());
+        let shard = keys.shard_of_segment(first.sale_segment());
         let mut kept = self.lock();
         let queue = kept.entry(shard).or_default();
         let new = admitted.iter().map(|g| Promise {
             order_id: g.order_id,
             user_id: g.user_id,
-            part: g.sale_part(),
+            segment: g.sale_segment(),
             entry,
             tries: 0,
         });
@@ -177,7 +177,7 @@ impl Promises {
                     let users = kept.get(&shard).map_or_else(HashSet::new, |queue| {
                         queue
                             .iter()
-                            .map(|p| (p.user_id, p.part.voucher_id))
+                            .map(|p| (p.user_id, p.segment.voucher_id))
                             .collect()
                     });
                     (shard, users)
@@ -342,7 +342,7 @@ async fn keep_lost<C: ConnectionLike + Send>(
     let mut moved: HashMap<OrderId, Move> = settled.iter().map(|id| (*id, Move::Forget)).collect();
     for p in lost.into_iter().filter(|p| !settled.contains(&p.order_id)) {
         let r = Readmission {
-            part: p.part,
+            segment: p.segment,
             user_id: p.user_id,
             order_id: p.order_id,
             admitted_at: admitted_at(p.order_id),
@@ -381,7 +381,7 @@ impl Kept {
 fn broken(p: &Promise) {
     tracing::error!(
         order_id = p.order_id.get(),
-        voucher_id = p.part.voucher_id.get(),
+        voucher_id = p.segment.voucher_id.get(),
         user_id = p.user_id.get(),
         "a 202 redis lost cannot be kept: no unit left for it, or its user holds another \
          order, or its sale stayed out of reach"
@@ -399,7 +399,7 @@ mod tests {
         let p = Promise {
             order_id: OrderId::new(119_610_283_197_054_976).unwrap(),
             user_id: UserId::new(10_012).unwrap(),
-            part: SalePart::new(VoucherId::new(68).unwrap(), 1, 3),
+            segment: SaleSegment::new(VoucherId::new(68).unwrap(), 1, 3),
             entry: (1_795_742_908_154, 7),
             tries: 4,
         };
@@ -425,11 +425,11 @@ mod tests {
             voucher_id: sale,
             user_id: user,
             order_id: OrderId::new(119_610_283_197_054_976).unwrap(),
-            part: 0,
-            parts: 1,
+            segment: 0,
+            segments: 1,
         };
         promises.record(&keys, &[grab], "1795742908154-7");
-        let shard = keys.shard_of_part(grab.sale_part());
+        let shard = keys.shard_of_segment(grab.sale_segment());
         assert!(!promises.at_risk(user, sale), "nothing lost: redis answers");
         promises.alarm(keys.shards());
         assert!(promises.at_risk(user, sale));

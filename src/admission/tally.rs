@@ -58,7 +58,7 @@ const RING: u64 = 8;
 /// Redis's clock): every instance flushes once a second, so each adds to every second.
 pub const WINDOW_SECS: u64 = 5;
 
-/// Whether the live view counts `outcome` (a drained part's grab is decided again once
+/// Whether the live view counts `outcome` (a drained segment's grab is decided again once
 /// units moved: counted then).
 pub fn counted(outcome: &Outcome) -> bool {
     matches!(

@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use super::keepers;
 use super::loader::{self, Mode};
 use crate::domain::VoucherId;
-use crate::keys::{Keys, SalePart, Shard};
+use crate::keys::{Keys, SaleSegment, Shard};
 use crate::redis_conn::RedisConn;
 use crate::scripts::Replicas;
 
@@ -407,19 +407,19 @@ async fn heal(w: &Watch, shards: &[Shard]) -> anyhow::Result<Vec<VoucherId>> {
     let mut rebuilt = Vec::new();
     let mut first: Option<anyhow::Error> = None;
     for sale in crate::store::vouchers::sales_ending_after(&w.db, since).await? {
-        // The sale's parts on these shards (a segmented sale's other parts live on
+        // The sale's segments on these shards (a segmented sale's other segments live on
         // other shards, perhaps on a node that lost nothing).
-        let here: Vec<SalePart> = SalePart::all(sale.voucher_id, sale.parts())
-            .filter(|p| shards.contains(&w.keys.shard_of_part(*p)))
+        let here: Vec<SaleSegment> = SaleSegment::all(sale.voucher_id, sale.segments())
+            .filter(|p| shards.contains(&w.keys.shard_of_segment(*p)))
             .collect();
         if here.is_empty() {
             continue;
         }
         if sale.end_time <= now {
             let mut exists = false;
-            for part in &here {
+            for segment in &here {
                 exists |= redis::cmd("EXISTS")
-                    .arg(w.keys.part(*part))
+                    .arg(w.keys.segment(*segment))
                     .query_async::<bool>(&mut conn)
                     .await?;
             }

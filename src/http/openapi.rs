@@ -142,7 +142,7 @@ impl Modify for OptionalBodies {
 
 /// A shape shared by `#[serde(flatten)]` (the voucher's terms in its answer), which
 /// utoipa writes as an `allOf` of inline objects, becomes the one object it is on the
-/// wire: generators differ on `allOf` (some make a class per part), none on an object.
+/// wire: generators differ on `allOf` (some make a class per member), none on an object.
 struct FlatObjects;
 
 impl Modify for FlatObjects {
@@ -155,19 +155,19 @@ impl Modify for FlatObjects {
             let RefOr::T(Schema::AllOf(all_of)) = schema else {
                 continue;
             };
-            let mut parts = all_of.items.iter().map(|item| match item {
+            let mut members = all_of.items.iter().map(|item| match item {
                 RefOr::T(Schema::Object(object)) => Some(object),
                 _ => None,
             });
-            let Some(Some(first)) = parts.next() else {
+            let Some(Some(first)) = members.next() else {
                 continue;
             };
             let mut merged = first.clone();
             merged.description = all_of.description.clone();
-            for part in parts {
-                let Some(part) = part else { return };
-                merged.properties.extend(part.properties.clone());
-                merged.required.extend(part.required.iter().cloned());
+            for member in members {
+                let Some(member) = member else { return };
+                merged.properties.extend(member.properties.clone());
+                merged.required.extend(member.required.iter().cloned());
             }
             *schema = RefOr::T(Schema::Object(merged));
         }

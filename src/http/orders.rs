@@ -35,7 +35,7 @@ async fn recent_sales(state: &AppState) -> AppResult<Vec<(VoucherId, u8)>> {
     Ok(crate::store::vouchers::sales_ending_after(&state.db, since)
         .await?
         .into_iter()
-        .map(|s| (s.voucher_id, s.parts()))
+        .map(|s| (s.voucher_id, s.segments()))
         .collect())
 }
 

@@ -97,16 +97,16 @@ pub(crate) struct CreateSeckill {
     #[serde(default = "default_pay_within")]
     #[schema(minimum = 1, maximum = 86400)]
     pub pay_within_secs: i64,
-    /// Parts the stock is split over (1 to 64, default 1), each on its own Redis hash
+    /// Segments the stock is split over (1 to 64, default 1), each on its own Redis hash
     /// slot: on Redis Cluster one hot sale's admissions spread over several masters. It
-    /// still behaves as one sale (one order per user, `sold_out` only when no part has a
-    /// unit, `stock` the total). At most `stock` parts.
-    #[serde(default = "one_part")]
+    /// still behaves as one sale (one order per user, `sold_out` only when no segment has a
+    /// unit, `stock` the total). At most `stock` segments.
+    #[serde(default = "one_segment")]
     #[schema(minimum = 1, maximum = 64)]
     pub segments: i64,
 }
 
-fn one_part() -> i64 {
+fn one_segment() -> i64 {
     1
 }
 
@@ -164,16 +164,16 @@ impl CreateVoucher {
                         "seckill.pay_within_secs must be between 1 and {MAX_PAY_WITHIN_SECS}"
                     )));
                 }
-                if !(1..=crate::keys::MAX_PARTS as i64).contains(&s.segments) {
+                if !(1..=crate::keys::MAX_SEGMENTS as i64).contains(&s.segments) {
                     return Err(AppError::invalid(format!(
                         "seckill.segments must be between 1 and {}",
-                        crate::keys::MAX_PARTS
+                        crate::keys::MAX_SEGMENTS
                     )));
                 }
                 if s.segments > s.stock {
                     return Err(AppError::invalid(format!(
                         "seckill.segments ({}) must not exceed seckill.stock ({}): every \
-                         part starts with at least one unit",
+                         segment starts with at least one unit",
                         s.segments, s.stock
                     )));
                 }
@@ -223,7 +223,7 @@ pub(crate) struct SeckillResponse {
     pub end_time: DateTime<Utc>,
     /// Seconds an order has to be paid after admission.
     pub pay_within_secs: i64,
-    /// Parts the stock is split over (`stock` is their total).
+    /// Segments the stock is split over (`stock` is their total).
     pub segments: i64,
 }
 
@@ -274,7 +274,7 @@ async fn redis_stocks(state: &AppState, rows: &[VoucherRow]) -> Option<Vec<Optio
         let sale = row.segments.map(|k| (row.id, k as u8));
         async move {
             match sale {
-                Some((id, parts)) => admission::redis_stock(&mut conn, keys, id, parts).await,
+                Some((id, segments)) => admission::redis_stock(&mut conn, keys, id, segments).await,
                 None => Ok(None),
             }
         }
@@ -305,7 +305,7 @@ pub(crate) async fn create(
     let row = vouchers::insert(&state.db, &new).await?;
     let mut live = None;
     if let Some(sale) = &new.seckill {
-        state.admission.parts.remember(row.id, sale.segments);
+        state.admission.segments.remember(row.id, sale.segments);
         // The voucher exists once committed; if Redis is down now, admission reloads
         // the sale on line (or at start-up), so this is not an error for the caller.
         let mut conn = state.redis.clone();

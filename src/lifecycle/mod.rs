@@ -33,7 +33,7 @@ use crate::store::orders::OrderRow;
 /// (the sweeper makes it later).
 const RELEASE_DEADLINE: Duration = Duration::from_millis(1000);
 
-/// Makes one release in Redis, in the state of Postgres's `epoch` of the sale part:
+/// Makes one release in Redis, in the state of Postgres's `epoch` of the sale segment:
 /// `true` when the unit went back now, `false` when there was nothing to release (made
 /// before, or the sale's state was rebuilt since). With `replicas`, `Ok` only once they
 /// hold it: the release's outbox row may go then (a failover that lost it would
@@ -48,8 +48,8 @@ pub async fn release<C: ConnectionLike + Send>(
 ) -> redis::RedisResult<bool> {
     // 1: the unit went back; 0: nothing was left to release; -1: not the sale's state.
     let returned: redis::RedisResult<i64> = Call::function("seckill_release")
-        .key(keys.part(r.sale_part()))
-        .key(keys.part_marker(r.sale_part()))
+        .key(keys.segment(r.sale_segment()))
+        .key(keys.segment_marker(r.sale_segment()))
         .arg(keys::buyer_field(r.user_id))
         .arg(r.order_id)
         .arg(epoch.map(|e| e.to_string()).unwrap_or_default())
@@ -95,7 +95,7 @@ async fn release_now<C: ConnectionLike + Send>(
     row: &OrderRow,
 ) {
     let settle = async {
-        let segments = crate::store::parts::parts_of(db, row.voucher_id)
+        let segments = crate::store::segments::segments_of(db, row.voucher_id)
             .await?
             .unwrap_or(1);
         let r = Release {
@@ -104,7 +104,7 @@ async fn release_now<C: ConnectionLike + Send>(
             user_id: row.user_id,
             segments: segments as i16,
         };
-        let epoch = crate::store::epochs::of(db, r.sale_part()).await?;
+        let epoch = crate::store::epochs::of(db, r.sale_segment()).await?;
         release(conn, keys, &r, epoch, replicas).await?;
         transitions::released(db, &[r.order_id]).await?;
         anyhow::Ok(())

@@ -78,11 +78,11 @@ pub async fn release_owed(
         let owed = transitions::take_owed(&mut tx, batch).await?;
         let mut made = Vec::with_capacity(owed.len());
         for r in &owed {
-            let shard = keys.shard_of_part(r.sale_part());
+            let shard = keys.shard_of_segment(r.sale_segment());
             if failed.contains(&shard) {
                 continue;
             }
-            let epoch = crate::store::epochs::of(&mut *tx, r.sale_part()).await?;
+            let epoch = crate::store::epochs::of(&mut *tx, r.sale_segment()).await?;
             match super::release(conn, keys, r, epoch, replicas).await {
                 Ok(returned) => {
                     report.returned += u64::from(returned);

@@ -319,8 +319,8 @@ impl Producer {
             }
         }
         let ids: Vec<VoucherId> = self.sales.rows.iter().map(|s| s.voucher_id).collect();
-        let parts: Vec<u8> = self.sales.rows.iter().map(|s| s.segments as u8).collect();
-        match timeout(read_redis(redis, keys, &ids, &parts)).await {
+        let segments: Vec<u8> = self.sales.rows.iter().map(|s| s.segments as u8).collect();
+        match timeout(read_redis(redis, keys, &ids, &segments)).await {
             Ok((figures, worker)) => {
                 self.redis = ids.iter().copied().zip(figures).collect();
                 self.worker = worker;
@@ -364,11 +364,11 @@ async fn read_redis(
     redis: &RedisConn,
     keys: &Keys,
     ids: &[VoucherId],
-    parts: &[u8],
+    segments: &[u8],
 ) -> redis::RedisResult<(Vec<Figures>, StreamStats)> {
-    let stocks = ids.iter().zip(parts).map(|(&id, &parts)| {
+    let stocks = ids.iter().zip(segments).map(|(&id, &segments)| {
         let mut conn = redis.clone();
-        async move { crate::admission::redis_stock(&mut conn, keys, id, parts).await }
+        async move { crate::admission::redis_stock(&mut conn, keys, id, segments).await }
     });
     let stocks = futures_util::future::try_join_all(stocks).await?;
     let counts = tally::read(redis, keys, ids).await?;

@@ -66,12 +66,12 @@ pub(super) async fn start_duties(
     }
     tasks.spawn(watcher.run(cancel.clone()));
     tasks.spawn(state.clone().forget_idle_rate_limits(cancel.clone()));
-    // Moves between the parts of a segmented sale that a dead mover left half done.
+    // Moves between the segments of a segmented sale that a dead mover left half done.
     if let Some(every) = state.settings.finish_moves_every {
         tasks.spawn(
             state
                 .admission
-                .parts
+                .segments
                 .clone()
                 .keep_finishing(every, cancel.clone()),
         );

@@ -12,19 +12,19 @@ pub struct NewOrder {
     pub user_id: UserId,
     pub voucher_id: VoucherId,
     pub admitted_at: DateTime<Utc>,
-    /// The part of its sale that took the unit, and the sale's parts (0 and 1 for a sale
-    /// in one part): where its buyer record lives in Redis.
-    pub part: u8,
-    pub parts: u8,
+    /// The segment of its sale that took the unit, and the sale's segments (0 and 1 for a sale
+    /// in one segment): where its buyer record lives in Redis.
+    pub segment: u8,
+    pub segments: u8,
     /// The epoch of the state that admitted it (`None`: an entry without one, as
     /// earlier releases and tools write them).
     pub epoch: Option<Epoch>,
 }
 
 impl NewOrder {
-    /// The sale part whose unit the order took.
-    pub fn sale_part(&self) -> crate::keys::SalePart {
-        crate::keys::SalePart::new(self.voucher_id, self.part, self.parts)
+    /// The sale segment whose unit the order took.
+    pub fn sale_segment(&self) -> crate::keys::SaleSegment {
+        crate::keys::SaleSegment::new(self.voucher_id, self.segment, self.segments)
     }
 }
 

@@ -39,14 +39,14 @@ pub struct Release {
     pub order_id: OrderId,
     pub voucher_id: VoucherId,
     pub user_id: UserId,
-    /// Parts of the sale (the user's home part holds the buyer record and takes the unit).
+    /// Segments of the sale (the user's home segment holds the buyer record and takes the unit).
     pub segments: i16,
 }
 
 impl Release {
-    /// The part whose state holds the order's buyer record.
-    pub fn sale_part(&self) -> crate::keys::SalePart {
-        crate::keys::SalePart::home_of(self.voucher_id, self.user_id, self.segments as u8)
+    /// The segment whose state holds the order's buyer record.
+    pub fn sale_segment(&self) -> crate::keys::SaleSegment {
+        crate::keys::SaleSegment::home_of(self.voucher_id, self.user_id, self.segments as u8)
     }
 }
 

@@ -40,7 +40,7 @@ pub struct SaleRow {
     /// sale's (`stale_epoch`).
     pub stale_epoch: i64,
     pub releases_owed: i64,
-    /// Parts the sale's stock is split over.
+    /// Segments the sale's stock is split over.
     pub segments: i16,
     /// Sales qualifying for the page, however many were returned.
     #[sqlx(rename = "total")]

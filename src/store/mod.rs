@@ -7,8 +7,8 @@ pub mod keepers;
 pub mod lifecycle;
 pub mod live;
 pub mod orders;
-pub mod parts;
 pub mod payments;
+pub mod segments;
 mod tls;
 pub mod vouchers;
 

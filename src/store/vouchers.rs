@@ -19,7 +19,7 @@ pub struct NewSeckill {
     pub end_time: DateTime<Utc>,
     /// An order's payment deadline is its admission time plus this.
     pub pay_within_secs: i32,
-    /// Parts the stock is split over (1 to 64).
+    /// Segments the stock is split over (1 to 64).
     pub segments: u8,
 }
 
@@ -46,7 +46,7 @@ pub(crate) struct SeckillState {
 }
 
 impl SeckillState {
-    pub fn parts(&self) -> u8 {
+    pub fn segments(&self) -> u8 {
         self.segments as u8
     }
 }
@@ -89,7 +89,7 @@ pub(crate) async fn insert(db: &PgPool, new: &NewVoucher) -> Result<VoucherRow, 
         .bind(s.segments as i16)
         .execute(&mut *tx)
         .await?;
-        super::parts::insert_allotments(&mut tx, id, s.stock, s.segments).await?;
+        super::segments::insert_allotments(&mut tx, id, s.stock, s.segments).await?;
     }
     let row = sqlx::query_as::<_, VoucherRow>(&format!("{SELECT_VOUCHER} WHERE v.id = $1"))
         .bind(id)

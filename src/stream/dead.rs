@@ -5,7 +5,7 @@ use redis::aio::ConnectionLike;
 use redis::RedisResult;
 
 use crate::domain::{OrderId, UserId};
-use crate::keys::{Keys, SalePart, Shard};
+use crate::keys::{Keys, SaleSegment, Shard};
 use crate::scripts::{Call, Replicas};
 
 use super::entry::Delivery;
@@ -51,7 +51,7 @@ pub(crate) async fn dead_letter<C: ConnectionLike + Send>(
 pub(crate) async fn settle_dead<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
-    part: SalePart,
+    segment: SaleSegment,
     user_id: UserId,
     order_id: OrderId,
     holder: Option<OrderId>,
@@ -60,8 +60,8 @@ pub(crate) async fn settle_dead<C: ConnectionLike + Send>(
 ) -> RedisResult<bool> {
     // `true`: settled now; `false`: settled before (nothing left to do).
     let settled: RedisResult<bool> = Call::function("seckill_settle_dead")
-        .key(keys.part(part))
-        .key(keys.part_marker(part))
+        .key(keys.segment(segment))
+        .key(keys.segment_marker(segment))
         .arg(crate::keys::buyer_field(user_id))
         .arg(order_id)
         .arg(holder.map(|h| h.to_string()).unwrap_or_default())
@@ -70,7 +70,7 @@ pub(crate) async fn settle_dead<C: ConnectionLike + Send>(
         .await;
     // Announced whenever the unit may be back (an error may come after the script ran).
     if return_unit && !matches!(settled, Ok(false)) {
-        crate::sale_changes::announce(conn, keys, part.voucher_id).await;
+        crate::sale_changes::announce(conn, keys, segment.voucher_id).await;
     }
     settled
 }

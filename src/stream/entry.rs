@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 use redis::{RedisResult, Value};
 
 use crate::domain::{Epoch, OrderId, UserId, VoucherId};
-use crate::keys::{entry_field, SalePart};
+use crate::keys::{entry_field, SaleSegment};
 use crate::store::orders::NewOrder;
 
 /// What the worker is delivered, one order at a time: an order of a stream entry (an
@@ -144,10 +144,10 @@ fn one_order(fields: &[(String, String)]) -> Option<NewOrder> {
             .and_then(|(_, v)| positive(v))
     };
     let voucher_id = VoucherId::new(get(entry_field::VOUCHER_ID)?)?;
-    // Absent in a sale of one part; else `<part>/<parts>`.
-    let (part, parts) = match fields.iter().find(|(k, _)| k == entry_field::PART) {
+    // Absent in a sale of one segment; else `<segment>/<segments>`.
+    let (segment, segments) = match fields.iter().find(|(k, _)| k == entry_field::SEGMENT) {
         None => (0, 1),
-        Some((_, v)) => SalePart::parse_label(voucher_id, v).map(|p| (p.part, p.parts))?,
+        Some((_, v)) => SaleSegment::parse_label(voucher_id, v).map(|p| (p.segment, p.segments))?,
     };
     // Absent in earlier releases' entries and tools'.
     let epoch = match fields.iter().find(|(k, _)| k == entry_field::EPOCH) {
@@ -155,8 +155,8 @@ fn one_order(fields: &[(String, String)]) -> Option<NewOrder> {
         Some((_, v)) => Some(Epoch::new(positive(v)?)?),
     };
     Some(NewOrder {
-        part,
-        parts,
+        segment,
+        segments,
         epoch,
         id: OrderId::new(get(entry_field::ORDER_ID)?)?,
         voucher_id,
@@ -185,25 +185,25 @@ fn orders_of_a_call(fields: &[(String, String)]) -> Option<Vec<NewOrder>> {
                 sale = Some((VoucherId::new(positive(v)?)?, 0, 1));
                 epoch = None;
             }
-            entry_field::PART => {
+            entry_field::SEGMENT => {
                 let (voucher_id, _, _) = sale?;
-                let p = SalePart::parse_label(voucher_id, v)?;
-                sale = Some((voucher_id, p.part, p.parts));
+                let p = SaleSegment::parse_label(voucher_id, v)?;
+                sale = Some((voucher_id, p.segment, p.segments));
             }
             entry_field::EPOCH => {
                 sale?;
                 epoch = Some(Epoch::new(positive(v)?)?);
             }
             entry_field::ORDER_ID => {
-                let (voucher_id, part, parts) = sale?;
+                let (voucher_id, segment, segments) = sale?;
                 let id = OrderId::new(positive(v)?)?;
                 let (k, v) = rest.next()?;
                 if k != entry_field::USER_ID {
                     return None;
                 }
                 orders.push(NewOrder {
-                    part,
-                    parts,
+                    segment,
+                    segments,
                     epoch,
                     id,
                     voucher_id,
@@ -227,8 +227,8 @@ fn order_fields(order: &NewOrder) -> Vec<(String, String)> {
             order.admitted_at.timestamp_millis().to_string(),
         ),
     ];
-    if let Some(label) = order.sale_part().label() {
-        fields.push((entry_field::PART.into(), label));
+    if let Some(label) = order.sale_segment().label() {
+        fields.push((entry_field::SEGMENT.into(), label));
     }
     if let Some(epoch) = order.epoch {
         fields.push((entry_field::EPOCH.into(), epoch.to_string()));
@@ -249,10 +249,10 @@ pub(super) fn parse_read_reply(reply: Value) -> RedisResult<Vec<Delivery>> {
         _ => return Err(unexpected()),
     };
     for stream in streams {
-        let Value::Array(mut parts) = stream else {
+        let Value::Array(mut segments) = stream else {
             return Err(unexpected());
         };
-        let Some(entries) = parts.pop() else {
+        let Some(entries) = segments.pop() else {
             return Err(unexpected());
         };
         out.extend(parse_entries(entries)?);
@@ -331,7 +331,7 @@ mod tests {
     }
 
     #[test]
-    fn an_entry_of_a_call_parses_into_each_of_its_orders_with_its_sale_and_part() {
+    fn an_entry_of_a_call_parses_into_each_of_its_orders_with_its_sale_and_segment() {
         let all = Delivery::parse(
             "7-1".into(),
             fields(&[
@@ -357,8 +357,8 @@ mod tests {
                     o.id.get(),
                     o.voucher_id.get(),
                     o.user_id.get(),
-                    o.part,
-                    o.parts,
+                    o.segment,
+                    o.segments,
                 )
             })
             .collect();
@@ -396,7 +396,7 @@ mod tests {
                 ("order_id", "11"),
                 ("user_id", "4"),
             ],
-            // A part of another sale's number of parts.
+            // A segment of another sale's number of segments.
             &[
                 ("voucher_id", "2"),
                 ("part", "4/3"),
@@ -458,12 +458,15 @@ mod tests {
             (order.id.get(), order.voucher_id.get(), order.user_id.get()),
             (9, 2, 3)
         );
-        assert_eq!(order.part, 0, "an entry without a part is of part 0");
+        assert_eq!(
+            order.segment, 0,
+            "an entry without a segment is of segment 0"
+        );
     }
 
     #[test]
-    fn an_entry_of_a_segmented_sale_carries_its_part_and_a_bad_part_is_malformed() {
-        let with = |part: &str| {
+    fn an_entry_of_a_segmented_sale_carries_its_segment_and_a_bad_segment_is_malformed() {
+        let with = |segment: &str| {
             one(
                 "1-0".into(),
                 fields(&[
@@ -471,15 +474,18 @@ mod tests {
                     ("voucher_id", "2"),
                     ("user_id", "3"),
                     ("admitted_ms", "1790000000000"),
-                    ("part", part),
+                    ("part", segment),
                 ]),
             )
         };
-        assert_eq!(with("5/8").order().map(|o| (o.part, o.parts)), Some((5, 8)));
+        assert_eq!(
+            with("5/8").order().map(|o| (o.segment, o.segments)),
+            Some((5, 8))
+        );
         for bad in ["5", "3/3", "1/65", "-1/2", "x/2", "", "1/"] {
             assert!(
                 matches!(with(bad), Delivery::DeadLetter { .. }),
-                "part {bad:?}"
+                "segment {bad:?}"
             );
         }
     }

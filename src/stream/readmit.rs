@@ -15,7 +15,7 @@ use redis::aio::ConnectionLike;
 use sqlx::PgPool;
 
 use crate::domain::{OrderId, UserId};
-use crate::keys::{Keys, SalePart};
+use crate::keys::{Keys, SaleSegment};
 use crate::scripts::{Call, Replicas};
 use crate::store;
 
@@ -33,21 +33,21 @@ pub(crate) enum Readmitted {
     /// No unit left for it, or its user holds another order there.
     Refused,
     /// This Redis does not hold the sale's current state (or did not answer, or could
-    /// not get the write acknowledged, or the part ran dry: units may still come to it):
+    /// not get the write acknowledged, or the segment ran dry: units may still come to it):
     /// to be tried again.
     Elsewhere,
 }
 
-/// One order to admit again: `order_id` of `user_id` in `part`, admitted at `admitted_at`.
+/// One order to admit again: `order_id` of `user_id` in `segment`, admitted at `admitted_at`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Readmission {
-    pub part: SalePart,
+    pub segment: SaleSegment,
     pub user_id: UserId,
     pub order_id: OrderId,
     pub admitted_at: DateTime<Utc>,
 }
 
-/// Admits `r` again into its part's state of Postgres's current epoch, under the sale's
+/// Admits `r` again into its segment's state of Postgres's current epoch, under the sale's
 /// row lock, waiting for `replicas`.
 pub(crate) async fn readmit<C: ConnectionLike + Send>(
     db: &PgPool,
@@ -57,22 +57,22 @@ pub(crate) async fn readmit<C: ConnectionLike + Send>(
     replicas: Replicas,
 ) -> anyhow::Result<Readmitted> {
     let mut tx = db.begin().await?;
-    store::vouchers::lock_sales(&mut tx, &[r.part.voucher_id]).await?;
+    store::vouchers::lock_sales(&mut tx, &[r.segment.voucher_id]).await?;
     if !store::orders::settled_among(&mut *tx, &[r.order_id])
         .await?
         .is_empty()
     {
         return Ok(Readmitted::Settled);
     }
-    let Some(epoch) = store::epochs::of(&mut *tx, r.part).await? else {
+    let Some(epoch) = store::epochs::of(&mut *tx, r.segment).await? else {
         return Ok(Readmitted::Refused);
     };
     let reply: redis::RedisResult<Vec<redis::Value>> = Call::function("seckill_adopt")
-        .key(keys.stream(keys.shard_of_part(r.part)))
-        .key(keys.part_marker(r.part))
-        .key(keys.part(r.part))
+        .key(keys.stream(keys.shard_of_segment(r.segment)))
+        .key(keys.segment_marker(r.segment))
+        .key(keys.segment(r.segment))
         .arg(epoch)
-        .arg(r.part.voucher_id)
+        .arg(r.segment.voucher_id)
         .arg(r.user_id)
         .arg(r.order_id)
         .arg(r.admitted_at.timestamp_millis())
@@ -94,7 +94,7 @@ pub(crate) async fn readmit<C: ConnectionLike + Send>(
         .and_then(|id| super::parse_entry_id(&id));
     Ok(match code {
         Some(0 | 1) => {
-            store::epochs::carry(&mut tx, r.part, r.order_id, r.user_id).await?;
+            store::epochs::carry(&mut tx, r.segment, r.order_id, r.user_id).await?;
             tx.commit().await?;
             Readmitted::Kept {
                 entry,

@@ -5,7 +5,7 @@
 //! current state. Its shopper may hold a 202 for it all the same: its acknowledgement
 //! came from a replica that then followed another primary. Before such an order is
 //! buried, or dropped, it is admitted again into the sale's current state under its own
-//! id ([`stream::readmit`]), and written from there. It is kept whenever the sale part
+//! id ([`stream::readmit`]), and written from there. It is kept whenever the sale segment
 //! still has a unit for it and its user holds no other order; otherwise it goes the old
 //! way.
 
@@ -16,11 +16,11 @@ use tokio::time::Instant;
 
 use super::batch::Fate;
 use super::{BatchReport, Worker};
-use crate::keys::SalePart;
+use crate::keys::SaleSegment;
 use crate::store::orders::{NewOrder, Rejection};
 use crate::stream::{self, Readmission, Readmitted};
 
-/// How long a sale part may stay out of this worker's reach (its current state not in
+/// How long a sale segment may stay out of this worker's reach (its current state not in
 /// the Redis the worker uses: an old primary's worker, partitioned with it) before its
 /// stale or lost orders go the old way.
 pub(super) const ADOPT_PATIENCE: Duration = Duration::from_secs(30);
@@ -28,8 +28,8 @@ pub(super) const ADOPT_PATIENCE: Duration = Duration::from_secs(30);
 impl Worker {
     /// Admits again, where they can be, the batch's orders the fence refused as stale
     /// and those whose entry is gone; their fates become [`Fate::Adopted`]. An `Err`
-    /// while some order's sale part is out of reach, for at most [`ADOPT_PATIENCE`] per
-    /// part: the batch is held and tried again.
+    /// while some order's sale segment is out of reach, for at most [`ADOPT_PATIENCE`] per
+    /// segment: the batch is held and tried again.
     pub(super) async fn adopt(
         &self,
         fates: &mut [Fate],
@@ -41,10 +41,10 @@ impl Worker {
                 Fate::Bury(order, Rejection::StaleEpoch) | Fate::Gone(order) => *order,
                 _ => continue,
             };
-            let part = order.sale_part();
+            let segment = order.sale_segment();
             match self.adopt_one(&order).await? {
                 Readmitted::Kept { .. } => {
-                    self.in_reach(part);
+                    self.in_reach(segment);
                     tracing::warn!(
                         order_id = order.id.get(),
                         voucher_id = order.voucher_id.get(),
@@ -58,8 +58,8 @@ impl Worker {
                 }
                 // Postgres holds it: the usual paths settle it.
                 Readmitted::Settled => {}
-                Readmitted::Refused => self.in_reach(part),
-                Readmitted::Elsewhere => waiting |= self.out_of_reach(part),
+                Readmitted::Refused => self.in_reach(segment),
+                Readmitted::Elsewhere => waiting |= self.out_of_reach(segment),
             }
         }
         anyhow::ensure!(
@@ -72,7 +72,7 @@ impl Worker {
 
     async fn adopt_one(&self, order: &NewOrder) -> anyhow::Result<Readmitted> {
         let r = Readmission {
-            part: order.sale_part(),
+            segment: order.sale_segment(),
             user_id: order.user_id,
             order_id: order.id,
             admitted_at: order.admitted_at,
@@ -87,15 +87,15 @@ impl Worker {
         .await
     }
 
-    fn parts_out_of_reach(&self) -> std::sync::MutexGuard<'_, HashMap<SalePart, OutOfReach>> {
+    fn segments_out_of_reach(&self) -> std::sync::MutexGuard<'_, HashMap<SaleSegment, OutOfReach>> {
         self.out_of_reach.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// `part` found out of reach now: `true` while the batch is to wait for it (each
+    /// `segment` found out of reach now: `true` while the batch is to wait for it (each
     /// order is still tried, so that one the sale's state comes back for is kept).
-    fn out_of_reach(&self, part: SalePart) -> bool {
-        let mut parts = self.parts_out_of_reach();
-        let seen = parts.entry(part).or_insert_with(|| OutOfReach {
+    fn out_of_reach(&self, segment: SaleSegment) -> bool {
+        let mut segments = self.segments_out_of_reach();
+        let seen = segments.entry(segment).or_insert_with(|| OutOfReach {
             since: Instant::now(),
             told: false,
         });
@@ -106,20 +106,20 @@ impl Worker {
             return false;
         }
         tracing::warn!(
-            voucher_id = part.voucher_id.get(),
-            part = part.part,
+            voucher_id = segment.voucher_id.get(),
+            segment = segment.segment,
             "the sale's current state stayed out of reach for {ADOPT_PATIENCE:?}: its stale \
              or lost orders go unwritten"
         );
         false
     }
 
-    fn in_reach(&self, part: SalePart) {
-        self.parts_out_of_reach().remove(&part);
+    fn in_reach(&self, segment: SaleSegment) {
+        self.segments_out_of_reach().remove(&segment);
     }
 }
 
-/// Since when a sale part's current state has been out of this worker's reach, and
+/// Since when a sale segment's current state has been out of this worker's reach, and
 /// whether that was logged once past [`ADOPT_PATIENCE`].
 #[derive(Debug, Clone, Copy)]
 pub(super) struct OutOfReach {

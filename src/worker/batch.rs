@@ -151,7 +151,7 @@ impl Worker {
                 // An order naming a voucher of another shard was not written by the
                 // admission script: nothing of it is in that sale's state.
                 Delivery::Order { order, .. }
-                    if self.keys.shard_of_part(order.sale_part()) != shard =>
+                    if self.keys.shard_of_segment(order.sale_segment()) != shard =>
                 {
                     Fate::Malformed
                 }
@@ -160,7 +160,7 @@ impl Worker {
                     order: Some(order),
                     reason: reason @ DeadReason::Poison { .. },
                     ..
-                } if self.keys.shard_of_part(order.sale_part()) == shard => {
+                } if self.keys.shard_of_segment(order.sale_segment()) == shard => {
                     Fate::Bury(*order, Rejection::Poison(reason.to_string()))
                 }
                 Delivery::DeadLetter { .. } => Fate::Malformed,
@@ -354,7 +354,7 @@ impl Worker {
                 stream::settle_dead(
                     conn,
                     &self.keys,
-                    order.sale_part(),
+                    order.sale_segment(),
                     order.user_id,
                     order.id,
                     holder,

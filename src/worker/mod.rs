@@ -107,10 +107,10 @@ pub struct Worker {
     /// Orders per stream entry in the last read (an entry holds one admission call's
     /// orders): reads ask for `batch_size` orders' worth of entries.
     orders_per_entry: std::sync::atomic::AtomicUsize,
-    /// Since when each sale part's current state has been out of this worker's reach
+    /// Since when each sale segment's current state has been out of this worker's reach
     /// (see `adopt`).
     out_of_reach:
-        std::sync::Mutex<std::collections::HashMap<crate::keys::SalePart, adopt::OutOfReach>>,
+        std::sync::Mutex<std::collections::HashMap<crate::keys::SaleSegment, adopt::OutOfReach>>,
 }
 
 impl Worker {

@@ -301,14 +301,14 @@ async fn a_close_that_only_reached_redis_survives_a_repair_and_a_second_close_fi
     let app = TestApp::spawn(db).await;
     let voucher = app.open_sale(10).await;
     assert_eq!(app.grab(voucher, 1).await.0, StatusCode::ACCEPTED);
-    let part = seckill::keys::SalePart::new(vid(voucher), 0, 1);
+    let segment = seckill::keys::SaleSegment::new(vid(voucher), 0, 1);
     let end_ms: i64 = app
         .redis_cmd(
             redis::cmd("FCALL")
                 .arg("seckill_close")
                 .arg(2)
-                .arg(app.keys.part(part))
-                .arg(app.keys.part_marker(part))
+                .arg(app.keys.segment(segment))
+                .arg(app.keys.segment_marker(segment))
                 .arg(""),
         )
         .await;

@@ -1,4 +1,4 @@
-//! Reading a sale's state for the edge: one part (`seckill_peek`), all parts as one,
+//! Reading a sale's state for the edge: one segment (`seckill_peek`), all segments as one,
 //! the moves on their way between them, the buyers.
 
 use std::collections::HashSet;
@@ -7,26 +7,30 @@ use redis::aio::ConnectionLike;
 use redis::RedisResult;
 
 use crate::domain::UserId;
-use crate::keys::{self, Keys, SalePart};
+use crate::keys::{self, Keys, SaleSegment};
 use crate::scripts::Call;
 
-/// The keys `seckill_peek` reads for one part: its hash, and its slot's term marker.
+/// The keys `seckill_peek` reads for one segment: its hash, and its slot's term marker.
 pub(crate) struct StateKeys {
     pub(crate) sale: String,
     marker: String,
 }
 
 impl StateKeys {
-    pub(crate) fn of(keys: &Keys, part: SalePart) -> Self {
+    pub(crate) fn of(keys: &Keys, segment: SaleSegment) -> Self {
         Self {
-            sale: keys.part(part),
-            marker: keys.part_marker(part),
+            sale: keys.segment(segment),
+            marker: keys.segment_marker(segment),
         }
     }
 
-    /// Every part of a sale in `parts` parts.
-    pub(crate) fn all(keys: &Keys, voucher_id: crate::domain::VoucherId, parts: u8) -> Vec<Self> {
-        SalePart::all(voucher_id, parts)
+    /// Every segment of a sale in `segments` segments.
+    pub(crate) fn all(
+        keys: &Keys,
+        voucher_id: crate::domain::VoucherId,
+        segments: u8,
+    ) -> Vec<Self> {
+        SaleSegment::all(voucher_id, segments)
             .map(|p| Self::of(keys, p))
             .collect()
     }
@@ -95,28 +99,28 @@ pub(crate) async fn peek<C: ConnectionLike + Send>(
     )
 }
 
-/// A sale's parts read one after the other, as one state: the first part's window and
+/// A sale's segments read one after the other, as one state: the first segment's window and
 /// clock, the stock summed, and the gens and terms side by side (a unit that comes back
-/// to any part changes its gen, so the whole). `None` when some part cannot be trusted.
+/// to any segment changes its gen, so the whole). `None` when some segment cannot be trusted.
 pub(super) async fn peek_all<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &[StateKeys],
 ) -> RedisResult<Option<Peeked>> {
     let mut whole: Option<Peeked> = None;
     for key in keys {
-        let Some(part) = peek(conn, key).await? else {
+        let Some(segment) = peek(conn, key).await? else {
             return Ok(None);
         };
         whole = Some(match whole {
-            None => part,
+            None => segment,
             Some(w) => Peeked {
-                stock: w.stock + part.stock,
-                // (A part without a gen tells nothing: none for the whole.)
-                gen: match w.gen.is_empty() || part.gen.is_empty() {
+                stock: w.stock + segment.stock,
+                // (A segment without a gen tells nothing: none for the whole.)
+                gen: match w.gen.is_empty() || segment.gen.is_empty() {
                     true => String::new(),
-                    false => format!("{}.{}", w.gen, part.gen),
+                    false => format!("{}.{}", w.gen, segment.gen),
                 },
-                term: format!("{}.{}", w.term, part.term),
+                term: format!("{}.{}", w.term, segment.term),
                 ..w
             },
         });
@@ -124,8 +128,8 @@ pub(super) async fn peek_all<C: ConnectionLike + Send>(
     Ok(whole)
 }
 
-/// Whether units are on their way between a segmented sale's parts: a move's record
-/// stays beside its donor from the take until after the credit (see `admission::parts`).
+/// Whether units are on their way between a segmented sale's segments: a move's record
+/// stays beside its donor from the take until after the credit (see `admission::segments`).
 pub(super) async fn on_their_way<C: ConnectionLike + Send>(
     conn: &mut C,
     moves_out: &[String],

@@ -1,4 +1,4 @@
-//! Reconcile's comparison: one part of a sale read through the same fence as a load
+//! Reconcile's comparison: one segment of a sale read through the same fence as a load
 //! (see [`super`]), Redis's side in one read-only function call (`seckill_check`), so
 //! a sale in full swing balances exactly. Nothing is written: no epoch is drawn, and the
 //! staged data is deleted afterwards.
@@ -10,20 +10,20 @@ use sqlx::PgPool;
 use super::fenced::{Counting, Fence};
 use super::Loaded;
 use crate::domain::Epoch;
-use crate::keys::{Keys, SalePart};
+use crate::keys::{Keys, SaleSegment};
 use crate::scripts::Replicas;
 use crate::store;
 
-/// One sale (one part of it) seen from both stores at one moment: Postgres under the
-/// sale's row lock, Redis (the part's state and stream position) in one script.
+/// One sale (one segment of it) seen from both stores at one moment: Postgres under the
+/// sale's row lock, Redis (the segment's state and stream position) in one script.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Checked {
     pub initial_stock: i64,
-    /// Postgres's stock (of a part: its allotment less its buyers' active orders).
+    /// Postgres's stock (of a segment: its allotment less its buyers' active orders).
     pub pg_stock: i64,
     pub pg_orders: i64,
     /// The whole sale's stock and active orders in Postgres, read under the same lock
-    /// (the sums of a segmented sale's parts, each read under a lock of its own, may
+    /// (the sums of a segmented sale's segments, each read under a lock of its own, may
     /// straddle a move).
     pub sale_stock: i64,
     pub sale_orders: i64,
@@ -39,7 +39,7 @@ pub(crate) struct Checked {
     /// Closed orders whose release to Redis is owed and whose buyer record still holds
     /// their unit: counted in `expected`.
     pub owed_held: i64,
-    /// The part's epoch in Postgres, and the one Redis's state is armed with (`None`:
+    /// The segment's epoch in Postgres, and the one Redis's state is armed with (`None`:
     /// none; a state being armed with Postgres's counts as armed).
     pub pg_epoch: Option<Epoch>,
     pub actual_epoch: Option<Epoch>,
@@ -49,10 +49,10 @@ pub(crate) struct Checked {
 /// `lua/load_voucher.lua`).
 #[derive(Serialize)]
 struct CheckArgs {
-    /// Closed orders of the part whose release to Redis is still owed.
+    /// Closed orders of the segment whose release to Redis is still owed.
     owed: Vec<Owed>,
-    /// The moves taken out of the part that Postgres recorded (the others are units on
-    /// their way, in neither part's stock).
+    /// The moves taken out of the segment that Postgres recorded (the others are units on
+    /// their way, in neither segment's stock).
     recorded_out: Vec<String>,
 }
 
@@ -62,40 +62,40 @@ struct Owed {
     order: String,
 }
 
-/// Compares one part's Redis state with what a load would write now. `None`: the
+/// Compares one segment's Redis state with what a load would write now. `None`: the
 /// voucher has no flash sale.
 #[tracing::instrument(skip(db, conn, keys))]
-pub(crate) async fn check_part<C: ConnectionLike + Send>(
+pub(crate) async fn check_segment<C: ConnectionLike + Send>(
     db: &PgPool,
     conn: &mut C,
     keys: &Keys,
-    part: SalePart,
+    segment: SaleSegment,
 ) -> anyhow::Result<Option<Checked>> {
     let counting = Counting {
         scan: true,
         unsettled_burials: true,
     };
-    let Some(mut fence) = Fence::lock(db, conn, keys, part, counting).await? else {
+    let Some(mut fence) = Fence::lock(db, conn, keys, segment, counting).await? else {
         return Ok(None);
     };
     let args = CheckArgs {
-        owed: store::lifecycle::owed_for(&mut fence.tx, part.voucher_id)
+        owed: store::lifecycle::owed_for(&mut fence.tx, segment.voucher_id)
             .await?
             .into_iter()
-            .filter(|(u, _)| part.is_home_of(*u))
+            .filter(|(u, _)| segment.is_home_of(*u))
             .map(|(u, o)| Owed {
                 user: u.to_string(),
                 order: o.to_string(),
             })
             .collect(),
-        recorded_out: recorded_out(&mut fence.tx, conn, keys, part).await?,
+        recorded_out: recorded_out(&mut fence.tx, conn, keys, segment).await?,
     };
     let reply = fence
         .step(conn, "seckill_check", &args, Replicas::NONE)
         .await;
     let removed = fence.stage.remove(conn).await;
     let reply = reply?
-        .ok_or_else(|| anyhow::anyhow!("the check step of {part:?} answered 'left alone'"))?;
+        .ok_or_else(|| anyhow::anyhow!("the check step of {segment:?} answered 'left alone'"))?;
     removed?;
     let c = Compared::parse(&reply)?;
     fence.tx.commit().await?;
@@ -116,22 +116,22 @@ pub(crate) async fn check_part<C: ConnectionLike + Send>(
     }))
 }
 
-/// Which of the moves Redis took out of the part Postgres recorded (a segmented
+/// Which of the moves Redis took out of the segment Postgres recorded (a segmented
 /// sale's only).
 async fn recorded_out<C: ConnectionLike + Send>(
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
     conn: &mut C,
     keys: &Keys,
-    part: SalePart,
+    segment: SaleSegment,
 ) -> anyhow::Result<Vec<String>> {
-    if part.label().is_none() {
+    if segment.label().is_none() {
         return Ok(Vec::new());
     }
     let taken: Vec<i64> = redis::cmd("HKEYS")
-        .arg(keys.moves_out(part))
+        .arg(keys.moves_out(segment))
         .query_async(conn)
         .await?;
-    let recorded = store::parts::recorded_among(tx, &taken).await?;
+    let recorded = store::segments::recorded_among(tx, &taken).await?;
     Ok(recorded.iter().map(i64::to_string).collect())
 }
 

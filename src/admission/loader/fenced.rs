@@ -1,5 +1,5 @@
 //! The fence a load and reconcile's comparison both go through (see [`super`]): the
-//! sale's row locked and read, the part's buyers and the stream's candidates staged in
+//! sale's row locked and read, the segment's buyers and the stream's candidates staged in
 //! Redis, and the last step (a function of the library) run while the lock is surely
 //! held, paging on through what the stream gained meanwhile.
 
@@ -12,7 +12,7 @@ use sqlx::PgPool;
 use super::staging::{page_on, Candidate, Stage};
 use super::{MAX_ROUNDS, PAGE, STEP_DEADLINE};
 use crate::domain::{OrderId, UserId, VoucherId};
-use crate::keys::{Keys, SalePart};
+use crate::keys::{Keys, SaleSegment};
 use crate::scripts::{Call, Replicas};
 use crate::store;
 
@@ -27,26 +27,26 @@ pub(super) struct Counting {
     pub unsettled_burials: bool,
 }
 
-/// A move into a part that Postgres recorded and has not seen credited: its units are
-/// in the part's allotment.
+/// A move into a segment that Postgres recorded and has not seen credited: its units are
+/// in the segment's allotment.
 #[derive(Debug, Serialize)]
 pub(super) struct Move {
     id: String,
     units: i32,
 }
 
-/// One part read under its sale's row lock (held until `tx` ends), its buyers staged.
+/// One segment read under its sale's row lock (held until `tx` ends), its buyers staged.
 pub(super) struct Fence<'k> {
     pub(super) tx: sqlx::Transaction<'static, sqlx::Postgres>,
     keys: &'k Keys,
-    pub(super) part: SalePart,
+    pub(super) segment: SaleSegment,
     pub(super) sale: store::vouchers::LockedSale,
-    /// The part's buyers in Postgres (user → order), as staged, and how many orders.
+    /// The segment's buyers in Postgres (user → order), as staged, and how many orders.
     known: HashMap<UserId, OrderId>,
     pub(super) pg_orders: i64,
     /// The whole sale's active orders, read under the same lock.
     pub(super) sale_orders: i64,
-    /// Postgres's stock for this part, and its build before this step.
+    /// Postgres's stock for this segment, and its build before this step.
     pub(super) pg_stock: i64,
     pub(super) pg_built: Option<store::epochs::Built>,
     moved_in: Vec<Move>,
@@ -59,8 +59,9 @@ pub(super) struct Fence<'k> {
 #[derive(Serialize)]
 struct StepArgs<'a, E: Serialize> {
     voucher: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    part: Option<String>,
+    /// The segment's label; `lua/load_voucher.lua` reads it as `part`.
+    #[serde(rename = "part", skip_serializing_if = "Option::is_none")]
+    segment: Option<String>,
     pg_stock: i64,
     pg_buyers: i64,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -108,35 +109,35 @@ impl StepReply {
 }
 
 impl<'k> Fence<'k> {
-    /// Locks the sale's `seckill_vouchers` row and reads the part's stock, buyers and
+    /// Locks the sale's `seckill_vouchers` row and reads the segment's stock, buyers and
     /// moves under it, stages the buyers, and keeps the candidates paged before the
     /// lock that Postgres neither holds nor buried. `None`: no flash sale.
     pub(super) async fn lock<C: ConnectionLike + Send>(
         db: &PgPool,
         conn: &mut C,
         keys: &'k Keys,
-        part: SalePart,
+        segment: SaleSegment,
         counting: Counting,
     ) -> anyhow::Result<Option<Self>> {
-        let voucher_id = part.voucher_id;
-        let mut paging = Paging::before_lock(db, conn, keys, part, counting).await?;
+        let voucher_id = segment.voucher_id;
+        let mut paging = Paging::before_lock(db, conn, keys, segment, counting).await?;
         let mut tx = db.begin().await?;
         let Some((sale, mut buyers)) = store::vouchers::lock_sale(&mut tx, voucher_id).await?
         else {
             return Ok(None);
         };
         anyhow::ensure!(
-            sale.segments as u8 == part.parts,
-            "voucher {voucher_id} is in {} parts, not {}",
+            sale.segments as u8 == segment.segments,
+            "voucher {voucher_id} is in {} segments, not {}",
             sale.segments,
-            part.parts
+            segment.segments
         );
         let sale_orders = buyers.len() as i64;
-        buyers.retain(|(u, _)| part.is_home_of(*u));
-        let pg_built = store::epochs::built(&mut *tx, part).await?;
-        let moved_in = moved_in(&mut tx, part).await?;
-        let pg_stock = part_stock(&mut tx, &sale, part, buyers.len()).await?;
-        let stage = Stage::new(&keys.part(part));
+        buyers.retain(|(u, _)| segment.is_home_of(*u));
+        let pg_built = store::epochs::built(&mut *tx, segment).await?;
+        let moved_in = moved_in(&mut tx, segment).await?;
+        let pg_stock = segment_stock(&mut tx, &sale, segment, buyers.len()).await?;
+        let stage = Stage::new(&keys.segment(segment));
         stage.buyers(conn, &buyers).await?;
         let known: HashMap<UserId, OrderId> = buyers.iter().copied().collect();
         paging
@@ -146,7 +147,7 @@ impl<'k> Fence<'k> {
         Ok(Some(Self {
             tx,
             keys,
-            part,
+            segment,
             sale,
             known,
             pg_orders: buyers.len() as i64,
@@ -172,7 +173,7 @@ impl<'k> Fence<'k> {
             if self.paging.counting.scan {
                 // Under the lock: only what was added since the last page.
                 self.paging
-                    .page_on(conn, self.keys, self.part, &self.known)
+                    .page_on(conn, self.keys, self.segment, &self.known)
                     .await?;
                 self.paging
                     .stage_unsettled(&mut self.tx, conn, &self.stage)
@@ -194,13 +195,13 @@ impl<'k> Fence<'k> {
                 StepReply::TailTooLong => continue,
                 StepReply::TooLate => anyhow::bail!(
                     "loading voucher {} reached Redis too late; nothing was written",
-                    self.part.voucher_id
+                    self.segment.voucher_id
                 ),
                 StepReply::LivesElsewhere => anyhow::bail!(
-                    "voucher {} (part {}) was last built into a newer redis server life than \
+                    "voucher {} (segment {}) was last built into a newer redis server life than \
                      this one (term {}): not built here; is this an old primary after a failover?",
-                    self.part.voucher_id,
-                    self.part.part,
+                    self.segment.voucher_id,
+                    self.segment.segment,
                     self.pg_built
                         .as_ref()
                         .map(|b| b.term.as_str())
@@ -212,21 +213,21 @@ impl<'k> Fence<'k> {
         }
         anyhow::bail!(
             "the order stream grows faster than voucher {} can be loaded",
-            self.part.voucher_id
+            self.segment.voucher_id
         )
     }
 
-    /// The step's call: the part's keys, and one JSON argument.
+    /// The step's call: the segment's keys, and one JSON argument.
     fn call(
         &self,
         function: &'static str,
         deadline_ms: i64,
         extra: &impl Serialize,
     ) -> anyhow::Result<Call> {
-        let (keys, part) = (self.keys, self.part);
+        let (keys, segment) = (self.keys, self.segment);
         let args = StepArgs {
-            voucher: part.voucher_id.to_string(),
-            part: part.label(),
+            voucher: segment.voucher_id.to_string(),
+            segment: segment.label(),
             pg_stock: self.pg_stock,
             pg_buyers: self.pg_orders,
             pg_epoch: self.pg_built.as_ref().map(|b| b.epoch.to_string()),
@@ -239,31 +240,31 @@ impl<'k> Fence<'k> {
             extra,
         };
         let mut call = Call::function(function);
-        call.key(keys.part(part))
-            .key(keys.stream(keys.shard_of_part(part)))
+        call.key(keys.segment(segment))
+            .key(keys.stream(keys.shard_of_segment(segment)))
             .key(&self.stage.buyers)
             .key(&self.stage.candidates)
-            .key(keys.moves_out(part))
-            .key(keys.moves_in(part))
-            .key(keys.part_marker(part))
+            .key(keys.moves_out(segment))
+            .key(keys.moves_in(segment))
+            .key(keys.segment_marker(segment))
             .arg(serde_json::to_string(&args)?);
         Ok(call)
     }
 }
 
-/// The moves into `part` Postgres recorded and has not seen credited (a segmented
+/// The moves into `segment` Postgres recorded and has not seen credited (a segmented
 /// sale's only).
 async fn moved_in(
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
-    part: SalePart,
+    segment: SaleSegment,
 ) -> anyhow::Result<Vec<Move>> {
-    if part.label().is_none() {
+    if segment.label().is_none() {
         return Ok(Vec::new());
     }
-    Ok(store::parts::uncredited(&mut **tx, part.voucher_id)
+    Ok(store::segments::uncredited(&mut **tx, segment.voucher_id)
         .await?
         .into_iter()
-        .filter(|m| m.to == part.part)
+        .filter(|m| m.to == segment.segment)
         .map(|m| Move {
             id: m.id.to_string(),
             units: m.units,
@@ -271,24 +272,24 @@ async fn moved_in(
         .collect())
 }
 
-/// Postgres's stock for one part: the sale's for a sale in one part; else the part's
+/// Postgres's stock for one segment: the sale's for a sale in one segment; else the segment's
 /// allotment less its buyers' active orders.
-async fn part_stock(
+async fn segment_stock(
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
     sale: &store::vouchers::LockedSale,
-    part: SalePart,
+    segment: SaleSegment,
     buyers: usize,
 ) -> anyhow::Result<i64> {
-    if part.parts == 1 {
+    if segment.segments == 1 {
         return Ok(sale.stock as i64);
     }
-    let stock = store::parts::allotted(tx, part).await? as i64 - buyers as i64;
+    let stock = store::segments::allotted(tx, segment).await? as i64 - buyers as i64;
     if stock < 0 {
         tracing::error!(
-            voucher_id = part.voucher_id.get(),
-            part = part.part,
+            voucher_id = segment.voucher_id.get(),
+            segment = segment.segment,
             stock,
-            "a part's buyers hold more units than its allotment: loaded with none left"
+            "a segment's buyers hold more units than its allotment: loaded with none left"
         );
     }
     Ok(stock)
@@ -327,7 +328,7 @@ struct Paging {
 }
 
 impl Paging {
-    /// The long part, before the lock: pages through the stream as it is now. Orders
+    /// The long segment, before the lock: pages through the stream as it is now. Orders
     /// Postgres already holds are skipped (an order once written stays written); the
     /// rest are re-checked under the lock and in the step. Entries of users Postgres
     /// knows under another order are kept: the step must see such a phantom, whose
@@ -336,7 +337,7 @@ impl Paging {
         db: &PgPool,
         conn: &mut C,
         keys: &Keys,
-        part: SalePart,
+        segment: SaleSegment,
         counting: Counting,
     ) -> anyhow::Result<Self> {
         let mut paging = Paging {
@@ -346,12 +347,12 @@ impl Paging {
             staged: 0,
         };
         if counting.scan {
-            let early: HashMap<UserId, OrderId> = store::vouchers::buyers(db, part.voucher_id)
+            let early: HashMap<UserId, OrderId> = store::vouchers::buyers(db, segment.voucher_id)
                 .await?
                 .into_iter()
-                .filter(|(u, _)| part.is_home_of(*u))
+                .filter(|(u, _)| segment.is_home_of(*u))
                 .collect();
-            paging.page_on(conn, keys, part, &early).await?;
+            paging.page_on(conn, keys, segment, &early).await?;
         }
         Ok(paging)
     }
@@ -361,13 +362,13 @@ impl Paging {
         &mut self,
         conn: &mut C,
         keys: &Keys,
-        part: SalePart,
+        segment: SaleSegment,
         known: &HashMap<UserId, OrderId>,
     ) -> anyhow::Result<()> {
         page_on(
             conn,
             keys,
-            part,
+            segment,
             known,
             &mut self.last,
             &mut self.candidates,

@@ -7,7 +7,7 @@ use redis::aio::ConnectionLike;
 
 use super::{PAGE, STAGE_CHUNK, STAGE_PIPELINE, STAGE_TTL};
 use crate::domain::{OrderId, UserId};
-use crate::keys::{Keys, SalePart};
+use crate::keys::{Keys, SaleSegment};
 
 /// The keys a step stages its bulk in: beside the sale's hash (its hash tag, so one
 /// slot), unique to this step, expiring if the process dies first. A load's step
@@ -108,12 +108,12 @@ pub(super) struct Candidate {
 pub(super) async fn page_on<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
-    part: SalePart,
+    segment: SaleSegment,
     known: &HashMap<UserId, OrderId>,
     last: &mut Option<String>,
     candidates: &mut Vec<Candidate>,
 ) -> anyhow::Result<()> {
-    let shard = keys.shard_of_part(part);
+    let shard = keys.shard_of_segment(segment);
     loop {
         let page = crate::stream::page(conn, keys, shard, last.as_deref(), PAGE).await?;
         if let Some(e) = page.last() {
@@ -121,8 +121,8 @@ pub(super) async fn page_on<C: ConnectionLike + Send>(
         }
         for e in &page {
             if let Some(o) = e.order() {
-                if o.voucher_id == part.voucher_id
-                    && o.part == part.part
+                if o.voucher_id == segment.voucher_id
+                    && o.segment == segment.segment
                     && known.get(&o.user_id) != Some(&o.id)
                 {
                     candidates.push(Candidate {

@@ -112,9 +112,9 @@ impl Promise {
             shard.0,
             self.order_id.get(),
             self.user_id.get(),
-            self.part.voucher_id.get(),
-            self.part.part,
-            self.part.parts,
+            self.segment.voucher_id.get(),
+            self.segment.segment,
+            self.segment.segments,
             self.entry.0,
             self.entry.1
         )
@@ -128,7 +128,7 @@ impl Promise {
         let order_id = next()?.parse().ok()?;
         let user_id = next()?.parse().ok()?;
         let voucher_id = next()?.parse().ok()?;
-        let (part, parts) = (next()?.parse().ok()?, next()?.parse().ok()?);
+        let (segment, segments) = (next()?.parse().ok()?, next()?.parse().ok()?);
         let entry = stream::parse_entry_id(next()?)?;
         if next().is_some() {
             return None;
@@ -136,7 +136,7 @@ impl Promise {
         let promise = Self {
             order_id,
             user_id,
-            part: SalePart::new(voucher_id, part, parts),
+            segment: SaleSegment::new(voucher_id, segment, segments),
             entry,
             tries: 0,
         };

@@ -88,8 +88,8 @@ pub fn grab_of(voucher: i64, user: i64, order: i64) -> seckill::admission::Grab 
         voucher_id: vid(voucher),
         user_id: uid(user),
         order_id: oid(order),
-        part: 0,
-        parts: 1,
+        segment: 0,
+        segments: 1,
     }
 }
 

@@ -62,10 +62,10 @@ impl TestApp {
             .unwrap()
     }
 
-    /// The epoch Postgres recorded for the sale's (first part's) state: what its
+    /// The epoch Postgres recorded for the sale's (first segment's) state: what its
     /// admissions stamp their entries with (`None`: never built with one).
     pub async fn epoch(&self, voucher_id: i64) -> Option<seckill::domain::Epoch> {
-        sqlx::query_scalar("SELECT epoch FROM sale_epochs WHERE voucher_id = $1 AND part = 0")
+        sqlx::query_scalar("SELECT epoch FROM sale_epochs WHERE voucher_id = $1 AND segment = 0")
             .bind(voucher_id)
             .fetch_optional(&self.db)
             .await
@@ -131,10 +131,10 @@ impl TestApp {
         n as usize
     }
 
-    /// Redis's live stock of a sale (`None`: not loaded), summed over its parts, read as
+    /// Redis's live stock of a sale (`None`: not loaded), summed over its segments, read as
     /// the API reads it.
     pub async fn redis_stock(&self, voucher_id: i64) -> Option<i64> {
-        let parts: i16 =
+        let segments: i16 =
             sqlx::query_scalar("SELECT segments FROM seckill_vouchers WHERE voucher_id = $1")
                 .bind(voucher_id)
                 .fetch_one(&self.db)
@@ -144,7 +144,7 @@ impl TestApp {
             &mut self.redis.clone(),
             &self.keys,
             vid(voucher_id),
-            parts as u8,
+            segments as u8,
         )
         .await
         .unwrap()
@@ -200,7 +200,7 @@ impl TestApp {
             )
             .await;
         match reply {
-            redis::Value::Array(parts) => redis::from_redis_value_ref(&parts[0]).unwrap(),
+            redis::Value::Array(segments) => redis::from_redis_value_ref(&segments[0]).unwrap(),
             other => panic!("unexpected XPENDING reply {other:?}"),
         }
     }

@@ -96,14 +96,14 @@ async fn a_primary_failed_back_after_a_partial_resync_gets_a_new_term_and_its_sa
     // Node 1, master meanwhile, is written to by the processes that follow it: here a
     // release of a unit of the sale (of nobody's order: nothing changes but the slot's
     // marker), as an instance's would be, and a lease claim.
-    let part = seckill::keys::SalePart::new(vid(sale), 0, 1);
+    let segment = seckill::keys::SaleSegment::new(vid(sale), 0, 1);
     let released: i64 = trio.cmd(
         1,
         redis::cmd("FCALL")
             .arg("seckill_release")
             .arg(2)
-            .arg(app.keys.part(part))
-            .arg(app.keys.part_marker(part))
+            .arg(app.keys.segment(segment))
+            .arg(app.keys.segment_marker(segment))
             .arg("u:999999")
             .arg(1)
             .arg(""),
@@ -129,8 +129,8 @@ async fn a_primary_failed_back_after_a_partial_resync_gets_a_new_term_and_its_sa
         redis::cmd("FCALL")
             .arg("seckill_peek")
             .arg(2)
-            .arg(app.keys.part(part))
-            .arg(app.keys.part_marker(part)),
+            .arg(app.keys.segment(segment))
+            .arg(app.keys.segment_marker(segment)),
     );
     assert_eq!(peeked, ["6"], "stale: built in an earlier term");
     // A number claimed now waits out the lease grace.

@@ -158,8 +158,8 @@ async fn a_wait_refused_after_the_admission_ran_is_an_unknown_outcome_and_the_or
         voucher_id: vid(sale),
         user_id: uid(7),
         order_id: minted,
-        part: 0,
-        parts: 1,
+        segment: 0,
+        segments: 1,
     };
     let one = seckill::scripts::Replicas {
         n: 1,

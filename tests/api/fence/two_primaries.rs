@@ -241,12 +241,12 @@ async fn an_old_primary_cannot_take_a_sale_from_the_new_one(db: PgPool) {
         .await;
     let _worker2 = worker_on(&app, trio.url(1));
     let sale = open_sale_at(&app.client, &base2, 10).await;
-    let part = seckill::keys::SalePart::new(vid(sale), 0, 1);
+    let segment = seckill::keys::SaleSegment::new(vid(sale), 0, 1);
     let built_into = |app: &TestApp| {
         let db = app.db.clone();
         async move {
             sqlx::query_as::<_, (i64, String)>(
-                "SELECT epoch, term FROM sale_epochs WHERE voucher_id = $1 AND part = 0",
+                "SELECT epoch, term FROM sale_epochs WHERE voucher_id = $1 AND segment = 0",
             )
             .bind(sale)
             .fetch_one(&db)
@@ -272,9 +272,13 @@ async fn an_old_primary_cannot_take_a_sale_from_the_new_one(db: PgPool) {
         Value::Null,
         "nothing reserved: {body}"
     );
-    let exists: bool = trio.cmd(0, redis::cmd("EXISTS").arg(app.keys.part(part)));
-    let armed: Option<String> =
-        trio.cmd(0, redis::cmd("HGET").arg(app.keys.part(part)).arg("epoch"));
+    let exists: bool = trio.cmd(0, redis::cmd("EXISTS").arg(app.keys.segment(segment)));
+    let armed: Option<String> = trio.cmd(
+        0,
+        redis::cmd("HGET")
+            .arg(app.keys.segment(segment))
+            .arg("epoch"),
+    );
     assert!(
         armed.is_none(),
         "no state armed on the old primary (exists: {exists})"
@@ -362,7 +366,9 @@ async fn an_old_primary_that_keeps_a_replica_answers_no_202_for_a_sale_rebuilt_e
 
     // Node 0 still holds its own state, armed and of its term: none of it may be a
     // 202, and it takes nothing.
-    let state_key = app.keys.part(seckill::keys::SalePart::new(vid(sale), 0, 1));
+    let state_key = app
+        .keys
+        .segment(seckill::keys::SaleSegment::new(vid(sale), 0, 1));
     let stock =
         |trio: &Trio| -> i64 { trio.cmd(0, redis::cmd("HGET").arg(&state_key).arg("stock")) };
     let stock_before = stock(&trio);

@@ -43,11 +43,11 @@ pub struct DeadOrder {
 #[derive(Clone, Debug)]
 pub struct SaleBooks {
     pub voucher: i64,
-    /// Its number of parts (`segments`).
-    pub parts: u8,
+    /// Its number of segments (`segments`).
+    pub segments: u8,
     pub initial: i64,
     pub pg_stock: i64,
-    /// Its stock summed over its parts in Redis; `None`: no state there.
+    /// Its stock summed over its segments in Redis; `None`: no state there.
     pub redis_stock: Option<i64>,
     pub open: bool,
 }
@@ -266,7 +266,7 @@ fn check_sales(e: &Evidence, v: &mut Verdict) {
                 "stock arithmetic (redis)",
                 None,
                 format!(
-                    "voucher {}: Redis stock {r} (all parts), Postgres stock {} with nothing in flight",
+                    "voucher {}: Redis stock {r} (all segments), Postgres stock {} with nothing in flight",
                     s.voucher, s.pg_stock
                 ),
             ),

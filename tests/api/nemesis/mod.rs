@@ -197,7 +197,7 @@ async fn gather(
         .admit_again(&open, heal_began, Duration::from_secs(60))
         .await;
     let settled = observe::wait_settled(world, &db, Duration::from_secs(120)).await;
-    // Units on their way between the parts of a segmented sale arrive within seconds.
+    // Units on their way between the segments of a segmented sale arrive within seconds.
     let mut books = observe::pg_books(&db, recorder.start_unix_ms).await;
     let mut sales = observe::sales(world, &books).await;
     for _ in 0..5 {

@@ -13,7 +13,7 @@ use super::services::{run_bounded, PREFIX};
 use super::topology::query;
 use super::world::World;
 use seckill::domain::VoucherId;
-use seckill::keys::{Keys, SalePart, Shard};
+use seckill::keys::{Keys, SaleSegment, Shard};
 
 /// The consumer group of the workers.
 const GROUP: &str = "seckill-workers";
@@ -97,7 +97,7 @@ pub struct PgBooks {
 
 struct PgSale {
     voucher: i64,
-    parts: u8,
+    segments: u8,
     initial: i64,
     stock: i64,
     open: bool,
@@ -120,7 +120,7 @@ pub async fn pg_books(db: &PgPool, start_unix_ms: f64) -> PgBooks {
     .iter()
     .map(|r| PgSale {
         voucher: r.get("voucher_id"),
-        parts: r.get::<i16, _>("segments") as u8,
+        segments: r.get::<i16, _>("segments") as u8,
         initial: r.get::<i32, _>("initial_stock") as i64,
         stock: r.get::<i32, _>("stock") as i64,
         open: r.get("open"),
@@ -166,8 +166,8 @@ pub async fn pg_books(db: &PgPool, start_unix_ms: f64) -> PgBooks {
     }
 }
 
-/// Each sale's books: Postgres's stock from `books`, and Redis's summed over its parts
-/// on the primary (`None` if a part has no state).
+/// Each sale's books: Postgres's stock from `books`, and Redis's summed over its segments
+/// on the primary (`None` if a segment has no state).
 pub async fn sales(world: &World, books: &PgBooks) -> Vec<SaleBooks> {
     let keys = Keys::new(PREFIX).unwrap();
     let primary = world
@@ -178,21 +178,22 @@ pub async fn sales(world: &World, books: &PgBooks) -> Vec<SaleBooks> {
     let mut out = Vec::new();
     for s in &books.sales {
         let mut redis_stock = Some(0);
-        for part in SalePart::all(VoucherId::new(s.voucher).unwrap(), s.parts) {
+        for segment in SaleSegment::all(VoucherId::new(s.voucher).unwrap(), s.segments) {
             let stock = match primary {
-                Some(port) => {
-                    query::<Option<i64>>(port, redis::cmd("HGET").arg(keys.part(part)).arg("stock"))
-                        .await
-                        .ok()
-                        .flatten()
-                }
+                Some(port) => query::<Option<i64>>(
+                    port,
+                    redis::cmd("HGET").arg(keys.segment(segment)).arg("stock"),
+                )
+                .await
+                .ok()
+                .flatten(),
                 None => None,
             };
             redis_stock = redis_stock.zip(stock).map(|(a, b)| a + b);
         }
         out.push(SaleBooks {
             voucher: s.voucher,
-            parts: s.parts,
+            segments: s.segments,
             initial: s.initial,
             pg_stock: s.stock,
             redis_stock,
@@ -208,7 +209,7 @@ pub async fn reconcile(world: &World) -> (Option<i32>, String) {
 }
 
 /// What Redis holds at the end, for reading a failed run: each node's role and
-/// replication, whom each sentinel names, and per sale part its fields and the buyer
+/// replication, whom each sentinel names, and per sale segment its fields and the buyer
 /// records that differ from Postgres's live orders (with what Postgres says of them).
 pub async fn describe_redis(world: &World, sales: &[SaleBooks], orders: &[PgOrder]) -> String {
     let mut out = String::new();
@@ -253,10 +254,10 @@ pub async fn describe_redis(world: &World, sales: &[SaleBooks], orders: &[PgOrde
 
 async fn describe_sale(keys: &Keys, port: u16, sale: &SaleBooks, orders: &[PgOrder]) -> String {
     let mut out = String::new();
-    let parts = sale.parts;
-    for part in SalePart::all(VoucherId::new(sale.voucher).unwrap(), parts) {
+    let segments = sale.segments;
+    for segment in SaleSegment::all(VoucherId::new(sale.voucher).unwrap(), segments) {
         let hash: std::collections::HashMap<String, String> =
-            query(port, redis::cmd("HGETALL").arg(keys.part(part)))
+            query(port, redis::cmd("HGETALL").arg(keys.segment(segment)))
                 .await
                 .unwrap_or_default();
         let mut state: Vec<String> = hash
@@ -273,15 +274,15 @@ async fn describe_sale(keys: &Keys, port: u16, sale: &SaleBooks, orders: &[PgOrd
             .iter()
             .filter(|o| o.voucher == sale.voucher && o.is_active())
             .filter(|o| {
-                seckill::keys::home_part(seckill::domain::UserId::new(o.user).unwrap(), parts)
-                    == part.part
+                seckill::keys::home_segment(seckill::domain::UserId::new(o.user).unwrap(), segments)
+                    == segment.segment
             })
             .map(|o| (o.user, o))
             .collect();
         out += &format!(
-            "voucher {} part {}/{parts}: {} buyers in Redis, {} live orders in Postgres; {}\n",
+            "voucher {} segment {}/{segments}: {} buyers in Redis, {} live orders in Postgres; {}\n",
             sale.voucher,
-            part.part,
+            segment.segment,
             buyers.len(),
             live.len(),
             state.join(" ")

@@ -37,14 +37,14 @@ pub enum SaleAction {
     Close { nth: usize },
 }
 
-/// The administrator's plan: four sales at the start (one in three parts, two with
+/// The administrator's plan: four sales at the start (one in three segments, two with
 /// short payment windows, so expiries return units), a new sale every 45 s, and a
 /// close at 40 % of the run and every 150 s after, of the oldest sale open for 30 s at
-/// least (never the first segmented sale: its parts' moves should see faults too).
+/// least (never the first segmented sale: its segments' moves should see faults too).
 pub fn plan_sales(seed: u64, duration_ms: u64) -> Vec<(u64, SaleAction)> {
     let mut rng = Rng::new(seed ^ 0x5A1E_5A1E);
-    // Stocks of 30-150 sell out within a minute (returns then matter); a sale in parts
-    // gets 150-300, so its parts have units to move.
+    // Stocks of 30-150 sell out within a minute (returns then matter); a sale in segments
+    // gets 150-300, so its segments have units to move.
     let create = |rng: &mut Rng, segments: u64, short_pay: bool| SaleAction::Create {
         stock: if segments > 1 {
             rng.range(150, 300)

@@ -181,8 +181,8 @@ async fn persisting_one_order_id_twice_writes_one_row_and_takes_one_unit(db: PgP
         user_id: uid(1),
         voucher_id: vid(sale),
         admitted_at: chrono::Utc::now(),
-        part: 0,
-        parts: 1,
+        segment: 0,
+        segments: 1,
         epoch: app.epoch(sale).await,
     };
     let other_buyer = NewOrder {
@@ -218,8 +218,8 @@ async fn an_order_whose_id_a_buried_order_holds_is_dead_lettered_as_a_duplicate(
         user_id: uid(1),
         voucher_id: vid(sale),
         admitted_at: chrono::Utc::now(),
-        part: 0,
-        parts: 1,
+        segment: 0,
+        segments: 1,
         epoch: app.epoch(sale).await,
     };
     seckill::store::dead_orders::bury(&app.db, &first, "poison: test", true)

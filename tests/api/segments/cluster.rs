@@ -12,9 +12,9 @@ use crate::common::faults::{self, Process, Proxy};
 use crate::common::{uid, vid, SECRET};
 use futures::StreamExt;
 use seckill::auth::JwtKeys;
-use seckill::keys::{home_part, Keys, SalePart};
+use seckill::keys::{home_segment, Keys, SaleSegment};
 
-const PARTS: u8 = 3;
+const SEGMENTS: u8 = 3;
 
 /// The keys as the processes lay them out (no prefix, six shards).
 fn cluster_keys() -> Keys {
@@ -102,7 +102,7 @@ fn cluster_env(cluster: &PrivateCluster, db: &PgPool) -> Vec<(&'static str, Stri
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
-async fn a_sale_in_three_parts_on_three_masters_sells_exactly_its_stock_spread_over_them(
+async fn a_sale_in_three_segments_on_three_masters_sells_exactly_its_stock_spread_over_them(
     db: PgPool,
 ) {
     let cluster = PrivateCluster::start(3);
@@ -110,7 +110,7 @@ async fn a_sale_in_three_parts_on_three_masters_sells_exactly_its_stock_spread_o
     let http = reqwest::Client::new();
     let jwt = JwtKeys::new(SECRET).unwrap();
     let admin = jwt.mint(1, true, 600).unwrap();
-    let voucher = segmented_sale_at(&http, &bases[0], &admin, 3000, PARTS as i64).await;
+    let voucher = segmented_sale_at(&http, &bases[0], &admin, 3000, SEGMENTS as i64).await;
 
     let before = cpu_seconds(&cluster).await;
     let answers = storm(&http, &jwt, &bases, voucher, (10_001..=13_150).collect()).await;
@@ -119,7 +119,7 @@ async fn a_sale_in_three_parts_on_three_masters_sells_exactly_its_stock_spread_o
     assert_eq!(
         won.len(),
         3000,
-        "exactly the stock, none stranded in a drained part"
+        "exactly the stock, none stranded in a drained segment"
     );
 
     let used: Vec<f64> = before.iter().zip(&after).map(|(b, a)| a - b).collect();
@@ -163,7 +163,7 @@ async fn a_sale_in_three_parts_on_three_masters_sells_exactly_its_stock_spread_o
     let (code, books) = reconcile(&cluster_env(&cluster, &db)).await;
     assert_eq!(code, 0, "{books}");
 
-    // After the sell-out: a cancelled unit goes to a fresh shopper of another part, through
+    // After the sell-out: a cancelled unit goes to a fresh shopper of another segment, through
     // the other instance.
     let mut fresh = 20_000;
     for (user, order) in won.iter().take(2) {
@@ -174,7 +174,7 @@ async fn a_sale_in_three_parts_on_three_masters_sells_exactly_its_stock_spread_o
             .await
             .unwrap();
         assert_eq!(resp.status(), StatusCode::OK);
-        while home_part(uid(fresh), PARTS) == home_part(uid(*user), PARTS) {
+        while home_segment(uid(fresh), SEGMENTS) == home_segment(uid(*user), SEGMENTS) {
             fresh += 1;
         }
         let (_, answer) = storm(&http, &jwt, &bases[1..], voucher, vec![fresh])
@@ -205,26 +205,26 @@ async fn a_mover_killed_between_take_and_record_loses_and_doubles_no_unit(db: Pg
     let (other, b) = spawn_on_cluster("api", &cluster, &db, None).await;
     let (_worker, _) = spawn_on_cluster("worker", &cluster, &db, None).await;
     let admin = jwt.mint(1, true, 600).unwrap();
-    let voucher = segmented_sale_at(&http, &b, &admin, 300, PARTS as i64).await;
-    let home = |u: i64| home_part(uid(u), PARTS);
+    let voucher = segmented_sale_at(&http, &b, &admin, 300, SEGMENTS as i64).await;
+    let home = |u: i64| home_segment(uid(u), SEGMENTS);
 
-    // Shoppers of part 0 only, through the mover: part 0 drains, and its next grab makes
-    // the mover take units from another part. Postgres is frozen for the mover after its
+    // Shoppers of segment 0 only, through the mover: segment 0 drains, and its next grab makes
+    // the mover take units from another segment. Postgres is frozen for the mover after its
     // first grab, so it takes the units and then hangs before recording the move.
-    let part0: Vec<i64> = (1..).filter(|&u| home(u) == 0).take(150).collect();
+    let segment0: Vec<i64> = (1..).filter(|&u| home(u) == 0).take(150).collect();
     let first = storm(
         &http,
         &jwt,
         std::slice::from_ref(&a),
         voucher,
-        part0[..1].to_vec(),
+        segment0[..1].to_vec(),
     )
     .await;
     assert_eq!(first[0].1.as_ref().unwrap().0, StatusCode::ACCEPTED);
     proxy.freeze();
     let pressing = tokio::spawn({
         let (http, jwt, a) = (http.clone(), JwtKeys::new(SECRET).unwrap(), a.clone());
-        let users = part0[1..].to_vec();
+        let users = segment0[1..].to_vec();
         async move { storm(&http, &jwt, &[a], voucher, users).await }
     });
     wait_for_a_take(&cluster, voucher).await;
@@ -315,10 +315,10 @@ async fn spawn_on_cluster(
     (process, base)
 }
 
-/// Waits until some part of the sale holds a move's record: units taken, not settled.
+/// Waits until some segment of the sale holds a move's record: units taken, not settled.
 async fn wait_for_a_take(cluster: &PrivateCluster, voucher: i64) {
     let keys = cluster_keys();
-    let moves_out: Vec<String> = SalePart::all(vid(voucher), PARTS)
+    let moves_out: Vec<String> = SaleSegment::all(vid(voucher), SEGMENTS)
         .map(|p| keys.moves_out(p))
         .collect();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);

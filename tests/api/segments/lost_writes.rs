@@ -1,15 +1,15 @@
-//! A segmented sale when Redis hands back an older state of one part (a restart from a
+//! A segmented sale when Redis hands back an older state of one segment (a restart from a
 //! snapshot, a failover to a lagging replica), or moves race: never a unit twice, and
-//! never `sold_out` while some part may still have one.
+//! never `sold_out` while some segment may still have one.
 
 use super::*;
 use crate::common::uid;
-use seckill::keys::home_part;
+use seckill::keys::home_segment;
 
-/// `n` users whose home is `part` of a sale in `parts` parts, from id `from` on.
-fn users_of(part: u8, parts: u8, from: i64, n: usize) -> Vec<i64> {
+/// `n` users whose home is `segment` of a sale in `segments` segments, from id `from` on.
+fn users_of(segment: u8, segments: u8, from: i64, n: usize) -> Vec<i64> {
     (from..)
-        .filter(|u| home_part(uid(*u), parts) == part)
+        .filter(|u| home_segment(uid(*u), segments) == segment)
         .take(n)
         .collect()
 }
@@ -18,13 +18,13 @@ fn users_of(part: u8, parts: u8, from: i64, n: usize) -> Vec<i64> {
 async fn a_move_a_repair_voided_is_not_recorded_when_an_older_donor_brings_it_back(db: PgPool) {
     let app = app_without_finisher(db).await;
     let voucher = segmented_sale(&app, 30, 3).await;
-    let p1 = SalePart::new(vid(voucher), 1, 3);
-    let (state, moves_out) = (app.keys.part(p1), app.keys.moves_out(p1));
+    let p1 = SaleSegment::new(vid(voucher), 1, 3);
+    let (state, moves_out) = (app.keys.segment(p1), app.keys.moves_out(p1));
     assert_eq!(take(&app, p1, 0, 5151, 5).await, 5);
-    // What an older copy of part 1's server will hold: the units taken, the record.
+    // What an older copy of segment 1's server will hold: the units taken, the record.
     let old_state: Vec<u8> = app.redis_cmd(redis::cmd("DUMP").arg(&state)).await;
     let old_moves: Vec<u8> = app.redis_cmd(redis::cmd("DUMP").arg(&moves_out)).await;
-    // A repair voids the move; part 1's shoppers buy its ten units.
+    // A repair voids the move; segment 1's shoppers buy its ten units.
     let (code, out) = app.cli(&["reconcile", "--repair", "--voucher", &voucher.to_string()]);
     assert_eq!(code, 0, "{out}");
     for user in users_of(1, 3, 1, 10) {
@@ -32,7 +32,7 @@ async fn a_move_a_repair_voided_is_not_recorded_when_an_older_donor_brings_it_ba
         assert_eq!(status, StatusCode::ACCEPTED, "{body}");
     }
     app.drain().await;
-    // Part 1's server comes back older, in a new term (its state stale until healed).
+    // Segment 1's server comes back older, in a new term (its state stale until healed).
     for (key, dump) in [(&state, old_state), (&moves_out, old_moves)] {
         let _: () = app
             .redis_cmd(
@@ -56,12 +56,12 @@ async fn a_move_a_repair_voided_is_not_recorded_when_an_older_donor_brings_it_ba
     let done = app
         .state
         .admission
-        .parts
+        .segments
         .finish(vid(voucher), 3)
         .await
         .unwrap();
     assert_eq!(done.credited, 0);
-    let moved: i64 = sqlx::query_scalar("SELECT count(*) FROM seckill_part_moves")
+    let moved: i64 = sqlx::query_scalar("SELECT count(*) FROM seckill_segment_moves")
         .fetch_one(&app.db)
         .await
         .unwrap();
@@ -81,14 +81,14 @@ async fn a_move_a_repair_voided_is_not_recorded_when_an_older_donor_brings_it_ba
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
-async fn a_part_built_in_an_older_term_is_not_read_as_sold_out(db: PgPool) {
+async fn a_segment_built_in_an_older_term_is_not_read_as_sold_out(db: PgPool) {
     let app = app_without_finisher(db).await;
     let voucher = segmented_sale(&app, 3, 3).await;
     let (zero, two) = (users_of(0, 3, 1, 3), users_of(2, 3, 1, 1));
     assert_eq!(app.grab(voucher, zero[0]).await.0, StatusCode::ACCEPTED);
     assert_eq!(app.grab(voucher, two[0]).await.0, StatusCode::ACCEPTED);
-    // Part 1 as an older copy of its server had it: none left, another term.
-    let p1 = app.keys.part(SalePart::new(vid(voucher), 1, 3));
+    // Segment 1 as an older copy of its server had it: none left, another term.
+    let p1 = app.keys.segment(SaleSegment::new(vid(voucher), 1, 3));
     let _: () = app
         .redis_cmd(
             redis::cmd("HSET")
@@ -113,15 +113,15 @@ async fn a_part_built_in_an_older_term_is_not_read_as_sold_out(db: PgPool) {
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
-async fn a_drained_part_waits_for_a_move_another_instance_is_finishing(db: PgPool) {
+async fn a_drained_segment_waits_for_a_move_another_instance_is_finishing(db: PgPool) {
     let app = app_without_finisher(db).await;
     let voucher = segmented_sale(&app, 3, 3).await;
     let (zero, two) = (users_of(0, 3, 1, 2), users_of(2, 3, 1, 1));
     assert_eq!(app.grab(voucher, zero[0]).await.0, StatusCode::ACCEPTED);
-    // Another instance takes part 1's unit for part 2, whose own unit then sells.
+    // Another instance takes segment 1's unit for segment 2, whose own unit then sells.
     let (from, to) = (
-        SalePart::new(vid(voucher), 1, 3),
-        SalePart::new(vid(voucher), 2, 3),
+        SaleSegment::new(vid(voucher), 1, 3),
+        SaleSegment::new(vid(voucher), 2, 3),
     );
     assert_eq!(take(&app, from, 2, 4242, 1).await, 1);
     assert_eq!(app.grab(voucher, two[0]).await.0, StatusCode::ACCEPTED);
@@ -135,22 +135,22 @@ async fn a_drained_part_waits_for_a_move_another_instance_is_finishing(db: PgPoo
                 redis::cmd("FCALL")
                     .arg("seckill_credit")
                     .arg(3)
-                    .arg(app.keys.part(to))
+                    .arg(app.keys.segment(to))
                     .arg(app.keys.moves_in(to))
-                    .arg(app.keys.part_marker(to))
+                    .arg(app.keys.segment_marker(to))
                     .arg(4242)
                     .arg(1)
                     .arg(""),
             )
             .await;
         assert_eq!(credited, 1);
-        sqlx::query("UPDATE seckill_part_moves SET credited_at = now() WHERE id = 4242")
+        sqlx::query("UPDATE seckill_segment_moves SET credited_at = now() WHERE id = 4242")
             .execute(&mut *tx)
             .await
             .unwrap();
         tx.commit().await.unwrap();
     };
-    // Meanwhile a shopper of part 0 (drained) presses: the unit on its way is theirs.
+    // Meanwhile a shopper of segment 0 (drained) presses: the unit on its way is theirs.
     let ((status, body), ()) = tokio::join!(app.grab(voucher, zero[1]), mover);
     assert_eq!(status, StatusCode::ACCEPTED, "{body}");
     app.drain().await;
@@ -159,19 +159,19 @@ async fn a_drained_part_waits_for_a_move_another_instance_is_finishing(db: PgPoo
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
-async fn a_grab_routed_as_if_the_sale_had_one_part_is_not_decided_in_part_zero(db: PgPool) {
+async fn a_grab_routed_as_if_the_sale_had_one_segment_is_not_decided_in_segment_zero(db: PgPool) {
     use seckill::admission::{admit_many, Grab, Outcome};
     let app = app_without_finisher(db).await;
     let voucher = segmented_sale(&app, 30, 3).await;
-    // An instance that read the sale's parts before it was loaded routes a user of part
-    // 2 to part 0, as for a sale in one part: refused, nothing taken.
+    // An instance that read the sale's segments before it was loaded routes a user of segment
+    // 2 to segment 0, as for a sale in one segment: refused, nothing taken.
     let user = users_of(2, 3, 1, 1)[0];
-    let grab = |part, parts| Grab {
+    let grab = |segment, segments| Grab {
         voucher_id: vid(voucher),
         user_id: uid(user),
         order_id: crate::common::oid(77),
-        part,
-        parts,
+        segment,
+        segments,
     };
     let shard = app.keys.shard_of(vid(voucher));
     let outcomes = admit_many(
@@ -186,12 +186,12 @@ async fn a_grab_routed_as_if_the_sale_had_one_part_is_not_decided_in_part_zero(d
     .unwrap();
     assert_eq!(outcomes, [Outcome::NotLoaded]);
     assert_eq!(app.redis_stock(voucher).await, Some(30));
-    // Routed by its parts, the same grab is admitted in its home part.
-    let home = SalePart::new(vid(voucher), 2, 3);
+    // Routed by its segments, the same grab is admitted in its home segment.
+    let home = SaleSegment::new(vid(voucher), 2, 3);
     let outcomes = admit_many(
         &mut app.redis.clone(),
         &app.keys,
-        app.keys.shard_of_part(home),
+        app.keys.shard_of_segment(home),
         &[grab(2, 3)],
         seckill::scripts::Replicas::NONE,
         &Default::default(),

@@ -1,5 +1,5 @@
-//! Segmented sales: one sale's stock split over several parts (`seckill.segments`),
-//! behaving exactly as one sale. In process on one Redis here (the parts share a node:
+//! Segmented sales: one sale's stock split over several segments (`seckill.segments`),
+//! behaving exactly as one sale. In process on one Redis here (the segments share a node:
 //! what is tested is the behaviour); on a 3-master cluster with real processes in
 //! `cluster.rs`.
 
@@ -11,20 +11,20 @@ use serde_json::{json, Value};
 use sqlx::PgPool;
 
 use crate::common::{press_all, vid, TestApp};
-use seckill::keys::SalePart;
+use seckill::keys::SaleSegment;
 
 mod cluster;
 mod lost_writes;
 mod moves;
 mod restart;
 
-/// Creates a sale of `stock` open now for an hour, split over `parts`; its id.
+/// Creates a sale of `stock` open now for an hour, split over `segments`; its id.
 async fn segmented_sale_at(
     http: &reqwest::Client,
     base: &str,
     admin: &str,
     stock: i64,
-    parts: i64,
+    segments: i64,
 ) -> i64 {
     let now = Utc::now();
     let resp = http
@@ -32,7 +32,7 @@ async fn segmented_sale_at(
         .bearer_auth(admin)
         .json(&json!({
             "shop_id": 1, "title": "hot coupons", "pay_value": 0, "actual_value": 500,
-            "seckill": {"stock": stock, "segments": parts,
+            "seckill": {"stock": stock, "segments": segments,
                         "begin_time": now - chrono::Duration::minutes(1),
                         "end_time": now + chrono::Duration::hours(1)},
         }))
@@ -42,13 +42,13 @@ async fn segmented_sale_at(
     let status = resp.status();
     let body: Value = resp.json().await.unwrap();
     assert_eq!(status, StatusCode::CREATED, "{body}");
-    assert_eq!(body["seckill"]["segments"], parts, "{body}");
+    assert_eq!(body["seckill"]["segments"], segments, "{body}");
     assert_eq!(body["seckill"]["stock"], stock, "{body}");
     body["id"].as_i64().unwrap()
 }
 
-async fn segmented_sale(app: &TestApp, stock: i64, parts: i64) -> i64 {
-    segmented_sale_at(&app.client, &app.base, &app.admin_token(), stock, parts).await
+async fn segmented_sale(app: &TestApp, stock: i64, segments: i64) -> i64 {
+    segmented_sale_at(&app.client, &app.base, &app.admin_token(), stock, segments).await
 }
 
 /// An instance that does not finish moves by itself: each test finishes (or voids) its
@@ -61,16 +61,16 @@ async fn app_without_finisher(db: PgPool) -> TestApp {
     TestApp::spawn_with_settings(db, settings).await
 }
 
-/// Takes `units` out of `from` for part `to` as move `id`, as a mover does before it
+/// Takes `units` out of `from` for segment `to` as move `id`, as a mover does before it
 /// records the move in Postgres (and as it leaves the sale when killed right after).
-async fn take(app: &TestApp, from: SalePart, to: u8, id: i64, units: i64) -> i64 {
+async fn take(app: &TestApp, from: SaleSegment, to: u8, id: i64, units: i64) -> i64 {
     app.redis_cmd(
         redis::cmd("FCALL")
             .arg("seckill_take")
             .arg(3)
-            .arg(app.keys.part(from))
+            .arg(app.keys.segment(from))
             .arg(app.keys.moves_out(from))
-            .arg(app.keys.part_marker(from))
+            .arg(app.keys.segment_marker(from))
             .arg(id)
             .arg(units)
             .arg(to),
@@ -86,7 +86,7 @@ async fn record_by_hand(
     (id, from, to, units): (i64, i16, i16, i32),
 ) {
     sqlx::query(
-        "INSERT INTO seckill_part_moves (id, voucher_id, from_part, to_part, units) \
+        "INSERT INTO seckill_segment_moves (id, voucher_id, from_segment, to_segment, units) \
          VALUES ($1, $2, $3, $4, $5)",
     )
     .bind(id)
@@ -98,8 +98,8 @@ async fn record_by_hand(
     .await
     .unwrap();
     sqlx::query(
-        "UPDATE seckill_parts SET allotted = allotted + CASE part WHEN $2 THEN -$4 ELSE $4 END \
-         WHERE voucher_id = $1 AND part IN ($2, $3)",
+        "UPDATE seckill_segments SET allotted = allotted + CASE segment WHEN $2 THEN -$4 ELSE $4 END \
+         WHERE voucher_id = $1 AND segment IN ($2, $3)",
     )
     .bind(voucher)
     .bind(from)
@@ -137,7 +137,7 @@ fn winners(answers: &[(i64, Option<(StatusCode, Value)>)]) -> HashMap<i64, Strin
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
-async fn a_sale_in_three_parts_admits_exactly_its_stock_one_order_per_user(db: PgPool) {
+async fn a_sale_in_three_segments_admits_exactly_its_stock_one_order_per_user(db: PgPool) {
     let app = TestApp::spawn(db).await;
     let voucher = segmented_sale(&app, 300, 3).await;
     let answers = press_all(&app, &app.base, voucher, 1..=360, 64).await;
@@ -145,12 +145,12 @@ async fn a_sale_in_three_parts_admits_exactly_its_stock_one_order_per_user(db: P
     assert_eq!(
         won.len(),
         300,
-        "exactly the stock admitted, none stranded in a part"
+        "exactly the stock admitted, none stranded in a segment"
     );
     let ids: HashSet<&String> = won.values().collect();
     assert_eq!(ids.len(), 300, "no order id twice");
 
-    // Winners pressing again hear their own order, whichever part holds it.
+    // Winners pressing again hear their own order, whichever segment holds it.
     for (user, order) in won.iter().take(30) {
         let (status, body) = app.grab(voucher, *user).await;
         assert_eq!(status, StatusCode::CONFLICT, "{body}");
@@ -179,30 +179,30 @@ async fn a_sale_in_three_parts_admits_exactly_its_stock_one_order_per_user(db: P
 }
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
-async fn a_unit_cancelled_after_the_sell_out_goes_to_a_shopper_of_any_part(db: PgPool) {
+async fn a_unit_cancelled_after_the_sell_out_goes_to_a_shopper_of_any_segment(db: PgPool) {
     let app = TestApp::spawn(db).await;
     let voucher = segmented_sale(&app, 6, 3).await;
     let answers = press_all(&app, &app.base, voucher, 1..=12, 4).await;
     let won = winners(&answers);
     assert_eq!(won.len(), 6);
     app.drain().await;
-    // Each cancel in turn, and a fresh shopper of every part takes the unit back.
-    let parts = |user: i64| seckill::keys::home_part(crate::common::uid(user), 3);
+    // Each cancel in turn, and a fresh shopper of every segment takes the unit back.
+    let segments = |user: i64| seckill::keys::home_segment(crate::common::uid(user), 3);
     let mut fresh = 1000;
     for (user, order) in won.iter().take(3) {
         let (status, body) = app.cancel(order, *user).await;
         assert_eq!(status, StatusCode::OK, "{body}");
-        // A shopper whose home is not the canceller's part.
-        while parts(fresh) == parts(*user) {
+        // A shopper whose home is not the canceller's segment.
+        while segments(fresh) == segments(*user) {
             fresh += 1;
         }
         let (status, body) = app.grab(voucher, fresh).await;
         assert_eq!(
             status,
             StatusCode::ACCEPTED,
-            "user {fresh} of part {}, unit back in part {}: {body}",
-            parts(fresh),
-            parts(*user)
+            "user {fresh} of segment {}, unit back in segment {}: {body}",
+            segments(fresh),
+            segments(*user)
         );
         fresh += 1;
         let (status, body) = app.grab(voucher, fresh + 5000).await;
@@ -217,14 +217,14 @@ async fn a_unit_cancelled_after_the_sell_out_goes_to_a_shopper_of_any_part(db: P
 async fn segments_out_of_range_or_above_the_stock_are_refused(db: PgPool) {
     let app = TestApp::spawn(db).await;
     let now = Utc::now();
-    for (stock, parts, says) in [
+    for (stock, segments, says) in [
         (10, 0, "seckill.segments must be between 1 and 64"),
         (100, 65, "seckill.segments must be between 1 and 64"),
         (2, 3, "must not exceed seckill.stock"),
     ] {
         let body = json!({
             "shop_id": 1, "title": "t", "pay_value": 0, "actual_value": 1,
-            "seckill": {"stock": stock, "segments": parts, "begin_time": now,
+            "seckill": {"stock": stock, "segments": segments, "begin_time": now,
                         "end_time": now + chrono::Duration::hours(1)},
         });
         let (status, answer) = app

@@ -1,7 +1,7 @@
 //! A real restart of the Redis under a segmented sale, from a snapshot taken before some
-//! of its parts drained and took units from the others: the term watcher alone sees the
-//! older server, every part is rebuilt from Postgres (allotments with their recorded
-//! moves), and the sale sells exactly the units left, in any part.
+//! of its segments drained and took units from the others: the term watcher alone sees the
+//! older server, every segment is rebuilt from Postgres (allotments with their recorded
+//! moves), and the sale sells exactly the units left, in any segment.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -14,10 +14,10 @@ use super::segmented_sale_at;
 use crate::common::faults::PrivateRedis;
 use crate::common::{uid, vid, TestApp};
 use crate::recovery::rollback::{press_through_503s, the_books_after_the_restart, won};
-use seckill::keys::{home_part, SalePart};
+use seckill::keys::{home_segment, SaleSegment};
 
 const STOCK: i64 = 300;
-const PARTS: u8 = 3;
+const SEGMENTS: u8 = 3;
 
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn a_restart_from_an_older_snapshot_under_a_segmented_sale_heals_itself_and_sells_exactly_the_units_left(
@@ -26,14 +26,21 @@ async fn a_restart_from_an_older_snapshot_under_a_segmented_sale_heals_itself_an
     let mut redis = PrivateRedis::start();
     let app = TestApp::spawn_with(db, redis.url.clone(), true).await;
     let (_server, base) = app.spawn_server("serve", &[]).await;
-    let sale = segmented_sale_at(&app.client, &base, &app.admin_token(), STOCK, PARTS as i64).await;
+    let sale = segmented_sale_at(
+        &app.client,
+        &base,
+        &app.admin_token(),
+        STOCK,
+        SEGMENTS as i64,
+    )
+    .await;
     // A second sale nobody presses after the restart: only the term watcher can
     // rebuild it.
-    let idle = segmented_sale_at(&app.client, &base, &app.admin_token(), 30, PARTS as i64).await;
+    let idle = segmented_sale_at(&app.client, &base, &app.admin_token(), 30, SEGMENTS as i64).await;
     let idle_early = won(&press_through_503s(&app, &base, idle, 1..=10).await);
     assert_eq!(idle_early.len(), 10);
 
-    // 120 winners spread over the parts, in Postgres; then the snapshot.
+    // 120 winners spread over the segments, in Postgres; then the snapshot.
     let first = won(&press_through_503s(&app, &base, sale, 1..=120).await);
     assert_eq!(first.len(), 120);
     assert_eq!(
@@ -47,17 +54,17 @@ async fn a_restart_from_an_older_snapshot_under_a_segmented_sale_heals_itself_an
     );
     redis.save();
 
-    // After it: 120 shoppers of part 0 alone, which drains and takes units from the
+    // After it: 120 shoppers of segment 0 alone, which drains and takes units from the
     // others (moves recorded in Postgres), and 5 cancels, their units given back.
-    let crowd_of_part_0: Vec<i64> = (2_000..)
-        .filter(|u| home_part(uid(*u), PARTS) == 0)
+    let crowd_of_segment_0: Vec<i64> = (2_000..)
+        .filter(|u| home_segment(uid(*u), SEGMENTS) == 0)
         .take(120)
         .collect();
-    let second = won(&press_through_503s(&app, &base, sale, crowd_of_part_0.clone()).await);
+    let second = won(&press_through_503s(&app, &base, sale, crowd_of_segment_0.clone()).await);
     assert_eq!(
         second.len(),
         120,
-        "part 0 drained and took units from the others"
+        "segment 0 drained and took units from the others"
     );
     assert_eq!(
         app.wait_for_orders(sale, 240, Duration::from_secs(30))
@@ -65,13 +72,13 @@ async fn a_restart_from_an_older_snapshot_under_a_segmented_sale_heals_itself_an
         240
     );
     let moved: i64 = sqlx::query_scalar(
-        "SELECT coalesce(sum(units), 0)::bigint FROM seckill_part_moves WHERE voucher_id = $1 AND to_part = 0",
+        "SELECT coalesce(sum(units), 0)::bigint FROM seckill_segment_moves WHERE voucher_id = $1 AND to_segment = 0",
     )
     .bind(sale)
     .fetch_one(&app.db)
     .await
     .unwrap();
-    assert!(moved > 0, "no unit moved to part 0");
+    assert!(moved > 0, "no unit moved to segment 0");
     let idle_late = won(&press_through_503s(&app, &base, idle, 11..=20).await);
     assert_eq!(idle_late.len(), 10);
     assert_eq!(
@@ -94,7 +101,9 @@ async fn a_restart_from_an_older_snapshot_under_a_segmented_sale_heals_itself_an
         idle,
         idle_late,
     ));
-    let again: Vec<i64> = (1..=120).chain(crowd_of_part_0.iter().copied()).collect();
+    let again: Vec<i64> = (1..=120)
+        .chain(crowd_of_segment_0.iter().copied())
+        .collect();
     let again = press_through_503s(&app, &base, sale, again).await;
     let healed_in = restarted.elapsed();
     let fresh = press_through_503s(&app, &base, sale, 5_001..=5_200).await;
@@ -110,7 +119,7 @@ async fn a_restart_from_an_older_snapshot_under_a_segmented_sale_heals_itself_an
     assert_eq!(
         fresh_won.len(),
         60,
-        "the units left, in whatever part, no more"
+        "the units left, in whatever segment, no more"
     );
     for (status, body) in fresh.values() {
         if *status != StatusCode::ACCEPTED {
@@ -131,7 +140,7 @@ async fn a_restart_from_an_older_snapshot_under_a_segmented_sale_heals_itself_an
     let reconciled_in =
         the_books_after_the_restart(&app, &base, sale, STOCK, &all, &cancelled).await;
     println!(
-        "segmented sale restarted from an older snapshot: {} units moved to part 0 before it; \
+        "segmented sale restarted from an older snapshot: {} units moved to segment 0 before it; \
          202s {} ({} of them cancelled) for {STOCK} units, oversold 0; first answers again \
          after {:.1} s, the sale nobody pressed rebuilt after {:.1} s, reconcile clean \
          {:.1} s later",
@@ -173,7 +182,7 @@ fn check_the_winners_again(
 }
 
 /// How long until Redis holds the buyer record of each of `winners` (user → order) of
-/// `voucher` again, in their home parts: only a rebuild from Postgres brings back the
+/// `voucher` again, in their home segments: only a rebuild from Postgres brings back the
 /// winners a snapshot did not know. Gives up after 30 s (and returns 30 s).
 async fn until_rebuilt(
     url: String,
@@ -188,10 +197,10 @@ async fn until_rebuilt(
         if let Ok(mut conn) = client.get_multiplexed_async_connection().await {
             let mut all_there = true;
             for (user, order) in &winners {
-                let part = SalePart::home_of(vid(voucher), uid(*user), PARTS);
+                let segment = SaleSegment::home_of(vid(voucher), uid(*user), SEGMENTS);
                 // The buyer field the admission script writes (`u:<user_id>`).
                 let held: Option<String> = redis::cmd("HGET")
-                    .arg(keys.part(part))
+                    .arg(keys.segment(segment))
                     .arg(format!("u:{user}"))
                     .query_async(&mut conn)
                     .await

@@ -65,7 +65,7 @@ fn clean() -> Evidence {
         dead: vec![],
         sales: vec![SaleBooks {
             voucher: 7,
-            parts: 1,
+            segments: 1,
             initial: 2,
             pg_stock: 0,
             redis_stock: Some(0),

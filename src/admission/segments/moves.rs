@@ -1,16 +1,16 @@
-//! Settling a move of units between a sale's parts: recorded in Postgres while its donor
+//! Settling a move of units between a sale's segments: recorded in Postgres while its donor
 //! holds the units, then credited to its recipient once; and finishing the moves that
 //! movers left half done.
 
 use super::*;
 
-impl Parts {
+impl Segments {
     /// Finishes every move of a sale found half done (taken and not recorded, or
     /// recorded and not credited): how many it found, and how many it credited itself.
-    pub async fn finish(&self, voucher_id: VoucherId, parts: u8) -> anyhow::Result<Finished> {
+    pub async fn finish(&self, voucher_id: VoucherId, segments: u8) -> anyhow::Result<Finished> {
         let mut conn = self.redis.clone();
         let mut done = Finished::default();
-        for from in SalePart::all(voucher_id, parts) {
+        for from in SaleSegment::all(voucher_id, segments) {
             let taken: HashMap<i64, String> = redis::cmd("HGETALL")
                 .arg(self.keys.moves_out(from))
                 .query_async(&mut conn)
@@ -70,9 +70,9 @@ impl Parts {
             // (an old primary's) took units the sale's own state still holds.
             let epoch = crate::store::epochs::of(&mut *tx, m.from).await?;
             let held: i64 = Call::function("seckill_taken")
-                .key(self.keys.part(m.from))
+                .key(self.keys.segment(m.from))
                 .key(self.keys.moves_out(m.from))
-                .key(self.keys.part_marker(m.from))
+                .key(self.keys.segment_marker(m.from))
                 .arg(m.id)
                 .arg(epoch.map(|e| e.to_string()).unwrap_or_default())
                 .invoke(conn)
@@ -109,9 +109,9 @@ impl Parts {
                 // the recipient is not sound, and its rebuild will count it; -2: not
                 // the recipient's current state.
                 let credit: i64 = Call::function("seckill_credit")
-                    .key(self.keys.part(m.recipient()))
+                    .key(self.keys.segment(m.recipient()))
                     .key(self.keys.moves_in(m.recipient()))
-                    .key(self.keys.part_marker(m.recipient()))
+                    .key(self.keys.segment_marker(m.recipient()))
                     .arg(m.id)
                     .arg(units)
                     .arg(epoch.map(|e| e.to_string()).unwrap_or_default())
@@ -122,7 +122,7 @@ impl Parts {
                 }
                 store::mark_credited(&mut tx, m.id).await?;
                 if credit == 1 {
-                    metrics::counter!(crate::metrics::PART_UNITS_MOVED).increment(units as u64);
+                    metrics::counter!(crate::metrics::SEGMENT_UNITS_MOVED).increment(units as u64);
                 }
                 credit == 1
             }
@@ -154,7 +154,7 @@ impl Parts {
             if let Err(e) = self.finish_open().await {
                 tracing::warn!(
                     error = format!("{e:#}"),
-                    "finishing moves between parts failed"
+                    "finishing moves between segments failed"
                 );
             }
         }
@@ -162,18 +162,18 @@ impl Parts {
 
     /// Each sale on its own: one whose node is away does not hold up the others.
     async fn finish_open(&self) -> anyhow::Result<()> {
-        for (voucher_id, parts) in store::open_segmented(&self.db).await? {
-            match self.finish(voucher_id, parts).await {
+        for (voucher_id, segments) in store::open_segmented(&self.db).await? {
+            match self.finish(voucher_id, segments).await {
                 Ok(done) if done.credited > 0 => tracing::info!(
                     voucher_id = voucher_id.get(),
                     credited = done.credited,
-                    "finished moves between parts"
+                    "finished moves between segments"
                 ),
                 Ok(_) => {}
                 Err(e) => tracing::warn!(
                     voucher_id = voucher_id.get(),
                     error = format!("{e:#}"),
-                    "finishing moves between parts failed"
+                    "finishing moves between segments failed"
                 ),
             }
         }
@@ -192,7 +192,7 @@ pub(super) enum Settled {
     DonorUnsound,
 }
 
-/// What [`Parts::finish`] did.
+/// What [`Segments::finish`] did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Finished {
     /// Moves found half done.

@@ -1,23 +1,23 @@
-//! `seckill_parts` and `seckill_part_moves`: how a segmented sale's units are shared
-//! out over its parts, and the units moved between them.
+//! `seckill_segments` and `seckill_segment_moves`: how a segmented sale's units are shared
+//! out over its segments, and the units moved between them.
 
 use sqlx::{FromRow, PgExecutor, Postgres, Transaction};
 
 use crate::domain::VoucherId;
-use crate::keys::SalePart;
+use crate::keys::SaleSegment;
 
-/// Units moved from one part of a sale to another.
+/// Units moved from one segment of a sale to another.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Move {
     /// Minted like an order id: unique across instances and restarts.
     pub id: i64,
-    pub from: SalePart,
+    pub from: SaleSegment,
     pub to: u8,
     pub units: i32,
 }
 
 impl Move {
-    pub fn recipient(&self) -> SalePart {
+    pub fn recipient(&self) -> SaleSegment {
         self.from.sibling(self.to)
     }
 }
@@ -26,8 +26,8 @@ impl Move {
 struct MoveRow {
     id: i64,
     voucher_id: VoucherId,
-    from_part: i16,
-    to_part: i16,
+    from_segment: i16,
+    to_segment: i16,
     units: i32,
     segments: i16,
 }
@@ -36,72 +36,74 @@ impl From<MoveRow> for Move {
     fn from(r: MoveRow) -> Self {
         Move {
             id: r.id,
-            from: SalePart::new(r.voucher_id, r.from_part as u8, r.segments as u8),
-            to: r.to_part as u8,
+            from: SaleSegment::new(r.voucher_id, r.from_segment as u8, r.segments as u8),
+            to: r.to_segment as u8,
             units: r.units,
         }
     }
 }
 
-/// The first allotment of each of `parts` parts: the stock shared out evenly, the
-/// first parts one more when it does not divide.
-pub fn first_allotments(stock: i32, parts: u8) -> Vec<i32> {
-    let k = parts.max(1) as i32;
+/// The first allotment of each of `segments` segments: the stock shared out evenly, the
+/// first segments one more when it does not divide.
+pub fn first_allotments(stock: i32, segments: u8) -> Vec<i32> {
+    let k = segments.max(1) as i32;
     (0..k)
         .map(|p| stock / k + i32::from(p < stock % k))
         .collect()
 }
 
-/// Records the first allotments of a new sale in `parts` parts (nothing for one part).
+/// Records the first allotments of a new sale in `segments` segments (nothing for one segment).
 #[tracing::instrument(skip(tx))]
 pub(crate) async fn insert_allotments(
     tx: &mut Transaction<'_, Postgres>,
     voucher_id: VoucherId,
     stock: i32,
-    parts: u8,
+    segments: u8,
 ) -> Result<(), sqlx::Error> {
-    if parts <= 1 {
+    if segments <= 1 {
         return Ok(());
     }
-    let allotted = first_allotments(stock, parts);
-    let part: Vec<i16> = (0..parts as i16).collect();
+    let allotted = first_allotments(stock, segments);
+    let segment: Vec<i16> = (0..segments as i16).collect();
     sqlx::query(
-        "INSERT INTO seckill_parts (voucher_id, part, allotted) \
+        "INSERT INTO seckill_segments (voucher_id, segment, allotted) \
          SELECT $1, p, a FROM unnest($2::smallint[], $3::int[]) AS t(p, a)",
     )
     .bind(voucher_id)
-    .bind(&part)
+    .bind(&segment)
     .bind(&allotted)
     .execute(&mut **tx)
     .await?;
     Ok(())
 }
 
-/// How many parts a sale has (`None`: the voucher has no flash sale).
+/// How many segments a sale has (`None`: the voucher has no flash sale).
 #[tracing::instrument(skip(db))]
-pub(crate) async fn parts_of<'e>(
+pub(crate) async fn segments_of<'e>(
     db: impl PgExecutor<'e>,
     voucher_id: VoucherId,
 ) -> Result<Option<u8>, sqlx::Error> {
-    let parts: Option<i16> =
+    let segments: Option<i16> =
         sqlx::query_scalar("SELECT segments FROM seckill_vouchers WHERE voucher_id = $1")
             .bind(voucher_id)
             .fetch_optional(db)
             .await?;
-    Ok(parts.map(|p| p as u8))
+    Ok(segments.map(|p| p as u8))
 }
 
-/// A part's allotment (under the sale's lock, for a load).
+/// A segment's allotment (under the sale's lock, for a load).
 #[tracing::instrument(skip(tx))]
 pub(crate) async fn allotted(
     tx: &mut Transaction<'_, Postgres>,
-    part: SalePart,
+    segment: SaleSegment,
 ) -> Result<i32, sqlx::Error> {
-    sqlx::query_scalar("SELECT allotted FROM seckill_parts WHERE voucher_id = $1 AND part = $2")
-        .bind(part.voucher_id)
-        .bind(part.part as i16)
-        .fetch_one(&mut **tx)
-        .await
+    sqlx::query_scalar(
+        "SELECT allotted FROM seckill_segments WHERE voucher_id = $1 AND segment = $2",
+    )
+    .bind(segment.voucher_id)
+    .bind(segment.segment as i16)
+    .fetch_one(&mut **tx)
+    .await
 }
 
 /// Records a move and shifts the two allotments, once: `false` when it was recorded
@@ -112,12 +114,12 @@ pub(crate) async fn record_move(
     m: &Move,
 ) -> Result<bool, sqlx::Error> {
     let inserted = sqlx::query(
-        "INSERT INTO seckill_part_moves (id, voucher_id, from_part, to_part, units) \
+        "INSERT INTO seckill_segment_moves (id, voucher_id, from_segment, to_segment, units) \
          VALUES ($1, $2, $3, $4, $5) ON CONFLICT (id) DO NOTHING",
     )
     .bind(m.id)
     .bind(m.from.voucher_id)
-    .bind(m.from.part as i16)
+    .bind(m.from.segment as i16)
     .bind(m.to as i16)
     .bind(m.units)
     .execute(&mut **tx)
@@ -126,12 +128,12 @@ pub(crate) async fn record_move(
         == 1;
     if inserted {
         sqlx::query(
-            "UPDATE seckill_parts SET allotted = allotted + \
-               CASE WHEN part = $2 THEN -$4 ELSE $4 END \
-             WHERE voucher_id = $1 AND part IN ($2, $3)",
+            "UPDATE seckill_segments SET allotted = allotted + \
+               CASE WHEN segment = $2 THEN -$4 ELSE $4 END \
+             WHERE voucher_id = $1 AND segment IN ($2, $3)",
         )
         .bind(m.from.voucher_id)
-        .bind(m.from.part as i16)
+        .bind(m.from.segment as i16)
         .bind(m.to as i16)
         .bind(m.units)
         .execute(&mut **tx)
@@ -154,7 +156,7 @@ pub(crate) async fn move_state(
     id: i64,
 ) -> Result<MoveState, sqlx::Error> {
     let row: Option<(bool,)> =
-        sqlx::query_as("SELECT credited_at IS NOT NULL FROM seckill_part_moves WHERE id = $1")
+        sqlx::query_as("SELECT credited_at IS NOT NULL FROM seckill_segment_moves WHERE id = $1")
             .bind(id)
             .fetch_optional(&mut **tx)
             .await?;
@@ -171,7 +173,7 @@ pub(crate) async fn units_of(
     tx: &mut Transaction<'_, Postgres>,
     id: i64,
 ) -> Result<i32, sqlx::Error> {
-    sqlx::query_scalar("SELECT units FROM seckill_part_moves WHERE id = $1")
+    sqlx::query_scalar("SELECT units FROM seckill_segment_moves WHERE id = $1")
         .bind(id)
         .fetch_one(&mut **tx)
         .await
@@ -182,7 +184,7 @@ pub(crate) async fn mark_credited(
     tx: &mut Transaction<'_, Postgres>,
     id: i64,
 ) -> Result<(), sqlx::Error> {
-    sqlx::query("UPDATE seckill_part_moves SET credited_at = now() WHERE id = $1")
+    sqlx::query("UPDATE seckill_segment_moves SET credited_at = now() WHERE id = $1")
         .bind(id)
         .execute(&mut **tx)
         .await?;
@@ -196,8 +198,8 @@ pub(crate) async fn uncredited<'e>(
     voucher_id: VoucherId,
 ) -> Result<Vec<Move>, sqlx::Error> {
     Ok(sqlx::query_as::<_, MoveRow>(
-        "SELECT m.id, m.voucher_id, m.from_part, m.to_part, m.units, s.segments \
-         FROM seckill_part_moves m JOIN seckill_vouchers s USING (voucher_id) \
+        "SELECT m.id, m.voucher_id, m.from_segment, m.to_segment, m.units, s.segments \
+         FROM seckill_segment_moves m JOIN seckill_vouchers s USING (voucher_id) \
          WHERE m.voucher_id = $1 AND m.credited_at IS NULL ORDER BY m.id",
     )
     .bind(voucher_id)
@@ -217,7 +219,7 @@ pub(crate) async fn recorded_among(
     if ids.is_empty() {
         return Ok(Vec::new());
     }
-    sqlx::query_scalar("SELECT id FROM seckill_part_moves WHERE id = ANY($1)")
+    sqlx::query_scalar("SELECT id FROM seckill_segment_moves WHERE id = ANY($1)")
         .bind(ids)
         .fetch_all(&mut **tx)
         .await
