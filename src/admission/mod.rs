@@ -25,8 +25,8 @@ use crate::scripts::{Call, Replicas};
 
 /// How a grab ended: the one vocabulary of its answers. The admission script decides
 /// most (codes 0 to 10); the rest are decided before or around the call. Its metric
-/// label ([`Outcome::label`]), its count for the live view ([`tally::counted`]) and,
-/// in `http`, its answer derive from it.
+/// label ([`Outcome::LABELS`] at [`Outcome::index`]), its count for the live view
+/// ([`tally::counted`]) and, in `http`, its answer derive from it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     /// A 202: the order, written to Postgres moments later.

@@ -67,24 +67,9 @@ pub(crate) async fn redeem(
     if !code_holds {
         return Ok(Redemption::WrongCode);
     }
-    lock_sales(&mut tx, &[voucher_id]).await?;
-    let row: OrderRow = sqlx::query_as(&format!(
-        "UPDATE voucher_orders SET status = 'used', used_at = now(), used_by = $2 \
-         WHERE id = $1 RETURNING {ORDER_COLUMNS}"
-    ))
-    .bind(order_id)
-    .bind(staff)
-    .fetch_one(&mut *tx)
-    .await?;
-    recount(
-        &mut tx,
-        voucher_id,
-        OrderStatus::Paid,
-        OrderStatus::Used,
-        0,
-        0,
-    )
-    .await?;
+    let set = "used_at = now(), used_by = $2";
+    let order = (order_id, voucher_id);
+    let row = leave_paid(&mut tx, order, OrderStatus::Used, set, staff).await?;
     tx.commit().await?;
     Ok(Redemption::Used(row))
 }
@@ -111,27 +96,37 @@ pub(crate) async fn ask_refund(
         let row = crate::store::orders::get(&mut *tx, order_id).await?;
         return Ok(row.map_or(Transition::Missing, Transition::Unchanged));
     }
-    lock_sales(&mut tx, &[voucher_id]).await?;
-    let row: OrderRow = sqlx::query_as(&format!(
-        "UPDATE voucher_orders SET status = 'refunding', refund_reason = $2, \
-           refund_asked_at = now() \
-         WHERE id = $1 RETURNING {ORDER_COLUMNS}"
-    ))
-    .bind(order_id)
-    .bind(reason)
-    .fetch_one(&mut *tx)
-    .await?;
-    recount(
-        &mut tx,
-        voucher_id,
-        OrderStatus::Paid,
-        OrderStatus::Refunding,
-        0,
-        0,
-    )
-    .await?;
+    let set = "refund_reason = $2, refund_asked_at = now()";
+    let order = (order_id, voucher_id);
+    let row = leave_paid(&mut tx, order, OrderStatus::Refunding, set, reason).await?;
     tx.commit().await?;
     Ok(Transition::Moved(row))
+}
+
+/// Moves a paid order this transaction holds locked to `to`, setting `set` as well
+/// (`$2` is `value`), and moves it in its sale's counts: under the sale's lock, as
+/// every change of those counts.
+async fn leave_paid<T>(
+    tx: &mut Transaction<'_, Postgres>,
+    (order_id, voucher_id): (OrderId, VoucherId),
+    to: OrderStatus,
+    set: &str,
+    value: T,
+) -> Result<OrderRow, sqlx::Error>
+where
+    T: Send + for<'q> sqlx::Encode<'q, Postgres> + sqlx::Type<Postgres>,
+{
+    lock_sales(tx, &[voucher_id]).await?;
+    let row: OrderRow = sqlx::query_as(&format!(
+        "UPDATE voucher_orders SET status = '{}', {set} WHERE id = $1 RETURNING {ORDER_COLUMNS}",
+        to.as_str()
+    ))
+    .bind(order_id)
+    .bind(value)
+    .fetch_one(&mut **tx)
+    .await?;
+    recount(tx, voucher_id, OrderStatus::Paid, to, 0, 0).await?;
+    Ok(row)
 }
 
 /// The provider confirmed the refund of an order this transaction holds locked as
