@@ -18,6 +18,7 @@ pub mod defaults {
     pub(crate) const RATE_LIMIT_PER_IP_BURST: u32 = 200;
     pub(crate) const MAX_CONCURRENT_REQUESTS: u32 = 10_000;
     pub(crate) const EDGE_VERDICT_TTL_MS: u64 = 500;
+    pub(crate) const ADMISSION_LINGER_US: u64 = 1000;
     pub const LIVE_MAX_VIEWERS: u32 = 1_000;
     pub const LIVE_MAX_SALES: u32 = 100;
     pub(crate) const REQUEST_TIMEOUT_SECS: u64 = 10;
@@ -244,6 +245,15 @@ pub struct ApiArgs {
     pub server: ServerArgs,
     #[command(flatten)]
     pub edge: EdgeArgs,
+    /// How long, in microseconds, a shard's next admission call may wait for more grabs
+    /// while the shard is busy (grabs were already queued when its last call returned,
+    /// and fewer than its recent calls carried): fewer, larger calls for the sale's
+    /// Redis. Tokio's timer counts whole milliseconds, so a wait may run up to one
+    /// more. A grab reaching an idle shard leaves at once. 0: never wait (at most
+    /// 10000).
+    #[arg(long, env = "ADMISSION_LINGER_US", default_value_t = defaults::ADMISSION_LINGER_US,
+          value_parser = clap::value_parser!(u64).range(0..=10_000))]
+    pub admission_linger_us: u64,
 }
 
 /// The edge: sales an instance answers by itself (sold out, not yet open, ended, no
@@ -481,6 +491,8 @@ pub struct Settings {
     pub replicas: crate::scripts::Replicas,
     /// What the instance answers by itself.
     pub edge: EdgeArgs,
+    /// How long a busy shard's admission call may wait for more grabs.
+    pub admission_linger: Duration,
     /// How often the instance looks for moves between a segmented sale's segments left half
     /// done (by a mover that died); `None`: never (tests that leave one on purpose).
     pub finish_moves_every: Option<Duration>,
@@ -499,6 +511,7 @@ impl Default for Settings {
             cors_allowed_origins: Vec::new(),
             replicas: crate::scripts::Replicas::NONE,
             edge: EdgeArgs::default(),
+            admission_linger: Duration::from_micros(defaults::ADMISSION_LINGER_US),
             finish_moves_every: Some(FINISH_MOVES_EVERY),
             payment_secrets: Vec::new(),
         }

@@ -238,6 +238,7 @@ fn settings(api: &ApiArgs) -> Settings {
             .collect(),
         replicas: api.redis.durability.replicas(),
         edge: api.edge.clone(),
+        admission_linger: Duration::from_micros(api.admission_linger_us),
         payment_secrets: (api.payment_webhook_secrets.iter())
             .filter(|s| !s.expose().is_empty())
             .cloned()

@@ -77,6 +77,8 @@ pub struct Setup {
     pub edge_ttl: Duration,
     pub retention: Duration,
     pub replicas: Replicas,
+    /// How long a busy shard's call may wait for more grabs (see [`Batcher::start`]).
+    pub linger: Duration,
 }
 
 impl Admission {
@@ -89,6 +91,7 @@ impl Admission {
             p.redis.clone(),
             p.keys.clone(),
             batcher::MAX_BATCH,
+            p.linger,
             p.replicas,
             p.promises,
             fence.clone(),

@@ -73,6 +73,7 @@ impl AppState {
             edge_ttl: std::time::Duration::from_millis(settings.edge.edge_verdict_ttl_ms),
             retention: settings.sale_state_retention,
             replicas: settings.replicas,
+            linger: settings.admission_linger,
         });
         Self(Arc::new(Shared {
             db,

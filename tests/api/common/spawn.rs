@@ -75,6 +75,7 @@ impl TestApp {
             limits: settings.limits,
             server: ServerArgs::default(),
             edge: settings.edge,
+            admission_linger_us: settings.admission_linger.as_micros() as u64,
         };
         let cancel = CancellationToken::new();
         let app = Application::build(api, None, cancel.clone()).await.unwrap();

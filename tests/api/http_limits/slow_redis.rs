@@ -192,6 +192,7 @@ async fn a_grab_abandoned_while_queued_behind_a_slow_call_is_never_sent(db: PgPo
         conn,
         app.keys.clone(),
         128,
+        Duration::from_millis(1),
         seckill::scripts::Replicas::NONE,
         Default::default(),
         Default::default(),
