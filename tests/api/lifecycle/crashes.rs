@@ -165,7 +165,9 @@ async fn cancel_pay_and_expiry_racing_at_the_deadline_with_workers_killed_return
     db: PgPool,
 ) {
     let app = TestApp::spawn(db).await;
-    let voucher = app.open_sale_paying(UNITS, 4).await;
+    // Ten seconds to pay: room for the workers to start and write every unit before
+    // the race, which begins 800 ms before the deadline.
+    let voucher = app.open_sale_paying(UNITS, 10).await;
     let spawn_worker = || {
         Process::spawn(
             "worker",
@@ -192,6 +194,10 @@ async fn cancel_pay_and_expiry_racing_at_the_deadline_with_workers_killed_return
         (at - chrono::Utc::now()).to_std().unwrap_or_default()
     };
 
+    assert!(
+        until(-800) > Duration::ZERO,
+        "every unit was written only after the race should have begun"
+    );
     let (answers, resold) =
         race_at_the_deadline(&app, voucher, &orders, until, &mut workers, spawn_worker).await;
 
