@@ -5,6 +5,7 @@
 //! recorder's installation ([`register_known_series`]), so an alert on them sees `0`,
 //! not "no data", before the first event.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 use metrics::{KeyName, Recorder, SharedString, Unit};
@@ -161,7 +162,7 @@ pub(crate) const DESCRIBED: &[Described] = &[
 /// Buckets of the `_seconds` histograms: sub-millisecond Redis round trips up to past
 /// the default request timeout (10 s), so timed-out answers and stalled commits are not
 /// all lumped into +Inf.
-const SECONDS_BUCKETS: &[f64] = &[
+const SECONDS_BUCKETS: &[f64; 17] = &[
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 30.0,
     60.0,
 ];
@@ -214,17 +215,32 @@ pub(crate) fn handle() -> PrometheusHandle {
 
 /// This process's admission waits so far, as `/metrics` shows them: for each bucket of
 /// [`ADMISSION_SECONDS`], its upper bound and how many waits were at most that long
-/// (`+Inf` last). Rendered from the recorder, which keeps no other copy.
+/// (`+Inf` last). Kept beside the recorder's histogram by [`record_admission_wait`]:
+/// reading it back from the recorder would render every series each time.
 pub(crate) fn admission_waits() -> Vec<(f64, u64)> {
-    let bucket = format!("{ADMISSION_SECONDS}_bucket{{le=\"");
-    handle()
-        .render()
-        .lines()
-        .filter_map(|line| {
-            let (le, n) = line.strip_prefix(&bucket)?.split_once("\"} ")?;
-            Some((le.parse().ok()?, n.parse().ok()?))
+    let mut below = 0;
+    SECONDS_BUCKETS
+        .iter()
+        .copied()
+        .chain([f64::INFINITY])
+        .zip(&ADMISSION_WAITS)
+        .map(|(le, n)| {
+            below += n.load(Ordering::Relaxed);
+            (le, below)
         })
         .collect()
+}
+
+/// Each bucket's own count of admission waits (not cumulative; the last above every bound).
+static ADMISSION_WAITS: [AtomicU64; SECONDS_BUCKETS.len() + 1] =
+    [const { AtomicU64::new(0) }; SECONDS_BUCKETS.len() + 1];
+
+/// Records one admission's wait in `histogram` ([`ADMISSION_SECONDS`]) and in the copy
+/// the live view reads ([`admission_waits`]).
+pub(crate) fn record_admission_wait(histogram: &metrics::Histogram, secs: f64) {
+    histogram.record(secs);
+    let bucket = SECONDS_BUCKETS.partition_point(|&le| le < secs);
+    ADMISSION_WAITS[bucket].fetch_add(1, Ordering::Relaxed);
 }
 
 /// Registers, at zero, every series whose labels are known before anything happens
@@ -423,13 +439,13 @@ mod tests {
     }
 
     #[test]
-    fn the_admission_waits_are_read_back_from_the_recorder_bucket_by_bucket() {
+    fn the_admission_waits_are_counted_in_the_recorders_buckets() {
         let before = admission_waits();
         let bounds: Vec<f64> = before.iter().map(|&(le, _)| le).collect();
         let mut want = SECONDS_BUCKETS.to_vec();
         want.push(f64::INFINITY);
         assert_eq!(bounds, want);
-        metrics::histogram!(ADMISSION_SECONDS).record(0.003);
+        record_admission_wait(&metrics::histogram!(ADMISSION_SECONDS), 0.003);
         let after = admission_waits();
         // (Other tests may record too: at least this one, in the buckets from 5 ms.)
         for ((le, was), (_, is)) in before.into_iter().zip(after) {

@@ -160,8 +160,8 @@ impl Admission {
             .segments
             .admit(&self.batcher, voucher_id, shopper.user_id, order_id)
             .await;
-        hot.admission_seconds
-            .record(started.elapsed().as_secs_f64());
+        let waited = started.elapsed().as_secs_f64();
+        crate::metrics::record_admission_wait(&hot.admission_seconds, waited);
         let outcome = Outcome::of(decided, order_id);
         hot.count(&outcome);
         self.follow_up(voucher_id, outcome).await

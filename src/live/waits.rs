@@ -1,6 +1,7 @@
-//! The p99 admission wait of the live view: this process's own, read from its
-//! Prometheus recorder (`seckill_admission_duration_seconds`, all sales together) once
-//! a second, watched or not, so that a page's first snapshot has it.
+//! The p99 admission wait of the live view: this process's own, from the buckets of
+//! `seckill_admission_duration_seconds` (all sales together; a copy kept beside the
+//! recorder's, cheap to read) sampled once a second, watched or not, so that a page's
+//! first snapshot has it.
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -12,7 +13,7 @@ use super::RATE_WINDOW;
 pub(super) struct Waits(VecDeque<(Instant, Vec<(f64, u64)>)>);
 
 impl Waits {
-    /// Samples the recorder now.
+    /// Samples this process's admission waits now (`metrics::admission_waits`).
     pub(super) fn sample(&mut self, now: Instant) {
         self.keep(now, crate::metrics::admission_waits());
     }
