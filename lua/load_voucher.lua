@@ -240,6 +240,36 @@ local function left_alone(k, a, now, exists, this_term)
   return nil
 end
 
+-- A lottery sale's fields for the state being built (appended to `fields`). A draw the
+-- old state records is carried over and never armed again. A lottery is armed (its
+-- window's end and seed) only while the sale has no order anywhere (Postgres or in
+-- flight): nothing is admitted before the draw, so an order means it was drawn. The
+-- old state's entrants stay entrants (a rebuild mid-window does not drop them).
+local function lottery_fields(k, a, now, exp, fields)
+  if now[11] then
+    for i, f in ipairs(DRAW_FIELDS) do
+      fields[#fields + 1] = f
+      fields[#fields + 1] = now[9 + i]
+    end
+    return
+  end
+  if not a.lottery_end_ms or a.pg_buyers + exp.n_in > 0 then
+    return
+  end
+  fields[#fields + 1] = 'lottery_end'
+  fields[#fields + 1] = string.format('%d', a.lottery_end_ms)
+  fields[#fields + 1] = 'lottery_seed'
+  fields[#fields + 1] = a.lottery_seed
+  local all, marks = redis.call('HGETALL', k.sale), {}
+  for i = 1, #all, 2 do
+    if string.sub(all[i], 1, 2) == 'u:' and entrant_like(all[i + 1]) then
+      marks[#marks + 1] = all[i]
+      marks[#marks + 1] = all[i + 1]
+    end
+  end
+  in_chunks('HSET', k.staged, marks)
+end
+
 -- Builds the state in the staged hash (Postgres's buyers) with the orders in flight,
 -- swaps it in, and marks the moves into the part credited.
 local function write_state(k, a, now, exp, this_term)
@@ -269,6 +299,7 @@ local function write_state(k, a, now, exp, this_term)
     fields[#fields + 1] = 'part'
     fields[#fields + 1] = a.part
   end
+  lottery_fields(k, a, now, exp, fields)
   redis.call('HSET', k.staged, 'stock', exp.stock, 'begin_ms', string.format('%d', begin_ms),
     'end_ms', string.format('%d', end_ms), 'term', this_term,
     'gen', string.format('%d', gen), 'next_epoch', a.epoch, unpack(fields))

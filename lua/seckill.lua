@@ -17,7 +17,7 @@
 -- Raised with every change of this library (a unit test in src/scripts.rs holds it to
 -- the code): a process replaces a loaded library only if it is older, or of the same
 -- version with other code, so two releases never take turns replacing each other.
-local VERSION = 8
+local VERSION = 9
 -- A hash of this code, filled in when it is loaded.
 local CODE = '__CODE__'
 
@@ -106,7 +106,13 @@ end
 -- order only of the sale's current epoch); a load writes `next_epoch` instead, and the
 -- state is armed (`epoch` set) once Postgres has committed it (seckill_arm). A state
 -- without `epoch` admits nothing.
-local SALE_FIELDS = {'stock', 'begin_ms', 'end_ms', 'term', 'gen', 'part', 'epoch', 'next_epoch'}
+-- A lottery sale (see `draw`) adds `lottery_end` (the end of its entry window, in ms;
+-- gone once drawn) and `lottery_seed` (the draw's secret seed, hex); the draw leaves its
+-- record: `drawn_ms`, `draw_entrants`, `draw_winners` (user ids joined by commas).
+local SALE_FIELDS = {'stock', 'begin_ms', 'end_ms', 'term', 'gen', 'part', 'epoch', 'next_epoch',
+  'lottery_end', 'lottery_seed', 'drawn_ms', 'draw_entrants', 'draw_winners'}
+-- The draw's record, carried over when a sale's state is rebuilt.
+local DRAW_FIELDS = {'lottery_seed', 'drawn_ms', 'draw_entrants', 'draw_winners'}
 
 -- A count as Redis stored it (stock): nil when missing or corrupt.
 local function whole(v)
@@ -119,6 +125,161 @@ end
 -- Whether a buyer record names an order id (a positive 64-bit integer).
 local function order_like(v)
   return string.match(v, '^[1-9]%d*$') ~= nil and #v <= 19
+end
+
+-- Whether a buyer record marks an entrant of a lottery not drawn yet: `e<order_id>`,
+-- the order the entrant gets if drawn.
+local function entrant_like(v)
+  return string.sub(v, 1, 1) == 'e' and order_like(string.sub(v, 2))
+end
+
+-- User ids (digits, no leading zero) in numeric order, exactly, at any length.
+local function id_before(a, b)
+  return #a < #b or (#a == #b and a < b)
+end
+
+local TWO_TO_52 = 4503599627370496
+
+-- The draw's random numbers: the first 52 bits of SHA-1(seed .. ':' .. c), c = 0, 1, 2,
+-- ... in turn; a uniform pick among m takes the next number below the largest multiple
+-- of m under 2^52 (so no pick is favoured) and keeps its remainder by m.
+local function pick(seed, state, m)
+  local limit = m * math.floor(TWO_TO_52 / m)
+  while true do
+    local r = tonumber(string.sub(redis.sha1hex(seed .. ':' .. state.c), 1, 13), 16)
+    state.c = state.c + 1
+    if r < limit then
+      return r % m
+    end
+  end
+end
+
+-- HSET or HDEL of many fields, in chunks the Lua stack takes.
+local function in_chunks(cmd, key, args)
+  for i = 1, #args, 1000 do
+    redis.call(cmd, key, unpack(args, i, math.min(i + 999, #args)))
+  end
+end
+
+-- A lottery sale's draw, once its window is over (the first admission call to find it
+-- so): the entrants are the users with an entrant mark, in increasing user id; a
+-- partial Fisher-Yates shuffle with `pick` chooses min(stock, entrants) of them, in
+-- order, and each winner is admitted as an admission would (buyer record, unit,
+-- stream entry with the state's epoch) under the order id minted when they entered;
+-- the others' marks go. The record (seed, entrants, winners) stays in the state, for
+-- anyone to check against the commitment published when the sale was created
+-- (scripts/verify-draw recomputes the winners).
+local function draw_lottery(s, stream, voucher, now_s)
+  local all = redis.call('HGETALL', s.key)
+  local seed, entrants, orders = nil, {}, {}
+  for i = 1, #all, 2 do
+    local f, v = all[i], all[i + 1]
+    if f == 'lottery_seed' then
+      seed = v
+    elseif string.sub(f, 1, 2) == 'u:' and entrant_like(v) then
+      local user = string.sub(f, 3)
+      entrants[#entrants + 1] = user
+      orders[user] = string.sub(v, 2)
+    end
+  end
+  if not seed or not string.match(seed, '^%x+$') then
+    return false
+  end
+  table.sort(entrants, id_before)
+  local n = #entrants
+  local k = math.min(s.stock, n)
+  local order, state = {}, {c = 0}
+  for i = 1, n do
+    order[i] = entrants[i]
+  end
+  for i = 1, k do
+    local j = i + pick(seed, state, n - i + 1)
+    order[i], order[j] = order[j], order[i]
+  end
+  local won, gone, winners = {}, {}, {}
+  for i = 1, n do
+    local user = order[i]
+    if i <= k then
+      won[#won + 1] = 'u:' .. user
+      won[#won + 1] = orders[user]
+      winners[i] = user
+    else
+      gone[#gone + 1] = 'u:' .. user
+    end
+  end
+  -- The winners' orders, as admissions' entries of at most 128 orders each.
+  for first = 1, k, 128 do
+    local last = math.min(first + 127, k)
+    local entry = {'orders', string.format('%d', last - first + 1), 'admitted_ms', now_s,
+      'voucher_id', voucher}
+    if s.part then
+      entry[#entry + 1] = 'part'
+      entry[#entry + 1] = s.part
+    end
+    entry[#entry + 1] = 'epoch'
+    entry[#entry + 1] = s.epoch
+    for i = first, last do
+      entry[#entry + 1] = 'order_id'
+      entry[#entry + 1] = orders[winners[i]]
+      entry[#entry + 1] = 'user_id'
+      entry[#entry + 1] = winners[i]
+    end
+    redis.call('XADD', stream, '*', unpack(entry))
+  end
+  in_chunks('HSET', s.key, won)
+  in_chunks('HDEL', s.key, gone)
+  redis.call('HSET', s.key, 'stock', s.stock - k, 'gen', string.format('%d', (s.gen or 0) + 1),
+    'drawn_ms', now_s, 'draw_entrants', table.concat(entrants, ','),
+    'draw_winners', table.concat(winners, ','))
+  redis.call('HDEL', s.key, 'lottery_end')
+  return true
+end
+
+-- Reads sale `s` for an admission call (its state and the call's buyer records) and
+-- judges it: `s.closed` the code every grab of it gets, or its stock, gen, part and
+-- epoch; `s.entering` while a lottery's window is open, `s.due` once it is over and
+-- not drawn yet.
+local function read_sale(s, this_term, now, marker)
+  local fields = s.fields
+  local v = redis.call('HMGET', s.key, unpack(fields, 1, s.nfields))
+  local stock, begin_ms, end_ms = whole(v[1]), tonumber(v[2]), tonumber(v[3])
+  -- A missing field means the state is gone (restart, flush, expiry): fail closed,
+  -- never treat a missing stock as "unlimited".
+  if not v[1] or not v[2] or not v[3] or not v[7] or (v[6] or '') ~= s.label then
+    s.closed = 1
+  elseif not stock or not begin_ms or not end_ms or not whole(v[7])
+      or (v[8] and not whole(v[8])) then
+    s.closed = 7
+  elseif v[4] ~= this_term then
+    s.closed = 6
+  elseif whole(v[7]) < s.floor then
+    s.closed = 10
+  elseif now < begin_ms then
+    s.closed = 2
+  elseif now >= end_ms then
+    s.closed = 3
+  elseif opened[marker] ~= this_term then
+    s.closed = 9
+  else
+    s.stock = stock
+    s.gen = tonumber(v[5])
+    s.part = v[6]
+    s.epoch = v[7]
+    if v[8] then
+      s.entering = now < whole(v[8])
+      s.due = not s.entering
+    end
+  end
+  local held = s.held
+  for j = 9, s.nfields do
+    local h = v[j]
+    if h then
+      if not order_like(h) and not (v[8] and entrant_like(h)) then
+        s.closed = 7
+      end
+      held[fields[j]] = h
+    end
+  end
 end
 
 -- Flash-sale admission: every check and every write of each grab in one atomic step.
@@ -164,7 +325,9 @@ end
 --   rebuilt from Postgres), 8 part drained (a part of a segmented sale has no unit left:
 --   the caller moves units to it from the sale's other parts, or answers sold out),
 --   9 held (the sale is open, but this term is not opened yet: see `opened`),
---   10 fenced (an older build than Postgres's: see ARGV above; nothing is taken)
+--   10 fenced (an older build than Postgres's: see ARGV above; nothing is taken),
+--   11 entered (a lottery's window is open: the user is an entrant, order_id the order
+--   they get if drawn; the first call after the window draws, see draw_lottery)
 local function admit(keys, argv)
   local now = clock()
   local now_s = string.format('%d', now)
@@ -180,8 +343,9 @@ local function admit(keys, argv)
     local k = argv[i]
     local s = sales[k]
     if not s then
-      s = {key = keys[tonumber(k)], fields = {'stock', 'begin_ms', 'end_ms', 'term', 'gen', 'part', 'epoch'},
-        nfields = 7, held = {}, new = {}, nnew = 0}
+      s = {key = keys[tonumber(k)], voucher = argv[i + 1],
+        fields = {'stock', 'begin_ms', 'end_ms', 'term', 'gen', 'part', 'epoch', 'lottery_end'},
+        nfields = 8, held = {}, new = {}, nnew = 0}
       sales[k] = s
       nsales = nsales + 1
       order_of_sales[nsales] = s
@@ -202,39 +366,13 @@ local function admit(keys, argv)
   end
   for m = 1, nsales do
     local s = order_of_sales[m]
-    local fields = s.fields
-    local v = redis.call('HMGET', s.key, unpack(fields, 1, s.nfields))
-    local stock, begin_ms, end_ms = whole(v[1]), tonumber(v[2]), tonumber(v[3])
-    -- A missing field means the state is gone (restart, flush, expiry): fail closed,
-    -- never treat a missing stock as "unlimited".
-    if not v[1] or not v[2] or not v[3] or not v[7] or (v[6] or '') ~= s.label then
-      s.closed = 1
-    elseif not stock or not begin_ms or not end_ms or not whole(v[7]) then
-      s.closed = 7
-    elseif v[4] ~= this_term then
-      s.closed = 6
-    elseif whole(v[7]) < s.floor then
-      s.closed = 10
-    elseif now < begin_ms then
-      s.closed = 2
-    elseif now >= end_ms then
-      s.closed = 3
-    elseif opened[keys[2]] ~= this_term then
-      s.closed = 9
-    else
-      s.stock = stock
-      s.gen = tonumber(v[5])
-      s.part = v[6]
-      s.epoch = v[7]
-    end
-    local held = s.held
-    for j = 8, s.nfields do
-      local h = v[j]
-      if h then
-        if not order_like(h) then
-          s.closed = 7
-        end
-        held[fields[j]] = h
+    read_sale(s, this_term, now, keys[2])
+    if s.due and not s.closed then
+      if draw_lottery(s, keys[1], s.voucher, now_s) then
+        s.held, s.due = {}, nil
+        read_sale(s, this_term, now, keys[2])
+      else
+        s.closed = 7
       end
     end
   end
@@ -257,6 +395,17 @@ local function admit(keys, argv)
       local code, id = 0, 0
       if s.closed then
         code = s.closed
+      elseif s.entering and held and entrant_like(held) then
+        -- Entered already (an entrant counts once): the order it gets if drawn.
+        code, id = 11, string.sub(held, 2)
+      elseif s.entering and not held then
+        local order = argv[j + 1]
+        s.held[buyer] = 'e' .. order
+        local new, n = s.new, s.nnew
+        new[n + 1] = buyer
+        new[n + 2] = 'e' .. order
+        s.nnew = n + 2
+        code, id = 11, order
       elseif held then
         -- Already ordered comes before sold out.
         code, id = 4, held

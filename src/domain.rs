@@ -208,6 +208,69 @@ pub struct VoucherTerms {
     pub refundable: bool,
 }
 
+/// How a flash sale opens: first come, first served, or a lottery among every shopper
+/// who presses in its first `window_ms` after `begin_time`, drawn once when the window
+/// is over (`lua/seckill.lua`, draw_lottery); after the window it goes on first come.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(tag = "mode", rename_all = "snake_case")]
+pub enum Opening {
+    #[default]
+    FirstCome,
+    Lottery {
+        /// The entry window, in milliseconds (100 to 10000).
+        window_ms: i64,
+    },
+}
+
+impl Opening {
+    pub const WINDOW_MS: std::ops::RangeInclusive<i64> = 100..=10_000;
+
+    /// As Postgres holds it: the mode's name and a lottery's window.
+    pub fn of_row(mode: &str, window_ms: Option<i32>) -> Self {
+        match (mode, window_ms) {
+            ("lottery", Some(w)) => Opening::Lottery {
+                window_ms: i64::from(w),
+            },
+            _ => Opening::FirstCome,
+        }
+    }
+
+    pub fn mode(&self) -> &'static str {
+        match self {
+            Opening::FirstCome => "first_come",
+            Opening::Lottery { .. } => "lottery",
+        }
+    }
+
+    pub fn window_ms(&self) -> Option<i32> {
+        match self {
+            Opening::FirstCome => None,
+            Opening::Lottery { window_ms } => Some(*window_ms as i32),
+        }
+    }
+}
+
+/// A lottery's secret seed: drawn at random when the sale is created, published (hex)
+/// only once the draw is done; its SHA-256 (hex) is published at once, so nobody can
+/// pick another seed after seeing the entrants.
+pub struct DrawSeed(String);
+
+impl DrawSeed {
+    pub fn random() -> Self {
+        Self(hex::encode(rand::random::<[u8; 32]>()))
+    }
+
+    pub fn hex(&self) -> &str {
+        &self.0
+    }
+
+    /// SHA-256 of the seed's bytes, hex.
+    pub fn commitment(&self) -> String {
+        let bytes = hex::decode(&self.0).expect("a seed is hex");
+        hex::encode(ring::digest::digest(&ring::digest::SHA256, &bytes))
+    }
+}
+
 /// Where an order is in its life: `pending` while only Redis knows it, `created` once
 /// written to Postgres, then `paid` (the payment provider confirmed it), and from there
 /// `used` (redeemed at the shop) or `refunding` → `refunded`; an unpaid order ends

@@ -18,6 +18,7 @@ use super::edge::Edge;
 use super::fence::Fence;
 use super::hot::HotPath;
 use super::limits::RateLimiter;
+use super::lottery::{self, Lottery};
 use super::order_id::OrderIds;
 use super::promises::Promises;
 use super::segments::Segments;
@@ -27,6 +28,9 @@ use crate::keys::Keys;
 use crate::redis_conn::RedisConn;
 use crate::scripts::Replicas;
 use crate::store::vouchers::{self, SaleLookup};
+
+/// How soon a held lottery press asks again when the draw is not done yet.
+const RETRY_DRAW: Duration = Duration::from_millis(20);
 
 /// Who presses.
 #[derive(Debug, Clone, Copy)]
@@ -62,6 +66,8 @@ pub struct Admission {
     pub(crate) look_soon: Arc<Notify>,
     /// Vouchers whose Redis state is being reloaded right now (one reload at a time).
     reloading: Mutex<HashSet<VoucherId>>,
+    /// Lottery sales' windows, and their draws' records copied to Postgres.
+    lottery: Lottery,
     retention: Duration,
     replicas: Replicas,
 }
@@ -115,6 +121,7 @@ impl Admission {
             heal: Arc::default(),
             look_soon: Arc::default(),
             reloading: Mutex::default(),
+            lottery: Lottery::default(),
             retention: p.retention,
             replicas: p.replicas,
         }
@@ -162,9 +169,59 @@ impl Admission {
             .await;
         let waited = started.elapsed().as_secs_f64();
         crate::metrics::record_admission_wait(&hot.admission_seconds, waited);
-        let outcome = Outcome::of(decided, order_id);
+        let outcome = match Outcome::of(decided, order_id) {
+            Outcome::Entered { order_id } => {
+                self.await_draw(shopper.user_id, voucher_id, order_id)
+                    .await?
+            }
+            outcome => outcome,
+        };
         hot.count(&outcome);
         self.follow_up(voucher_id, outcome).await
+    }
+
+    /// A lottery entrant's press, held until the draw: once the window is over, a grab
+    /// under the order id it entered with is the draw's answer (that order: drawn, a 202;
+    /// `sold_out`: not). Answered at the latest [`lottery::ANSWER_WITHIN`] after the
+    /// window (then as unknown: a press again tells).
+    async fn await_draw(
+        self: &Arc<Self>,
+        user_id: UserId,
+        voucher_id: VoucherId,
+        entered: OrderId,
+    ) -> Result<Outcome, sqlx::Error> {
+        let unknown = Outcome::Unknown { order_id: entered };
+        let Some(end) = self.lottery.window_end(&self.db, voucher_id).await? else {
+            return Ok(unknown);
+        };
+        let left = (end - chrono::Utc::now()).to_std().unwrap_or_default();
+        let end = tokio::time::Instant::now() + left;
+        let deadline = end + lottery::ANSWER_WITHIN;
+        tokio::time::sleep_until(end).await;
+        loop {
+            let decided = self
+                .segments
+                .admit(&self.batcher, voucher_id, user_id, entered)
+                .await;
+            match Outcome::of(decided, entered) {
+                // (Redis's clock is a little behind ours, or the call failed unsent.)
+                Outcome::Entered { .. } | Outcome::Held | Outcome::Unavailable(_)
+                    if tokio::time::Instant::now() + RETRY_DRAW < deadline =>
+                {
+                    tokio::time::sleep(RETRY_DRAW).await
+                }
+                Outcome::Entered { .. } => return Ok(unknown),
+                outcome => {
+                    let this = self.clone();
+                    tokio::spawn(async move {
+                        (this.lottery)
+                            .record(&this.db, &this.redis, &this.keys, voucher_id)
+                            .await
+                    });
+                    return Ok(outcome);
+                }
+            }
+        }
     }
 
     /// The limit that refuses this press, if any: how long to wait.

@@ -181,6 +181,11 @@ struct LoadArgs<'a> {
     begin_ms: i64,
     end_ms: i64,
     expire_at_ms: i64,
+    /// A lottery not drawn yet: the end of its entry window, and its seed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lottery_end_ms: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lottery_seed: Option<String>,
 }
 
 impl SegmentLoad {
@@ -249,6 +254,11 @@ impl SegmentLoad {
             begin_ms: sale.begin_time.timestamp_millis(),
             end_ms,
             expire_at_ms: end_ms.saturating_add(self.retention.as_millis() as i64),
+            lottery_end_ms: sale
+                .lottery_window_ms
+                .filter(|_| !sale.drawn)
+                .map(|w| sale.begin_time.timestamp_millis() + i64::from(w)),
+            lottery_seed: sale.draw_seed.clone().filter(|_| !sale.drawn),
         }
     }
 }

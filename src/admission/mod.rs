@@ -9,6 +9,7 @@ pub(crate) mod hot;
 pub(crate) mod keepers;
 pub mod limits;
 pub mod loader;
+pub mod lottery;
 pub mod order_id;
 pub mod promises;
 pub mod segments;
@@ -58,6 +59,12 @@ pub enum Outcome {
     /// the other segments (see [`segments`]), or, when none has any, the sale is sold out.
     /// Never an answer to a shopper.
     Drained,
+    /// A lottery's window is open: the shopper is an entrant, and this is the order they
+    /// get if drawn. Never an answer to a shopper: the press is held until the draw (see
+    /// [`lottery`]).
+    Entered {
+        order_id: OrderId,
+    },
     /// Refused by an abuse limit before anything else: try again after this long.
     RateLimited {
         retry_after_secs: u64,
@@ -89,7 +96,7 @@ pub enum Unavailable {
 
 impl Outcome {
     /// The metric labels, in the order of [`Outcome::index`].
-    pub(crate) const LABELS: [&'static str; 14] = [
+    pub(crate) const LABELS: [&'static str; 15] = [
         "rate_limited",
         "admitted",
         "not_loaded",
@@ -104,6 +111,7 @@ impl Outcome {
         "sold_out",
         "redis_error",
         "not_ready",
+        "entered",
     ];
 
     /// Its place in [`Outcome::LABELS`] (counters are arrays in that order).
@@ -123,6 +131,7 @@ impl Outcome {
             Outcome::SoldOut => 11,
             Outcome::Unavailable(Unavailable::Redis) | Outcome::Unknown { .. } => 12,
             Outcome::Unavailable(Unavailable::Recovering | Unavailable::IdsNotReady) => 13,
+            Outcome::Entered { .. } => 14,
         }
     }
 
@@ -347,6 +356,9 @@ impl Outcome {
             8 => Outcome::Drained,
             9 => Outcome::Held,
             10 => Outcome::Fenced,
+            11 => Outcome::Entered {
+                order_id: order_id?,
+            },
             _ => return None,
         })
     }

@@ -1,5 +1,6 @@
 //! The HTTP surface: routes, middleware and the JSON error format.
 
+pub(crate) mod draws;
 pub mod error;
 pub mod extract;
 pub mod health;
@@ -134,6 +135,7 @@ pub fn build_app(state: AppState) -> Router {
         .route("/vouchers", post(vouchers::create))
         .route("/vouchers/{id}", get(vouchers::get))
         .route("/vouchers/{id}/seckill", post(seckill::grab))
+        .route("/vouchers/{id}/draw", get(draws::get))
         .route("/vouchers/{id}/orders", get(sale_orders::list_orders))
         .route("/vouchers/{id}/close", post(vouchers::close))
         .route("/shops/{shop_id}/vouchers", get(vouchers::list_by_shop))

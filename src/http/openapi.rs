@@ -9,7 +9,7 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::RefOr;
 use utoipa::{Modify, OpenApi};
 
-use super::{health, live, orders, payments, sale_orders, seckill, vouchers};
+use super::{draws, health, live, orders, payments, sale_orders, seckill, vouchers};
 use crate::http::error::{ErrorBody, ErrorCode, ErrorDetail};
 
 #[derive(OpenApi)]
@@ -30,6 +30,7 @@ use crate::http::error::{ErrorBody, ErrorCode, ErrorDetail};
         sale_orders::list_orders,
         vouchers::close,
         seckill::grab,
+        draws::get,
         orders::get,
         orders::list_mine,
         orders::checkout,
@@ -53,6 +54,8 @@ use crate::http::error::{ErrorBody, ErrorCode, ErrorDetail};
         vouchers::CreateSeckill,
         vouchers::VoucherResponse,
         vouchers::SeckillResponse,
+        crate::domain::Opening,
+        draws::DrawResponse,
         sale_orders::OrderPage,
         sale_orders::ListedStatus,
         seckill::Admitted,

@@ -11,7 +11,7 @@ use utoipa::ToSchema;
 
 use crate::admission::{self, loader};
 use crate::auth::Admin;
-use crate::domain::{ShopId, VoucherId, VoucherTerms};
+use crate::domain::{Opening, ShopId, VoucherId, VoucherTerms};
 use crate::http::error::{AdminOnly, AppError, AppResult, ErrorBody};
 use crate::http::extract::{AppJson, PathId};
 use crate::http::fallback_headers;
@@ -104,6 +104,13 @@ pub(crate) struct CreateSeckill {
     #[serde(default = "one_segment")]
     #[schema(minimum = 1, maximum = 64)]
     pub segments: i64,
+    /// How the sale opens (default `{"mode": "first_come"}`). A lottery
+    /// (`{"mode": "lottery", "window_ms": W}`, W 100 to 10000) takes every shopper who
+    /// presses in the first W ms after `begin_time` as an entrant and draws
+    /// min(stock, entrants) winners once the window is over; it must begin in the
+    /// future, end after its window, and have one segment.
+    #[serde(default)]
+    pub opening: Opening,
 }
 
 fn one_segment() -> i64 {
@@ -115,6 +122,37 @@ fn default_pay_within() -> i64 {
 }
 
 pub(crate) const MAX_PAY_WITHIN_SECS: i64 = 86_400;
+
+/// A lottery's window within its sale, on a sale not begun yet, of one segment.
+fn lottery_fits(s: &CreateSeckill, now: DateTime<Utc>) -> AppResult<()> {
+    let Opening::Lottery { window_ms } = s.opening else {
+        return Ok(());
+    };
+    if !Opening::WINDOW_MS.contains(&window_ms) {
+        return Err(AppError::invalid(format!(
+            "seckill.opening.window_ms must be between {} and {}",
+            Opening::WINDOW_MS.start(),
+            Opening::WINDOW_MS.end()
+        )));
+    }
+    if s.begin_time <= now {
+        return Err(AppError::invalid(
+            "seckill.begin_time must be in the future for a lottery: its entry window \
+             must not have begun",
+        ));
+    }
+    if s.begin_time + chrono::Duration::milliseconds(window_ms) >= s.end_time {
+        return Err(AppError::invalid(
+            "seckill.end_time must be after the lottery's window (begin_time + window_ms)",
+        ));
+    }
+    if s.segments != 1 {
+        return Err(AppError::invalid(
+            "seckill.segments must be 1 for a lottery: its draw is one step in one place",
+        ));
+    }
+    Ok(())
+}
 
 impl CreateVoucher {
     /// Checks every field; nothing unvalidated reaches Postgres.
@@ -177,7 +215,9 @@ impl CreateVoucher {
                         s.segments, s.stock
                     )));
                 }
+                lottery_fits(&s, now)?;
                 Some(NewSeckill {
+                    opening: s.opening,
                     segments: s.segments as u8,
                     stock: s.stock as i32,
                     begin_time: s.begin_time,
@@ -225,6 +265,11 @@ pub(crate) struct SeckillResponse {
     pub pay_within_secs: i64,
     /// Segments the stock is split over (`stock` is their total).
     pub segments: i64,
+    pub opening: Opening,
+    /// A lottery's commitment to its draw: the hex SHA-256 of the draw's secret seed,
+    /// published when the sale is created (the seed is published after the draw, at
+    /// `GET /vouchers/{id}/draw`). `null` for a first-come sale.
+    pub draw_commitment: Option<String>,
 }
 
 impl VoucherResponse {
@@ -251,6 +296,11 @@ impl VoucherResponse {
                 end_time,
                 pay_within_secs: pay_within as i64,
                 segments: segments as i64,
+                opening: Opening::of_row(
+                    row.opening_mode.as_deref().unwrap_or_default(),
+                    row.lottery_window_ms,
+                ),
+                draw_commitment: row.draw_commitment.clone(),
             }),
             _ => None,
         };

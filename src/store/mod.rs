@@ -2,6 +2,7 @@
 
 pub mod admitted;
 pub mod dead_orders;
+pub mod draws;
 pub mod epochs;
 pub mod keepers;
 pub mod lifecycle;

@@ -3,7 +3,7 @@
 use chrono::{DateTime, Utc};
 use sqlx::{FromRow, PgPool};
 
-use crate::domain::{OrderId, UserId, VoucherId, VoucherTerms};
+use crate::domain::{DrawSeed, Opening, OrderId, UserId, VoucherId, VoucherTerms};
 
 /// A validated voucher to create.
 #[derive(Debug, Clone)]
@@ -21,6 +21,7 @@ pub struct NewSeckill {
     pub pay_within_secs: i32,
     /// Segments the stock is split over (1 to 64).
     pub segments: u8,
+    pub opening: Opening,
 }
 
 #[derive(Debug, Clone, FromRow)]
@@ -35,6 +36,9 @@ pub(crate) struct VoucherRow {
     pub end_time: Option<DateTime<Utc>>,
     pub pay_within_secs: Option<i32>,
     pub segments: Option<i16>,
+    pub opening_mode: Option<String>,
+    pub lottery_window_ms: Option<i32>,
+    pub draw_commitment: Option<String>,
 }
 
 /// A flash sale, as far as finding the ones to load needs.
@@ -53,7 +57,8 @@ impl SeckillState {
 
 const SELECT_VOUCHER: &str = "SELECT v.id, v.shop_id, v.title, v.sub_title, v.rules, \
      v.pay_value, v.actual_value, v.refundable, v.created_at, \
-     s.initial_stock, s.stock, s.begin_time, s.end_time, s.pay_within_secs, s.segments \
+     s.initial_stock, s.stock, s.begin_time, s.end_time, s.pay_within_secs, s.segments, \
+     s.opening_mode, s.lottery_window_ms, s.draw_commitment \
      FROM vouchers v LEFT JOIN seckill_vouchers s ON s.voucher_id = v.id";
 
 /// Creates the voucher and its flash-sale part in one transaction.
@@ -75,11 +80,14 @@ pub(crate) async fn insert(db: &PgPool, new: &NewVoucher) -> Result<VoucherRow, 
     .fetch_one(&mut *tx)
     .await?;
     if let Some(s) = &new.seckill {
+        // A lottery's seed is drawn here and kept secret until its draw; its commitment
+        // is published with the voucher.
+        let seed = matches!(s.opening, Opening::Lottery { .. }).then(DrawSeed::random);
         sqlx::query(
             "INSERT INTO seckill_vouchers \
                  (voucher_id, initial_stock, stock, begin_time, end_time, pay_within_secs, \
-                  segments) \
-             VALUES ($1, $2, $2, $3, $4, $5, $6)",
+                  segments, opening_mode, lottery_window_ms, draw_seed, draw_commitment) \
+             VALUES ($1, $2, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
         )
         .bind(id)
         .bind(s.stock)
@@ -87,6 +95,10 @@ pub(crate) async fn insert(db: &PgPool, new: &NewVoucher) -> Result<VoucherRow, 
         .bind(s.end_time)
         .bind(s.pay_within_secs)
         .bind(s.segments as i16)
+        .bind(s.opening.mode())
+        .bind(s.opening.window_ms())
+        .bind(seed.as_ref().map(DrawSeed::hex))
+        .bind(seed.as_ref().map(DrawSeed::commitment))
         .execute(&mut *tx)
         .await?;
         super::segments::insert_allotments(&mut tx, id, s.stock, s.segments).await?;
@@ -211,6 +223,12 @@ pub(crate) struct LockedSale {
     pub begin_time: DateTime<Utc>,
     pub end_time: DateTime<Utc>,
     pub segments: i16,
+    /// A lottery's entry window (`None`: first come).
+    pub lottery_window_ms: Option<i32>,
+    /// A lottery's secret seed, until it is drawn.
+    pub draw_seed: Option<String>,
+    /// Whether the draw's record has reached Postgres.
+    pub drawn: bool,
 }
 
 /// Locks a sale's row (the fence against the worker's commits and burials for it, which
@@ -222,8 +240,9 @@ pub(crate) async fn lock_sale(
     voucher_id: VoucherId,
 ) -> Result<Option<(LockedSale, Buyers)>, sqlx::Error> {
     let sale: Option<LockedSale> = sqlx::query_as(
-        "SELECT initial_stock, stock, begin_time, end_time, segments FROM seckill_vouchers \
-         WHERE voucher_id = $1 FOR NO KEY UPDATE",
+        "SELECT initial_stock, stock, begin_time, end_time, segments, lottery_window_ms, \
+           draw_seed, EXISTS (SELECT 1 FROM sale_draws d WHERE d.voucher_id = $1) AS drawn \
+         FROM seckill_vouchers WHERE voucher_id = $1 FOR NO KEY UPDATE",
     )
     .bind(voucher_id)
     .fetch_optional(&mut **tx)

@@ -21,6 +21,7 @@ mod http_limits;
 mod jwks;
 mod lifecycle;
 mod live;
+mod lottery;
 mod nemesis;
 mod observability;
 mod operations;

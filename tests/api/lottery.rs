@@ -1,0 +1,245 @@
+//! A lottery opening: every shopper who presses in the window is an entrant, one draw
+//! picks min(stock, entrants) winners, every held press is answered with the draw's
+//! result, and anyone can check the draw against the commitment published with the sale.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use futures::StreamExt;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use sqlx::PgPool;
+
+use crate::common::TestApp;
+
+/// A lottery sale opening `in_ms` from now with a window of `window_ms`; its voucher.
+async fn lottery_sale(app: &TestApp, stock: i64, in_ms: i64, window_ms: i64) -> Value {
+    let begin = Utc::now() + chrono::Duration::milliseconds(in_ms);
+    let body = json!({
+        "shop_id": 1, "title": "drawn", "pay_value": 100, "actual_value": 200,
+        "seckill": {"stock": stock, "begin_time": begin, "end_time": begin + chrono::Duration::hours(1),
+                    "opening": {"mode": "lottery", "window_ms": window_ms}},
+    });
+    let (status, voucher) = app
+        .post_json("/vouchers", Some(&app.admin_token()), &body)
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{voucher}");
+    voucher
+}
+
+/// Each user presses once against one of `bases` (in turn), all at once; each answer
+/// with how long it took.
+async fn press_together(
+    app: &TestApp,
+    bases: &[String],
+    voucher: i64,
+    users: std::ops::RangeInclusive<i64>,
+) -> Vec<(i64, StatusCode, Value, Duration)> {
+    let n = users.clone().count();
+    futures::stream::iter(users)
+        .map(|user| {
+            let base = &bases[user as usize % bases.len()];
+            let req = app
+                .client
+                .post(format!("{base}/vouchers/{voucher}/seckill"))
+                .bearer_auth(app.token(user))
+                .timeout(Duration::from_secs(30));
+            async move {
+                let sent = Instant::now();
+                let resp = req.send().await.expect("an answer");
+                let status = resp.status();
+                let body: Value = resp.json().await.expect("a JSON body");
+                (user, status, body, sent.elapsed())
+            }
+        })
+        .buffer_unordered(n)
+        .collect()
+        .await
+}
+
+/// `scripts/verify-draw` with `args` (asynchronously: the app answers it from this
+/// test's runtime).
+async fn verify_draw(args: &[&str]) -> (bool, String) {
+    let out = tokio::process::Command::new("scripts/verify-draw")
+        .args(args)
+        .output()
+        .await
+        .expect("scripts/verify-draw runs");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_lottery_through_two_instances_admits_exactly_its_stock_and_anyone_can_verify_the_draw(
+    db: PgPool,
+) {
+    let app = TestApp::spawn(db).await;
+    let (_other, other) = app.spawn_server("api", &[]).await;
+    let bases = [app.url(""), other];
+    let (stock, entrants, window_ms) = (50, 1_000, 1_500);
+    let voucher = lottery_sale(&app, stock, 2_000, window_ms).await;
+    let id = voucher["id"].as_i64().unwrap();
+    assert_eq!(
+        voucher["seckill"]["opening"],
+        json!({"mode": "lottery", "window_ms": window_ms})
+    );
+    let commitment = voucher["seckill"]["draw_commitment"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(commitment.len(), 64, "{voucher}");
+    let (status, before) = app.get(&format!("/vouchers/{id}/draw"), None).await;
+    assert_eq!(status, StatusCode::OK, "{before}");
+    assert_eq!(
+        before,
+        json!({"commitment": commitment, "seed": null, "entrants": [], "winners": []})
+    );
+
+    // Before the window: not started, as any sale.
+    let (status, body) = app.grab(id, 999_999).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    assert_eq!(body["error"]["code"], "not_started");
+    let begin =
+        chrono::DateTime::parse_from_rfc3339(voucher["seckill"]["begin_time"].as_str().unwrap())
+            .unwrap();
+    let wait = (begin.with_timezone(&Utc) - Utc::now())
+        .to_std()
+        .unwrap_or_default();
+    tokio::time::sleep(wait + Duration::from_millis(100)).await;
+
+    let answers = press_together(&app, &bases, id, 1..=entrants).await;
+    let mut won = BTreeSet::new();
+    for (user, status, body, took) in &answers {
+        assert!(
+            *took <= Duration::from_millis(window_ms as u64 + 500),
+            "user {user} was answered after {took:?}: {body}"
+        );
+        match status.as_u16() {
+            202 => {
+                won.insert(*user);
+            }
+            409 => assert_eq!(body["error"]["code"], "sold_out", "user {user}: {body}"),
+            _ => panic!("user {user}: {status} {body}"),
+        }
+    }
+    assert_eq!(won.len(), stock as usize, "exactly the stock is drawn");
+
+    // A winner pressing again holds their order; a loser hears sold out.
+    let winner = *won.iter().next().unwrap();
+    let (status, body) = app.grab(id, winner).await;
+    assert_eq!(body["error"]["code"], "already_ordered", "{status} {body}");
+    let loser = (1..=entrants).find(|u| !won.contains(u)).unwrap();
+    let (_, body) = app.grab(id, loser).await;
+    assert_eq!(body["error"]["code"], "sold_out", "{body}");
+
+    // Every winner's order is in Postgres.
+    app.drain().await;
+    let users: Vec<i64> = sqlx::query_scalar(
+        "SELECT user_id FROM voucher_orders WHERE voucher_id = $1 ORDER BY user_id",
+    )
+    .bind(id)
+    .fetch_all(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(users, won.iter().copied().collect::<Vec<_>>());
+
+    // The draw as published: every entrant, the winners, the seed behind the commitment.
+    let (status, draw) = app.get(&format!("/vouchers/{id}/draw"), None).await;
+    assert_eq!(status, StatusCode::OK, "{draw}");
+    let listed: Vec<i64> = serde_json::from_value(draw["entrants"].clone()).unwrap();
+    assert_eq!(listed, (1..=entrants).collect::<Vec<_>>());
+    let drawn: BTreeSet<i64> = serde_json::from_value(draw["winners"].clone()).unwrap();
+    assert_eq!(drawn, won);
+    let (ok, said) = verify_draw(&[&app.url(""), &id.to_string()]).await;
+    assert!(ok, "{said}");
+    println!("{said}");
+
+    // A draw with one winner changed is caught.
+    let mut forged = draw.clone();
+    forged["winners"][0] = json!(loser);
+    let file = std::env::temp_dir().join(format!("forged-draw-{id}-{}.json", std::process::id()));
+    std::fs::write(&file, forged.to_string()).unwrap();
+    let (ok, said) = verify_draw(&[
+        "--file",
+        file.to_str().unwrap(),
+        "--stock",
+        &stock.to_string(),
+    ])
+    .await;
+    std::fs::remove_file(&file).unwrap();
+    assert!(!ok, "a forged draw passed: {said}");
+    assert!(said.contains("winners differ"), "{said}");
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_lottery_out_of_range_or_already_begun_is_refused_naming_the_field(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let soon = Utc::now() + chrono::Duration::minutes(5);
+    let cases = [
+        (
+            json!({"mode": "lottery", "window_ms": 99}),
+            soon,
+            1,
+            "seckill.opening.window_ms",
+        ),
+        (
+            json!({"mode": "lottery", "window_ms": 10_001}),
+            soon,
+            1,
+            "seckill.opening.window_ms",
+        ),
+        (
+            json!({"mode": "lottery", "window_ms": 500}),
+            Utc::now() - chrono::Duration::minutes(1),
+            1,
+            "seckill.begin_time",
+        ),
+        (
+            json!({"mode": "lottery", "window_ms": 500}),
+            soon,
+            2,
+            "seckill.segments",
+        ),
+    ];
+    for (opening, begin, segments, field) in cases {
+        let body = json!({
+            "shop_id": 1, "title": "drawn", "pay_value": 100, "actual_value": 200,
+            "seckill": {"stock": 10, "begin_time": begin, "end_time": begin + chrono::Duration::hours(1),
+                        "segments": segments, "opening": opening},
+        });
+        let (status, answer) = app
+            .post_json("/vouchers", Some(&app.admin_token()), &body)
+            .await;
+        assert_eq!(
+            status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{opening}: {answer}"
+        );
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(message.contains(field), "{opening}: {message}");
+    }
+    let (status, answer) = app
+        .post_json(
+            "/vouchers",
+            Some(&app.admin_token()),
+            &json!({"shop_id": 1, "title": "t", "pay_value": 1, "actual_value": 2,
+                    "seckill": {"stock": 1, "begin_time": soon, "end_time": soon + chrono::Duration::hours(1),
+                                "opening": {"mode": "raffle"}}}),
+        )
+        .await;
+    assert!(status.is_client_error(), "{status} {answer}");
+    assert!(
+        answer["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("opening"),
+        "{answer}"
+    );
+    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM vouchers")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(count, 0, "a refused voucher changes nothing");
+}
