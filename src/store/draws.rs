@@ -45,27 +45,32 @@ pub async fn insert(db: &PgPool, voucher_id: VoucherId, draw: &Draw) -> Result<(
     Ok(())
 }
 
+/// A lottery sale's commitment, and its draw once recorded (one row, the draw's columns
+/// null until then).
+#[derive(sqlx::FromRow)]
+struct Published {
+    draw_commitment: String,
+    seed: Option<String>,
+    entrants: Option<Vec<i64>>,
+    winners: Option<Vec<i64>>,
+    drawn_at: Option<DateTime<Utc>>,
+}
+
 /// A lottery sale's commitment, and its draw once recorded; `None`: no lottery sale.
 pub async fn get(
     db: &PgPool,
     voucher_id: VoucherId,
 ) -> Result<Option<(String, Option<Draw>)>, sqlx::Error> {
-    let row: Option<(
-        String,
-        Option<String>,
-        Option<Vec<i64>>,
-        Option<Vec<i64>>,
-        Option<DateTime<Utc>>,
-    )> = sqlx::query_as(
+    let row: Option<Published> = sqlx::query_as(
         "SELECT s.draw_commitment, d.seed, d.entrants, d.winners, d.drawn_at \
-             FROM seckill_vouchers s LEFT JOIN sale_draws d ON d.voucher_id = s.voucher_id \
-             WHERE s.voucher_id = $1 AND s.opening_mode = 'lottery'",
+         FROM seckill_vouchers s LEFT JOIN sale_draws d ON d.voucher_id = s.voucher_id \
+         WHERE s.voucher_id = $1 AND s.opening_mode = 'lottery'",
     )
     .bind(voucher_id)
     .fetch_optional(db)
     .await?;
-    Ok(row.map(|(commitment, seed, entrants, winners, drawn_at)| {
-        let draw = match (seed, entrants, winners, drawn_at) {
+    Ok(row.map(|p| {
+        let draw = match (p.seed, p.entrants, p.winners, p.drawn_at) {
             (Some(seed), Some(entrants), Some(winners), Some(drawn_at)) => Some(Draw {
                 seed,
                 entrants,
@@ -74,6 +79,6 @@ pub async fn get(
             }),
             _ => None,
         };
-        (commitment, draw)
+        (p.draw_commitment, draw)
     }))
 }
