@@ -129,12 +129,30 @@ pub fn build_app(state: AppState) -> Router {
     let admin_only = || middleware::from_fn_with_state(state.clone(), admin_only);
     let limits = &state.settings.limits;
     let timeout = Duration::from_secs(limits.request_timeout_secs);
-    let max_concurrent = limits.max_concurrent_requests as usize;
+    // One semaphore for the whole process: `Router::layer` builds the stack once per
+    // route, and `concurrency_limit` would give each its own (the layer's clones share).
+    let concurrency =
+        tower::limit::GlobalConcurrencyLimitLayer::new(limits.max_concurrent_requests as usize);
+    let stack = |timeout| {
+        ServiceBuilder::new()
+            // Overload answers 503 at once rather than queueing without end; a request
+            // that takes too long answers 503 too.
+            .layer(HandleErrorLayer::new(overloaded))
+            .load_shed()
+            .layer(concurrency.clone())
+            .timeout(timeout)
+            // Enforced by the body extractors, so a 413 still speaks our JSON.
+            .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT))
+    };
+    // A lottery's press is held through its window and the draw: its route waits that
+    // much longer.
+    let grab_timeout = timeout
+        + Duration::from_millis(*crate::domain::Opening::WINDOW_MS.end() as u64)
+        + crate::admission::lottery::ANSWER_WITHIN;
     // Everything but /metrics shares the process's concurrency limit and timeout.
     let limited = Router::new()
         .route("/vouchers", post(vouchers::create))
         .route("/vouchers/{id}", get(vouchers::get))
-        .route("/vouchers/{id}/seckill", post(seckill::grab))
         .route("/vouchers/{id}/draw", get(draws::get))
         .route("/vouchers/{id}/orders", get(sale_orders::list_orders))
         .route("/vouchers/{id}/close", post(vouchers::close))
@@ -163,20 +181,10 @@ pub fn build_app(state: AppState) -> Router {
         .route("/live/favicon.svg", get(live::icon))
         .route("/live/events", get(live::events).route_layer(admin_only()))
         .fallback(|| async { AppError::NotFound("no such route".into()) })
-        .layer(
-            ServiceBuilder::new()
-                // Overload answers 503 at once rather than queueing without end; a
-                // request that takes too long answers 503 too.
-                .layer(HandleErrorLayer::new(overloaded))
-                .load_shed()
-                // One semaphore for the whole process: `Router::layer` builds the stack
-                // once per route, and `concurrency_limit` would give each its own.
-                .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
-                    max_concurrent,
-                ))
-                .timeout(timeout)
-                // Enforced by the body extractors, so a 413 still speaks our JSON.
-                .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT)),
+        .layer(stack(timeout))
+        .route(
+            "/vouchers/{id}/seckill",
+            post(seckill::grab).layer(stack(grab_timeout)),
         );
     // Scrapes have a small limit of their own: a sale that fills the process's limit
     // must not blind Prometheus (series gone stale exactly at peak), and a flood of

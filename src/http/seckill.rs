@@ -163,6 +163,7 @@ mod tests {
             Outcome::SoldOut,
             Outcome::Unknown { order_id: id },
             Outcome::Unavailable(Unavailable::Recovering),
+            Outcome::Entered { order_id: id },
         ];
         let labels: Vec<&str> = all.iter().map(|o| Outcome::LABELS[o.index()]).collect();
         assert_eq!(labels, Outcome::LABELS);
