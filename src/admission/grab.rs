@@ -180,10 +180,11 @@ impl Admission {
         self.follow_up(voucher_id, outcome).await
     }
 
-    /// A lottery entrant's press, held until the draw: once the window is over, a grab
-    /// under the order id it entered with is the draw's answer (that order: drawn, a 202;
-    /// `sold_out`: not). Answered at the latest [`lottery::ANSWER_WITHIN`] after the
-    /// window (then as unknown: a press again tells).
+    /// A lottery entrant's press, held until the draw. Once the window is over, one held
+    /// press of this instance grabs again under the order id it entered with (drawing, if
+    /// no call has yet) and reads the draw; the others are answered from it: drawn, the
+    /// 202 of the order entered under; not, `sold_out`. Answered at the latest
+    /// [`lottery::ANSWER_WITHIN`] after the window (then as unknown: a press again tells).
     async fn await_draw(
         self: &Arc<Self>,
         user_id: UserId,
@@ -198,28 +199,55 @@ impl Admission {
         let end = tokio::time::Instant::now() + left;
         let deadline = end + lottery::ANSWER_WITHIN;
         tokio::time::sleep_until(end).await;
+        let draw = self.lottery.draw_of(voucher_id);
         loop {
-            let decided = self
-                .segments
-                .admit(&self.batcher, voucher_id, user_id, entered)
+            // The press that reads the draw answers with its own grab's outcome.
+            let mut own = None;
+            let read = draw
+                .get_or_try_init(|| self.read_draw(user_id, voucher_id, entered, &mut own))
                 .await;
-            match Outcome::of(decided, entered) {
-                // (Redis's clock is a little behind ours, or the call failed unsent.)
-                Outcome::Entered { .. } | Outcome::Held | Outcome::Unavailable(_)
-                    if tokio::time::Instant::now() + RETRY_DRAW < deadline =>
-                {
+            match (own, read) {
+                (Some(outcome), _) => return Ok(outcome),
+                (None, Ok(winners)) if winners.contains(&user_id.get()) => {
+                    return Ok(Outcome::Admitted { order_id: entered })
+                }
+                (None, Ok(_)) => return Ok(Outcome::SoldOut),
+                (None, Err(())) if tokio::time::Instant::now() + RETRY_DRAW < deadline => {
                     tokio::time::sleep(RETRY_DRAW).await
                 }
-                Outcome::Entered { .. } => return Ok(unknown),
-                outcome => {
-                    let this = self.clone();
-                    tokio::spawn(async move {
-                        (this.lottery)
-                            .record(&this.db, &this.redis, &this.keys, voucher_id)
-                            .await
-                    });
-                    return Ok(outcome);
-                }
+                (None, Err(())) => return Ok(unknown),
+            }
+        }
+    }
+
+    /// Grabs again under the order id the shopper entered with (which draws, if no call
+    /// has yet), and reads the draw's winners (copying its record to Postgres); `own`
+    /// the grab's outcome. `Err`: not drawn yet, or not readable now.
+    async fn read_draw(
+        &self,
+        user_id: UserId,
+        voucher_id: VoucherId,
+        entered: OrderId,
+        own: &mut Option<Outcome>,
+    ) -> Result<lottery::Winners, ()> {
+        let decided = self
+            .segments
+            .admit(&self.batcher, voucher_id, user_id, entered)
+            .await;
+        match Outcome::of(decided, entered) {
+            // (Redis's clock is a little behind ours, or the call failed.)
+            Outcome::Entered { .. }
+            | Outcome::Held
+            | Outcome::Unavailable(_)
+            | Outcome::Unknown { .. } => return Err(()),
+            outcome => *own = Some(outcome),
+        }
+        match lottery::copy_draw(&self.db, &self.redis, &self.keys, voucher_id).await {
+            Ok(Some(draw)) => Ok(Arc::new(draw.winners.into_iter().collect())),
+            Ok(None) => Err(()),
+            Err(e) => {
+                tracing::warn!(voucher_id = voucher_id.get(), error = %e, "reading the lottery's draw failed");
+                Err(())
             }
         }
     }

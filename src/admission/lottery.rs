@@ -1,31 +1,38 @@
 //! A lottery sale's held presses. In its window a press makes its shopper an entrant
 //! (one entry per shopper, under the order id minted for the first press) and is held;
-//! the first admission call after the window draws (`lua/seckill.lua`, draw_lottery),
-//! and each held press then learns its answer by grabbing again under the order id it
-//! entered with: its own order (drawn, a 202) or `sold_out`. The draw's record, left in
-//! the sale's Redis state, is copied to Postgres (`sale_draws`) by whoever sees it first.
+//! the first admission call after the window draws (`lua/seckill.lua`, draw_lottery).
+//! Then one held press per instance grabs again, which draws if nobody has yet, and
+//! reads the draw's record from the sale's Redis state; every other held press of the
+//! instance is answered from that record (its shopper drawn: the 202 of the order it
+//! entered under; not: `sold_out`), so thousands of held presses cost Redis one call
+//! and one read per instance. The record is copied to Postgres (`sale_draws`) then.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
+use tokio::sync::OnceCell;
 
 use crate::domain::VoucherId;
 use crate::keys::{Keys, SaleSegment};
 use crate::redis_conn::RedisConn;
 use crate::store;
+use crate::store::draws::Draw;
 
 /// How long after its window a held press may wait for the draw's answer.
 pub const ANSWER_WITHIN: Duration = Duration::from_millis(500);
 
-/// The lottery sales this instance holds presses for: their windows' ends, and whether
-/// their draw's record is in Postgres.
+/// A draw's winners, by user id.
+pub type Winners = Arc<HashSet<i64>>;
+
+/// The lottery sales this instance holds presses for: their windows' ends, and their
+/// draws once read.
 #[derive(Default)]
 pub struct Lottery {
     ends: Mutex<HashMap<VoucherId, Option<DateTime<Utc>>>>,
-    recorded: Mutex<HashSet<VoucherId>>,
+    drawn: Mutex<HashMap<VoucherId, Arc<OnceCell<Winners>>>>,
 }
 
 impl Lottery {
@@ -43,30 +50,21 @@ impl Lottery {
         Ok(end)
     }
 
-    /// Copies the draw's record from the sale's Redis state to Postgres, once.
-    pub async fn record(&self, db: &PgPool, redis: &RedisConn, keys: &Keys, voucher_id: VoucherId) {
-        // Claimed first: thousands of held presses end together, one copy is enough.
-        if !lock(&self.recorded).insert(voucher_id) {
-            return;
-        }
-        let copied = copy_draw(db, redis, keys, voucher_id).await;
-        if let Err(e) = &copied {
-            tracing::warn!(voucher_id = voucher_id.get(), error = %e,
-                "the draw's record could not be copied to postgres (tried again by the next press)");
-        }
-        if !matches!(copied, Ok(true)) {
-            lock(&self.recorded).remove(&voucher_id);
-        }
+    /// The sale's draw, once some held press of this instance has read it; `None`: it
+    /// may still be read (the one reading now failed, or the draw is not done).
+    pub fn draw_of(&self, voucher_id: VoucherId) -> Arc<OnceCell<Winners>> {
+        lock(&self.drawn).entry(voucher_id).or_default().clone()
     }
 }
 
-/// The draw's record in Redis, written to Postgres (`false`: not drawn yet).
+/// The draw's record in the sale's Redis state, copied to Postgres (where a record of
+/// it already is, it stays); `None`: not drawn.
 pub async fn copy_draw(
     db: &PgPool,
     redis: &RedisConn,
     keys: &Keys,
     voucher_id: VoucherId,
-) -> anyhow::Result<bool> {
+) -> anyhow::Result<Option<Draw>> {
     let key = keys.segment(SaleSegment::new(voucher_id, 0, 1));
     let mut conn = redis.clone();
     let [seed, drawn_ms, entrants, winners]: [Option<String>; 4] = redis::cmd("HMGET")
@@ -77,18 +75,17 @@ pub async fn copy_draw(
         .try_into()
         .map_err(|_| anyhow::anyhow!("HMGET of four fields answered otherwise"))?;
     let (Some(seed), Some(drawn_ms)) = (seed, drawn_ms) else {
-        return Ok(false);
+        return Ok(None);
     };
-    let drawn_at = DateTime::from_timestamp_millis(drawn_ms.parse()?)
-        .ok_or_else(|| anyhow::anyhow!("drawn_ms out of range"))?;
-    let draw = store::draws::Draw {
+    let draw = Draw {
         seed,
         entrants: ids(entrants.as_deref())?,
         winners: ids(winners.as_deref())?,
-        drawn_at,
+        drawn_at: DateTime::from_timestamp_millis(drawn_ms.parse()?)
+            .ok_or_else(|| anyhow::anyhow!("drawn_ms out of range"))?,
     };
     store::draws::insert(db, voucher_id, &draw).await?;
-    Ok(true)
+    Ok(Some(draw))
 }
 
 fn ids(joined: Option<&str>) -> anyhow::Result<Vec<i64>> {

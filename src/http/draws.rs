@@ -44,12 +44,10 @@ pub(crate) async fn get(
         .await?
         .ok_or_else(|| no_lottery(id))?;
     // Drawn in Redis, not recorded yet (every instance that held a press stopped first).
-    if draw.is_none()
-        && lottery::copy_draw(&state.db, &state.redis, &state.keys, id)
+    if draw.is_none() {
+        draw = lottery::copy_draw(&state.db, &state.redis, &state.keys, id)
             .await
-            .unwrap_or(false)
-    {
-        draw = draws::get(&state.db, id).await?.and_then(|(_, d)| d);
+            .unwrap_or(None);
     }
     Ok(Json(match draw {
         Some(d) => DrawResponse {

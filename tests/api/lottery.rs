@@ -76,8 +76,10 @@ async fn a_lottery_through_two_instances_admits_exactly_its_stock_and_anyone_can
     db: PgPool,
 ) {
     let app = TestApp::spawn(db).await;
-    let (_other, other) = app.spawn_server("api", &[]).await;
-    let bases = [app.url(""), other];
+    // Two instances of the binary (the test's own runtime only sends and reads).
+    let (_one, one) = app.spawn_server("api", &[]).await;
+    let (_two, two) = app.spawn_server("api", &[]).await;
+    let bases = [one, two];
     let (stock, entrants, window_ms) = (50, 1_000, 3_000);
     let voucher = lottery_sale(&app, stock, 2_000, window_ms).await;
     let id = voucher["id"].as_i64().unwrap();
@@ -152,9 +154,16 @@ async fn a_lottery_through_two_instances_admits_exactly_its_stock_and_anyone_can
     assert_eq!(status, StatusCode::OK, "{draw}");
     let listed: Vec<i64> = serde_json::from_value(draw["entrants"].clone()).unwrap();
     let in_order: BTreeSet<i64> = listed.iter().copied().collect();
-    assert!(listed.iter().copied().eq(in_order.iter().copied()), "in increasing order, once each");
+    assert!(
+        listed.iter().copied().eq(in_order.iter().copied()),
+        "in increasing order, once each"
+    );
     assert!(in_order.is_subset(&(1..=entrants).collect()), "{listed:?}");
-    assert!(listed.len() > stock as usize, "a draw with competition: {} entrants", listed.len());
+    assert!(
+        listed.len() > stock as usize,
+        "a draw with competition: {} entrants",
+        listed.len()
+    );
     let drawn: BTreeSet<i64> = serde_json::from_value(draw["winners"].clone()).unwrap();
     assert_eq!(drawn, won);
     assert!(drawn.is_subset(&in_order), "every winner entered");
