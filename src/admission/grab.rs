@@ -208,10 +208,21 @@ impl Admission {
                 .await;
             match (own, read) {
                 (Some(outcome), _) => return Ok(outcome),
-                (None, Ok(winners)) if winners.contains(&user_id.get()) => {
+                (None, Ok(drawn)) if drawn.winners.contains(&user_id.get()) => {
                     return Ok(Outcome::Admitted { order_id: entered })
                 }
-                (None, Ok(_)) => return Ok(Outcome::SoldOut),
+                (None, Ok(drawn)) if drawn.entrants.contains(&user_id.get()) => {
+                    return Ok(Outcome::SoldOut)
+                }
+                // Not among the entrants the draw found (the entry was lost with the
+                // sale's state, rebuilt before the draw): a grab as any after the window.
+                (None, Ok(_)) => {
+                    let decided = self
+                        .segments
+                        .admit(&self.batcher, voucher_id, user_id, entered)
+                        .await;
+                    return Ok(Outcome::of(decided, entered));
+                }
                 (None, Err(())) if tokio::time::Instant::now() + RETRY_DRAW < deadline => {
                     tokio::time::sleep(RETRY_DRAW).await
                 }
@@ -229,21 +240,23 @@ impl Admission {
         voucher_id: VoucherId,
         entered: OrderId,
         own: &mut Option<Outcome>,
-    ) -> Result<lottery::Winners, ()> {
+    ) -> Result<Arc<lottery::Drawn>, ()> {
         let decided = self
             .segments
             .admit(&self.batcher, voucher_id, user_id, entered)
             .await;
         match Outcome::of(decided, entered) {
-            // (Redis's clock is a little behind ours, or the call failed.)
-            Outcome::Entered { .. }
-            | Outcome::Held
-            | Outcome::Unavailable(_)
-            | Outcome::Unknown { .. } => return Err(()),
-            outcome => *own = Some(outcome),
+            // An answer of the draw's (or of the sale's end).
+            outcome @ (Outcome::Admitted { .. }
+            | Outcome::AlreadyOrdered { .. }
+            | Outcome::SoldOut
+            | Outcome::Ended) => *own = Some(outcome),
+            // Not yet (Redis's clock is a little behind ours), or no answer now (a
+            // failed call, a state being rebuilt): asked again.
+            _ => return Err(()),
         }
         match lottery::copy_draw(&self.db, &self.redis, &self.keys, voucher_id).await {
-            Ok(Some(draw)) => Ok(Arc::new(draw.winners.into_iter().collect())),
+            Ok(Some(draw)) => Ok(Arc::new(draw.into())),
             Ok(None) => Err(()),
             Err(e) => {
                 tracing::warn!(voucher_id = voucher_id.get(), error = %e, "reading the lottery's draw failed");

@@ -24,15 +24,28 @@ use crate::store::draws::Draw;
 /// How long after its window a held press may wait for the draw's answer.
 pub const ANSWER_WITHIN: Duration = Duration::from_millis(500);
 
-/// A draw's winners, by user id.
-pub type Winners = Arc<HashSet<i64>>;
+/// A draw as a held press needs it: who entered, who won (user ids).
+#[derive(Debug, Default)]
+pub struct Drawn {
+    pub entrants: HashSet<i64>,
+    pub winners: HashSet<i64>,
+}
+
+impl From<Draw> for Drawn {
+    fn from(d: Draw) -> Self {
+        Self {
+            entrants: d.entrants.into_iter().collect(),
+            winners: d.winners.into_iter().collect(),
+        }
+    }
+}
 
 /// The lottery sales this instance holds presses for: their windows' ends, and their
 /// draws once read.
 #[derive(Default)]
 pub struct Lottery {
     ends: Mutex<HashMap<VoucherId, Option<DateTime<Utc>>>>,
-    drawn: Mutex<HashMap<VoucherId, Arc<OnceCell<Winners>>>>,
+    drawn: Mutex<HashMap<VoucherId, Arc<OnceCell<Arc<Drawn>>>>>,
 }
 
 impl Lottery {
@@ -52,7 +65,7 @@ impl Lottery {
 
     /// The sale's draw, once some held press of this instance has read it; `None`: it
     /// may still be read (the one reading now failed, or the draw is not done).
-    pub fn draw_of(&self, voucher_id: VoucherId) -> Arc<OnceCell<Winners>> {
+    pub fn draw_of(&self, voucher_id: VoucherId) -> Arc<OnceCell<Arc<Drawn>>> {
         lock(&self.drawn).entry(voucher_id).or_default().clone()
     }
 }
