@@ -71,7 +71,8 @@ impl Lottery {
 }
 
 /// The draw's record in the sale's Redis state, copied to Postgres (where a record of
-/// it already is, it stays); `None`: not drawn.
+/// it already is, it stays; while Postgres is down, the next reader copies it);
+/// `None`: not drawn.
 pub async fn copy_draw(
     db: &PgPool,
     redis: &RedisConn,
@@ -97,7 +98,10 @@ pub async fn copy_draw(
         drawn_at: DateTime::from_timestamp_millis(drawn_ms.parse()?)
             .ok_or_else(|| anyhow::anyhow!("drawn_ms out of range"))?,
     };
-    store::draws::insert(db, voucher_id, &draw).await?;
+    if let Err(e) = store::draws::insert(db, voucher_id, &draw).await {
+        tracing::warn!(voucher_id = voucher_id.get(), error = %e,
+            "the draw's record is not in postgres yet (copied by the next reader)");
+    }
     Ok(Some(draw))
 }
 
