@@ -28,14 +28,24 @@ async fn lottery_sale(app: &TestApp, stock: i64, in_ms: i64, window_ms: i64) -> 
     voucher
 }
 
+/// Sleeps until `ms` after the voucher's `begin_time`.
+async fn until_after_begin(voucher: &Value, ms: u64) {
+    let begin =
+        chrono::DateTime::parse_from_rfc3339(voucher["seckill"]["begin_time"].as_str().unwrap())
+            .unwrap()
+            .with_timezone(&Utc);
+    let at = begin + chrono::Duration::milliseconds(ms as i64);
+    tokio::time::sleep((at - Utc::now()).to_std().unwrap_or_default()).await;
+}
+
 /// Each user presses once against one of `bases` (in turn), all at once; each answer
-/// with how long it took.
+/// (`None`: none came) with how long it took.
 async fn press_together(
     app: &TestApp,
     bases: &[String],
     voucher: i64,
     users: std::ops::RangeInclusive<i64>,
-) -> Vec<(i64, StatusCode, Value, Duration)> {
+) -> Vec<(i64, Option<(StatusCode, Value)>, Duration)> {
     let n = users.clone().count();
     futures::stream::iter(users)
         .map(|user| {
@@ -47,10 +57,14 @@ async fn press_together(
                 .timeout(Duration::from_secs(30));
             async move {
                 let sent = Instant::now();
-                let resp = req.send().await.expect("an answer");
-                let status = resp.status();
-                let body: Value = resp.json().await.expect("a JSON body");
-                (user, status, body, sent.elapsed())
+                let answer = match req.send().await {
+                    Ok(resp) => {
+                        let status = resp.status();
+                        resp.json::<Value>().await.ok().map(|body| (status, body))
+                    }
+                    Err(_) => None,
+                };
+                (user, answer, sent.elapsed())
             }
         })
         .buffer_unordered(n)
@@ -103,17 +117,12 @@ async fn a_lottery_through_two_instances_admits_exactly_its_stock_and_anyone_can
     let (status, body) = app.grab(id, 999_999).await;
     assert_eq!(status, StatusCode::CONFLICT, "{body}");
     assert_eq!(body["error"]["code"], "not_started");
-    let begin =
-        chrono::DateTime::parse_from_rfc3339(voucher["seckill"]["begin_time"].as_str().unwrap())
-            .unwrap();
-    let wait = (begin.with_timezone(&Utc) - Utc::now())
-        .to_std()
-        .unwrap_or_default();
-    tokio::time::sleep(wait + Duration::from_millis(100)).await;
+    until_after_begin(&voucher, 100).await;
 
     let answers = press_together(&app, &bases, id, 1..=entrants).await;
     let mut won = BTreeSet::new();
-    for (user, status, body, took) in &answers {
+    for (user, answer, took) in &answers {
+        let (status, body) = answer.as_ref().expect("every press is answered");
         assert!(
             *took <= Duration::from_millis(window_ms as u64 + 500),
             "user {user} was answered after {took:?}: {body}"
@@ -258,4 +267,77 @@ async fn a_lottery_out_of_range_or_already_begun_is_refused_naming_the_field(db:
         .await
         .unwrap();
     assert_eq!(count, 0, "a refused voucher changes nothing");
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_draw_happens_once_when_an_instance_holding_presses_is_killed_at_the_windows_end(
+    db: PgPool,
+) {
+    let app = TestApp::spawn(db).await;
+    let (mut one, base_one) = app.spawn_server("api", &[]).await;
+    let (_two, base_two) = app.spawn_server("api", &[]).await;
+    let bases = [base_one, base_two.clone()];
+    let (stock, entrants, window_ms) = (30, 400, 2_000);
+    let voucher = lottery_sale(&app, stock, 2_000, window_ms).await;
+    let id = voucher["id"].as_i64().unwrap();
+    until_after_begin(&voucher, 100).await;
+
+    // Instance one is killed a moment before the window ends, its held presses with it.
+    let kill = async {
+        until_after_begin(&voucher, window_ms as u64 - 100).await;
+        one.kill9();
+    };
+    let (answers, ()) = tokio::join!(press_together(&app, &bases, id, 1..=entrants), kill);
+    let mut won = BTreeSet::new();
+    let mut unanswered = Vec::new();
+    for (user, answer, _) in answers {
+        match answer {
+            Some((StatusCode::ACCEPTED, _)) => {
+                won.insert(user);
+            }
+            Some((_, body)) => assert_eq!(body["error"]["code"], "sold_out", "user {user}: {body}"),
+            None => unanswered.push(user),
+        }
+    }
+    assert!(
+        !unanswered.is_empty(),
+        "the killed instance held presses ({} won, {} unanswered)",
+        won.len(),
+        unanswered.len()
+    );
+    // Those whose instance died learn their result by pressing again elsewhere.
+    for user in &unanswered {
+        let press = app
+            .client
+            .post(format!("{base_two}/vouchers/{id}/seckill"))
+            .bearer_auth(app.token(*user));
+        let (status, body) = app.send(press).await;
+        match body["error"]["code"].as_str() {
+            Some("already_ordered") => {
+                won.insert(*user);
+            }
+            Some("sold_out") => {}
+            _ => panic!("user {user}: {status} {body}"),
+        }
+    }
+    assert_eq!(won.len(), stock as usize, "one draw, exactly the stock");
+
+    app.drain().await;
+    let users: Vec<i64> = sqlx::query_scalar(
+        "SELECT user_id FROM voucher_orders WHERE voucher_id = $1 ORDER BY user_id",
+    )
+    .bind(id)
+    .fetch_all(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(users, won.iter().copied().collect::<Vec<_>>());
+    let (_, draw) = app.get(&format!("/vouchers/{id}/draw"), None).await;
+    let drawn: BTreeSet<i64> = serde_json::from_value(draw["winners"].clone()).unwrap();
+    assert_eq!(drawn, won, "the winners are the draw's");
+    let (ok, said) = verify_draw(&[&app.url(""), &id.to_string()]).await;
+    assert!(ok, "{said}");
+    println!(
+        "{} presses lost with the instance; {said}",
+        unanswered.len()
+    );
 }
