@@ -72,6 +72,21 @@ async fn press_together(
         .await
 }
 
+/// The users whose orders for `voucher` are in Postgres once the worker has written
+/// everything admitted.
+async fn written_buyers(app: &TestApp, voucher: i64) -> BTreeSet<i64> {
+    app.drain().await;
+    let users: Vec<i64> =
+        sqlx::query_scalar("SELECT user_id FROM voucher_orders WHERE voucher_id = $1")
+            .bind(voucher)
+            .fetch_all(&app.db)
+            .await
+            .unwrap();
+    let buyers: BTreeSet<i64> = users.iter().copied().collect();
+    assert_eq!(buyers.len(), users.len(), "one order per user");
+    buyers
+}
+
 /// `scripts/verify-draw` with `args` (asynchronously: the app answers it from this
 /// test's runtime).
 async fn verify_draw(args: &[&str]) -> (bool, String) {
@@ -146,15 +161,7 @@ async fn a_lottery_through_two_instances_admits_exactly_its_stock_and_anyone_can
     assert_eq!(body["error"]["code"], "sold_out", "{body}");
 
     // Every winner's order is in Postgres.
-    app.drain().await;
-    let users: Vec<i64> = sqlx::query_scalar(
-        "SELECT user_id FROM voucher_orders WHERE voucher_id = $1 ORDER BY user_id",
-    )
-    .bind(id)
-    .fetch_all(&app.db)
-    .await
-    .unwrap();
-    assert_eq!(users, won.iter().copied().collect::<Vec<_>>());
+    assert_eq!(written_buyers(&app, id).await, won);
 
     // The draw as published: the entrants (every press that reached Redis in the window:
     // on a busy machine a few may come later, and then find no unit), the winners among
@@ -322,15 +329,7 @@ async fn a_draw_happens_once_when_an_instance_holding_presses_is_killed_at_the_w
     }
     assert_eq!(won.len(), stock as usize, "one draw, exactly the stock");
 
-    app.drain().await;
-    let users: Vec<i64> = sqlx::query_scalar(
-        "SELECT user_id FROM voucher_orders WHERE voucher_id = $1 ORDER BY user_id",
-    )
-    .bind(id)
-    .fetch_all(&app.db)
-    .await
-    .unwrap();
-    assert_eq!(users, won.iter().copied().collect::<Vec<_>>());
+    assert_eq!(written_buyers(&app, id).await, won);
     let (_, draw) = app.get(&format!("/vouchers/{id}/draw"), None).await;
     let drawn: BTreeSet<i64> = serde_json::from_value(draw["winners"].clone()).unwrap();
     assert_eq!(drawn, won, "the winners are the draw's");
