@@ -232,8 +232,9 @@ impl Admission {
     }
 
     /// Grabs again under the order id the shopper entered with (which draws, if no call
-    /// has yet), and reads the draw's winners (copying its record to Postgres); `own`
-    /// the grab's outcome. `Err`: not drawn yet, or not readable now.
+    /// has yet), and reads the draw's winners once Postgres records them (recording them
+    /// first); `own` the grab's outcome, set only then. `Err`: not drawn yet, or not
+    /// recorded now.
     async fn read_draw(
         &self,
         user_id: UserId,
@@ -245,21 +246,28 @@ impl Admission {
             .segments
             .admit(&self.batcher, voucher_id, user_id, entered)
             .await;
-        match Outcome::of(decided, entered) {
+        let outcome = match Outcome::of(decided, entered) {
+            // Its own order, drawn (by this call, or by an earlier one this press made).
+            Outcome::AlreadyOrdered { order_id } if order_id == entered => {
+                Outcome::Admitted { order_id }
+            }
             // An answer of the draw's (or of the sale's end).
             outcome @ (Outcome::Admitted { .. }
             | Outcome::AlreadyOrdered { .. }
             | Outcome::SoldOut
-            | Outcome::Ended) => *own = Some(outcome),
+            | Outcome::Ended) => outcome,
             // Not yet (Redis's clock is a little behind ours), or no answer now (a
             // failed call, a state being rebuilt): asked again.
             _ => return Err(()),
-        }
-        match lottery::copy_draw(&self.db, &self.redis, &self.keys, voucher_id).await {
-            Ok(Some(draw)) => Ok(Arc::new(draw.into())),
+        };
+        match lottery::record_draw(&self.db, &self.redis, &self.keys, voucher_id).await {
+            Ok(Some(draw)) => {
+                *own = Some(outcome);
+                Ok(Arc::new(draw.into()))
+            }
             Ok(None) => Err(()),
             Err(e) => {
-                tracing::warn!(voucher_id = voucher_id.get(), error = %e, "reading the lottery's draw failed");
+                tracing::warn!(voucher_id = voucher_id.get(), error = %e, "recording the lottery's draw failed");
                 Err(())
             }
         }

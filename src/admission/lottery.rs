@@ -5,7 +5,10 @@
 //! reads the draw's record from the sale's Redis state; every other held press of the
 //! instance is answered from that record (its shopper drawn: the 202 of the order it
 //! entered under; not: `sold_out`), so thousands of held presses cost Redis one call
-//! and one read per instance. The record is copied to Postgres (`sale_draws`) then.
+//! and one read per instance. A held press is answered only once the draw is recorded
+//! in Postgres (`sale_draws`, with its winners' orders, in one transaction): a Redis
+//! that loses the draw afterwards is rebuilt with the winners as buyers, never to draw
+//! again.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -15,11 +18,12 @@ use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 use tokio::sync::OnceCell;
 
-use crate::domain::VoucherId;
+use crate::domain::{Epoch, OrderId, UserId, VoucherId};
 use crate::keys::{Keys, SaleSegment};
 use crate::redis_conn::RedisConn;
 use crate::store;
-use crate::store::draws::Draw;
+use crate::store::draws::{Draw, Recorded};
+use crate::store::orders::NewOrder;
 
 /// How long after its window a held press may wait for the draw's answer.
 pub const ANSWER_WITHIN: Duration = Duration::from_millis(500);
@@ -70,24 +74,34 @@ impl Lottery {
     }
 }
 
-/// The draw's record in the sale's Redis state, copied to Postgres (where a record of
-/// it already is, it stays; while Postgres is down, the next reader copies it);
-/// `None`: not drawn.
-pub async fn copy_draw(
+/// The sale's draw as Postgres records it, recording it first from the sale's Redis
+/// state (with its winners' orders, see [`store::draws::record`]) when Redis holds one
+/// Postgres does not; `None`: not drawn, or not recordable now (Postgres away, the state
+/// rebuilt meanwhile), so not to be answered from yet.
+pub async fn record_draw(
     db: &PgPool,
     redis: &RedisConn,
     keys: &Keys,
     voucher_id: VoucherId,
 ) -> anyhow::Result<Option<Draw>> {
+    if let Some((_, Some(draw))) = store::draws::get(db, voucher_id).await? {
+        return Ok(Some(draw));
+    }
     let key = keys.segment(SaleSegment::new(voucher_id, 0, 1));
     let mut conn = redis.clone();
-    let [seed, drawn_ms, entrants, winners]: [Option<String>; 4] = redis::cmd("HMGET")
+    let [seed, drawn_ms, entrants, winners, epoch]: [Option<String>; 5] = redis::cmd("HMGET")
         .arg(&key)
-        .arg(&["lottery_seed", "drawn_ms", "draw_entrants", "draw_winners"])
+        .arg(&[
+            "lottery_seed",
+            "drawn_ms",
+            "draw_entrants",
+            "draw_winners",
+            "epoch",
+        ])
         .query_async::<Vec<Option<String>>>(&mut conn)
         .await?
         .try_into()
-        .map_err(|_| anyhow::anyhow!("HMGET of four fields answered otherwise"))?;
+        .map_err(|_| anyhow::anyhow!("HMGET of five fields answered otherwise"))?;
     let (Some(seed), Some(drawn_ms)) = (seed, drawn_ms) else {
         return Ok(None);
     };
@@ -98,11 +112,69 @@ pub async fn copy_draw(
         drawn_at: DateTime::from_timestamp_millis(drawn_ms.parse()?)
             .ok_or_else(|| anyhow::anyhow!("drawn_ms out of range"))?,
     };
-    if let Err(e) = store::draws::insert(db, voucher_id, &draw).await {
-        tracing::warn!(voucher_id = voucher_id.get(), error = %e,
-            "the draw's record is not in postgres yet (copied by the next reader)");
+    let orders = winners_orders(&mut conn, &key, voucher_id, &draw, epoch.as_deref()).await?;
+    // Under the sale's row lock: the state that drew is still the one read.
+    let still_held = async {
+        let now: (Option<String>, Option<String>) = redis::cmd("HMGET")
+            .arg(&key)
+            .arg(&["drawn_ms", "epoch"])
+            .query_async(&mut redis.clone())
+            .await?;
+        Ok(now == (Some(drawn_ms.clone()), epoch.clone()))
+    };
+    match store::draws::record(db, voucher_id, &draw, &orders, still_held).await? {
+        Recorded::Yes => Ok(Some(draw)),
+        Recorded::NotHeld => Ok(None),
+        Recorded::Refused(why) => {
+            tracing::error!(
+                voucher_id = voucher_id.get(),
+                why,
+                "the draw cannot be recorded"
+            );
+            Ok(None)
+        }
     }
-    Ok(Some(draw))
+}
+
+/// The winners' orders as the draw admitted them: each winner's buyer record names its
+/// order (the id it entered under).
+async fn winners_orders(
+    conn: &mut RedisConn,
+    key: &str,
+    voucher_id: VoucherId,
+    draw: &Draw,
+    epoch: Option<&str>,
+) -> anyhow::Result<Vec<NewOrder>> {
+    if draw.winners.is_empty() {
+        return Ok(Vec::new());
+    }
+    let fields: Vec<String> = draw.winners.iter().map(|u| format!("u:{u}")).collect();
+    let named: Vec<Option<String>> = redis::cmd("HMGET")
+        .arg(key)
+        .arg(&fields)
+        .query_async(conn)
+        .await?;
+    let epoch = epoch.and_then(|e| e.parse().ok()).and_then(Epoch::new);
+    draw.winners
+        .iter()
+        .zip(named)
+        .map(|(&user, order)| {
+            let id = order
+                .as_deref()
+                .and_then(crate::domain::parse_id)
+                .and_then(OrderId::new)
+                .ok_or_else(|| anyhow::anyhow!("winner {user}'s buyer record names no order"))?;
+            Ok(NewOrder {
+                id,
+                user_id: UserId::new(user).ok_or_else(|| anyhow::anyhow!("winner {user}"))?,
+                voucher_id,
+                admitted_at: draw.drawn_at,
+                segment: 0,
+                segments: 1,
+                epoch,
+            })
+        })
+        .collect()
 }
 
 fn ids(joined: Option<&str>) -> anyhow::Result<Vec<i64>> {

@@ -45,7 +45,7 @@ pub(crate) async fn get(
         .ok_or_else(|| no_lottery(id))?;
     // Drawn in Redis, not recorded yet (every instance that held a press stopped first).
     if draw.is_none() {
-        draw = lottery::copy_draw(&state.db, &state.redis, &state.keys, id)
+        draw = lottery::record_draw(&state.db, &state.redis, &state.keys, id)
             .await
             .unwrap_or(None);
     }

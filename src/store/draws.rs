@@ -1,9 +1,15 @@
-//! `sale_draws`: a lottery sale's draw, as it was done in Redis, and its window.
+//! `sale_draws`: a lottery sale's draw, as it was done in Redis, recorded with its
+//! winners' orders; and its window.
+
+use std::collections::HashSet;
 
 use chrono::{DateTime, Utc};
+use futures_util::future::BoxFuture;
 use sqlx::PgPool;
 
-use crate::domain::VoucherId;
+use super::orders::{self, NewOrder, Persisted, Rejection};
+use super::vouchers::lock_sales;
+use crate::domain::{OrderId, VoucherId};
 
 /// A draw: the seed, every entrant in increasing user id (the order the draw consumed
 /// them), the winners in the order they were drawn.
@@ -29,8 +35,61 @@ pub async fn window_end(
     .await
 }
 
-/// Records the draw; a draw recorded already stays as it is (there is one per sale).
-pub async fn insert(db: &PgPool, voucher_id: VoucherId, draw: &Draw) -> Result<(), sqlx::Error> {
+/// What became of recording a draw.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Recorded {
+    /// The draw and every winner's order are rows now (or were already).
+    Yes,
+    /// The Redis state that drew is no longer the sale's (rebuilt, or not its current
+    /// build): nothing written.
+    NotHeld,
+    /// Postgres refuses it (another draw recorded, a winner's order impossible): nothing
+    /// written; why.
+    Refused(String),
+}
+
+/// Records the draw and its winners' orders in ONE transaction, under the sale's row
+/// lock (the fence every build of its Redis state takes): `still_held` then says
+/// whether the state that drew is still the sale's. So a held press is answered from a
+/// draw only once the draw is Postgres's truth: a Redis that comes back older (the draw
+/// lost) is rebuilt with the winners as buyers and is never armed to draw again.
+pub async fn record(
+    db: &PgPool,
+    voucher_id: VoucherId,
+    draw: &Draw,
+    winners: &[NewOrder],
+    still_held: impl std::future::Future<Output = anyhow::Result<bool>>,
+) -> anyhow::Result<Recorded> {
+    let mut tx = db.begin().await?;
+    lock_sales(&mut tx, &[voucher_id]).await?;
+    if !still_held.await? {
+        return Ok(Recorded::NotHeld);
+    }
+    let ids: HashSet<OrderId> = winners.iter().map(|o| o.id).collect();
+    let under_lock = |asked: Vec<OrderId>| -> BoxFuture<'_, anyhow::Result<HashSet<OrderId>>> {
+        let ids = &ids;
+        Box::pin(async move { Ok(asked.into_iter().filter(|id| ids.contains(id)).collect()) })
+    };
+    let outcomes = match winners.is_empty() {
+        true => Vec::new(),
+        false => match orders::write(&mut tx, winners, &under_lock).await? {
+            Some(outcomes) => outcomes,
+            None => {
+                return Ok(Recorded::Refused(
+                    "no stock left in postgres for the winners".into(),
+                ))
+            }
+        },
+    };
+    for outcome in outcomes {
+        match outcome {
+            Persisted::Inserted | Persisted::AlreadyThere => {}
+            Persisted::Rejected(Rejection::StaleEpoch) | Persisted::Vanished => {
+                return Ok(Recorded::NotHeld)
+            }
+            Persisted::Rejected(why) => return Ok(Recorded::Refused(why.reason())),
+        }
+    }
     sqlx::query(
         "INSERT INTO sale_draws (voucher_id, seed, entrants, winners, drawn_at) \
          VALUES ($1, $2, $3, $4, $5) ON CONFLICT (voucher_id) DO NOTHING",
@@ -40,9 +99,20 @@ pub async fn insert(db: &PgPool, voucher_id: VoucherId, draw: &Draw) -> Result<(
     .bind(&draw.entrants)
     .bind(&draw.winners)
     .bind(draw.drawn_at)
-    .execute(db)
+    .execute(&mut *tx)
     .await?;
-    Ok(())
+    let (seed, recorded): (String, Vec<i64>) =
+        sqlx::query_as("SELECT seed, winners FROM sale_draws WHERE voucher_id = $1")
+            .bind(voucher_id)
+            .fetch_one(&mut *tx)
+            .await?;
+    if seed != draw.seed || recorded != draw.winners {
+        return Ok(Recorded::Refused(
+            "another draw is recorded for this sale".into(),
+        ));
+    }
+    tx.commit().await?;
+    Ok(Recorded::Yes)
 }
 
 /// A lottery sale's commitment, and its draw once recorded (one row, the draw's columns

@@ -136,8 +136,9 @@ async fn persist_unique(
     }
 }
 
-/// Writes `all` in `tx` (not committed); `Ok(None)` when a stock guard failed.
-async fn write(
+/// Writes `all` in `tx` (not committed); `Ok(None)` when a stock guard failed. A
+/// lottery's draw commits its winners' rows this way with its own record.
+pub(crate) async fn write(
     tx: &mut Transaction<'_, Postgres>,
     all: &[NewOrder],
     still_pending: PendingCheck<'_>,

@@ -2,7 +2,7 @@
 //! picks min(stock, entrants) winners, every held press is answered with the draw's
 //! result, and anyone can check the draw against the commitment published with the sale.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
@@ -11,7 +11,9 @@ use reqwest::StatusCode;
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
-use crate::common::TestApp;
+use crate::common::faults::PrivateRedis;
+use crate::common::{vid, TestApp};
+use crate::recovery::rollback::press_through_503s;
 
 /// A lottery sale opening `in_ms` from now with a window of `window_ms`; its voucher.
 async fn lottery_sale(app: &TestApp, stock: i64, in_ms: i64, window_ms: i64) -> Value {
@@ -339,4 +341,104 @@ async fn a_draw_happens_once_when_an_instance_holding_presses_is_killed_at_the_w
         "{} presses lost with the instance; {said}",
         unanswered.len()
     );
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_draw_redis_loses_after_answering_is_not_drawn_again_and_its_winners_stand(db: PgPool) {
+    let mut redis = PrivateRedis::start();
+    let app = TestApp::spawn_with(db, redis.url.clone(), true).await;
+    // An API instance alone: no worker writes the draw's orders from the stream.
+    let (_api, base) = app.spawn_server("api", &[]).await;
+    let (stock, entrants, window_ms) = (10, 60, 1_500);
+    let voucher = lottery_sale(&app, stock, 1_500, window_ms).await;
+    let id = voucher["id"].as_i64().unwrap();
+    until_after_begin(&voucher, 100).await;
+
+    // A snapshot late in the window: every entry in it, nothing drawn yet.
+    let snapshot = async {
+        until_after_begin(&voucher, window_ms as u64 - 300).await;
+        redis.save();
+    };
+    let bases = [base.clone()];
+    let (answers, ()) = tokio::join!(press_together(&app, &bases, id, 1..=entrants), snapshot);
+    let mut won = HashMap::new();
+    for (user, answer, _) in answers {
+        let (status, body) = answer.expect("every press is answered");
+        match status {
+            StatusCode::ACCEPTED => {
+                won.insert(user, body["order_id"].as_str().unwrap().to_owned());
+            }
+            _ => assert_eq!(body["error"]["code"], "sold_out", "user {user}: {body}"),
+        }
+    }
+    assert_eq!(won.len(), stock as usize, "exactly the stock is drawn");
+    // Answered only once recorded: the winners' orders are rows before any worker ran.
+    let rows: HashMap<i64, String> = app
+        .pg_orders(id)
+        .await
+        .into_iter()
+        .map(|(order, user)| (user, order.to_string()))
+        .collect();
+    assert_eq!(
+        rows, won,
+        "every 202 of the draw is already an order in Postgres"
+    );
+
+    // Redis back from the snapshot: its entrants marked, its lottery armed, no draw.
+    redis.crash_and_restart();
+    let armed: Option<String> = redis.command(
+        redis::cmd("HGET")
+            .arg(
+                app.keys
+                    .segment(seckill::keys::SaleSegment::new(vid(id), 0, 1)),
+            )
+            .arg("lottery_end"),
+    );
+    assert!(
+        armed.is_some(),
+        "the snapshot is of the window, before the draw"
+    );
+
+    // Everyone presses again: the winners hold their orders, nobody else wins anything.
+    let again = press_through_503s(&app, &base, id, 1..=entrants).await;
+    for (user, (status, body)) in &again {
+        match won.get(user) {
+            Some(order) => {
+                assert_eq!(
+                    body["error"]["code"], "already_ordered",
+                    "winner {user}: {status} {body}"
+                );
+                assert_eq!(
+                    body["error"]["order_id"].as_str(),
+                    Some(order.as_str()),
+                    "{body}"
+                );
+            }
+            None => assert_eq!(
+                body["error"]["code"], "sold_out",
+                "user {user}: {status} {body}"
+            ),
+        }
+    }
+    let fresh = (entrants + 1..=entrants + 20).collect::<Vec<_>>();
+    for (user, (_, body)) in press_through_503s(&app, &base, id, fresh).await {
+        assert_eq!(body["error"]["code"], "sold_out", "newcomer {user}: {body}");
+    }
+
+    // The worker writes whatever the stream still holds: the same orders, no others.
+    let buyers = written_buyers(&app, id).await;
+    assert_eq!(buyers, won.keys().copied().collect::<BTreeSet<_>>());
+    assert_eq!(app.pg_stock(id).await, 0);
+    let draws: i64 = sqlx::query_scalar("SELECT count(*) FROM sale_draws WHERE voucher_id = $1")
+        .bind(id)
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(draws, 1);
+    let (_, draw) = app.get(&format!("/vouchers/{id}/draw"), None).await;
+    let drawn: BTreeSet<i64> = serde_json::from_value(draw["winners"].clone()).unwrap();
+    assert_eq!(drawn, buyers, "the published winners are the orders");
+    let (ok, said) = verify_draw(&[&app.url(""), &id.to_string()]).await;
+    assert!(ok, "{said}");
+    println!("redis rolled back to the window after the draw: {} winners stand, none drawn again; {said}", won.len());
 }
