@@ -15,13 +15,21 @@ use crate::common::faults::PrivateRedis;
 use crate::common::{vid, TestApp};
 use crate::recovery::rollback::press_through_503s;
 
+mod crowd;
+
 /// A lottery sale opening `in_ms` from now with a window of `window_ms`; its voucher.
 async fn lottery_sale(app: &TestApp, stock: i64, in_ms: i64, window_ms: i64) -> Value {
+    let opening = json!({"mode": "lottery", "window_ms": window_ms});
+    sale_opening(app, stock, in_ms, opening).await
+}
+
+/// A sale opening `in_ms` from now as `opening` says; its voucher.
+async fn sale_opening(app: &TestApp, stock: i64, in_ms: i64, opening: Value) -> Value {
     let begin = Utc::now() + chrono::Duration::milliseconds(in_ms);
     let body = json!({
         "shop_id": 1, "title": "drawn", "pay_value": 100, "actual_value": 200,
         "seckill": {"stock": stock, "begin_time": begin, "end_time": begin + chrono::Duration::hours(1),
-                    "opening": {"mode": "lottery", "window_ms": window_ms}},
+                    "opening": opening},
     });
     let (status, voucher) = app
         .post_json("/vouchers", Some(&app.admin_token()), &body)
