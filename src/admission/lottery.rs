@@ -177,6 +177,48 @@ async fn winners_orders(
         .collect()
 }
 
+/// The sale state's fields that are not buyer records (`SALE_FIELDS` in
+/// lua/seckill.lua).
+const STATE_FIELDS: [&str; 13] = [
+    "stock",
+    "begin_ms",
+    "end_ms",
+    "term",
+    "gen",
+    "part",
+    "epoch",
+    "next_epoch",
+    "lottery_end",
+    "lottery_seed",
+    "drawn_ms",
+    "draw_entrants",
+    "draw_winners",
+];
+
+/// Shoppers entered so far in a lottery sale not drawn yet, as its Redis state holds
+/// them: before the draw its only buyer records are entrants' marks. `None`: the sale is
+/// not loaded, or drawn already (the draw's record counts them).
+pub async fn entrants_so_far(
+    conn: &mut RedisConn,
+    keys: &Keys,
+    voucher_id: VoucherId,
+) -> redis::RedisResult<Option<i64>> {
+    let key = keys.segment(SaleSegment::new(voucher_id, 0, 1));
+    let (len, fields): (i64, Vec<Option<String>>) = redis::pipe()
+        .cmd("HLEN")
+        .arg(&key)
+        .cmd("HMGET")
+        .arg(&key)
+        .arg(&STATE_FIELDS)
+        .query_async(conn)
+        .await?;
+    let drawn = fields[10].is_some();
+    if len == 0 || drawn {
+        return Ok(None);
+    }
+    Ok(Some(len - fields.iter().flatten().count() as i64))
+}
+
 fn ids(joined: Option<&str>) -> anyhow::Result<Vec<i64>> {
     match joined {
         None | Some("") => Ok(Vec::new()),

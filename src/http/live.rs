@@ -76,7 +76,8 @@ pub(crate) async fn icon() -> impl IntoResponse {
             its data one JSON object: `at` (by Postgres's clock), `worker` (`length`, `pending`, `lag` (null when Redis cannot tell it), `dead_letters` of the order streams), \
             `sales` (selling first, then upcoming, sold out, ended; per sale: `id`, `title`, `state`, `sold_out`, `begin_time`, `end_time`, `initial_stock`, `remaining`, \
             `grabs_per_sec`, `errors_per_sec` (over the last 5 s, every instance's; null when unknown), `admission_p99_ms` (over the same seconds, this instance's grabs of every sale; null for a sale without grabs then), \
-            `outcomes` (with the 503s: `unavailable`, `unknown`), `orders` (`admitted` = `persisted` + `in_flight` + `dead_letters`; `persisted` = `created` + `paid` + `used` + `refunding` + `refunded` + `cancelled` + `expired`; `units_back`, `late_payments`), `dead_letters` (of them `stale_epoch`: admitted by a Redis state that was no longer the sale's), `releases_owed`; \
+            `outcomes` (with the 503s: `unavailable`, `unknown`), `orders` (`admitted` = `persisted` + `in_flight` + `dead_letters`; `persisted` = `created` + `paid` + `used` + `refunding` + `refunded` + `cancelled` + `expired`; `units_back`, `late_payments`), `dead_letters` (of them `stale_epoch`: admitted by a Redis state that was no longer the sale's), `releases_owed`, \
+            `lottery` (null for a first-come sale; else `window_ms`, `window_end`, `entrants` (so far, then the draw's; null until the sale is loaded), `drawn_at` and `winners` (null until the draw is recorded)); \
             `state` by Postgres's clock), `open_total` (sales qualifying: open, upcoming, \
             ended in the last 5 minutes), `truncated` (true when `sales` holds fewer than `open_total`: at most `LIVE_MAX_SALES` are sent) \
             and `unavailable` (stores that did not answer)", content_type = "text/event-stream", body = String),

@@ -320,7 +320,13 @@ impl Producer {
         }
         let ids: Vec<VoucherId> = self.sales.rows.iter().map(|s| s.voucher_id).collect();
         let segments: Vec<u8> = self.sales.rows.iter().map(|s| s.segments as u8).collect();
-        match timeout(read_redis(redis, keys, &ids, &segments)).await {
+        let entering: Vec<bool> = self
+            .sales
+            .rows
+            .iter()
+            .map(|s| s.lottery_window_ms.is_some() && s.drawn_at.is_none())
+            .collect();
+        match timeout(read_redis(redis, keys, &ids, &segments, &entering)).await {
             Ok((figures, worker)) => {
                 self.redis = ids.iter().copied().zip(figures).collect();
                 self.worker = worker;
@@ -359,18 +365,30 @@ impl Producer {
     }
 }
 
-/// Each sale's live stock and grab counts, and the streams.
+/// Each sale's live stock and grab counts (and, for a lottery not drawn, its entrants so
+/// far: `entering`), and the streams.
 async fn read_redis(
     redis: &RedisConn,
     keys: &Keys,
     ids: &[VoucherId],
     segments: &[u8],
+    entering: &[bool],
 ) -> redis::RedisResult<(Vec<Figures>, StreamStats)> {
     let stocks = ids.iter().zip(segments).map(|(&id, &segments)| {
         let mut conn = redis.clone();
         async move { crate::admission::redis_stock(&mut conn, keys, id, segments).await }
     });
     let stocks = futures_util::future::try_join_all(stocks).await?;
+    let entrants = ids.iter().zip(entering).map(|(&id, &entering)| {
+        let mut conn = redis.clone();
+        async move {
+            match entering {
+                true => crate::admission::lottery::entrants_so_far(&mut conn, keys, id).await,
+                false => Ok(None),
+            }
+        }
+    });
+    let entrants = futures_util::future::try_join_all(entrants).await?;
     let counts = tally::read(redis, keys, ids).await?;
     // Summed from nothing: a lag of 0, known.
     let mut worker = StreamStats {
@@ -384,7 +402,8 @@ async fn read_redis(
     let figures = stocks
         .into_iter()
         .zip(counts)
-        .map(|(stock, counts)| (stock, counts).into())
+        .zip(entrants)
+        .map(|((stock, counts), entrants)| (stock, counts, entrants).into())
         .collect();
     Ok((figures, worker))
 }

@@ -63,6 +63,22 @@ pub struct SaleView {
     pub stale_epoch: i64,
     /// Units returned in Postgres whose return to Redis is still to be made.
     pub releases_owed: i64,
+    /// A lottery opening (`None`: first come).
+    pub lottery: Option<LotteryView>,
+}
+
+/// A lottery sale's window, its entrants, and its draw.
+#[derive(Debug, Clone, Serialize)]
+pub struct LotteryView {
+    pub window_ms: i64,
+    /// When entries stop and the draw is due (`begin_time` + `window_ms`).
+    pub window_end: DateTime<Utc>,
+    /// Shoppers entered: so far, as the sale's Redis state holds them, until the draw is
+    /// recorded, then the draw's; `None` while neither can tell (not loaded yet).
+    pub entrants: Option<i64>,
+    /// The draw, once recorded in Postgres: when, and how many won (`None` before).
+    pub drawn_at: Option<DateTime<Utc>>,
+    pub winners: Option<i64>,
 }
 
 /// Grabs by outcome, since the sale's first grab.
@@ -122,14 +138,17 @@ pub(super) struct Figures {
     pub(super) remaining: Option<i64>,
     pub(super) outcomes: Outcomes,
     pub(super) recent: tally::Recent,
+    /// A lottery's entrants so far, before its draw.
+    pub(super) entrants: Option<i64>,
 }
 
-impl From<(Option<i64>, tally::Shown)> for Figures {
-    fn from((remaining, live): (Option<i64>, tally::Shown)) -> Self {
+impl From<(Option<i64>, tally::Shown, Option<i64>)> for Figures {
+    fn from((remaining, live, entrants): (Option<i64>, tally::Shown, Option<i64>)) -> Self {
         Self {
             remaining,
             outcomes: live.totals.into(),
             recent: live.recent,
+            entrants,
         }
     }
 }
@@ -188,6 +207,7 @@ pub(super) fn view(
         remaining,
         outcomes,
         recent,
+        entrants,
     } = figures;
     let state = match s.state.as_str() {
         "upcoming" => "upcoming",
@@ -239,5 +259,17 @@ pub(super) fn view(
         dead_letters: s.dead_letters,
         stale_epoch: s.stale_epoch,
         releases_owed: s.releases_owed,
+        lottery: lottery_view(s, entrants),
     }
+}
+
+fn lottery_view(s: &SaleRow, entrants: Option<i64>) -> Option<LotteryView> {
+    let window_ms = s.lottery_window_ms?;
+    Some(LotteryView {
+        window_ms: window_ms.into(),
+        window_end: s.begin_time + chrono::Duration::milliseconds(window_ms.into()),
+        entrants: s.draw_entrants.map(i64::from).or(entrants),
+        drawn_at: s.drawn_at,
+        winners: s.draw_winners.map(i64::from),
+    })
 }

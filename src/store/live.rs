@@ -42,6 +42,12 @@ pub struct SaleRow {
     pub releases_owed: i64,
     /// Segments the sale's stock is split over.
     pub segments: i16,
+    /// A lottery opening's entry window (`None`: first come).
+    pub lottery_window_ms: Option<i32>,
+    /// A lottery's draw once recorded: its entrants and winners counted, and when.
+    pub draw_entrants: Option<i32>,
+    pub draw_winners: Option<i32>,
+    pub drawn_at: Option<DateTime<Utc>>,
     /// Sales qualifying for the page, however many were returned.
     #[sqlx(rename = "total")]
     pub qualifying: i64,
@@ -95,9 +101,12 @@ pub async fn sales(db: &PgPool, limit: i64, sold_out: &[(VoucherId, i32)]) -> sq
                (SELECT count(*) FROM dead_orders d
                 WHERE d.voucher_id = s.voucher_id AND d.reason LIKE $5) AS stale_epoch,
                (SELECT count(*) FROM stock_releases r WHERE r.voucher_id = s.voucher_id) AS releases_owed,
-               s.segments, count(*) OVER () AS total
+               s.segments, s.lottery_window_ms,
+               cardinality(d.entrants) AS draw_entrants, cardinality(d.winners) AS draw_winners,
+               d.drawn_at, count(*) OVER () AS total
         FROM seckill_vouchers s
         JOIN vouchers v ON v.id = s.voucher_id
+        LEFT JOIN sale_draws d ON d.voucher_id = s.voucher_id
         WHERE s.end_time > now() - make_interval(secs => $1)
         ORDER BY CASE WHEN s.end_time <= now() THEN 3 WHEN s.begin_time > now() THEN 1
                       WHEN s.stock <= 0 THEN 2

@@ -48,6 +48,14 @@ function until(iso, now) {
   return (h ? h + "h " : "") + (h || m ? m + "m " : "") + s + "s";
 }
 
+// A lottery sale's line: its window and entrants so far, then its draw.
+function lotteryLine(l, now) {
+  if (l.drawn_at !== null) return "Lottery drawn: " + fmt(l.winners) + " winners among " + fmt(l.entrants) + " entrants";
+  const open = now < Date.parse(l.window_end);
+  return (open ? "Lottery: entries close in " + until(l.window_end, now) : "Lottery: the draw is due")
+    + " · " + fmt(l.entrants) + " entrants so far";
+}
+
 function card(id) {
   let el = cards.get(id);
   if (!el) {
@@ -94,6 +102,9 @@ function render(snap) {
     set(el, "state", shown);
     set(el, "when", s.state === "upcoming" ? "opens in " + until(s.begin_time, now)
       : s.state === "open" ? "ends in " + until(s.end_time, now) : "ended");
+    const lottery = el.querySelector('[data-field="lottery"]');
+    lottery.hidden = !s.lottery;
+    set(el, "lottery", s.lottery ? lotteryLine(s.lottery, now) : "");
     const remaining = s.remaining === null ? null : s.remaining;
     set(el, "remaining", remaining === null ? "–" : fmt(remaining));
     set(el, "initial_stock", fmt(s.initial_stock));

@@ -13,6 +13,7 @@ use sqlx::PgPool;
 
 use crate::common::faults::PrivateRedis;
 use crate::common::{vid, TestApp};
+use crate::live::Events;
 use crate::recovery::rollback::press_through_503s;
 
 mod crowd;
@@ -449,4 +450,114 @@ async fn a_draw_redis_loses_after_answering_is_not_drawn_again_and_its_winners_s
     let (ok, said) = verify_draw(&[&app.url(""), &id.to_string()]).await;
     assert!(ok, "{said}");
     println!("redis rolled back to the window after the draw: {} winners stand, none drawn again; {said}", won.len());
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn the_live_view_shows_a_lotterys_window_its_entrants_so_far_and_then_its_draw(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let (stock, entrants, window_ms) = (5, 20, 3_000);
+    let voucher = lottery_sale(&app, stock, 1_500, window_ms).await;
+    let id = voucher["id"].as_i64().unwrap();
+    let begin =
+        chrono::DateTime::parse_from_rfc3339(voucher["seckill"]["begin_time"].as_str().unwrap())
+            .unwrap()
+            .with_timezone(&Utc);
+    let mut events = Events::open(&app.client, &app.url("")).await;
+    let upcoming = events
+        .until(id, Duration::from_secs(20), |v| !v["lottery"].is_null())
+        .await;
+    assert_eq!(upcoming["lottery"]["window_ms"], window_ms);
+    let window_end =
+        chrono::DateTime::parse_from_rfc3339(upcoming["lottery"]["window_end"].as_str().unwrap())
+            .unwrap()
+            .with_timezone(&Utc);
+    assert_eq!(
+        window_end,
+        begin + chrono::Duration::milliseconds(window_ms)
+    );
+    assert!(upcoming["lottery"]["drawn_at"].is_null(), "{upcoming}");
+
+    until_after_begin(&voucher, 100).await;
+    let bases = [app.url("")];
+    let entered = async {
+        events
+            .until(id, Duration::from_secs(20), |v| {
+                v["lottery"]["entrants"] == entrants && v["lottery"]["drawn_at"].is_null()
+            })
+            .await
+    };
+    let (answers, in_window) =
+        tokio::join!(press_together(&app, &bases, id, 1..=entrants), entered);
+    assert_eq!(in_window["lottery"]["winners"], Value::Null, "{in_window}");
+    let won = answers
+        .iter()
+        .filter(|(_, a, _)| matches!(a, Some((StatusCode::ACCEPTED, _))))
+        .count();
+    assert_eq!(won, stock as usize);
+
+    let drawn = events
+        .until(id, Duration::from_secs(20), |v| {
+            !v["lottery"]["drawn_at"].is_null()
+        })
+        .await;
+    assert_eq!(drawn["lottery"]["entrants"], entrants, "{drawn}");
+    assert_eq!(drawn["lottery"]["winners"], stock, "{drawn}");
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_redis_back_older_mid_window_draws_once_among_the_entries_it_kept(db: PgPool) {
+    let mut redis = PrivateRedis::start();
+    let app = TestApp::spawn_with(db, redis.url.clone(), true).await;
+    let (_api, base) = app.spawn_server("api", &[]).await;
+    let bases = [base.clone()];
+    let (stock, window_ms) = (10, 3_000);
+    let voucher = lottery_sale(&app, stock, 1_500, window_ms).await;
+    let id = voucher["id"].as_i64().unwrap();
+    until_after_begin(&voucher, 100).await;
+
+    // Users 1..=30 enter, Redis keeps a snapshot, users 31..=60 enter; then Redis comes
+    // back from the snapshot, still inside the window, without the later entries.
+    let kept = async {
+        let kept = press_together(&app, &bases, id, 1..=30);
+        let snapshot_then_more = async {
+            until_after_begin(&voucher, 700).await;
+            redis.save();
+            let more = press_together(&app, &bases, id, 31..=60);
+            let crash = async {
+                until_after_begin(&voucher, 1_400).await;
+                redis.crash_and_restart();
+            };
+            tokio::join!(more, crash).0
+        };
+        tokio::join!(kept, snapshot_then_more)
+    };
+    let (first, later) = kept.await;
+    let mut won = BTreeSet::new();
+    for (user, answer, _) in first.into_iter().chain(later) {
+        let (status, body) = answer.unwrap_or_else(|| panic!("user {user} unanswered"));
+        match status {
+            StatusCode::ACCEPTED => {
+                won.insert(user);
+            }
+            _ => assert_eq!(
+                body["error"]["code"], "sold_out",
+                "user {user}: {status} {body}"
+            ),
+        }
+    }
+    assert_eq!(won.len(), stock as usize, "one draw, exactly the stock");
+    assert!(
+        won.iter().all(|u| *u <= 30),
+        "drawn among the entries Redis kept: {won:?}"
+    );
+    assert_eq!(written_buyers(&app, id).await, won);
+    let (_, draw) = app.get(&format!("/vouchers/{id}/draw"), None).await;
+    let entrants: BTreeSet<i64> = serde_json::from_value(draw["entrants"].clone()).unwrap();
+    assert_eq!(
+        entrants,
+        (1..=30).collect(),
+        "the entries the older Redis held"
+    );
+    let (ok, said) = verify_draw(&[&app.url(""), &id.to_string()]).await;
+    assert!(ok, "{said}");
 }
