@@ -273,6 +273,48 @@ impl Admission {
         }
     }
 
+    /// Draws the lottery sales whose window is over and whose draw Postgres does not
+    /// record yet, every [`lottery::DUE_LOOK`] until `cancel`: a draw happens at the
+    /// first admission call after the window, which a held press makes; with none held
+    /// (every instance holding presses gone, their shoppers not pressing again), this
+    /// one grabs again as one of the sale's entrants (which changes nothing but the draw,
+    /// as any entrant's press again would) and records the draw.
+    pub(crate) async fn keep_drawing(self: Arc<Self>, cancel: tokio_util::sync::CancellationToken) {
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep(lottery::DUE_LOOK) => {}
+            }
+            let due = match crate::store::draws::due(&self.db).await {
+                Ok(due) => due,
+                Err(e) => {
+                    tracing::debug!(error = %e, "lottery draws due: postgres did not answer");
+                    continue;
+                }
+            };
+            for voucher_id in due {
+                if let Err(e) = self.draw_due(voucher_id).await {
+                    tracing::warn!(voucher_id = voucher_id.get(), error = %e, "a due lottery draw failed");
+                }
+            }
+        }
+    }
+
+    async fn draw_due(&self, voucher_id: VoucherId) -> anyhow::Result<()> {
+        let Some((user_id, entered)) =
+            lottery::an_entrant(&mut self.redis.clone(), &self.keys, voucher_id).await?
+        else {
+            return Ok(());
+        };
+        let decided = self
+            .segments
+            .admit(&self.batcher, voucher_id, user_id, entered)
+            .await;
+        tracing::debug!(voucher_id = voucher_id.get(), outcome = ?Outcome::of(decided, entered), "a due lottery draw");
+        lottery::record_draw(&self.db, &self.redis, &self.keys, voucher_id).await?;
+        Ok(())
+    }
+
     /// The limit that refuses this press, if any: how long to wait.
     fn limited(&self, shopper: &Shopper) -> Option<Duration> {
         if let (Some(limiter), Some(ip)) = (&self.limits.per_ip, shopper.ip) {

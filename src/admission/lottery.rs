@@ -28,6 +28,9 @@ use crate::store::orders::NewOrder;
 /// How long after its window a held press may wait for the draw's answer.
 pub const ANSWER_WITHIN: Duration = Duration::from_millis(500);
 
+/// How often an instance looks for lottery sales whose draw is due with no press to make it.
+pub const DUE_LOOK: Duration = Duration::from_secs(1);
+
 /// A draw as a held press needs it: who entered, who won (user ids).
 #[derive(Debug, Default)]
 pub struct Drawn {
@@ -217,6 +220,32 @@ pub async fn entrants_so_far(
         return Ok(None);
     }
     Ok(Some(len - fields.iter().flatten().count() as i64))
+}
+
+/// One of a lottery sale's entrants not drawn yet, and the order id it entered under;
+/// `None`: no entrant (or no such state). Twenty distinct fields hold one: the state has
+/// fewer fields of its own, and before the draw its buyer records are entrants' marks.
+pub async fn an_entrant(
+    conn: &mut RedisConn,
+    keys: &Keys,
+    voucher_id: VoucherId,
+) -> redis::RedisResult<Option<(UserId, OrderId)>> {
+    let key = keys.segment(SaleSegment::new(voucher_id, 0, 1));
+    let some: Vec<String> = redis::cmd("HRANDFIELD")
+        .arg(&key)
+        .arg(20)
+        .arg("WITHVALUES")
+        .query_async(conn)
+        .await?;
+    Ok(some.chunks_exact(2).find_map(|pair| {
+        let user = pair[0]
+            .strip_prefix("u:")
+            .and_then(crate::domain::parse_id)?;
+        let order = pair[1]
+            .strip_prefix('e')
+            .and_then(crate::domain::parse_id)?;
+        Some((UserId::new(user)?, OrderId::new(order)?))
+    }))
 }
 
 fn ids(joined: Option<&str>) -> anyhow::Result<Vec<i64>> {

@@ -15,7 +15,7 @@ use crate::redis_conn;
 /// watcher (its first look before serving: a sale left stale or missing while no
 /// process ran is rebuilt before the first grab can meet it), the sales' epochs heard
 /// from Postgres (read once before serving, when Postgres answers), the rate limiters'
-/// cleanup and the edge's subscription.
+/// cleanup, the lottery draws due and the edge's subscription.
 pub(super) async fn start_duties(
     state: &AppState,
     tasks: &TaskTracker,
@@ -66,6 +66,8 @@ pub(super) async fn start_duties(
     }
     tasks.spawn(watcher.run(cancel.clone()));
     tasks.spawn(state.clone().forget_idle_rate_limits(cancel.clone()));
+    // A lottery's draw when no held press is left to make it.
+    tasks.spawn(state.admission.clone().keep_drawing(cancel.clone()));
     // Moves between the segments of a segmented sale that a dead mover left half done.
     if let Some(every) = state.settings.finish_moves_every {
         tasks.spawn(

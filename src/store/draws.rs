@@ -35,6 +35,20 @@ pub async fn window_end(
     .await
 }
 
+/// The lottery sales whose window is over, not ended, whose draw is not recorded (at
+/// most 100, the latest windows first).
+pub async fn due(db: &PgPool) -> Result<Vec<VoucherId>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT s.voucher_id FROM seckill_vouchers s \
+         WHERE s.opening_mode = 'lottery' AND s.end_time > now() \
+           AND s.begin_time + s.lottery_window_ms * interval '1 millisecond' < now() \
+           AND NOT EXISTS (SELECT 1 FROM sale_draws d WHERE d.voucher_id = s.voucher_id) \
+         ORDER BY s.begin_time DESC LIMIT 100",
+    )
+    .fetch_all(db)
+    .await
+}
+
 /// What became of recording a draw.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Recorded {

@@ -561,3 +561,56 @@ async fn a_redis_back_older_mid_window_draws_once_among_the_entries_it_kept(db: 
     let (ok, said) = verify_draw(&[&app.url(""), &id.to_string()]).await;
     assert!(ok, "{said}");
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_lottery_whose_held_presses_all_died_is_drawn_with_nobody_pressing_again(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    // The only instance shoppers press through is killed before the window ends; the
+    // in-process app (another instance) gets no press at all.
+    let (mut holder, base) = app.spawn_server("api", &[]).await;
+    let (stock, entrants, window_ms) = (5, 40, 1_500);
+    let voucher = lottery_sale(&app, stock, 1_500, window_ms).await;
+    let id = voucher["id"].as_i64().unwrap();
+    until_after_begin(&voucher, 100).await;
+    let kill = async {
+        until_after_begin(&voucher, window_ms as u64 - 300).await;
+        holder.kill9();
+    };
+    let bases = [base];
+    let (answers, ()) = tokio::join!(press_together(&app, &bases, id, 1..=entrants), kill);
+    assert!(
+        answers.iter().all(|(_, a, _)| a.is_none()),
+        "every press held, then lost"
+    );
+
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let draw = loop {
+        let (_, draw) = app.get(&format!("/vouchers/{id}/draw"), None).await;
+        if !draw["seed"].is_null() {
+            break draw;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no draw 15 s after the window: {draw}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let drawn: BTreeSet<i64> = serde_json::from_value(draw["winners"].clone()).unwrap();
+    assert_eq!(drawn.len(), stock as usize, "{draw}");
+    assert_eq!(
+        written_buyers(&app, id).await,
+        drawn,
+        "the draw's orders are written"
+    );
+    let (ok, said) = verify_draw(&[&app.url(""), &id.to_string()]).await;
+    assert!(ok, "{said}");
+    // Its shoppers learn the result by pressing again.
+    for user in 1..=entrants {
+        let (_, body) = app.grab(id, user).await;
+        let code = body["error"]["code"].as_str();
+        match drawn.contains(&user) {
+            true => assert_eq!(code, Some("already_ordered"), "winner {user}: {body}"),
+            false => assert_eq!(code, Some("sold_out"), "user {user}: {body}"),
+        }
+    }
+}
