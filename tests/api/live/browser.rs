@@ -402,3 +402,69 @@ async fn the_page_puts_the_selling_sale_first_badges_sold_out_and_shows_sums_rat
         .collect();
     assert!(errors.is_empty(), "console: {errors:?}");
 }
+
+/// A lottery sale's card says when its entries close and how many shoppers entered so
+/// far, then how many won among how many.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_lottery_sales_card_shows_its_entries_closing_its_entrants_and_then_its_draw(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let begin = chrono::Utc::now() + chrono::Duration::milliseconds(2_000);
+    let (status, voucher) = app
+        .post_json(
+            "/vouchers",
+            Some(&app.admin_token()),
+            &serde_json::json!({
+                "shop_id": 1, "title": "drawn", "pay_value": 5000, "actual_value": 10000,
+                "seckill": {"stock": 2, "begin_time": begin, "end_time": begin + chrono::Duration::hours(1),
+                            "opening": {"mode": "lottery", "window_ms": 3000}},
+            }),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{voucher}");
+    let voucher = voucher["id"].as_i64().unwrap();
+
+    let browser = Browser::start().await;
+    browser.goto(&format!("{}/live", app.admin_base)).await;
+    let line = format!(
+        "const c = document.querySelector('[data-sale-id=\"{voucher}\"]'); \
+         const l = c && c.querySelector('[data-field=\"lottery\"]'); \
+         return l && !l.hidden ? l.textContent : null;"
+    );
+    let before = browser
+        .wait_for(&line, WAIT, |v| {
+            v.as_str().is_some_and(|t| t.contains("entries close in"))
+        })
+        .await;
+    assert!(
+        before
+            .as_str()
+            .unwrap()
+            .starts_with("Lottery: entries close in"),
+        "{before}"
+    );
+
+    tokio::time::sleep(
+        (begin - chrono::Utc::now()).to_std().unwrap_or_default() + Duration::from_millis(100),
+    )
+    .await;
+    let presses = futures::future::join_all((1..=3).map(|user| app.grab(voucher, user)));
+    let entered = browser.wait_for(&line, WAIT, |v| {
+        v.as_str().is_some_and(|t| t.ends_with("3 entrants so far"))
+    });
+    let (answers, entered) = tokio::join!(presses, entered);
+    assert!(
+        entered.as_str().unwrap().contains("entries close in"),
+        "{entered}"
+    );
+    let won = answers
+        .iter()
+        .filter(|(s, _)| *s == StatusCode::ACCEPTED)
+        .count();
+    assert_eq!(won, 2);
+    let drawn = browser
+        .wait_for(&line, WAIT, |v| {
+            v.as_str().is_some_and(|t| t.starts_with("Lottery drawn"))
+        })
+        .await;
+    assert_eq!(drawn, "Lottery drawn: 2 winners among 3 entrants");
+}
