@@ -450,6 +450,11 @@ local function check_sale(keys, argv)
         actual_buyers = actual_buyers - 1
       end
     end
+    -- A lottery not drawn yet (`lottery_end`) has admitted nobody: its buyer records
+    -- are its entrants' marks.
+    if now[9] then
+      actual_buyers = 0
+    end
     held = owed_held(k.sale, a.owed)
     local conflicting
     mismatched, conflicting = compare_records(k, exp)

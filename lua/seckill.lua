@@ -17,7 +17,7 @@
 -- Raised with every change of this library (a unit test in src/scripts.rs holds it to
 -- the code): a process replaces a loaded library only if it is older, or of the same
 -- version with other code, so two releases never take turns replacing each other.
-local VERSION = 9
+local VERSION = 10
 -- A hash of this code, filled in when it is loaded.
 local CODE = '__CODE__'
 

@@ -614,3 +614,30 @@ async fn a_lottery_whose_held_presses_all_died_is_drawn_with_nobody_pressing_aga
         }
     }
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn reconcile_in_a_lottery_window_counts_entrants_as_no_buyers_and_finds_the_books_balanced(
+    db: PgPool,
+) {
+    let app = TestApp::spawn(db).await;
+    let (stock, entrants, window_ms) = (3, 8, 4_000);
+    let voucher = lottery_sale(&app, stock, 1_500, window_ms).await;
+    let id = voucher["id"].as_i64().unwrap();
+    until_after_begin(&voucher, 100).await;
+    let bases = [app.url("")];
+    let check = async {
+        until_after_begin(&voucher, 1_500).await;
+        app.cli_async(&["reconcile"], &[]).await
+    };
+    let (answers, (code, said)) =
+        tokio::join!(press_together(&app, &bases, id, 1..=entrants), check);
+    assert_eq!(code, 0, "{said}");
+    assert!(said.contains("books balance"), "{said}");
+    let won = answers
+        .iter()
+        .filter(|(_, a, _)| matches!(a, Some((StatusCode::ACCEPTED, _))))
+        .count();
+    assert_eq!(won, stock as usize);
+    let (code, said) = app.cli_async(&["reconcile"], &[]).await;
+    assert_eq!(code, 0, "after the draw too: {said}");
+}
