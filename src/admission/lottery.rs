@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use futures_util::future::BoxFuture;
 use sqlx::PgPool;
 use tokio::sync::OnceCell;
 
@@ -117,15 +118,18 @@ pub async fn record_draw(
     };
     let orders = winners_orders(&mut conn, &key, voucher_id, &draw, epoch.as_deref()).await?;
     // Under the sale's row lock: the state that drew is still the one read.
-    let still_held = async {
-        let now: (Option<String>, Option<String>) = redis::cmd("HMGET")
-            .arg(&key)
-            .arg(&["drawn_ms", "epoch"])
-            .query_async(&mut redis.clone())
-            .await?;
-        Ok(now == (Some(drawn_ms.clone()), epoch.clone()))
+    let read = (Some(drawn_ms), epoch);
+    let still_held = || -> BoxFuture<'_, anyhow::Result<bool>> {
+        Box::pin(async {
+            let now: (Option<String>, Option<String>) = redis::cmd("HMGET")
+                .arg(&key)
+                .arg(&["drawn_ms", "epoch"])
+                .query_async(&mut redis.clone())
+                .await?;
+            Ok(now == read)
+        })
     };
-    match store::draws::record(db, voucher_id, &draw, &orders, still_held).await? {
+    match store::draws::record(db, voucher_id, &draw, &orders, &still_held).await? {
         Recorded::Yes => Ok(Some(draw)),
         Recorded::NotHeld => Ok(None),
         Recorded::Refused(why) => {

@@ -62,38 +62,47 @@ pub enum Recorded {
     Refused(String),
 }
 
-/// Records the draw and its winners' orders in ONE transaction, under the sale's row
-/// lock (the fence every build of its Redis state takes): `still_held` then says
-/// whether the state that drew is still the sale's. So a held press is answered from a
-/// draw only once the draw is Postgres's truth: a Redis that comes back older (the draw
-/// lost) is rebuilt with the winners as buyers and is never armed to draw again.
+/// Whether the Redis state that drew is still the sale's, asked under its row lock.
+pub type StillHeld<'a> = &'a (dyn Fn() -> BoxFuture<'a, anyhow::Result<bool>> + Send + Sync);
+
+/// Records the draw and its winners' orders in ONE transaction, written as the worker
+/// writes (rows in id order, then the sale's row lock: the fence every build of its
+/// Redis state takes, so the two never wait for each other in a circle); under the lock
+/// `still_held` says whether the state that drew is still the sale's. So a held press
+/// is answered from a draw only once the draw is Postgres's truth: a Redis that comes
+/// back older (the draw lost) is rebuilt with the winners as buyers and is never armed
+/// to draw again.
 pub async fn record(
     db: &PgPool,
     voucher_id: VoucherId,
     draw: &Draw,
     winners: &[NewOrder],
-    still_held: impl std::future::Future<Output = anyhow::Result<bool>>,
+    still_held: StillHeld<'_>,
 ) -> anyhow::Result<Recorded> {
     let mut tx = db.begin().await?;
-    lock_sales(&mut tx, &[voucher_id]).await?;
-    if !still_held.await? {
-        return Ok(Recorded::NotHeld);
-    }
-    let ids: HashSet<OrderId> = winners.iter().map(|o| o.id).collect();
-    let under_lock = |asked: Vec<OrderId>| -> BoxFuture<'_, anyhow::Result<HashSet<OrderId>>> {
-        let ids = &ids;
-        Box::pin(async move { Ok(asked.into_iter().filter(|id| ids.contains(id)).collect()) })
-    };
-    let outcomes = match winners.is_empty() {
-        true => Vec::new(),
-        false => match orders::write(&mut tx, winners, &under_lock).await? {
+    let outcomes = if winners.is_empty() {
+        lock_sales(&mut tx, &[voucher_id]).await?;
+        if !still_held().await? {
+            return Ok(Recorded::NotHeld);
+        }
+        Vec::new()
+    } else {
+        let under_lock = |asked: Vec<OrderId>| -> BoxFuture<'_, anyhow::Result<HashSet<OrderId>>> {
+            Box::pin(async move {
+                Ok(match still_held().await? {
+                    true => asked.into_iter().collect(),
+                    false => HashSet::new(),
+                })
+            })
+        };
+        match orders::write(&mut tx, winners, &under_lock).await? {
             Some(outcomes) => outcomes,
             None => {
                 return Ok(Recorded::Refused(
                     "no stock left in postgres for the winners".into(),
                 ))
             }
-        },
+        }
     };
     for outcome in outcomes {
         match outcome {

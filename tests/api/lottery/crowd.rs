@@ -11,7 +11,7 @@ use rand::Rng;
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
-use super::{lottery_sale, sale_opening, verify_draw, written_buyers};
+use super::{lottery_sale, sale_opening, verify_draw, worker_process, written_buyers};
 use crate::common::TestApp;
 
 const FAST: i64 = 2_500;
@@ -162,6 +162,7 @@ async fn ten_thousand_entrants_through_two_instances_win_in_proportion_and_are_a
     let app = TestApp::spawn(db).await;
     let (_one, one) = app.spawn_server("api", &[]).await;
     let (_two, two) = app.spawn_server("api", &[]).await;
+    let _worker = worker_process(&app);
     let bases = [one, two];
 
     let voucher = lottery_sale(&app, UNITS, 4_000, WINDOW_MS as i64).await;

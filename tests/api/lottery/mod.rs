@@ -11,7 +11,7 @@ use reqwest::StatusCode;
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
-use crate::common::faults::PrivateRedis;
+use crate::common::faults::{database_url, PrivateRedis, Process};
 use crate::common::{vid, TestApp};
 use crate::live::Events;
 use crate::recovery::rollback::press_through_503s;
@@ -83,6 +83,17 @@ async fn press_together(
         .await
 }
 
+/// A `seckill worker` process of the test's database and key space.
+fn worker_process(app: &TestApp) -> Process {
+    Process::spawn(
+        "worker",
+        &app.redis_url,
+        app.keys.prefix(),
+        &database_url(&app.db, None),
+        &[],
+    )
+}
+
 /// The users whose orders for `voucher` are in Postgres once the worker has written
 /// everything admitted.
 async fn written_buyers(app: &TestApp, voucher: i64) -> BTreeSet<i64> {
@@ -116,9 +127,11 @@ async fn a_lottery_through_two_instances_admits_exactly_its_stock_and_anyone_can
     db: PgPool,
 ) {
     let app = TestApp::spawn(db).await;
-    // Two instances of the binary (the test's own runtime only sends and reads).
+    // Two instances of the binary (the test's own runtime only sends and reads), and a
+    // worker writing the draw's stream entries as the draw is recorded.
     let (_one, one) = app.spawn_server("api", &[]).await;
     let (_two, two) = app.spawn_server("api", &[]).await;
+    let _worker = worker_process(&app);
     let bases = [one, two];
     let (stock, entrants, window_ms) = (50, 1_000, 3_000);
     let voucher = lottery_sale(&app, stock, 2_000, window_ms).await;
@@ -214,6 +227,32 @@ async fn a_lottery_through_two_instances_admits_exactly_its_stock_and_anyone_can
     std::fs::remove_file(&file).unwrap();
     assert!(!ok, "a forged draw passed: {said}");
     assert!(said.contains("winners differ"), "{said}");
+
+    // A winner's unit given back goes on sale, first come: a loser pressing gets it.
+    let order = answers
+        .iter()
+        .find(|(user, _, _)| *user == winner)
+        .and_then(|(_, a, _)| a.as_ref()?.1["order_id"].as_str().map(str::to_owned))
+        .unwrap();
+    let (status, body) = app.cancel(&order, winner).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let press = app
+            .client
+            .post(format!("{}/vouchers/{id}/seckill", bases[1]))
+            .bearer_auth(app.token(loser));
+        let (status, body) = app.send(press).await;
+        if status == StatusCode::ACCEPTED {
+            break;
+        }
+        assert_eq!(body["error"]["code"], "sold_out", "{body}");
+        assert!(
+            Instant::now() < deadline,
+            "the unit given back never sold again"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 #[sqlx::test(migrations = "./migrations")]
