@@ -182,9 +182,10 @@ impl Admission {
 
     /// A lottery entrant's press, held until the draw. Once the window is over, one held
     /// press of this instance grabs again under the order id it entered with (drawing, if
-    /// no call has yet) and reads the draw; the others are answered from it: drawn, the
-    /// 202 of the order entered under; not, `sold_out`. Answered at the latest
-    /// [`lottery::ANSWER_WITHIN`] after the window (then as unknown: a press again tells).
+    /// no call has yet) and reads the draw as Postgres records it; every held press is
+    /// answered from that record: drawn, the order recorded for it (the 202 of the one it
+    /// entered under); not, `sold_out`. Answered at the latest [`lottery::ANSWER_WITHIN`]
+    /// after the window (then as unknown: a press again tells).
     async fn await_draw(
         self: &Arc<Self>,
         user_id: UserId,
@@ -200,71 +201,64 @@ impl Admission {
         let deadline = end + lottery::ANSWER_WITHIN;
         tokio::time::sleep_until(end).await;
         let draw = self.lottery.draw_of(voucher_id);
-        loop {
-            // The press that reads the draw answers with its own grab's outcome.
-            let mut own = None;
-            let read = draw
-                .get_or_try_init(|| self.read_draw(user_id, voucher_id, entered, &mut own))
-                .await;
-            match (own, read) {
-                (Some(outcome), _) => return Ok(outcome),
-                (None, Ok(drawn)) if drawn.winners.contains(&user_id.get()) => {
-                    return Ok(Outcome::Admitted { order_id: entered })
-                }
-                (None, Ok(drawn)) if drawn.entrants.contains(&user_id.get()) => {
-                    return Ok(Outcome::SoldOut)
-                }
-                // Not among the entrants the draw found (the entry was lost with the
-                // sale's state, rebuilt before the draw): a grab as any after the window.
-                (None, Ok(_)) => {
-                    let decided = self
-                        .segments
-                        .admit(&self.batcher, voucher_id, user_id, entered)
-                        .await;
-                    return Ok(Outcome::of(decided, entered));
-                }
-                (None, Err(())) if tokio::time::Instant::now() + RETRY_DRAW < deadline => {
+        let drawn = loop {
+            let read = draw.get_or_try_init(|| self.read_draw(user_id, voucher_id, entered));
+            match tokio::time::timeout_at(deadline, read).await {
+                Ok(Ok(drawn)) => break drawn.clone(),
+                Ok(Err(())) if tokio::time::Instant::now() + RETRY_DRAW < deadline => {
                     tokio::time::sleep(RETRY_DRAW).await
                 }
-                (None, Err(())) => return Ok(unknown),
+                _ => return Ok(unknown),
             }
-        }
+        };
+        let user = user_id.get();
+        Ok(match drawn.winners.get(&user) {
+            Some(&order_id) if order_id == entered => Outcome::Admitted { order_id },
+            // (Entered again under another id after a rebuild lost the first entry.)
+            Some(&order_id) => Outcome::AlreadyOrdered { order_id },
+            None if drawn.entrants.contains(&user) => Outcome::SoldOut,
+            // Not among the entrants the draw found (the entry was lost with the sale's
+            // state, rebuilt before the draw): a grab as any after the window.
+            None => {
+                let decided = self
+                    .segments
+                    .admit(&self.batcher, voucher_id, user_id, entered)
+                    .await;
+                match Outcome::of(decided, entered) {
+                    Outcome::AlreadyOrdered { order_id } if order_id == entered => {
+                        Outcome::Admitted { order_id }
+                    }
+                    outcome => outcome,
+                }
+            }
+        })
     }
 
     /// Grabs again under the order id the shopper entered with (which draws, if no call
-    /// has yet), and reads the draw's winners once Postgres records them (recording them
-    /// first); `own` the grab's outcome, set only then. `Err`: not drawn yet, or not
-    /// recorded now.
+    /// has yet), and reads the draw once Postgres records it (recording it first). `Err`:
+    /// not drawn yet, or not recorded now.
     async fn read_draw(
         &self,
         user_id: UserId,
         voucher_id: VoucherId,
         entered: OrderId,
-        own: &mut Option<Outcome>,
     ) -> Result<Arc<lottery::Drawn>, ()> {
         let decided = self
             .segments
             .admit(&self.batcher, voucher_id, user_id, entered)
             .await;
-        let outcome = match Outcome::of(decided, entered) {
-            // Its own order, drawn (by this call, or by an earlier one this press made).
-            Outcome::AlreadyOrdered { order_id } if order_id == entered => {
-                Outcome::Admitted { order_id }
-            }
-            // An answer of the draw's (or of the sale's end).
-            outcome @ (Outcome::Admitted { .. }
+        match Outcome::of(decided, entered) {
+            // An answer after the draw (or the sale's end).
+            Outcome::Admitted { .. }
             | Outcome::AlreadyOrdered { .. }
             | Outcome::SoldOut
-            | Outcome::Ended) => outcome,
+            | Outcome::Ended => {}
             // Not yet (Redis's clock is a little behind ours), or no answer now (a
             // failed call, a state being rebuilt): asked again.
             _ => return Err(()),
-        };
+        }
         match lottery::record_draw(&self.db, &self.redis, &self.keys, voucher_id).await {
-            Ok(Some(draw)) => {
-                *own = Some(outcome);
-                Ok(Arc::new(draw.into()))
-            }
+            Ok(Some(drawn)) => Ok(Arc::new(drawn)),
             Ok(None) => Err(()),
             Err(e) => {
                 tracing::warn!(voucher_id = voucher_id.get(), error = %e, "recording the lottery's draw failed");
@@ -278,7 +272,8 @@ impl Admission {
     /// first admission call after the window, which a held press makes; with none held
     /// (every instance holding presses gone, their shoppers not pressing again), this
     /// one grabs again as one of the sale's entrants (which changes nothing but the draw,
-    /// as any entrant's press again would) and records the draw.
+    /// as any entrant's press again would) and records the draw; a draw done but not
+    /// recorded (Postgres away then) is recorded.
     pub(crate) async fn keep_drawing(self: Arc<Self>, cancel: tokio_util::sync::CancellationToken) {
         loop {
             tokio::select! {
@@ -301,6 +296,13 @@ impl Admission {
     }
 
     async fn draw_due(&self, voucher_id: VoucherId) -> anyhow::Result<()> {
+        // Drawn already, not recorded (Postgres was away when the held presses read it).
+        if lottery::record_draw(&self.db, &self.redis, &self.keys, voucher_id)
+            .await?
+            .is_some()
+        {
+            return Ok(());
+        }
         let Some((user_id, entered)) =
             lottery::an_entrant(&mut self.redis.clone(), &self.keys, voucher_id).await?
         else {

@@ -32,18 +32,19 @@ pub const ANSWER_WITHIN: Duration = Duration::from_millis(500);
 /// How often an instance looks for lottery sales whose draw is due with no press to make it.
 pub const DUE_LOOK: Duration = Duration::from_secs(1);
 
-/// A draw as a held press needs it: who entered, who won (user ids).
+/// A draw as the held presses are answered from it: who entered, who won under which
+/// order (user ids), as Postgres records it.
 #[derive(Debug, Default)]
 pub struct Drawn {
     pub entrants: HashSet<i64>,
-    pub winners: HashSet<i64>,
+    pub winners: HashMap<i64, OrderId>,
 }
 
-impl From<Draw> for Drawn {
-    fn from(d: Draw) -> Self {
+impl Drawn {
+    fn new(draw: Draw, orders: impl IntoIterator<Item = (i64, OrderId)>) -> Self {
         Self {
-            entrants: d.entrants.into_iter().collect(),
-            winners: d.winners.into_iter().collect(),
+            entrants: draw.entrants.into_iter().collect(),
+            winners: orders.into_iter().collect(),
         }
     }
 }
@@ -87,9 +88,10 @@ pub async fn record_draw(
     redis: &RedisConn,
     keys: &Keys,
     voucher_id: VoucherId,
-) -> anyhow::Result<Option<Draw>> {
+) -> anyhow::Result<Option<Drawn>> {
     if let Some((_, Some(draw))) = store::draws::get(db, voucher_id).await? {
-        return Ok(Some(draw));
+        let orders = store::draws::winners_orders(db, voucher_id, &draw.winners).await?;
+        return Ok(Some(Drawn::new(draw, orders)));
     }
     let key = keys.segment(SaleSegment::new(voucher_id, 0, 1));
     let mut conn = redis.clone();
@@ -130,7 +132,10 @@ pub async fn record_draw(
         })
     };
     match store::draws::record(db, voucher_id, &draw, &orders, &still_held).await? {
-        Recorded::Yes => Ok(Some(draw)),
+        Recorded::Yes => Ok(Some(Drawn::new(
+            draw,
+            orders.iter().map(|o| (o.user_id.get(), o.id)),
+        ))),
         Recorded::NotHeld => Ok(None),
         Recorded::Refused(why) => {
             tracing::error!(

@@ -6,7 +6,6 @@ use axum::Json;
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::admission::lottery;
 use crate::domain::VoucherId;
 use crate::http::error::{AppError, AppResult, ErrorBody};
 use crate::http::extract::PathId;
@@ -40,15 +39,10 @@ pub(crate) async fn get(
     State(state): State<AppState>,
     PathId(id): PathId<VoucherId>,
 ) -> AppResult<Json<DrawResponse>> {
-    let (commitment, mut draw) = draws::get(&state.db, id)
+    // As Postgres records it (every instance records a due draw within a second).
+    let (commitment, draw) = draws::get(&state.db, id)
         .await?
         .ok_or_else(|| no_lottery(id))?;
-    // Drawn in Redis, not recorded yet (every instance that held a press stopped first).
-    if draw.is_none() {
-        draw = lottery::record_draw(&state.db, &state.redis, &state.keys, id)
-            .await
-            .unwrap_or(None);
-    }
     Ok(Json(match draw {
         Some(d) => DrawResponse {
             commitment,

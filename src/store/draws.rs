@@ -49,6 +49,23 @@ pub async fn due(db: &PgPool) -> Result<Vec<VoucherId>, sqlx::Error> {
     .await
 }
 
+/// The order each winner holds from the draw (its first for the sale: one bought later,
+/// its draw's order closed, has a larger id).
+pub async fn winners_orders(
+    db: &PgPool,
+    voucher_id: VoucherId,
+    winners: &[i64],
+) -> Result<Vec<(i64, OrderId)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT DISTINCT ON (user_id) user_id, id FROM voucher_orders \
+         WHERE voucher_id = $1 AND user_id = ANY($2) ORDER BY user_id, id",
+    )
+    .bind(voucher_id)
+    .bind(winners)
+    .fetch_all(db)
+    .await
+}
+
 /// What became of recording a draw.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Recorded {

@@ -193,6 +193,10 @@ async fn ten_thousand_entrants_through_two_instances_win_in_proportion_and_are_a
             _ => panic!("user {}: {status} {body}", p.user),
         }
     }
+    assert!(
+        latest <= Duration::from_millis(WINDOW_MS + 500),
+        "the last held press answered {latest:?} after begin_time"
+    );
     assert_eq!(won.len(), UNITS as usize, "exactly the stock is drawn");
     assert_eq!(
         written_buyers(&app, id).await,

@@ -11,7 +11,7 @@ use reqwest::StatusCode;
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
-use crate::common::faults::{database_url, PrivateRedis, Process};
+use crate::common::faults::{database_url, PrivateRedis, Process, Proxy};
 use crate::common::{vid, TestApp};
 use crate::live::Events;
 use crate::recovery::rollback::press_through_503s;
@@ -525,9 +525,8 @@ async fn the_live_view_shows_a_lotterys_window_its_entrants_so_far_and_then_its_
             })
             .await
     };
-    let (answers, in_window) =
+    let (answers, _seen_in_window) =
         tokio::join!(press_together(&app, &bases, id, 1..=entrants), entered);
-    assert_eq!(in_window["lottery"]["winners"], Value::Null, "{in_window}");
     let won = answers
         .iter()
         .filter(|(_, a, _)| matches!(a, Some((StatusCode::ACCEPTED, _))))
@@ -679,4 +678,68 @@ async fn reconcile_in_a_lottery_window_counts_entrants_as_no_buyers_and_finds_th
     assert_eq!(won, stock as usize);
     let (code, said) = app.cli_async(&["reconcile"], &[]).await;
     assert_eq!(code, 0, "after the draw too: {said}");
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_draw_done_while_postgres_is_away_answers_no_202_until_it_is_recorded(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let pg: std::net::SocketAddr = {
+        let opts = app.db.connect_options();
+        format!("{}:{}", opts.get_host(), opts.get_port())
+            .parse()
+            .unwrap()
+    };
+    let postgres = Proxy::start(pg).await;
+    let via_proxy = [("DATABASE_URL", database_url(&app.db, Some(postgres.addr)))];
+    let (_api, base) = app.spawn_server("api", &via_proxy).await;
+    let (stock, entrants, window_ms) = (4, 20, 2_000);
+    let voucher = lottery_sale(&app, stock, 1_500, window_ms).await;
+    let id = voucher["id"].as_i64().unwrap();
+    until_after_begin(&voucher, 100).await;
+
+    // Postgres away for the instance holding the presses from just before the draw.
+    let cut = async {
+        until_after_begin(&voucher, window_ms as u64 - 300).await;
+        postgres.cut();
+    };
+    let bases = [base.clone()];
+    let (answers, ()) = tokio::join!(press_together(&app, &bases, id, 1..=entrants), cut);
+    let mut entered = HashMap::new();
+    for (user, answer, _) in answers {
+        let (status, body) = answer.unwrap_or_else(|| panic!("user {user} unanswered"));
+        assert_eq!(
+            status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "user {user}: {body}"
+        );
+        assert_eq!(body["error"]["outcome"], "unknown", "{body}");
+        entered.insert(user, body["error"]["order_id"].as_str().unwrap().to_owned());
+    }
+
+    // Back: the draw is recorded (by whichever instance gets there first), and each
+    // shopper's press again says what it says.
+    postgres.heal();
+    let again = press_through_503s(&app, &base, id, 1..=entrants).await;
+    let (_, draw) = app.get(&format!("/vouchers/{id}/draw"), None).await;
+    let drawn: BTreeSet<i64> = serde_json::from_value(draw["winners"].clone()).unwrap();
+    assert_eq!(drawn.len(), stock as usize, "{draw}");
+    for (user, (status, body)) in &again {
+        match drawn.contains(user) {
+            true => {
+                assert_eq!(
+                    body["error"]["code"], "already_ordered",
+                    "winner {user}: {status} {body}"
+                );
+                assert_eq!(
+                    body["error"]["order_id"].as_str(),
+                    Some(entered[user].as_str())
+                );
+            }
+            false => assert_eq!(
+                body["error"]["code"], "sold_out",
+                "user {user}: {status} {body}"
+            ),
+        }
+    }
+    assert_eq!(written_buyers(&app, id).await, drawn);
 }

@@ -220,13 +220,15 @@ async fn sigterm_under_load_finishes_in_flight_requests_and_exits_zero(db: PgPoo
     let (mut server, base) = app
         .spawn_server("serve", &[("WORKER_BLOCK_MS", "200".to_string())])
         .await;
-    let stock = 5000;
+    // More presses than the server answers in the 400 ms before SIGTERM, on a fast
+    // machine too.
+    let stock = 20_000;
     let voucher = app.open_sale(stock).await;
 
     let load = {
         let app_base = base.clone();
         let app = &app;
-        async move { press_all(app, &app_base, voucher, 1..=4000, 64).await }
+        async move { press_all(app, &app_base, voucher, 1..=20_000, 64).await }
     };
     let stop = async {
         tokio::time::sleep(Duration::from_millis(400)).await;
