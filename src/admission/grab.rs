@@ -66,7 +66,7 @@ pub struct Admission {
     pub(crate) look_soon: Arc<Notify>,
     /// Vouchers whose Redis state is being reloaded right now (one reload at a time).
     reloading: Mutex<HashSet<VoucherId>>,
-    /// Lottery sales' windows, and their draws' records copied to Postgres.
+    /// Lottery sales' windows, and their draws as Postgres records them.
     lottery: Lottery,
     retention: Duration,
     replicas: Replicas,

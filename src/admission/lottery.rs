@@ -93,7 +93,7 @@ pub async fn record_draw(
         let orders = store::draws::winners_orders(db, voucher_id, &draw.winners).await?;
         return Ok(Some(Drawn::new(draw, orders)));
     }
-    let key = keys.segment(SaleSegment::new(voucher_id, 0, 1));
+    let key = state_key(keys, voucher_id);
     let mut conn = redis.clone();
     let [seed, drawn_ms, entrants, winners, epoch]: [Option<String>; 5] = redis::cmd("HMGET")
         .arg(&key)
@@ -215,7 +215,7 @@ pub async fn entrants_so_far(
     keys: &Keys,
     voucher_id: VoucherId,
 ) -> redis::RedisResult<Option<i64>> {
-    let key = keys.segment(SaleSegment::new(voucher_id, 0, 1));
+    let key = state_key(keys, voucher_id);
     let (len, fields): (i64, Vec<Option<String>>) = redis::pipe()
         .cmd("HLEN")
         .arg(&key)
@@ -239,7 +239,7 @@ pub async fn an_entrant(
     keys: &Keys,
     voucher_id: VoucherId,
 ) -> redis::RedisResult<Option<(UserId, OrderId)>> {
-    let key = keys.segment(SaleSegment::new(voucher_id, 0, 1));
+    let key = state_key(keys, voucher_id);
     let some: Vec<String> = redis::cmd("HRANDFIELD")
         .arg(&key)
         .arg(20)
@@ -255,6 +255,11 @@ pub async fn an_entrant(
             .and_then(crate::domain::parse_id)?;
         Some((UserId::new(user)?, OrderId::new(order)?))
     }))
+}
+
+/// A lottery sale's Redis state (it has one segment).
+fn state_key(keys: &Keys, voucher_id: VoucherId) -> String {
+    keys.segment(SaleSegment::new(voucher_id, 0, 1))
 }
 
 fn ids(joined: Option<&str>) -> anyhow::Result<Vec<i64>> {

@@ -11,7 +11,9 @@ use rand::Rng;
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
-use super::{lottery_sale, sale_opening, verify_draw, worker_process, written_buyers};
+use super::{
+    lottery_sale, sale_opening, time_at, two_instances_and_a_worker, verify_draw, written_buyers,
+};
 use crate::common::TestApp;
 
 const FAST: i64 = 2_500;
@@ -111,10 +113,7 @@ async fn press_crowd(presses: Vec<Press>, begin: Instant) -> Vec<Pressed> {
 
 /// The sale's `begin_time` as an instant of this process's clock.
 fn begin_instant(voucher: &Value) -> Instant {
-    let begin =
-        chrono::DateTime::parse_from_rfc3339(voucher["seckill"]["begin_time"].as_str().unwrap())
-            .unwrap()
-            .with_timezone(&chrono::Utc);
+    let begin = time_at(&voucher["seckill"]["begin_time"]);
     Instant::now() + (begin - chrono::Utc::now()).to_std().unwrap()
 }
 
@@ -160,10 +159,7 @@ async fn ten_thousand_entrants_through_two_instances_win_in_proportion_and_are_a
     db: PgPool,
 ) {
     let app = TestApp::spawn(db).await;
-    let (_one, one) = app.spawn_server("api", &[]).await;
-    let (_two, two) = app.spawn_server("api", &[]).await;
-    let _worker = worker_process(&app);
-    let bases = [one, two];
+    let (_processes, bases) = two_instances_and_a_worker(&app).await;
 
     let voucher = lottery_sale(&app, UNITS, 4_000, WINDOW_MS as i64).await;
     let id = voucher["id"].as_i64().unwrap();

@@ -39,13 +39,16 @@ async fn sale_opening(app: &TestApp, stock: i64, in_ms: i64, opening: Value) -> 
     voucher
 }
 
+/// A time the API answered (RFC 3339).
+fn time_at(v: &Value) -> chrono::DateTime<Utc> {
+    chrono::DateTime::parse_from_rfc3339(v.as_str().unwrap())
+        .unwrap()
+        .with_timezone(&Utc)
+}
+
 /// Sleeps until `ms` after the voucher's `begin_time`.
 async fn until_after_begin(voucher: &Value, ms: u64) {
-    let begin =
-        chrono::DateTime::parse_from_rfc3339(voucher["seckill"]["begin_time"].as_str().unwrap())
-            .unwrap()
-            .with_timezone(&Utc);
-    let at = begin + chrono::Duration::milliseconds(ms as i64);
+    let at = time_at(&voucher["seckill"]["begin_time"]) + chrono::Duration::milliseconds(ms as i64);
     tokio::time::sleep((at - Utc::now()).to_std().unwrap_or_default()).await;
 }
 
@@ -81,6 +84,15 @@ async fn press_together(
         .buffer_unordered(n)
         .collect()
         .await
+}
+
+/// Two `seckill api` processes (the test's own runtime only sends and reads) and a
+/// worker writing the draw's stream entries as the draw is recorded, as deployed; the
+/// processes (killed when dropped) and the instances' base URLs.
+async fn two_instances_and_a_worker(app: &TestApp) -> (Vec<Process>, [String; 2]) {
+    let (one, one_base) = app.spawn_server("api", &[]).await;
+    let (two, two_base) = app.spawn_server("api", &[]).await;
+    (vec![one, two, worker_process(app)], [one_base, two_base])
 }
 
 /// A `seckill worker` process of the test's database and key space.
@@ -127,12 +139,7 @@ async fn a_lottery_through_two_instances_admits_exactly_its_stock_and_anyone_can
     db: PgPool,
 ) {
     let app = TestApp::spawn(db).await;
-    // Two instances of the binary (the test's own runtime only sends and reads), and a
-    // worker writing the draw's stream entries as the draw is recorded.
-    let (_one, one) = app.spawn_server("api", &[]).await;
-    let (_two, two) = app.spawn_server("api", &[]).await;
-    let _worker = worker_process(&app);
-    let bases = [one, two];
+    let (_processes, bases) = two_instances_and_a_worker(&app).await;
     let (stock, entrants, window_ms) = (50, 1_000, 3_000);
     let voucher = lottery_sale(&app, stock, 2_000, window_ms).await;
     let id = voucher["id"].as_i64().unwrap();
@@ -497,19 +504,13 @@ async fn the_live_view_shows_a_lotterys_window_its_entrants_so_far_and_then_its_
     let (stock, entrants, window_ms) = (5, 20, 3_000);
     let voucher = lottery_sale(&app, stock, 1_500, window_ms).await;
     let id = voucher["id"].as_i64().unwrap();
-    let begin =
-        chrono::DateTime::parse_from_rfc3339(voucher["seckill"]["begin_time"].as_str().unwrap())
-            .unwrap()
-            .with_timezone(&Utc);
+    let begin = time_at(&voucher["seckill"]["begin_time"]);
     let mut events = Events::open(&app.client, &app.url("")).await;
     let upcoming = events
         .until(id, Duration::from_secs(20), |v| !v["lottery"].is_null())
         .await;
     assert_eq!(upcoming["lottery"]["window_ms"], window_ms);
-    let window_end =
-        chrono::DateTime::parse_from_rfc3339(upcoming["lottery"]["window_end"].as_str().unwrap())
-            .unwrap()
-            .with_timezone(&Utc);
+    let window_end = time_at(&upcoming["lottery"]["window_end"]);
     assert_eq!(
         window_end,
         begin + chrono::Duration::milliseconds(window_ms)
