@@ -31,10 +31,11 @@ end
 -- Takes up to ARGV[2] units out of a part for part ARGV[3], as move ARGV[1].
 -- KEYS[1] the donor's hash  KEYS[2] its moves-out hash  KEYS[3] the shard's term marker
 -- Returns the units taken (0: none left), or -1 when the state is not sound (missing,
--- stale or corrupt: it is rebuilt before it gives anything).
+-- stale or corrupt: it is rebuilt before it gives anything) or still holds a lottery's
+-- window (its stock is what the draw shares out: the draw's rebuild sets it).
 local function take_units(keys, argv)
   local stock = sound_stock(keys[1], keys[3], true)
-  if not stock then
+  if not stock or redis.call('HEXISTS', keys[1], 'lottery_end') == 1 then
     return -1
   end
   local n = math.min(stock, tonumber(argv[2]))

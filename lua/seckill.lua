@@ -17,7 +17,7 @@
 -- Raised with every change of this library (a unit test in src/scripts.rs holds it to
 -- the code): a process replaces a loaded library only if it is older, or of the same
 -- version with other code, so two releases never take turns replacing each other.
-local VERSION = 10
+local VERSION = 11
 -- A hash of this code, filled in when it is loaded.
 local CODE = '__CODE__'
 
@@ -327,7 +327,10 @@ end
 --   9 held (the sale is open, but this term is not opened yet: see `opened`),
 --   10 fenced (an older build than Postgres's: see ARGV above; nothing is taken),
 --   11 entered (a lottery's window is open: the user is an entrant, order_id the order
---   they get if drawn; the first call after the window draws, see draw_lottery)
+--   they get if drawn; the first call after the window draws, see draw_lottery; in a
+--   part of a segmented sale, the window is over and the draw is not in yet),
+--   12 drawing (a part of a segmented lottery sale whose window is over and whose
+--   draw has not rebuilt it yet; nothing is taken: the caller waits for the draw)
 local function admit(keys, argv)
   local now = clock()
   local now_s = string.format('%d', now)
@@ -367,7 +370,11 @@ local function admit(keys, argv)
   for m = 1, nsales do
     local s = order_of_sales[m]
     read_sale(s, this_term, now, keys[2])
-    if s.due and not s.closed then
+    if s.due and not s.closed and s.part then
+      -- A segmented sale's draw spans its parts (other slots, other servers): Postgres
+      -- makes it from every part's entrants and rebuilds each part with its winners.
+      s.drawing = true
+    elseif s.due and not s.closed then
       if draw_lottery(s, keys[1], s.voucher, now_s) then
         s.held, s.due = {}, nil
         read_sale(s, this_term, now, keys[2])
@@ -395,6 +402,14 @@ local function admit(keys, argv)
       local code, id = 0, 0
       if s.closed then
         code = s.closed
+      elseif s.drawing then
+        -- An entrant waits for the draw under its entry; anyone else for the part's
+        -- rebuild after it.
+        if held and entrant_like(held) then
+          code, id = 11, string.sub(held, 2)
+        else
+          code = 12
+        end
       elseif s.entering and held and entrant_like(held) then
         -- Entered already (an entrant counts once): the order it gets if drawn.
         code, id = 11, string.sub(held, 2)
@@ -659,11 +674,13 @@ end
 -- open and ended sales and answers their grabs itself (src/admission/edge.rs).
 -- KEYS[1] the sale hash  KEYS[2] the shard's term marker
 -- Returns {code}: 1 not loaded (or not armed), 6 stale, 7 corrupt (as seckill_admit);
--- or {0, now_ms, begin_ms, end_ms, stock, gen ('' when none), term, epoch}, the clock
--- being the one admission reads.
+-- or {0, now_ms, begin_ms, end_ms, stock, gen ('' when none), term, epoch, window}, the
+-- clock being the one admission reads, `window` 1 while the state holds a lottery's
+-- window not drawn yet (its stock is not yet what the draw leaves it), else 0.
 local function peek(keys, argv)
   local now = clock()
-  local v = redis.call('HMGET', keys[1], 'stock', 'begin_ms', 'end_ms', 'term', 'gen', 'epoch')
+  local v = redis.call('HMGET', keys[1], 'stock', 'begin_ms', 'end_ms', 'term', 'gen', 'epoch',
+    'lottery_end')
   if not v[1] or not v[2] or not v[3] or not v[6] then
     return {1}
   elseif not whole(v[1]) or not tonumber(v[2]) or not tonumber(v[3]) then
@@ -673,7 +690,7 @@ local function peek(keys, argv)
   end
   -- (A gen that is not a number tells nothing: '' as if none.)
   local gen = (v[5] and tonumber(v[5])) and v[5] or ''
-  return {0, string.format('%d', now), v[2], v[3], v[1], gen, v[4], v[6]}
+  return {0, string.format('%d', now), v[2], v[3], v[1], gen, v[4], v[6], v[7] and 1 or 0}
 end
 
 -- Arms a state a load wrote (its `next_epoch`) once Postgres committed that epoch:
@@ -690,6 +707,31 @@ local function arm(keys, argv)
   return 1
 end
 
+-- A part of a segmented lottery sale, read for its draw (src/admission/lottery/parts.rs):
+-- once its window is over by this server's clock (admission then makes no entry more in
+-- it, see code 12), every entrant mark it holds, read in the same instant.
+-- KEYS[1] the part's hash  KEYS[2] the shard's term marker
+-- Returns {0, epoch, user_id, order_id, user_id, order_id, ...} (its entrants, in no
+-- order); {1} no window to draw (not loaded, not armed, not of this term, or rebuilt
+-- since its draw); {2} its window is still open.
+local function entries(keys, argv)
+  local now = clock()
+  local v = redis.call('HMGET', keys[1], 'lottery_end', 'epoch', 'term')
+  if not v[1] or not whole(v[2]) or v[3] ~= current_term(keys[2], false) then
+    return {1}
+  elseif now < (tonumber(v[1]) or 0) then
+    return {2}
+  end
+  local all, out = redis.call('HGETALL', keys[1]), {0, v[2]}
+  for i = 1, #all, 2 do
+    if string.sub(all[i], 1, 2) == 'u:' and entrant_like(all[i + 1]) then
+      out[#out + 1] = string.sub(all[i], 3)
+      out[#out + 1] = string.sub(all[i + 1], 2)
+    end
+  end
+  return out
+end
+
 local function version()
   return {VERSION, CODE}
 end
@@ -703,4 +745,5 @@ redis.register_function('seckill_claim_lease', claim_lease)
 redis.register_function('seckill_renew_lease', renew_lease)
 redis.register_function('seckill_arm', arm)
 redis.register_function{function_name = 'seckill_peek', callback = peek, flags = {'no-writes'}}
+redis.register_function{function_name = 'seckill_entries', callback = entries, flags = {'no-writes'}}
 redis.register_function{function_name = 'seckill_version', callback = version, flags = {'no-writes'}}

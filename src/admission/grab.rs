@@ -174,6 +174,12 @@ impl Admission {
                 self.await_draw(shopper.user_id, voucher_id, order_id)
                     .await?
             }
+            outcome @ (Outcome::Drawing
+            | Outcome::NotLoaded
+            | Outcome::Unavailable(Unavailable::Redis)) => {
+                self.after_draw(shopper.user_id, voucher_id, order_id, outcome)
+                    .await
+            }
             outcome => outcome,
         };
         hot.count(&outcome);
@@ -193,23 +199,20 @@ impl Admission {
         entered: OrderId,
     ) -> Result<Outcome, sqlx::Error> {
         let unknown = Outcome::Unknown { order_id: entered };
-        let Some(end) = self.lottery.window_end(&self.db, voucher_id).await? else {
+        let Some(window) = self.lottery.window(&self.db, voucher_id).await? else {
             return Ok(unknown);
         };
-        let left = (end - chrono::Utc::now()).to_std().unwrap_or_default();
+        let left = (window.end - chrono::Utc::now())
+            .to_std()
+            .unwrap_or_default();
         let end = tokio::time::Instant::now() + left;
-        let deadline = end + lottery::ANSWER_WITHIN;
         tokio::time::sleep_until(end).await;
-        let draw = self.lottery.draw_of(voucher_id);
-        let drawn = loop {
-            let read = draw.get_or_try_init(|| self.read_draw(user_id, voucher_id, entered));
-            match tokio::time::timeout_at(deadline, read).await {
-                Ok(Ok(drawn)) => break drawn.clone(),
-                Ok(Err(())) if tokio::time::Instant::now() + RETRY_DRAW < deadline => {
-                    tokio::time::sleep(RETRY_DRAW).await
-                }
-                _ => return Ok(unknown),
-            }
+        let deadline = end + lottery::ANSWER_WITHIN;
+        let Some(drawn) = self
+            .drawn(user_id, voucher_id, entered, window, deadline)
+            .await
+        else {
+            return Ok(unknown);
         };
         let user = user_id.get();
         Ok(match drawn.winners.get(&user) {
@@ -232,6 +235,103 @@ impl Admission {
                 }
             }
         })
+    }
+
+    /// A press that took nothing (`refused`) from a segmented lottery sale past its
+    /// window: its segment not rebuilt after the draw yet (`Drawing`), or being rebuilt
+    /// (not armed, or a move of units refused by a segment being rebuilt). Waits, at most
+    /// [`lottery::ANSWER_WITHIN`], for this instance to read the draw (which rebuilds the
+    /// segments) and grabs again until it is decided; any other sale's refusal stands.
+    async fn after_draw(
+        self: &Arc<Self>,
+        user_id: UserId,
+        voucher_id: VoucherId,
+        order_id: OrderId,
+        refused: Outcome,
+    ) -> Outcome {
+        let window = match self.lottery.window(&self.db, voucher_id).await {
+            Ok(Some(window)) if window.segments > 1 && chrono::Utc::now() >= window.end => window,
+            _ => return refused,
+        };
+        let deadline = tokio::time::Instant::now() + lottery::ANSWER_WITHIN;
+        if self
+            .drawn(user_id, voucher_id, order_id, window, deadline)
+            .await
+            .is_none()
+        {
+            return refused;
+        }
+        loop {
+            let decided = self
+                .segments
+                .admit(&self.batcher, voucher_id, user_id, order_id)
+                .await;
+            match Outcome::of(decided, order_id) {
+                Outcome::Drawing
+                | Outcome::NotLoaded
+                | Outcome::Unavailable(Unavailable::Redis)
+                    if tokio::time::Instant::now() + RETRY_DRAW < deadline =>
+                {
+                    tokio::time::sleep(RETRY_DRAW).await
+                }
+                outcome => return outcome,
+            }
+        }
+    }
+
+    /// The sale's draw as this instance read it, reading it if none has (one read at a
+    /// time, asked again every [`RETRY_DRAW`]); `None`: not read by `deadline`.
+    async fn drawn(
+        &self,
+        user_id: UserId,
+        voucher_id: VoucherId,
+        entered: OrderId,
+        window: lottery::Window,
+        deadline: tokio::time::Instant,
+    ) -> Option<Arc<lottery::Drawn>> {
+        let draw = self.lottery.draw_of(voucher_id);
+        loop {
+            let read = draw.get_or_try_init(|| async {
+                match window.segments {
+                    1 => self.read_draw(user_id, voucher_id, entered).await,
+                    segments => self.read_parts_draw(voucher_id, segments).await,
+                }
+            });
+            match tokio::time::timeout_at(deadline, read).await {
+                Ok(Ok(drawn)) => return Some(drawn.clone()),
+                Ok(Err(())) if tokio::time::Instant::now() + RETRY_DRAW < deadline => {
+                    tokio::time::sleep(RETRY_DRAW).await
+                }
+                _ => return None,
+            }
+        }
+    }
+
+    /// A segmented sale's draw, drawn and recorded if it is not yet (see
+    /// [`lottery::parts`]). `Err`: not drawn yet, or not recorded now.
+    async fn read_parts_draw(
+        &self,
+        voucher_id: VoucherId,
+        segments: u8,
+    ) -> Result<Arc<lottery::Drawn>, ()> {
+        match lottery::parts::draw(&self.stores(), voucher_id, segments).await {
+            Ok(Some(drawn)) => Ok(Arc::new(drawn)),
+            Ok(None) => Err(()),
+            Err(e) => {
+                tracing::warn!(voucher_id = voucher_id.get(), error = %e, "the segmented lottery's draw failed");
+                Err(())
+            }
+        }
+    }
+
+    fn stores(&self) -> lottery::parts::Stores<'_> {
+        lottery::parts::Stores {
+            db: &self.db,
+            redis: &self.redis,
+            keys: &self.keys,
+            retention: self.retention,
+            replicas: self.replicas,
+        }
     }
 
     /// Grabs again under the order id the shopper entered with (which draws, if no call
@@ -296,6 +396,14 @@ impl Admission {
     }
 
     async fn draw_due(&self, voucher_id: VoucherId) -> anyhow::Result<()> {
+        let segments = match self.lottery.window(&self.db, voucher_id).await? {
+            Some(window) => window.segments,
+            None => return Ok(()),
+        };
+        if segments > 1 {
+            lottery::parts::draw(&self.stores(), voucher_id, segments).await?;
+            return Ok(());
+        }
         // Drawn already, not recorded (Postgres was away when the held presses read it).
         if lottery::record_draw(&self.db, &self.redis, &self.keys, voucher_id)
             .await?

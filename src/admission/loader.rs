@@ -47,6 +47,10 @@ pub enum Mode {
     Heal,
     /// Overwrite live state (`seckill reconcile --repair`, a corrupt state).
     Repair,
+    /// A segmented lottery's draw is recorded: rebuild a segment that still holds its
+    /// window (its entrants' marks), so it admits the winners Postgres holds and no
+    /// one else before them.
+    Drawn,
 }
 
 impl Mode {
@@ -54,7 +58,7 @@ impl Mode {
         match self {
             Mode::Create => "create",
             Mode::Heal => "heal",
-            Mode::Repair => "repair",
+            Mode::Repair | Mode::Drawn => "repair",
         }
     }
 }
@@ -100,13 +104,8 @@ pub async fn load_sale<C: ConnectionLike + Send>(
     };
     let mut sum: Option<Loaded> = None;
     for segment in SaleSegment::all(voucher_id, segments) {
-        let load = SegmentLoad {
-            segment,
-            retention,
-            mode,
-            replicas,
-        };
-        if let Some(l) = load.run(db, conn, keys).await? {
+        let loaded = load_segment(db, conn, keys, segment, retention, mode, replicas).await?;
+        if let Some(l) = loaded {
             let s = sum.get_or_insert(Loaded::default());
             s.stock += l.stock;
             s.buyers += l.buyers;
@@ -114,6 +113,26 @@ pub async fn load_sale<C: ConnectionLike + Send>(
         }
     }
     Ok(sum)
+}
+
+/// Loads one segment of a sale (as [`load_sale`] loads each): `None` when its state was
+/// left alone.
+pub async fn load_segment<C: ConnectionLike + Send>(
+    db: &PgPool,
+    conn: &mut C,
+    keys: &Keys,
+    segment: SaleSegment,
+    retention: Duration,
+    mode: Mode,
+    replicas: Replicas,
+) -> anyhow::Result<Option<Loaded>> {
+    let load = SegmentLoad {
+        segment,
+        retention,
+        mode,
+        replicas,
+    };
+    load.run(db, conn, keys).await
 }
 
 /// Whether the segment's state is there, built in the server's current term, sound and
@@ -157,6 +176,13 @@ async fn leave_alone<C: ConnectionLike + Send>(
         }
         Mode::Heal => current(db, conn, keys, segment).await?,
         Mode::Repair => false,
+        Mode::Drawn => {
+            !redis::cmd("HEXISTS")
+                .arg(keys.segment(segment))
+                .arg("lottery_end")
+                .query_async::<bool>(conn)
+                .await?
+        }
     })
 }
 

@@ -25,7 +25,7 @@ use crate::keys::{self, Keys, SaleSegment};
 use crate::scripts::{Call, Replicas};
 
 /// How a grab ended: the one vocabulary of its answers. The admission script decides
-/// most (codes 0 to 10); the rest are decided before or around the call. Its metric
+/// most (codes 0 to 12); the rest are decided before or around the call. Its metric
 /// label ([`Outcome::LABELS`] at [`Outcome::index`]), its count for the live view
 /// ([`tally::counted`]) and, in `http`, its answer derive from it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,6 +65,10 @@ pub enum Outcome {
     Entered {
         order_id: OrderId,
     },
+    /// The grab's segment of a segmented lottery sale is past its window and the draw has
+    /// not rebuilt it yet: nothing was taken. Never an answer to a shopper: the press
+    /// waits for the draw, then grabs again (see [`lottery`]).
+    Drawing,
     /// Refused by an abuse limit before anything else: try again after this long.
     RateLimited {
         retry_after_secs: u64,
@@ -119,7 +123,7 @@ impl Outcome {
         match self {
             Outcome::RateLimited { .. } => 0,
             Outcome::Admitted { .. } => 1,
-            Outcome::NotLoaded | Outcome::Drained => 2,
+            Outcome::NotLoaded | Outcome::Drained | Outcome::Drawing => 2,
             Outcome::NotFound | Outcome::NoVoucher => 3,
             Outcome::Stale => 4,
             Outcome::Corrupt => 5,
@@ -146,6 +150,9 @@ impl Outcome {
             Outcome::Held => {
                 "the sale is paused while orders the admission store may have lost are \
                  recovered, try again shortly; nothing was reserved"
+            }
+            Outcome::Drawing => {
+                "the sale's lottery is being drawn, try again shortly; nothing was reserved"
             }
             Outcome::Fenced => {
                 "the sale has moved to another admission server, try again shortly; nothing \
@@ -359,6 +366,7 @@ impl Outcome {
             11 => Outcome::Entered {
                 order_id: order_id?,
             },
+            12 => Outcome::Drawing,
             _ => return None,
         })
     }

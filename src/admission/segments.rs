@@ -311,7 +311,11 @@ async fn sound_reads(
         let mut conn = conn.clone();
         let key = super::edge::StateKeys::of(keys, segment);
         async move {
-            let state = super::edge::peek(&mut conn, &key).await?;
+            // A segment holding a lottery's window is not sound to take from: the
+            // draw's rebuild sets its stock.
+            let state = super::edge::peek(&mut conn, &key)
+                .await?
+                .filter(|s| !s.holds_window());
             Ok::<_, redis::RedisError>(state.map(|s| SegmentRead {
                 stock: s.stock(),
                 gen: s.gen().to_string(),

@@ -123,7 +123,7 @@ fn default_pay_within() -> i64 {
 
 pub(crate) const MAX_PAY_WITHIN_SECS: i64 = 86_400;
 
-/// A lottery's window within its sale, on a sale not begun yet, of one segment.
+/// A lottery's window within its sale, on a sale not begun yet.
 fn lottery_fits(s: &CreateSeckill, now: DateTime<Utc>) -> AppResult<()> {
     let Opening::Lottery { window_ms } = s.opening else {
         return Ok(());
@@ -144,11 +144,6 @@ fn lottery_fits(s: &CreateSeckill, now: DateTime<Utc>) -> AppResult<()> {
     if s.begin_time + chrono::Duration::milliseconds(window_ms) >= s.end_time {
         return Err(AppError::invalid(
             "seckill.end_time must be after the lottery's window (begin_time + window_ms)",
-        ));
-    }
-    if s.segments != 1 {
-        return Err(AppError::invalid(
-            "seckill.segments must be 1 for a lottery: its draw is one step in one place",
         ));
     }
     Ok(())

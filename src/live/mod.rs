@@ -379,15 +379,22 @@ async fn read_redis(
         async move { crate::admission::redis_stock(&mut conn, keys, id, segments).await }
     });
     let stocks = futures_util::future::try_join_all(stocks).await?;
-    let entrants = ids.iter().zip(entering).map(|(&id, &entering)| {
-        let mut conn = redis.clone();
-        async move {
-            match entering {
-                true => crate::admission::lottery::entrants_so_far(&mut conn, keys, id).await,
-                false => Ok(None),
+    let entrants = ids
+        .iter()
+        .zip(segments)
+        .zip(entering)
+        .map(|((&id, &segments), &entering)| {
+            let mut conn = redis.clone();
+            async move {
+                match entering {
+                    true => {
+                        crate::admission::lottery::entrants_so_far(&mut conn, keys, id, segments)
+                            .await
+                    }
+                    false => Ok(None),
+                }
             }
-        }
-    });
+        });
     let entrants = futures_util::future::try_join_all(entrants).await?;
     let counts = tally::read(redis, keys, ids).await?;
     // Summed from nothing: a lag of 0, known.

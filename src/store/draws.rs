@@ -21,31 +21,57 @@ pub struct Draw {
     pub drawn_at: DateTime<Utc>,
 }
 
-/// A lottery sale's entry window's end (`None`: no such sale, or it opens first come).
-pub async fn window_end(
-    db: &PgPool,
-    voucher_id: VoucherId,
-) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT begin_time + lottery_window_ms * interval '1 millisecond' \
+/// A lottery sale's entry window: its end, and the segments its entries are spread over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    pub end: DateTime<Utc>,
+    pub segments: u8,
+}
+
+/// A lottery sale's entry window (`None`: no such sale, or it opens first come).
+pub async fn window(db: &PgPool, voucher_id: VoucherId) -> Result<Option<Window>, sqlx::Error> {
+    let row: Option<(DateTime<Utc>, i16)> = sqlx::query_as(
+        "SELECT begin_time + lottery_window_ms * interval '1 millisecond', segments \
          FROM seckill_vouchers WHERE voucher_id = $1 AND opening_mode = 'lottery'",
     )
     .bind(voucher_id)
     .fetch_optional(db)
-    .await
+    .await?;
+    Ok(row.map(|(end, segments)| Window {
+        end,
+        segments: segments as u8,
+    }))
 }
 
-/// The lottery sales whose window is over, not ended, whose draw is not recorded (at
-/// most 100, the latest windows first).
+/// The lottery sales whose window is over, not ended, whose draw is not recorded; and
+/// the segmented ones drawn in the last ten minutes (a segment may still hold its
+/// window, its rebuild after the draw cut short). At most 100, the latest windows first.
 pub async fn due(db: &PgPool) -> Result<Vec<VoucherId>, sqlx::Error> {
     sqlx::query_scalar(
         "SELECT s.voucher_id FROM seckill_vouchers s \
+           LEFT JOIN sale_draws d ON d.voucher_id = s.voucher_id \
          WHERE s.opening_mode = 'lottery' AND s.end_time > now() \
            AND s.begin_time + s.lottery_window_ms * interval '1 millisecond' < now() \
-           AND NOT EXISTS (SELECT 1 FROM sale_draws d WHERE d.voucher_id = s.voucher_id) \
+           AND (d.voucher_id IS NULL \
+                OR (s.segments > 1 AND d.drawn_at > now() - interval '10 minutes')) \
          ORDER BY s.begin_time DESC LIMIT 100",
     )
     .fetch_all(db)
+    .await
+}
+
+/// A lottery sale's secret seed and its units (all of them until its draw: nothing is
+/// sold before it); `None`: no lottery sale.
+pub async fn seed_and_stock(
+    db: &PgPool,
+    voucher_id: VoucherId,
+) -> Result<Option<(String, i32)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT draw_seed, stock FROM seckill_vouchers \
+         WHERE voucher_id = $1 AND opening_mode = 'lottery' AND draw_seed IS NOT NULL",
+    )
+    .bind(voucher_id)
+    .fetch_optional(db)
     .await
 }
 
@@ -88,12 +114,15 @@ pub type StillHeld<'a> = &'a (dyn Fn() -> BoxFuture<'a, anyhow::Result<bool>> + 
 /// `still_held` says whether the state that drew is still the sale's. So a held press
 /// is answered from a draw only once the draw is Postgres's truth: a Redis that comes
 /// back older (the draw lost) is rebuilt with the winners as buyers and is never armed
-/// to draw again.
+/// to draw again. A segmented sale's segments get `allotments` (one per segment, empty
+/// for a sale in one) in the same transaction: each its winners' units and its share
+/// of the rest.
 pub async fn record(
     db: &PgPool,
     voucher_id: VoucherId,
     draw: &Draw,
     winners: &[NewOrder],
+    allotments: &[i32],
     still_held: StillHeld<'_>,
 ) -> anyhow::Result<Recorded> {
     let mut tx = db.begin().await?;
@@ -129,6 +158,9 @@ pub async fn record(
             }
             Persisted::Rejected(why) => return Ok(Recorded::Refused(why.reason())),
         }
+    }
+    if !allotments.is_empty() {
+        super::segments::allot(&mut tx, voucher_id, allotments).await?;
     }
     sqlx::query(
         "INSERT INTO sale_draws (voucher_id, seed, entrants, winners, drawn_at) \

@@ -77,6 +77,28 @@ pub(crate) async fn insert_allotments(
     Ok(())
 }
 
+/// Shares a sale's units out anew over its segments (a lottery's draw: nothing sold
+/// before it, nothing moved). Call under the sale's lock.
+#[tracing::instrument(skip(tx))]
+pub(crate) async fn allot(
+    tx: &mut Transaction<'_, Postgres>,
+    voucher_id: VoucherId,
+    allotted: &[i32],
+) -> Result<(), sqlx::Error> {
+    let segment: Vec<i16> = (0..allotted.len() as i16).collect();
+    sqlx::query(
+        "UPDATE seckill_segments s SET allotted = t.a \
+         FROM unnest($2::smallint[], $3::int[]) AS t(p, a) \
+         WHERE s.voucher_id = $1 AND s.segment = t.p",
+    )
+    .bind(voucher_id)
+    .bind(&segment)
+    .bind(allotted)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
 /// How many segments a sale has (`None`: the voucher has no flash sale).
 #[tracing::instrument(skip(db))]
 pub(crate) async fn segments_of<'e>(

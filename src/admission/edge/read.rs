@@ -45,6 +45,8 @@ pub(crate) struct Peeked {
     pub(super) gen: String,
     pub(super) term: String,
     pub(super) epoch: String,
+    /// It holds a lottery's window not drawn yet.
+    pub(super) window: bool,
 }
 
 impl Peeked {
@@ -64,6 +66,12 @@ impl Peeked {
     /// The epoch the state was armed with.
     pub(crate) fn epoch(&self) -> &str {
         &self.epoch
+    }
+
+    /// Whether it holds a lottery's window not drawn yet: its stock is what the draw
+    /// shares out, not units to give.
+    pub(crate) fn holds_window(&self) -> bool {
+        self.window
     }
 }
 
@@ -93,6 +101,7 @@ pub(crate) async fn peek<C: ConnectionLike + Send>(
                 gen: reply.get(5).cloned().unwrap_or_default(),
                 term: reply.get(6).cloned().unwrap_or_default(),
                 epoch: reply.get(7).cloned().unwrap_or_default(),
+                window: reply.get(8).is_some_and(|w| w == "1"),
             }),
             _ => None,
         },
@@ -121,6 +130,7 @@ pub(super) async fn peek_all<C: ConnectionLike + Send>(
                     false => format!("{}.{}", w.gen, segment.gen),
                 },
                 term: format!("{}.{}", w.term, segment.term),
+                window: w.window || segment.window,
                 ..w
             },
         });

@@ -17,6 +17,7 @@ use crate::live::Events;
 use crate::recovery::rollback::press_through_503s;
 
 mod crowd;
+mod segmented;
 
 /// A lottery sale opening `in_ms` from now with a window of `window_ms`; its voucher.
 async fn lottery_sale(app: &TestApp, stock: i64, in_ms: i64, window_ms: i64) -> Value {
@@ -26,11 +27,22 @@ async fn lottery_sale(app: &TestApp, stock: i64, in_ms: i64, window_ms: i64) -> 
 
 /// A sale opening `in_ms` from now as `opening` says; its voucher.
 async fn sale_opening(app: &TestApp, stock: i64, in_ms: i64, opening: Value) -> Value {
+    sale_in_segments(app, stock, in_ms, opening, 1).await
+}
+
+/// A sale in `segments` segments opening `in_ms` from now as `opening` says; its voucher.
+async fn sale_in_segments(
+    app: &TestApp,
+    stock: i64,
+    in_ms: i64,
+    opening: Value,
+    segments: u8,
+) -> Value {
     let begin = Utc::now() + chrono::Duration::milliseconds(in_ms);
     let body = json!({
         "shop_id": 1, "title": "drawn", "pay_value": 100, "actual_value": 200,
         "seckill": {"stock": stock, "begin_time": begin, "end_time": begin + chrono::Duration::hours(1),
-                    "opening": opening},
+                    "segments": segments, "opening": opening},
     });
     let (status, voucher) = app
         .post_json("/vouchers", Some(&app.admin_token()), &body)
@@ -263,40 +275,43 @@ async fn a_lottery_through_two_instances_admits_exactly_its_stock_and_anyone_can
 }
 
 #[sqlx::test(migrations = "./migrations")]
-async fn a_lottery_out_of_range_or_already_begun_is_refused_naming_the_field(db: PgPool) {
+async fn a_lottery_out_of_range_already_begun_or_ending_in_its_window_is_refused_naming_the_field(
+    db: PgPool,
+) {
     let app = TestApp::spawn(db).await;
     let soon = Utc::now() + chrono::Duration::minutes(5);
+    let hour = chrono::Duration::hours(1);
     let cases = [
         (
             json!({"mode": "lottery", "window_ms": 99}),
             soon,
-            1,
+            hour,
             "seckill.opening.window_ms",
         ),
         (
             json!({"mode": "lottery", "window_ms": 10_001}),
             soon,
-            1,
+            hour,
             "seckill.opening.window_ms",
         ),
         (
             json!({"mode": "lottery", "window_ms": 500}),
             Utc::now() - chrono::Duration::minutes(1),
-            1,
+            hour,
             "seckill.begin_time",
         ),
         (
             json!({"mode": "lottery", "window_ms": 500}),
             soon,
-            2,
-            "seckill.segments",
+            chrono::Duration::milliseconds(400),
+            "seckill.end_time",
         ),
     ];
-    for (opening, begin, segments, field) in cases {
+    for (opening, begin, lasting, field) in cases {
         let body = json!({
             "shop_id": 1, "title": "drawn", "pay_value": 100, "actual_value": 200,
-            "seckill": {"stock": 10, "begin_time": begin, "end_time": begin + chrono::Duration::hours(1),
-                        "segments": segments, "opening": opening},
+            "seckill": {"stock": 10, "begin_time": begin, "end_time": begin + lasting,
+                        "segments": 2, "opening": opening},
         });
         let (status, answer) = app
             .post_json("/vouchers", Some(&app.admin_token()), &body)

@@ -8,13 +8,17 @@
 //! and one read per instance. A held press is answered only once the draw is recorded
 //! in Postgres (`sale_draws`, with its winners' orders, in one transaction): a Redis
 //! that loses the draw afterwards is rebuilt with the winners as buyers, never to draw
-//! again.
+//! again. A segmented sale draws otherwise, over its segments ([`parts`]); its held
+//! presses are answered the same way.
+
+pub mod parts;
+mod pick;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
+use chrono::DateTime;
 use futures_util::future::BoxFuture;
 use sqlx::PgPool;
 use tokio::sync::OnceCell;
@@ -23,6 +27,7 @@ use crate::domain::{Epoch, OrderId, UserId, VoucherId};
 use crate::keys::{Keys, SaleSegment};
 use crate::redis_conn::RedisConn;
 use crate::store;
+pub use crate::store::draws::Window;
 use crate::store::draws::{Draw, Recorded};
 use crate::store::orders::NewOrder;
 
@@ -49,27 +54,27 @@ impl Drawn {
     }
 }
 
-/// The lottery sales this instance holds presses for: their windows' ends, and their
-/// draws once read.
+/// The lottery sales this instance holds presses for: their windows, and their draws
+/// once read.
 #[derive(Default)]
 pub struct Lottery {
-    ends: Mutex<HashMap<VoucherId, Option<DateTime<Utc>>>>,
+    windows: Mutex<HashMap<VoucherId, Option<Window>>>,
     drawn: Mutex<HashMap<VoucherId, Arc<OnceCell<Arc<Drawn>>>>>,
 }
 
 impl Lottery {
-    /// When the sale's entry window ends (`None`: not a lottery), asked of Postgres once.
-    pub async fn window_end(
+    /// The sale's entry window (`None`: not a lottery), asked of Postgres once.
+    pub async fn window(
         &self,
         db: &PgPool,
         voucher_id: VoucherId,
-    ) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
-        if let Some(end) = lock(&self.ends).get(&voucher_id) {
-            return Ok(*end);
+    ) -> Result<Option<Window>, sqlx::Error> {
+        if let Some(window) = lock(&self.windows).get(&voucher_id) {
+            return Ok(*window);
         }
-        let end = store::draws::window_end(db, voucher_id).await?;
-        lock(&self.ends).insert(voucher_id, end);
-        Ok(end)
+        let window = store::draws::window(db, voucher_id).await?;
+        lock(&self.windows).insert(voucher_id, window);
+        Ok(window)
     }
 
     /// The sale's draw, once some held press of this instance has read it; `None`: it
@@ -79,19 +84,27 @@ impl Lottery {
     }
 }
 
-/// The sale's draw as Postgres records it, recording it first from the sale's Redis
-/// state (with its winners' orders, see [`store::draws::record`]) when Redis holds one
-/// Postgres does not; `None`: not drawn, or not recordable now (Postgres away, the state
-/// rebuilt meanwhile), so not to be answered from yet.
+/// The sale's draw as Postgres records it (`None`: not recorded).
+async fn recorded(db: &PgPool, voucher_id: VoucherId) -> anyhow::Result<Option<Drawn>> {
+    let Some((_, Some(draw))) = store::draws::get(db, voucher_id).await? else {
+        return Ok(None);
+    };
+    let orders = store::draws::winners_orders(db, voucher_id, &draw.winners).await?;
+    Ok(Some(Drawn::new(draw, orders)))
+}
+
+/// The draw of a sale in one segment as Postgres records it, recording it first from
+/// the sale's Redis state (with its winners' orders, see [`store::draws::record`]) when
+/// Redis holds one Postgres does not; `None`: not drawn, or not recordable now (Postgres
+/// away, the state rebuilt meanwhile), so not to be answered from yet.
 pub async fn record_draw(
     db: &PgPool,
     redis: &RedisConn,
     keys: &Keys,
     voucher_id: VoucherId,
 ) -> anyhow::Result<Option<Drawn>> {
-    if let Some((_, Some(draw))) = store::draws::get(db, voucher_id).await? {
-        let orders = store::draws::winners_orders(db, voucher_id, &draw.winners).await?;
-        return Ok(Some(Drawn::new(draw, orders)));
+    if let Some(drawn) = recorded(db, voucher_id).await? {
+        return Ok(Some(drawn));
     }
     let key = state_key(keys, voucher_id);
     let mut conn = redis.clone();
@@ -131,7 +144,7 @@ pub async fn record_draw(
             Ok(now == read)
         })
     };
-    match store::draws::record(db, voucher_id, &draw, &orders, &still_held).await? {
+    match store::draws::record(db, voucher_id, &draw, &orders, &[], &still_held).await? {
         Recorded::Yes => Ok(Some(Drawn::new(
             draw,
             orders.iter().map(|o| (o.user_id.get(), o.id)),
@@ -208,27 +221,34 @@ const STATE_FIELDS: [&str; 13] = [
 ];
 
 /// Shoppers entered so far in a lottery sale not drawn yet, as its Redis state holds
-/// them: before the draw its only buyer records are entrants' marks. `None`: the sale is
-/// not loaded, or drawn already (the draw's record counts them).
+/// them (summed over its segments): before the draw its only buyer records are
+/// entrants' marks. `None`: some segment is not loaded, or is drawn already (the draw's
+/// record counts them).
 pub async fn entrants_so_far(
     conn: &mut RedisConn,
     keys: &Keys,
     voucher_id: VoucherId,
+    segments: u8,
 ) -> redis::RedisResult<Option<i64>> {
-    let key = state_key(keys, voucher_id);
-    let (len, fields): (i64, Vec<Option<String>>) = redis::pipe()
-        .cmd("HLEN")
-        .arg(&key)
-        .cmd("HMGET")
-        .arg(&key)
-        .arg(&STATE_FIELDS)
-        .query_async(conn)
-        .await?;
-    let drawn = fields[10].is_some();
-    if len == 0 || drawn {
-        return Ok(None);
+    let mut sum = 0;
+    // One segment at a time: they may live on different cluster nodes.
+    for segment in SaleSegment::all(voucher_id, segments) {
+        let key = keys.segment(segment);
+        let (len, fields): (i64, Vec<Option<String>>) = redis::pipe()
+            .cmd("HLEN")
+            .arg(&key)
+            .cmd("HMGET")
+            .arg(&key)
+            .arg(&STATE_FIELDS)
+            .query_async(conn)
+            .await?;
+        let window = fields[8].is_some();
+        if len == 0 || !window {
+            return Ok(None);
+        }
+        sum += len - fields.iter().flatten().count() as i64;
     }
-    Ok(Some(len - fields.iter().flatten().count() as i64))
+    Ok(Some(sum))
 }
 
 /// One of a lottery sale's entrants not drawn yet, and the order id it entered under;

@@ -1,0 +1,218 @@
+//! A lottery sale spread over several segments (several hash slots: on a cluster,
+//! several masters) draws once over all of them: one seed, one list of entrants, one set
+//! of winners, each admitted in its home segment; then it goes on first come.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use sqlx::PgPool;
+
+use super::{
+    press_together, sale_in_segments, two_instances_and_a_worker, until_after_begin, verify_draw,
+    written_buyers,
+};
+use crate::common::{uid, vid, TestApp};
+use seckill::keys::SaleSegment;
+
+const SEGMENTS: u8 = 3;
+
+/// Each segment's allotment, as Postgres holds it.
+async fn allotments(app: &TestApp, voucher: i64) -> Vec<i32> {
+    sqlx::query_scalar(
+        "SELECT allotted FROM seckill_segments WHERE voucher_id = $1 ORDER BY segment",
+    )
+    .bind(voucher)
+    .fetch_all(&app.db)
+    .await
+    .unwrap()
+}
+
+/// Whether some segment's Redis state still holds its window or an entrant's mark.
+async fn some_segment_holds_its_window(app: &TestApp, voucher: i64) -> bool {
+    for segment in SaleSegment::all(vid(voucher), SEGMENTS) {
+        let state: Vec<(String, String)> = redis::cmd("HGETALL")
+            .arg(app.keys.segment(segment))
+            .query_async(&mut app.redis.clone())
+            .await
+            .unwrap();
+        if state
+            .iter()
+            .any(|(f, v)| f == "lottery_end" || (f.starts_with("u:") && v.starts_with('e')))
+        {
+            return true;
+        }
+    }
+    false
+}
+
+/// The users answered 202 among `answers`; every answer came within `within`, and any
+/// but a 202 or `sold_out` fails the test.
+fn won_among(
+    answers: &[(i64, Option<(StatusCode, Value)>, Duration)],
+    within: Duration,
+) -> BTreeSet<i64> {
+    let mut won = BTreeSet::new();
+    for (user, answer, took) in answers {
+        let (status, body) = answer.as_ref().expect("every press is answered");
+        assert!(
+            *took <= within,
+            "user {user} was answered after {took:?}: {body}"
+        );
+        match status.as_u16() {
+            202 => {
+                won.insert(*user);
+            }
+            409 => assert_eq!(body["error"]["code"], "sold_out", "user {user}: {body}"),
+            _ => panic!("user {user}: {status} {body}"),
+        }
+    }
+    won
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_lottery_over_three_segments_draws_once_over_all_of_them_and_anyone_can_verify_it(
+    db: PgPool,
+) {
+    let app = TestApp::spawn(db).await;
+    let (_processes, bases) = two_instances_and_a_worker(&app).await;
+    let (stock, entrants, window_ms) = (40, 600, 2_500);
+    let opening = json!({"mode": "lottery", "window_ms": window_ms});
+    let voucher = sale_in_segments(&app, stock, 2_000, opening, SEGMENTS).await;
+    let id = voucher["id"].as_i64().unwrap();
+    assert_eq!(voucher["seckill"]["segments"], SEGMENTS, "{voucher}");
+    until_after_begin(&voucher, 100).await;
+
+    let answers = press_together(&app, &bases, id, 1..=entrants).await;
+    let won = won_among(&answers, Duration::from_millis(window_ms as u64 + 500));
+    assert_eq!(won.len(), stock as usize, "exactly the stock is drawn");
+    let homes: BTreeSet<u8> = won
+        .iter()
+        .map(|&u| seckill::keys::home_segment(uid(u), SEGMENTS))
+        .collect();
+    assert!(homes.len() > 1, "winners in several segments: {homes:?}");
+    assert_eq!(
+        written_buyers(&app, id).await,
+        won,
+        "every winner's order is a row"
+    );
+
+    // One draw over every segment's entrants, as published and recomputed.
+    let (status, draw) = app.get(&format!("/vouchers/{id}/draw"), None).await;
+    assert_eq!(status, StatusCode::OK, "{draw}");
+    let listed: Vec<i64> = serde_json::from_value(draw["entrants"].clone()).unwrap();
+    let entered: BTreeSet<u8> = listed
+        .iter()
+        .map(|&u| seckill::keys::home_segment(uid(u), SEGMENTS))
+        .collect();
+    assert_eq!(
+        entered.len(),
+        SEGMENTS as usize,
+        "entrants from every segment"
+    );
+    assert!(listed.len() > stock as usize, "{} entrants", listed.len());
+    let drawn: BTreeSet<i64> = serde_json::from_value(draw["winners"].clone()).unwrap();
+    assert_eq!(drawn, won);
+    let (ok, said) = verify_draw(&[&app.url(""), &id.to_string()]).await;
+    assert!(ok, "{said}");
+    println!("{said}");
+
+    // Each segment holds its winners' units, the allotments still the stock; every
+    // segment rebuilt: no window, no entrant's mark left.
+    let allotted = allotments(&app, id).await;
+    assert_eq!(allotted.iter().sum::<i32>(), stock as i32, "{allotted:?}");
+    for (segment, &units) in allotted.iter().enumerate() {
+        let winners_here = won
+            .iter()
+            .filter(|&&u| seckill::keys::home_segment(uid(u), SEGMENTS) as usize == segment)
+            .count();
+        assert_eq!(
+            units as usize, winners_here,
+            "segment {segment}: {allotted:?}"
+        );
+    }
+    assert!(!some_segment_holds_its_window(&app, id).await);
+
+    // After the draw: a winner holds their order, a loser hears sold out.
+    let winner = *won.iter().next().unwrap();
+    let (_, body) = app.grab(id, winner).await;
+    assert_eq!(body["error"]["code"], "already_ordered", "{body}");
+    let loser = (1..=entrants).find(|u| !won.contains(u)).unwrap();
+    let (_, body) = app.grab(id, loser).await;
+    assert_eq!(body["error"]["code"], "sold_out", "{body}");
+
+    // A winner's unit given back sells again, first come, to a loser of another
+    // segment (units move between segments as in any segmented sale).
+    let order = answers
+        .iter()
+        .find(|(user, _, _)| *user == winner)
+        .and_then(|(_, a, _)| a.as_ref()?.1["order_id"].as_str().map(str::to_owned))
+        .unwrap();
+    let (status, body) = app.cancel(&order, winner).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let home = seckill::keys::home_segment(uid(winner), SEGMENTS);
+    let elsewhere = (1..=entrants)
+        .find(|&u| !won.contains(&u) && seckill::keys::home_segment(uid(u), SEGMENTS) != home)
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let (status, body) = app.grab(id, elsewhere).await;
+        if status == StatusCode::ACCEPTED {
+            break;
+        }
+        assert_eq!(body["error"]["code"], "sold_out", "{body}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the unit given back never sold again"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_segmented_lottery_with_units_left_after_its_draw_sells_them_first_come_and_never_more(
+    db: PgPool,
+) {
+    let app = TestApp::spawn(db).await;
+    let (_processes, bases) = two_instances_and_a_worker(&app).await;
+    let (stock, entrants, window_ms) = (30, 12, 1_500);
+    let opening = json!({"mode": "lottery", "window_ms": window_ms});
+    let voucher = sale_in_segments(&app, stock, 2_000, opening, SEGMENTS).await;
+    let id = voucher["id"].as_i64().unwrap();
+    until_after_begin(&voucher, 100).await;
+
+    // The entrants press in the window; the others just as it closes, while the draw
+    // is being made (their segments may not be rebuilt yet: they wait for it).
+    let late = async {
+        until_after_begin(&voucher, window_ms as u64 + 50).await;
+        press_together(&app, &bases, id, 1_001..=1_040).await
+    };
+    let (held, late) = futures::join!(press_together(&app, &bases, id, 1..=entrants), late);
+    let bound = Duration::from_millis(window_ms as u64 + 500);
+    let drawn = won_among(&held, bound);
+    assert_eq!(
+        drawn.len(),
+        entrants as usize,
+        "every entrant wins: {drawn:?}"
+    );
+    let first_come = won_among(&late, bound);
+    assert_eq!(
+        first_come.len(),
+        (stock - entrants) as usize,
+        "the units left go first come, no more"
+    );
+
+    let buyers = written_buyers(&app, id).await;
+    assert_eq!(buyers, drawn.union(&first_come).copied().collect());
+    let left: i32 = sqlx::query_scalar("SELECT stock FROM seckill_vouchers WHERE voucher_id = $1")
+        .bind(id)
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(left, 0, "never oversold");
+    let (_, draw) = app.get(&format!("/vouchers/{id}/draw"), None).await;
+    let listed: BTreeSet<i64> = serde_json::from_value(draw["entrants"].clone()).unwrap();
+    assert_eq!(listed, drawn, "only window presses are entrants");
+    assert!(!some_segment_holds_its_window(&app, id).await);
+}
