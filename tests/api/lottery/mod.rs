@@ -64,14 +64,16 @@ async fn until_after_begin(voucher: &Value, ms: u64) {
     tokio::time::sleep((at - Utc::now()).to_std().unwrap_or_default()).await;
 }
 
-/// Each user presses once against one of `bases` (in turn), all at once; each answer
-/// (`None`: none came) with how long it took.
+/// A user's press: its answer (`None`: none came), and how long it took.
+type Pressed = (i64, Option<(StatusCode, Value)>, Duration);
+
+/// Each user presses once against one of `bases` (in turn), all at once.
 async fn press_together(
     app: &TestApp,
     bases: &[String],
     voucher: i64,
     users: std::ops::RangeInclusive<i64>,
-) -> Vec<(i64, Option<(StatusCode, Value)>, Duration)> {
+) -> Vec<Pressed> {
     let n = users.clone().count();
     futures::stream::iter(users)
         .map(|user| {

@@ -6,12 +6,12 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use reqwest::StatusCode;
-use serde_json::{json, Value};
+use serde_json::json;
 use sqlx::PgPool;
 
 use super::{
     press_together, sale_in_segments, two_instances_and_a_worker, until_after_begin, verify_draw,
-    written_buyers,
+    written_buyers, Pressed,
 };
 use crate::common::{uid, vid, TestApp};
 use seckill::keys::SaleSegment;
@@ -49,10 +49,7 @@ async fn some_segment_holds_its_window(app: &TestApp, voucher: i64) -> bool {
 
 /// The users answered 202 among `answers`; every answer came within `within`, and any
 /// but a 202 or `sold_out` fails the test.
-fn won_among(
-    answers: &[(i64, Option<(StatusCode, Value)>, Duration)],
-    within: Duration,
-) -> BTreeSet<i64> {
+fn won_among(answers: &[Pressed], within: Duration) -> BTreeSet<i64> {
     let mut won = BTreeSet::new();
     for (user, answer, took) in answers {
         let (status, body) = answer.as_ref().expect("every press is answered");
