@@ -2,8 +2,8 @@
 //! several masters) draws once over all of them: one seed, one list of entrants, one set
 //! of winners, each admitted in its home segment; then it goes on first come.
 
-use std::collections::BTreeSet;
-use std::time::Duration;
+use std::collections::{BTreeSet, HashMap};
+use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
 use serde_json::json;
@@ -13,7 +13,9 @@ use super::{
     press_together, sale_in_segments, two_instances_and_a_worker, until_after_begin, verify_draw,
     written_buyers, Pressed,
 };
+use crate::common::faults::PrivateRedis;
 use crate::common::{uid, vid, TestApp};
+use crate::recovery::rollback::press_through_503s;
 use seckill::keys::SaleSegment;
 
 const SEGMENTS: u8 = 3;
@@ -212,4 +214,135 @@ async fn a_segmented_lottery_with_units_left_after_its_draw_sells_them_first_com
     let listed: BTreeSet<i64> = serde_json::from_value(draw["entrants"].clone()).unwrap();
     assert_eq!(listed, drawn, "only window presses are entrants");
     assert!(!some_segment_holds_its_window(&app, id).await);
+}
+
+/// How many draws Postgres records for `voucher`.
+async fn draws_recorded(app: &TestApp, voucher: i64) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM sale_draws WHERE voucher_id = $1")
+        .bind(voucher)
+        .fetch_one(&app.db)
+        .await
+        .unwrap()
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_segmented_draw_happens_once_when_the_only_instance_holding_presses_is_killed_as_it_draws(
+    db: PgPool,
+) {
+    let app = TestApp::spawn(db).await;
+    let (mut one, base_one) = app.spawn_server("api", &[]).await;
+    let (_two, base_two) = app.spawn_server("api", &[]).await;
+    let (stock, entrants, window_ms) = (20, 200, 1_500);
+    let opening = json!({"mode": "lottery", "window_ms": window_ms});
+    let voucher = sale_in_segments(&app, stock, 2_000, opening, SEGMENTS).await;
+    let id = voucher["id"].as_i64().unwrap();
+    until_after_begin(&voucher, 100).await;
+
+    // Every held press is instance one's, so it draws; it is killed just after the
+    // window's end: before, during or after its record, or amid its segments' rebuilds.
+    let kill = async {
+        until_after_begin(&voucher, window_ms as u64 + 15).await;
+        one.kill9();
+    };
+    let bases = [base_one];
+    let (answers, ()) = tokio::join!(press_together(&app, &bases, id, 1..=entrants), kill);
+    let answered = answers.iter().filter(|(_, a, _)| a.is_some()).count();
+
+    // Another instance (every instance looks each second) finishes the draw with
+    // nobody pressing: recorded once, every segment rebuilt.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while draws_recorded(&app, id).await == 0 || some_segment_holds_its_window(&app, id).await {
+        assert!(Instant::now() < deadline, "the draw was never finished");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Everyone presses again elsewhere: exactly the stock holds an order.
+    let again = press_through_503s(&app, &base_two, id, 1..=entrants).await;
+    let mut won = BTreeSet::new();
+    for (user, (status, body)) in &again {
+        match body["error"]["code"].as_str() {
+            Some("already_ordered") => {
+                won.insert(*user);
+            }
+            Some("sold_out") => {}
+            _ => panic!("user {user}: {status} {body}"),
+        }
+    }
+    assert_eq!(won.len(), stock as usize, "one draw, exactly the stock");
+    for (user, answer, _) in &answers {
+        if let Some((StatusCode::ACCEPTED, _)) = answer {
+            assert!(won.contains(user), "a 202 before the kill stands: {user}");
+        }
+    }
+    assert_eq!(written_buyers(&app, id).await, won);
+    assert_eq!(draws_recorded(&app, id).await, 1);
+    let (_, draw) = app.get(&format!("/vouchers/{id}/draw"), None).await;
+    let drawn: BTreeSet<i64> = serde_json::from_value(draw["winners"].clone()).unwrap();
+    assert_eq!(drawn, won, "the winners are the draw's");
+    let (ok, said) = verify_draw(&[&app.url(""), &id.to_string()]).await;
+    assert!(ok, "{said}");
+    assert_eq!(allotments(&app, id).await.iter().sum::<i32>(), stock as i32);
+    println!("{answered} of {entrants} presses answered before the kill; {said}");
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_segmented_draw_redis_loses_after_answering_is_not_drawn_again_and_its_winners_stand(
+    db: PgPool,
+) {
+    let mut redis = PrivateRedis::start();
+    let app = TestApp::spawn_with(db, redis.url.clone(), true).await;
+    let (_api, base) = app.spawn_server("api", &[]).await;
+    let (stock, entrants, window_ms) = (10, 60, 1_500);
+    let opening = json!({"mode": "lottery", "window_ms": window_ms});
+    let voucher = sale_in_segments(&app, stock, 1_500, opening, SEGMENTS).await;
+    let id = voucher["id"].as_i64().unwrap();
+    until_after_begin(&voucher, 100).await;
+
+    // A snapshot late in the window: every segment's entries in it, nothing drawn.
+    let snapshot = async {
+        until_after_begin(&voucher, window_ms as u64 - 300).await;
+        redis.save();
+    };
+    let bases = [base.clone()];
+    let (answers, ()) = tokio::join!(press_together(&app, &bases, id, 1..=entrants), snapshot);
+    let mut won = HashMap::new();
+    for (user, answer, _) in answers {
+        let (status, body) = answer.expect("every press is answered");
+        match status {
+            StatusCode::ACCEPTED => {
+                won.insert(user, body["order_id"].as_str().unwrap().to_owned());
+            }
+            _ => assert_eq!(body["error"]["code"], "sold_out", "user {user}: {body}"),
+        }
+    }
+    assert_eq!(won.len(), stock as usize, "exactly the stock is drawn");
+
+    // Redis back from the snapshot: every segment holds its window again.
+    redis.crash_and_restart();
+    assert!(some_segment_holds_its_window(&app, id).await);
+
+    // Everyone presses again: the winners hold their orders, nobody else wins anything.
+    let again = press_through_503s(&app, &base, id, 1..=entrants + 20).await;
+    for (user, (status, body)) in &again {
+        match won.get(user) {
+            Some(order) => {
+                assert_eq!(
+                    body["error"]["code"], "already_ordered",
+                    "winner {user}: {status} {body}"
+                );
+                assert_eq!(body["error"]["order_id"].as_str(), Some(order.as_str()));
+            }
+            None => assert_eq!(
+                body["error"]["code"], "sold_out",
+                "user {user}: {status} {body}"
+            ),
+        }
+    }
+    let buyers = written_buyers(&app, id).await;
+    assert_eq!(buyers, won.keys().copied().collect::<BTreeSet<_>>());
+    assert_eq!(app.pg_stock(id).await, 0);
+    assert_eq!(draws_recorded(&app, id).await, 1);
+    assert!(!some_segment_holds_its_window(&app, id).await);
+    let (ok, said) = verify_draw(&[&app.url(""), &id.to_string()]).await;
+    assert!(ok, "{said}");
 }
