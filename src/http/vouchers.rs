@@ -107,8 +107,8 @@ pub(crate) struct CreateSeckill {
     /// How the sale opens (default `{"mode": "first_come"}`). A lottery
     /// (`{"mode": "lottery", "window_ms": W}`, W 100 to 10000) takes every shopper who
     /// presses in the first W ms after `begin_time` as an entrant and draws
-    /// min(stock, entrants) winners once the window is over; it must begin in the
-    /// future, end after its window, and have one segment.
+    /// min(stock, entrants) winners once the window is over (once over all the sale's
+    /// segments); it must begin in the future and end after its window.
     #[serde(default)]
     pub opening: Opening,
 }
