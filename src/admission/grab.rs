@@ -314,8 +314,16 @@ impl Admission {
         voucher_id: VoucherId,
         segments: u8,
     ) -> Result<Arc<lottery::Drawn>, ()> {
-        match lottery::parts::draw(&self.stores(), voucher_id, segments).await {
-            Ok(Some(drawn)) => Ok(Arc::new(drawn)),
+        let stores = self.stores();
+        match lottery::parts::draw(&stores, voucher_id, segments).await {
+            Ok(Some(drawn)) => {
+                // The held presses are answered from the record; presses that meet a
+                // segment not rebuilt yet wait for it.
+                tokio::spawn(async move {
+                    lottery::parts::rebuild_after(&stores, voucher_id, segments).await
+                });
+                Ok(Arc::new(drawn))
+            }
             Ok(None) => Err(()),
             Err(e) => {
                 tracing::warn!(voucher_id = voucher_id.get(), error = %e, "the segmented lottery's draw failed");
@@ -324,11 +332,11 @@ impl Admission {
         }
     }
 
-    fn stores(&self) -> lottery::parts::Stores<'_> {
+    fn stores(&self) -> lottery::parts::Stores {
         lottery::parts::Stores {
-            db: &self.db,
-            redis: &self.redis,
-            keys: &self.keys,
+            db: self.db.clone(),
+            redis: self.redis.clone(),
+            keys: self.keys.clone(),
             retention: self.retention,
             replicas: self.replicas,
         }
@@ -401,7 +409,13 @@ impl Admission {
             None => return Ok(()),
         };
         if segments > 1 {
-            lottery::parts::draw(&self.stores(), voucher_id, segments).await?;
+            let stores = self.stores();
+            if lottery::parts::draw(&stores, voucher_id, segments)
+                .await?
+                .is_some()
+            {
+                lottery::parts::rebuild_after(&stores, voucher_id, segments).await;
+            }
             return Ok(());
         }
         // Drawn already, not recorded (Postgres was away when the held presses read it).

@@ -58,23 +58,22 @@ impl Drawn {
 /// once read.
 #[derive(Default)]
 pub struct Lottery {
-    windows: Mutex<HashMap<VoucherId, Option<Window>>>,
+    windows: Mutex<HashMap<VoucherId, Arc<OnceCell<Option<Window>>>>>,
     drawn: Mutex<HashMap<VoucherId, Arc<OnceCell<Arc<Drawn>>>>>,
 }
 
 impl Lottery {
-    /// The sale's entry window (`None`: not a lottery), asked of Postgres once.
+    /// The sale's entry window (`None`: not a lottery), asked of Postgres once (one
+    /// question at a time: a storm of presses asks once).
     pub async fn window(
         &self,
         db: &PgPool,
         voucher_id: VoucherId,
     ) -> Result<Option<Window>, sqlx::Error> {
-        if let Some(window) = lock(&self.windows).get(&voucher_id) {
-            return Ok(*window);
-        }
-        let window = store::draws::window(db, voucher_id).await?;
-        lock(&self.windows).insert(voucher_id, window);
-        Ok(window)
+        let cell = lock(&self.windows).entry(voucher_id).or_default().clone();
+        cell.get_or_try_init(|| store::draws::window(db, voucher_id))
+            .await
+            .copied()
     }
 
     /// The sale's draw, once some held press of this instance has read it; `None`: it

@@ -7,10 +7,10 @@
 //! winners' orders (each in its home segment, under the epoch that segment's entries
 //! were read from) and the segments' allotments shared out anew (each its winners' units
 //! and its share of the rest; nothing is sold before a draw). Under the sale's lock the
-//! record checks that every segment is still the state it read. Then each segment still
-//! holding its window is rebuilt from Postgres through the fence: its winners are its
-//! buyers, the other entrants' marks go, the rest of its allotment is its stock, and it
-//! goes on first come.
+//! record checks that every segment is still the state it read. Held presses are
+//! answered from the record at once; meanwhile each segment still holding its window is
+//! rebuilt from Postgres through the fence: its winners are its buyers, the other
+//! entrants' marks go, the rest of its allotment is its stock, and it goes on first come.
 //!
 //! A crash between the record and the rebuilds leaves segments holding their window
 //! (presses there wait, and answer `unavailable` after [`ANSWER_WITHIN`]): whoever reads
@@ -38,33 +38,31 @@ use crate::store::draws::{Draw, Recorded};
 use crate::store::orders::NewOrder;
 
 /// Where a segmented sale's draw is read from and written to.
-pub struct Stores<'a> {
-    pub db: &'a PgPool,
-    pub redis: &'a RedisConn,
-    pub keys: &'a Keys,
+#[derive(Clone)]
+pub struct Stores {
+    pub db: PgPool,
+    pub redis: RedisConn,
+    pub keys: Keys,
     /// For the segments' rebuilds (as every load of the process).
     pub retention: Duration,
     pub replicas: Replicas,
 }
 
 /// The draw of a sale in `segments` segments as Postgres records it, drawing and
-/// recording it first when every segment's window is over; each segment still holding
-/// its window is rebuilt after it. `None`: not drawn (a window still open somewhere, a
-/// segment not loaded, a segment rebuilt while its entries were read: asked again).
+/// recording it first when every segment's window is over. `None`: not drawn (a window
+/// still open somewhere, a segment not loaded, a segment rebuilt while its entries were
+/// read: asked again). The segments still holding their window are to be rebuilt after
+/// it ([`rebuild_after`]); held presses need not wait for that: their answers are the
+/// record's.
 pub async fn draw(
-    stores: &Stores<'_>,
+    stores: &Stores,
     voucher_id: VoucherId,
     segments: u8,
 ) -> anyhow::Result<Option<Drawn>> {
-    let drawn = match recorded(stores.db, voucher_id).await? {
-        Some(drawn) => drawn,
-        None => match draw_and_record(stores, voucher_id, segments).await? {
-            Some(drawn) => drawn,
-            None => return Ok(None),
-        },
-    };
-    rebuild_after(stores, voucher_id, segments).await;
-    Ok(Some(drawn))
+    match recorded(&stores.db, voucher_id).await? {
+        Some(drawn) => Ok(Some(drawn)),
+        None => draw_and_record(stores, voucher_id, segments).await,
+    }
 }
 
 /// One segment's entries once its window is over.
@@ -79,7 +77,7 @@ enum Closed {
 }
 
 async fn draw_and_record(
-    stores: &Stores<'_>,
+    stores: &Stores,
     voucher_id: VoucherId,
     segments: u8,
 ) -> anyhow::Result<Option<Drawn>> {
@@ -98,9 +96,9 @@ async fn draw_and_record(
                 // marks it still holds kept), and read on the next try.
                 let mut conn = stores.redis.clone();
                 loader::load_segment(
-                    stores.db,
+                    &stores.db,
                     &mut conn,
-                    stores.keys,
+                    &stores.keys,
                     segment,
                     stores.retention,
                     Mode::Heal,
@@ -111,7 +109,7 @@ async fn draw_and_record(
             }
         }
     }
-    let Some((seed, stock)) = store::draws::seed_and_stock(stores.db, voucher_id).await? else {
+    let Some((seed, stock)) = store::draws::seed_and_stock(&stores.db, voucher_id).await? else {
         return Ok(None);
     };
     let entrants: Vec<i64> = entries.keys().copied().collect();
@@ -156,7 +154,7 @@ async fn draw_and_record(
         })
     };
     let recorded = store::draws::record(
-        stores.db,
+        &stores.db,
         voucher_id,
         &draw,
         &orders,
@@ -182,7 +180,7 @@ async fn draw_and_record(
 }
 
 /// A segment's entrants, read in the instant its server says the window is over.
-async fn closed_entries(stores: &Stores<'_>, segment: SaleSegment) -> anyhow::Result<Closed> {
+async fn closed_entries(stores: &Stores, segment: SaleSegment) -> anyhow::Result<Closed> {
     let mut call = Call::function("seckill_entries");
     call.key(stores.keys.segment(segment))
         .key(stores.keys.segment_marker(segment));
@@ -219,15 +217,15 @@ fn allotments(winners: &[NewOrder], stock: i32, segments: u8) -> Vec<i32> {
     allotted
 }
 
-/// Rebuilds every segment that still holds its window (each logged when it fails: the
-/// next reader of the draw tries again).
-async fn rebuild_after(stores: &Stores<'_>, voucher_id: VoucherId, segments: u8) {
-    for segment in SaleSegment::all(voucher_id, segments) {
+/// Rebuilds, all at once, every segment of a drawn sale that still holds its window (each
+/// logged when it fails: the next reader of the draw tries again).
+pub async fn rebuild_after(stores: &Stores, voucher_id: VoucherId, segments: u8) {
+    let rebuilds = SaleSegment::all(voucher_id, segments).map(|segment| async move {
         let mut conn = stores.redis.clone();
         let rebuilt = loader::load_segment(
-            stores.db,
+            &stores.db,
             &mut conn,
-            stores.keys,
+            &stores.keys,
             segment,
             stores.retention,
             Mode::Drawn,
@@ -242,7 +240,8 @@ async fn rebuild_after(stores: &Stores<'_>, voucher_id: VoucherId, segments: u8)
                 "a segment of a drawn lottery was not rebuilt yet"
             );
         }
-    }
+    });
+    futures_util::future::join_all(rebuilds).await;
 }
 
 #[cfg(test)]
