@@ -231,6 +231,11 @@ impl Admission {
                     Outcome::AlreadyOrdered { order_id } if order_id == entered => {
                         Outcome::Admitted { order_id }
                     }
+                    outcome @ (Outcome::Drawing
+                    | Outcome::NotLoaded
+                    | Outcome::Unavailable(Unavailable::Redis)) => {
+                        self.after_draw(user_id, voucher_id, entered, outcome).await
+                    }
                     outcome => outcome,
                 }
             }

@@ -60,14 +60,15 @@ pub async fn due(db: &PgPool) -> Result<Vec<VoucherId>, sqlx::Error> {
     .await
 }
 
-/// A lottery sale's secret seed and its units (all of them until its draw: nothing is
-/// sold before it); `None`: no lottery sale.
+/// A lottery sale's secret seed and its units: its initial stock, all of them until its
+/// draw (nothing is sold before it), read the same by every instance drawing at any
+/// moment; `None`: no lottery sale.
 pub async fn seed_and_stock(
     db: &PgPool,
     voucher_id: VoucherId,
 ) -> Result<Option<(String, i32)>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT draw_seed, stock FROM seckill_vouchers \
+        "SELECT draw_seed, initial_stock FROM seckill_vouchers \
          WHERE voucher_id = $1 AND opening_mode = 'lottery' AND draw_seed IS NOT NULL",
     )
     .bind(voucher_id)
