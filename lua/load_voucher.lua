@@ -38,7 +38,9 @@
 --                      released the lock)
 -- seckill_load also reads:
 --   mode               'create' (only if missing), 'heal' (if missing, or built in
---                      another term, or corrupt), 'repair' (overwrite)
+--                      another term, or corrupt), 'repair' (overwrite), 'drawn' (a
+--                      segmented lottery's part after its draw: only a state of this
+--                      term still holding its window, armed with Postgres's epoch)
 --   epoch              the epoch this build drew
 --   pg_term            the term of the server life Postgres's epoch was built into
 --   begin_ms, end_ms, expire_at_ms
@@ -215,14 +217,20 @@ end
 
 -- Whether a load leaves the state as it is: -1 (there, for a create; there, of this
 -- term, sound and armed with Postgres's epoch, for a heal, which arms a state written
--- with Postgres's epoch whose loader died after the commit), -4 (the sale lives on a
--- newer server life), or nil: build it.
+-- with Postgres's epoch whose loader died after the commit; for a drawn part, anything
+-- but a state of this term holding its window, armed with Postgres's epoch: an old
+-- primary's copy is not the sale's, and one rebuilt already stays), -4 (the sale lives
+-- on a newer server life), or nil: build it.
 local function left_alone(k, a, now, exists, this_term)
   if a.mode == 'create' and exists then
     return -1
   end
-  if (a.mode == 'create' or a.mode == 'heal') and a.pg_term and older(this_term, a.pg_term) then
+  if a.mode ~= 'repair' and a.pg_term and older(this_term, a.pg_term) then
     return -4
+  end
+  if a.mode == 'drawn' and (not exists or now[4] ~= this_term or not now[9]
+      or not now[7] or now[7] ~= a.pg_epoch) then
+    return -1
   end
   -- (A corrupt buyer record is rebuilt by 'repair': admission names it apart.)
   if a.mode ~= 'heal' or not exists or now[4] ~= this_term or not whole(now[1])

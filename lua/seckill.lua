@@ -713,14 +713,17 @@ end
 -- KEYS[1] the part's hash  KEYS[2] the shard's term marker
 -- Returns {0, epoch, user_id, order_id, user_id, order_id, ...} (its entrants, in no
 -- order); {1} no window to draw (not loaded, not armed, not of this term, or rebuilt
--- since its draw); {2} its window is still open.
+-- since its draw); {2} its window is still open; {3} the sale has ended (or was closed):
+-- no draw, as a sale in one part never draws once ended.
 local function entries(keys, argv)
   local now = clock()
-  local v = redis.call('HMGET', keys[1], 'lottery_end', 'epoch', 'term')
+  local v = redis.call('HMGET', keys[1], 'lottery_end', 'epoch', 'term', 'end_ms')
   if not v[1] or not whole(v[2]) or v[3] ~= current_term(keys[2], false) then
     return {1}
   elseif now < (tonumber(v[1]) or 0) then
     return {2}
+  elseif now >= (tonumber(v[4]) or 0) then
+    return {3}
   end
   local all, out = redis.call('HGETALL', keys[1]), {0, v[2]}
   for i = 1, #all, 2 do

@@ -279,6 +279,12 @@ impl Admission {
                 {
                     tokio::time::sleep(RETRY_DRAW).await
                 }
+                Outcome::Drawing => {
+                    // Drawn and recorded, and still not rebuilt (its rebuild cut short,
+                    // or failed): rebuilt now, whoever would have.
+                    self.reload_in_background(voucher_id, loader::Mode::Drawn);
+                    return Outcome::Drawing;
+                }
                 outcome => return outcome,
             }
         }

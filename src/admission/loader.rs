@@ -58,7 +58,8 @@ impl Mode {
         match self {
             Mode::Create => "create",
             Mode::Heal => "heal",
-            Mode::Repair | Mode::Drawn => "repair",
+            Mode::Repair => "repair",
+            Mode::Drawn => "drawn",
         }
     }
 }

@@ -160,10 +160,7 @@ pub async fn record(
             Persisted::Rejected(why) => return Ok(Recorded::Refused(why.reason())),
         }
     }
-    if !allotments.is_empty() {
-        super::segments::allot(&mut tx, voucher_id, allotments).await?;
-    }
-    sqlx::query(
+    let inserted = sqlx::query(
         "INSERT INTO sale_draws (voucher_id, seed, entrants, winners, drawn_at) \
          VALUES ($1, $2, $3, $4, $5) ON CONFLICT (voucher_id) DO NOTHING",
     )
@@ -173,7 +170,12 @@ pub async fn record(
     .bind(&draw.winners)
     .bind(draw.drawn_at)
     .execute(&mut *tx)
-    .await?;
+    .await?
+    .rows_affected();
+    // Shared out once, by the record that made the draw: units may have moved since.
+    if inserted == 1 && !allotments.is_empty() {
+        super::segments::allot(&mut tx, voucher_id, allotments).await?;
+    }
     let (seed, recorded): (String, Vec<i64>) =
         sqlx::query_as("SELECT seed, winners FROM sale_draws WHERE voucher_id = $1")
             .bind(voucher_id)

@@ -69,7 +69,7 @@ pub async fn draw(
 enum Closed {
     /// Its epoch, and its entrants with the order each entered under.
     Entries(i64, Vec<(i64, OrderId)>),
-    /// Its window is still open.
+    /// Its window is still open, or the sale has ended (then it is never drawn).
     Open,
     /// No window to draw: not loaded, not armed, of another term of its server (or
     /// rebuilt since a draw).
@@ -187,7 +187,7 @@ async fn closed_entries(stores: &Stores, segment: SaleSegment) -> anyhow::Result
     let reply: Vec<String> = call.invoke(&mut stores.redis.clone()).await?;
     match reply.first().map(String::as_str) {
         Some("0") => {}
-        Some("2") => return Ok(Closed::Open),
+        Some("2") | Some("3") => return Ok(Closed::Open),
         _ => return Ok(Closed::NoWindow),
     }
     let epoch = reply
