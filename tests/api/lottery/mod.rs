@@ -148,6 +148,37 @@ async fn verify_draw(args: &[&str]) -> (bool, String) {
     (out.status.success(), text)
 }
 
+/// Users 1..=`entrants` press `voucher`'s lottery through `base` while `redis` saves a
+/// snapshot 300 ms before its window ends (every entry in it, nothing drawn); each
+/// answer is a 202 or `sold_out`. The winners and their order ids.
+async fn press_with_a_snapshot_late_in_the_window(
+    app: &TestApp,
+    redis: &PrivateRedis,
+    base: &str,
+    voucher: &Value,
+    entrants: i64,
+) -> HashMap<i64, String> {
+    let id = voucher["id"].as_i64().unwrap();
+    let window_ms = voucher["seckill"]["opening"]["window_ms"].as_u64().unwrap();
+    let snapshot = async {
+        until_after_begin(voucher, window_ms - 300).await;
+        redis.save();
+    };
+    let bases = [base.to_owned()];
+    let (answers, ()) = tokio::join!(press_together(app, &bases, id, 1..=entrants), snapshot);
+    let mut won = HashMap::new();
+    for (user, answer, _) in answers {
+        let (status, body) = answer.expect("every press is answered");
+        match status {
+            StatusCode::ACCEPTED => {
+                won.insert(user, body["order_id"].as_str().unwrap().to_owned());
+            }
+            _ => assert_eq!(body["error"]["code"], "sold_out", "user {user}: {body}"),
+        }
+    }
+    won
+}
+
 #[sqlx::test(migrations = "./migrations")]
 async fn a_lottery_through_two_instances_admits_exactly_its_stock_and_anyone_can_verify_the_draw(
     db: PgPool,
@@ -426,23 +457,8 @@ async fn a_draw_redis_loses_after_answering_is_not_drawn_again_and_its_winners_s
     let id = voucher["id"].as_i64().unwrap();
     until_after_begin(&voucher, 100).await;
 
-    // A snapshot late in the window: every entry in it, nothing drawn yet.
-    let snapshot = async {
-        until_after_begin(&voucher, window_ms as u64 - 300).await;
-        redis.save();
-    };
-    let bases = [base.clone()];
-    let (answers, ()) = tokio::join!(press_together(&app, &bases, id, 1..=entrants), snapshot);
-    let mut won = HashMap::new();
-    for (user, answer, _) in answers {
-        let (status, body) = answer.expect("every press is answered");
-        match status {
-            StatusCode::ACCEPTED => {
-                won.insert(user, body["order_id"].as_str().unwrap().to_owned());
-            }
-            _ => assert_eq!(body["error"]["code"], "sold_out", "user {user}: {body}"),
-        }
-    }
+    let won =
+        press_with_a_snapshot_late_in_the_window(&app, &redis, &base, &voucher, entrants).await;
     assert_eq!(won.len(), stock as usize, "exactly the stock is drawn");
     // Answered only once recorded: the winners' orders are rows before any worker ran.
     let rows: HashMap<i64, String> = app

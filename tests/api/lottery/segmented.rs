@@ -2,7 +2,7 @@
 //! several masters) draws once over all of them: one seed, one list of entrants, one set
 //! of winners, each admitted in its home segment; then it goes on first come.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
@@ -10,26 +10,16 @@ use serde_json::json;
 use sqlx::PgPool;
 
 use super::{
-    press_together, sale_in_segments, two_instances_and_a_worker, until_after_begin, verify_draw,
-    written_buyers, Pressed,
+    press_together, press_with_a_snapshot_late_in_the_window, sale_in_segments,
+    two_instances_and_a_worker, until_after_begin, verify_draw, written_buyers, Pressed,
 };
 use crate::common::faults::PrivateRedis;
 use crate::common::{uid, vid, TestApp};
 use crate::recovery::rollback::press_through_503s;
+use crate::segments::moves::allotments;
 use seckill::keys::SaleSegment;
 
 const SEGMENTS: u8 = 3;
-
-/// Each segment's allotment, as Postgres holds it.
-async fn allotments(app: &TestApp, voucher: i64) -> Vec<i32> {
-    sqlx::query_scalar(
-        "SELECT allotted FROM seckill_segments WHERE voucher_id = $1 ORDER BY segment",
-    )
-    .bind(voucher)
-    .fetch_all(&app.db)
-    .await
-    .unwrap()
-}
 
 /// Whether some segment's Redis state still holds its window or an entrant's mark.
 async fn some_segment_holds_its_window(app: &TestApp, voucher: i64) -> bool {
@@ -298,23 +288,8 @@ async fn a_segmented_draw_redis_loses_after_answering_is_not_drawn_again_and_its
     let id = voucher["id"].as_i64().unwrap();
     until_after_begin(&voucher, 100).await;
 
-    // A snapshot late in the window: every segment's entries in it, nothing drawn.
-    let snapshot = async {
-        until_after_begin(&voucher, window_ms as u64 - 300).await;
-        redis.save();
-    };
-    let bases = [base.clone()];
-    let (answers, ()) = tokio::join!(press_together(&app, &bases, id, 1..=entrants), snapshot);
-    let mut won = HashMap::new();
-    for (user, answer, _) in answers {
-        let (status, body) = answer.expect("every press is answered");
-        match status {
-            StatusCode::ACCEPTED => {
-                won.insert(user, body["order_id"].as_str().unwrap().to_owned());
-            }
-            _ => assert_eq!(body["error"]["code"], "sold_out", "user {user}: {body}"),
-        }
-    }
+    let won =
+        press_with_a_snapshot_late_in_the_window(&app, &redis, &base, &voucher, entrants).await;
     assert_eq!(won.len(), stock as usize, "exactly the stock is drawn");
 
     // Redis back from the snapshot: every segment holds its window again.

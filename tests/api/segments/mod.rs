@@ -15,7 +15,7 @@ use seckill::keys::SaleSegment;
 
 mod cluster;
 mod lost_writes;
-mod moves;
+pub(crate) mod moves;
 mod restart;
 
 /// Creates a sale of `stock` open now for an hour, split over `segments`; its id.

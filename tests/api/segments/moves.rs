@@ -25,7 +25,8 @@ async fn segment_stocks(app: &TestApp, voucher: i64, segments: u8) -> Vec<i64> {
     out
 }
 
-async fn allotments(app: &TestApp, voucher: i64) -> Vec<i32> {
+/// Each segment's allotment, as Postgres holds it.
+pub(crate) async fn allotments(app: &TestApp, voucher: i64) -> Vec<i32> {
     sqlx::query_scalar(
         "SELECT allotted FROM seckill_segments WHERE voucher_id = $1 ORDER BY segment",
     )
