@@ -174,9 +174,7 @@ impl Admission {
                 self.await_draw(shopper.user_id, voucher_id, order_id)
                     .await?
             }
-            outcome @ (Outcome::Drawing
-            | Outcome::NotLoaded
-            | Outcome::Unavailable(Unavailable::Redis)) => {
+            outcome if outcome.may_await_a_draw() => {
                 self.after_draw(shopper.user_id, voucher_id, order_id, outcome)
                     .await
             }
@@ -231,9 +229,7 @@ impl Admission {
                     Outcome::AlreadyOrdered { order_id } if order_id == entered => {
                         Outcome::Admitted { order_id }
                     }
-                    outcome @ (Outcome::Drawing
-                    | Outcome::NotLoaded
-                    | Outcome::Unavailable(Unavailable::Redis)) => {
+                    outcome if outcome.may_await_a_draw() => {
                         self.after_draw(user_id, voucher_id, entered, outcome).await
                     }
                     outcome => outcome,
@@ -272,10 +268,9 @@ impl Admission {
                 .admit(&self.batcher, voucher_id, user_id, order_id)
                 .await;
             match Outcome::of(decided, order_id) {
-                Outcome::Drawing
-                | Outcome::NotLoaded
-                | Outcome::Unavailable(Unavailable::Redis)
-                    if tokio::time::Instant::now() + RETRY_DRAW < deadline =>
+                outcome
+                    if outcome.may_await_a_draw()
+                        && tokio::time::Instant::now() + RETRY_DRAW < deadline =>
                 {
                     tokio::time::sleep(RETRY_DRAW).await
                 }

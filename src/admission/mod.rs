@@ -139,6 +139,16 @@ impl Outcome {
         }
     }
 
+    /// A refusal that took nothing and that a segmented lottery's draw, or a segment's
+    /// rebuild after it, may cause: such a press waits for the draw and grabs again
+    /// (`Admission::after_draw`).
+    pub(crate) fn may_await_a_draw(&self) -> bool {
+        matches!(
+            self,
+            Outcome::Drawing | Outcome::NotLoaded | Outcome::Unavailable(Unavailable::Redis)
+        )
+    }
+
     /// Why a grab refused with nothing reserved was refused, in words for the shopper
     /// (a `503`).
     pub fn unavailable_because(&self) -> &'static str {
