@@ -67,6 +67,8 @@ pub(crate) const PROMISES_KEPT: &str = "seckill_promises_kept";
 pub(crate) const EDGE_ANSWERS: &str = "seckill_edge_answers_total";
 /// Announcements of sale changes this instance heard (see `sale_changes`).
 pub(crate) const SALE_CHANGES_HEARD: &str = "seckill_sale_changes_heard_total";
+/// How long after its lottery window a held press was answered (see `admission::lottery`).
+pub(crate) const LOTTERY_ANSWER_SECONDS: &str = "seckill_lottery_answer_delay_seconds";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
@@ -96,13 +98,15 @@ const fn m(name: &'static str, kind: Kind, unit: Option<Unit>, help: &'static st
 #[rustfmt::skip]
 pub(crate) const DESCRIBED: &[Described] = &[
     m(ADMISSIONS, Kind::Counter, None,
-        "Grab attempts by outcome: admitted, sold_out, already_ordered, not_started, ended, not_loaded, not_found (no such sale, answered from the instance's memory), stale (the sale's state predates the server's term and is being rebuilt), corrupt, held (a new term not opened yet), fenced (the sale was rebuilt on another Redis server), rate_limited, redis_error, not_ready (not tried: no order-id lease yet, or the shopper's earlier 202 is being recovered). Those answered at the edge are counted here too."),
+        "Grab attempts by outcome: admitted, sold_out, already_ordered, not_started, ended, not_loaded, not_found (no such sale, answered from the instance's memory), stale (the sale's state predates the server's term and is being rebuilt), corrupt, held (a new term not opened yet), fenced (the sale was rebuilt on another Redis server), rate_limited, redis_error, not_ready (not tried: no order-id lease yet, or the shopper's earlier 202 is being recovered), entered (a lottery entry held until the draw), drawing (a segmented lottery's segment not rebuilt after its draw yet). Those answered at the edge are counted here too."),
     m(EDGE_ANSWERS, Kind::Counter, None,
         "Grabs this instance answered by itself from what Redis last told it, without asking Redis, by outcome: sold_out, not_started, ended, not_found."),
     m(SALE_CHANGES_HEARD, Kind::Counter, None,
         "Announcements that a sale's state changed (a unit came back, a load, a close) this instance heard; each makes it forget what it remembered of the sale. Flat while units come back means the subscription is not hearing them."),
     m(ADMISSION_SECONDS, Kind::Histogram, Some(Unit::Seconds),
         "Time from a grab's turn at admission to the script's answer, per grab: the wait for its shard's call in flight, then the script's round trip in Redis."),
+    m(LOTTERY_ANSWER_SECONDS, Kind::Histogram, Some(Unit::Seconds),
+        "Time from a lottery sale's window end to the decision of a press held in it, per held press: the draw, its record in Postgres, and the wake-up of the held presses. The contract bounds it at 0.5 s; the client's own reading comes on top."),
     m(HTTP_REQUESTS, Kind::Counter, None,
         "HTTP requests answered, by route template (\"unmatched\" for unknown paths) and status code."),
     m(HTTP_SECONDS, Kind::Histogram, Some(Unit::Seconds),
@@ -243,6 +247,11 @@ pub(crate) fn record_admission_wait(histogram: &metrics::Histogram, secs: f64) {
     ADMISSION_WAITS[bucket].fetch_add(1, Ordering::Relaxed);
 }
 
+/// Records how long after its window (`secs`) a held lottery press was decided.
+pub(crate) fn record_lottery_answer(secs: f64) {
+    metrics::histogram!(LOTTERY_ANSWER_SECONDS).record(secs);
+}
+
 /// Registers, at zero, every series whose labels are known before anything happens
 /// (registering does not change a value), and the unlabelled histograms (empty). Not
 /// here: the HTTP series (their routes and statuses come with traffic) and the sampled
@@ -303,6 +312,7 @@ fn register_known_series() {
     let _ = metrics::histogram!(ADMISSION_SECONDS);
     let _ = metrics::histogram!(WORKER_BATCH_SIZE);
     let _ = metrics::histogram!(WORKER_COMMIT_SECONDS);
+    let _ = metrics::histogram!(LOTTERY_ANSWER_SECONDS);
 }
 
 /// How long a scrape waits for the streams' figures (every shard together).

@@ -196,24 +196,53 @@ impl Admission {
         voucher_id: VoucherId,
         entered: OrderId,
     ) -> Result<Outcome, sqlx::Error> {
-        let unknown = Outcome::Unknown { order_id: entered };
         let Some(window) = self.lottery.window(&self.db, voucher_id).await? else {
-            return Ok(unknown);
+            return Ok(Outcome::Unknown { order_id: entered });
         };
         let left = (window.end - chrono::Utc::now())
             .to_std()
             .unwrap_or_default();
+        // (Entered after the window: a segment of a segmented sale the draw has not
+        // rebuilt yet still marks its entrants.)
+        let held = !left.is_zero();
         let end = tokio::time::Instant::now() + left;
         tokio::time::sleep_until(end).await;
+        let outcome = self
+            .held_answer(user_id, voucher_id, entered, window, end, held)
+            .await;
+        if held {
+            crate::metrics::record_lottery_answer(end.elapsed().as_secs_f64());
+        }
+        Ok(outcome)
+    }
+
+    /// What a press entered in the window is answered, the window over at `end`; one
+    /// entered after it (not `held`) is told of an order the draw gave only while that
+    /// order still holds its unit (it may have closed since the draw).
+    async fn held_answer(
+        self: &Arc<Self>,
+        user_id: UserId,
+        voucher_id: VoucherId,
+        entered: OrderId,
+        window: lottery::Window,
+        end: tokio::time::Instant,
+        held: bool,
+    ) -> Outcome {
         let deadline = end + lottery::ANSWER_WITHIN;
         let Some(drawn) = self
             .drawn(user_id, voucher_id, entered, window, deadline)
             .await
         else {
-            return Ok(unknown);
+            return Outcome::Unknown { order_id: entered };
         };
         let user = user_id.get();
-        Ok(match drawn.winners.get(&user) {
+        match drawn.winners.get(&user) {
+            Some(&order_id) if !held && !self.still_holds(order_id).await => {
+                // Closed since (its unit back on sale), or Postgres cannot say: the
+                // segment's rebuild from Postgres tells.
+                self.reload_in_background(voucher_id, loader::Mode::Drawn);
+                Outcome::Drawing
+            }
             Some(&order_id) if order_id == entered => Outcome::Admitted { order_id },
             // (Entered again under another id after a rebuild lost the first entry.)
             Some(&order_id) => Outcome::AlreadyOrdered { order_id },
@@ -235,7 +264,14 @@ impl Admission {
                     outcome => outcome,
                 }
             }
-        })
+        }
+    }
+
+    /// Whether the order still holds its unit (`false` too when Postgres cannot say).
+    async fn still_holds(&self, order_id: OrderId) -> bool {
+        crate::store::draws::holds_unit(&self.db, order_id)
+            .await
+            .unwrap_or(false)
     }
 
     /// A press that took nothing (`refused`) from a segmented lottery sale past its

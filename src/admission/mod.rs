@@ -100,7 +100,7 @@ pub enum Unavailable {
 
 impl Outcome {
     /// The metric labels, in the order of [`Outcome::index`].
-    pub(crate) const LABELS: [&'static str; 15] = [
+    pub(crate) const LABELS: [&'static str; 16] = [
         "rate_limited",
         "admitted",
         "not_loaded",
@@ -116,6 +116,7 @@ impl Outcome {
         "redis_error",
         "not_ready",
         "entered",
+        "drawing",
     ];
 
     /// Its place in [`Outcome::LABELS`] (counters are arrays in that order).
@@ -123,7 +124,7 @@ impl Outcome {
         match self {
             Outcome::RateLimited { .. } => 0,
             Outcome::Admitted { .. } => 1,
-            Outcome::NotLoaded | Outcome::Drained | Outcome::Drawing => 2,
+            Outcome::NotLoaded | Outcome::Drained => 2,
             Outcome::NotFound | Outcome::NoVoucher => 3,
             Outcome::Stale => 4,
             Outcome::Corrupt => 5,
@@ -136,6 +137,7 @@ impl Outcome {
             Outcome::Unavailable(Unavailable::Redis) | Outcome::Unknown { .. } => 12,
             Outcome::Unavailable(Unavailable::Recovering | Unavailable::IdsNotReady) => 13,
             Outcome::Entered { .. } => 14,
+            Outcome::Drawing => 15,
         }
     }
 

@@ -164,6 +164,7 @@ mod tests {
             Outcome::Unknown { order_id: id },
             Outcome::Unavailable(Unavailable::Recovering),
             Outcome::Entered { order_id: id },
+            Outcome::Drawing,
         ];
         let labels: Vec<&str> = all.iter().map(|o| Outcome::LABELS[o.index()]).collect();
         assert_eq!(labels, Outcome::LABELS);

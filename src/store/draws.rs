@@ -5,11 +5,11 @@ use std::collections::HashSet;
 
 use chrono::{DateTime, Utc};
 use futures_util::future::BoxFuture;
-use sqlx::PgPool;
+use sqlx::{PgPool, Postgres, Transaction};
 
 use super::orders::{self, NewOrder, Persisted, Rejection};
 use super::vouchers::lock_sales;
-use crate::domain::{OrderId, VoucherId};
+use crate::domain::{Epoch, OrderId, VoucherId};
 
 /// A draw: the seed, every entrant in increasing user id (the order the draw consumed
 /// them), the winners in the order they were drawn.
@@ -93,6 +93,17 @@ pub async fn winners_orders(
     .await
 }
 
+/// Whether the order is a row that still holds its unit (not closed: cancelled,
+/// expired, refunded).
+pub async fn holds_unit(db: &PgPool, order_id: OrderId) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM voucher_orders WHERE id = $1 AND closed_at IS NULL)",
+    )
+    .bind(order_id)
+    .fetch_one(db)
+    .await
+}
+
 /// What became of recording a draw.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Recorded {
@@ -115,14 +126,17 @@ pub type StillHeld<'a> = &'a (dyn Fn() -> BoxFuture<'a, anyhow::Result<bool>> + 
 /// `still_held` says whether the state that drew is still the sale's. So a held press
 /// is answered from a draw only once the draw is Postgres's truth: a Redis that comes
 /// back older (the draw lost) is rebuilt with the winners as buyers and is never armed
-/// to draw again. A segmented sale's segments get `allotments` (one per segment, empty
-/// for a sale in one) in the same transaction: each its winners' units and its share
-/// of the rest.
+/// to draw again. Under the lock too, the entries were read from the builds Postgres
+/// names (`epochs`, by segment): an old primary's copy of a segment, its entries maybe
+/// older, draws nothing. A segmented sale's segments get `allotments` (one per segment,
+/// empty for a sale in one) in the same transaction: each its winners' units and its
+/// share of the rest.
 pub async fn record(
     db: &PgPool,
     voucher_id: VoucherId,
     draw: &Draw,
     winners: &[NewOrder],
+    epochs: &[Option<Epoch>],
     allotments: &[i32],
     still_held: StillHeld<'_>,
 ) -> anyhow::Result<Recorded> {
@@ -160,6 +174,9 @@ pub async fn record(
             Persisted::Rejected(why) => return Ok(Recorded::Refused(why.reason())),
         }
     }
+    if !read_from_current_builds(&mut tx, voucher_id, epochs).await? {
+        return Ok(Recorded::NotHeld);
+    }
     let inserted = sqlx::query(
         "INSERT INTO sale_draws (voucher_id, seed, entrants, winners, drawn_at) \
          VALUES ($1, $2, $3, $4, $5) ON CONFLICT (voucher_id) DO NOTHING",
@@ -188,6 +205,24 @@ pub async fn record(
     }
     tx.commit().await?;
     Ok(Recorded::Yes)
+}
+
+/// Whether every segment's entries were read from the build Postgres names its current
+/// one (a segment Postgres names none for, or read under no known epoch, passes).
+async fn read_from_current_builds(
+    tx: &mut Transaction<'_, Postgres>,
+    voucher_id: VoucherId,
+    epochs: &[Option<Epoch>],
+) -> Result<bool, sqlx::Error> {
+    let current: Vec<(i16, Epoch)> =
+        sqlx::query_as("SELECT segment, epoch FROM sale_epochs WHERE voucher_id = $1")
+            .bind(voucher_id)
+            .fetch_all(&mut **tx)
+            .await?;
+    Ok(current.iter().all(|(segment, epoch)| {
+        let read = epochs.get(*segment as usize).copied().flatten();
+        read.is_none_or(|read| read == *epoch)
+    }))
 }
 
 /// A lottery sale's commitment, and its draw once recorded (one row, the draw's columns

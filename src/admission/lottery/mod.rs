@@ -143,7 +143,18 @@ pub async fn record_draw(
             Ok(now == read)
         })
     };
-    match store::draws::record(db, voucher_id, &draw, &orders, &[], &still_held).await? {
+    let read_under = [epoch_of(read.1.as_deref())];
+    match store::draws::record(
+        db,
+        voucher_id,
+        &draw,
+        &orders,
+        &read_under,
+        &[],
+        &still_held,
+    )
+    .await?
+    {
         Recorded::Yes => Ok(Some(Drawn::new(
             draw,
             orders.iter().map(|o| (o.user_id.get(), o.id)),
@@ -178,7 +189,7 @@ async fn winners_orders(
         .arg(&fields)
         .query_async(conn)
         .await?;
-    let epoch = epoch.and_then(|e| e.parse().ok()).and_then(Epoch::new);
+    let epoch = epoch_of(epoch);
     draw.winners
         .iter()
         .zip(named)
@@ -279,6 +290,11 @@ pub async fn an_entrant(
 /// A lottery sale's Redis state (it has one segment).
 fn state_key(keys: &Keys, voucher_id: VoucherId) -> String {
     keys.segment(SaleSegment::new(voucher_id, 0, 1))
+}
+
+/// A state's `epoch` field as read (`None`: none, or not one).
+fn epoch_of(field: Option<&str>) -> Option<Epoch> {
+    field.and_then(|e| e.parse().ok()).and_then(Epoch::new)
 }
 
 fn ids(joined: Option<&str>) -> anyhow::Result<Vec<i64>> {

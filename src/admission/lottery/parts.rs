@@ -137,6 +137,7 @@ async fn draw_and_record(
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     let allotments = allotments(&orders, stock, segments);
+    let read_under: Vec<Option<Epoch>> = epochs.iter().map(|&e| Epoch::new(e)).collect();
     // Under the sale's row lock: every segment still holds the window it was read from.
     let still_held = || -> BoxFuture<'_, anyhow::Result<bool>> {
         Box::pin(async {
@@ -158,6 +159,7 @@ async fn draw_and_record(
         voucher_id,
         &draw,
         &orders,
+        &read_under,
         &allotments,
         &still_held,
     )

@@ -18,7 +18,7 @@ use super::{
     sale_in_segments, sale_opening, time_at, two_instances_and_a_worker, verify_draw,
     written_buyers,
 };
-use crate::common::TestApp;
+use crate::common::{metric_value, metrics_at, TestApp};
 
 const FAST: i64 = 2_500;
 const SLOW: i64 = 7_500;
@@ -278,10 +278,12 @@ async fn a_fair_draw_answered_without_a_stall(app: &TestApp, bases: &[String], v
     );
     let contract = Duration::from_millis(WINDOW_MS + 500);
     let late = answers.iter().filter(|p| p.took > contract).count();
+    let decided = decided_within(bases).await;
     println!(
         "lottery: {} entrants, {} winners; fast group {:.1} % of entrants, {:.1} % of winners, \
          p = {:.3}; slowest answer {} ms after its press, latest {} ms after begin_time \
-         (window {WINDOW_MS} ms), {late} answered after the window and 500 ms; {said}",
+         (window {WINDOW_MS} ms), {late} answered after the window and 500 ms; \
+         decided by the instances after the window, within (s: held presses): {decided:?}; {said}",
         entrants.len(),
         won.len(),
         entered * 100.0,
@@ -290,4 +292,25 @@ async fn a_fair_draw_answered_without_a_stall(app: &TestApp, bases: &[String], v
         slowest.as_millis(),
         latest.as_millis()
     );
+}
+
+/// How many held presses the instances at `bases` decided within each bound after the
+/// window (their `seckill_lottery_answer_delay_seconds` buckets, summed), from 50 ms.
+async fn decided_within(bases: &[String]) -> Vec<(f64, u64)> {
+    let http = reqwest::Client::new();
+    let mut pages = Vec::new();
+    for base in bases {
+        pages.push(metrics_at(&http, base).await);
+    }
+    ["0.05", "0.1", "0.25", "0.5", "1", "+Inf"]
+        .iter()
+        .map(|le| {
+            let series = format!("seckill_lottery_answer_delay_seconds_bucket{{le=\"{le}\"}}");
+            let n = pages
+                .iter()
+                .filter_map(|p| metric_value(p, &series))
+                .sum::<f64>();
+            (le.parse().unwrap_or(f64::INFINITY), n as u64)
+        })
+        .collect()
 }

@@ -72,9 +72,10 @@ async fn press_together(
     app: &TestApp,
     bases: &[String],
     voucher: i64,
-    users: std::ops::RangeInclusive<i64>,
+    users: impl IntoIterator<Item = i64>,
 ) -> Vec<Pressed> {
-    let n = users.clone().count();
+    let users: Vec<i64> = users.into_iter().collect();
+    let n = users.len();
     futures::stream::iter(users)
         .map(|user| {
             let base = &bases[user as usize % bases.len()];

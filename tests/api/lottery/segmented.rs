@@ -321,3 +321,142 @@ async fn a_segmented_draw_redis_loses_after_answering_is_not_drawn_again_and_its
     let (ok, said) = verify_draw(&[&app.url(""), &id.to_string()]).await;
     assert!(ok, "{said}");
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_winner_whose_order_closed_is_never_told_of_it_by_a_segment_the_draw_has_not_rebuilt(
+    db: PgPool,
+) {
+    let app = TestApp::spawn(db).await;
+    let (stock, entrants, window_ms) = (4, 12, 600);
+    let opening = json!({"mode": "lottery", "window_ms": window_ms});
+    let voucher = sale_in_segments(&app, stock, 1_000, opening, SEGMENTS).await;
+    let id = voucher["id"].as_i64().unwrap();
+    until_after_begin(&voucher, 100).await;
+    let bases = [app.url("")];
+    let answers = press_together(&app, &bases, id, 1..=entrants).await;
+    let (user, order) = answers
+        .iter()
+        .find_map(|(user, answer, _)| match answer {
+            Some((StatusCode::ACCEPTED, body)) => {
+                Some((*user, body["order_id"].as_str().unwrap().to_owned()))
+            }
+            _ => None,
+        })
+        .expect("a winner");
+    let (status, body) = app
+        .post_json(
+            &format!("/orders/{order}/cancel"),
+            Some(&app.token(user)),
+            &json!({}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+
+    // The winner's segment as it was between the draw's record and its rebuild: still
+    // holding its window, the winner marked an entrant under the order the draw gave.
+    let segment = SaleSegment::home_of(vid(id), uid(user), SEGMENTS);
+    let end =
+        chrono::DateTime::parse_from_rfc3339(voucher["seckill"]["begin_time"].as_str().unwrap())
+            .unwrap()
+            .timestamp_millis()
+            + window_ms;
+    let _: () = redis::cmd("HSET")
+        .arg(app.keys.segment(segment))
+        .arg(&[
+            "lottery_end",
+            &end.to_string(),
+            &format!("u:{user}"),
+            &format!("e{order}"),
+        ])
+        .query_async(&mut app.redis.clone())
+        .await
+        .unwrap();
+    let first = app
+        .post_json(
+            &format!("/vouchers/{id}/seckill"),
+            Some(&app.token(user)),
+            &json!({}),
+        )
+        .await;
+    let (status, body) = &first;
+    assert_ne!(
+        body["order_id"]
+            .as_str()
+            .or(body["error"]["order_id"].as_str()),
+        Some(order.as_str()),
+        "{status} {body}: told of a cancelled order"
+    );
+
+    // Once the segment is rebuilt from Postgres, the unit given back sells again: to
+    // this shopper, under a new order.
+    let (status, body) = match first.0 {
+        StatusCode::SERVICE_UNAVAILABLE => {
+            press_through_503s(&app, &bases[0], id, [user]).await[&user].clone()
+        }
+        _ => first,
+    };
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    assert_ne!(body["order_id"].as_str(), Some(order.as_str()));
+    assert!(!some_segment_holds_its_window(&app, id).await);
+    assert_eq!(allotments(&app, id).await.iter().sum::<i32>(), stock as i32);
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_draw_takes_no_entries_from_a_segment_copy_postgres_no_longer_names(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let (stock, window_ms) = (3, 600);
+    let opening = json!({"mode": "lottery", "window_ms": window_ms});
+    let voucher = sale_in_segments(&app, stock, 1_000, opening, SEGMENTS).await;
+    let id = voucher["id"].as_i64().unwrap();
+    // Nobody enters in segment 0: its copy gives the draw no winner, only its word that
+    // it holds every entrant it was given.
+    let entrants: Vec<i64> = (1..=60)
+        .filter(|&u| seckill::keys::home_segment(uid(u), SEGMENTS) != 0)
+        .collect();
+    // Postgres names another build of segment 0 than the one Redis holds (as when an
+    // old primary still answers after a failover, the sale rebuilt on the new one).
+    let moved = |by: i64| {
+        sqlx::query(
+            "UPDATE sale_epochs SET epoch = epoch + $2 WHERE voucher_id = $1 AND segment = 0",
+        )
+        .bind(id)
+        .bind(by)
+        .execute(&app.db)
+    };
+    until_after_begin(&voucher, 100).await;
+    let bases = [app.url("")];
+    let (answers, _) = tokio::join!(press_together(&app, &bases, id, entrants.clone()), async {
+        until_after_begin(&voucher, window_ms as u64 / 2).await;
+        moved(1_000).await.unwrap()
+    });
+    for (user, answer, _) in &answers {
+        let (status, body) = answer.as_ref().expect("answered");
+        assert_eq!(
+            body["error"]["outcome"], "unknown",
+            "user {user}: {status} {body}: answered from a draw that read an unnamed copy"
+        );
+    }
+    until_after_begin(&voucher, window_ms as u64 + 1_500).await;
+    assert_eq!(
+        draws_recorded(&app, id).await,
+        0,
+        "a draw over an unnamed copy"
+    );
+
+    // Postgres names the copy again: the draw is made (each instance looks each second).
+    moved(-1_000).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while draws_recorded(&app, id).await == 0 || some_segment_holds_its_window(&app, id).await {
+        assert!(Instant::now() < deadline, "the draw was never made");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let again = press_through_503s(&app, &bases[0], id, entrants.clone()).await;
+    let won: BTreeSet<i64> = again
+        .iter()
+        .filter(|(_, (_, body))| body["error"]["code"] == "already_ordered")
+        .map(|(user, _)| *user)
+        .collect();
+    assert_eq!(won.len(), stock as usize, "{again:?}");
+    let (ok, said) = verify_draw(&[&app.url(""), &id.to_string()]).await;
+    assert!(ok, "{said}");
+}
