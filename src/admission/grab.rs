@@ -171,7 +171,7 @@ impl Admission {
         crate::metrics::record_admission_wait(&hot.admission_seconds, waited);
         let outcome = match Outcome::of(decided, order_id) {
             Outcome::Entered { order_id } => {
-                self.await_draw(shopper.user_id, voucher_id, order_id)
+                self.await_draw(shopper.user_id, voucher_id, order_id, started)
                     .await?
             }
             outcome if outcome.may_await_a_draw() => {
@@ -189,22 +189,23 @@ impl Admission {
     /// no call has yet) and reads the draw as Postgres records it; every held press is
     /// answered from that record: drawn, the order recorded for it (the 202 of the one it
     /// entered under); not, `sold_out`. Answered at the latest [`lottery::ANSWER_WITHIN`]
-    /// after the window (then as unknown: a press again tells).
+    /// after the window (then as unknown: a press again tells). `pressed`: when the
+    /// press reached admission.
     async fn await_draw(
         self: &Arc<Self>,
         user_id: UserId,
         voucher_id: VoucherId,
         entered: OrderId,
+        pressed: Instant,
     ) -> Result<Outcome, sqlx::Error> {
         let Some(window) = self.lottery.window(&self.db, voucher_id).await? else {
             return Ok(Outcome::Unknown { order_id: entered });
         };
-        let left = (window.end - chrono::Utc::now())
-            .to_std()
-            .unwrap_or_default();
-        // (Entered after the window: a segment of a segmented sale the draw has not
-        // rebuilt yet still marks its entrants.)
-        let held = !left.is_zero();
+        let now = chrono::Utc::now();
+        let left = (window.end - now).to_std().unwrap_or_default();
+        // Pressed after the window (by this instance's clock), as at a segment of a
+        // segmented sale the draw has not rebuilt yet, which still marks its entrants.
+        let held = now - pressed.elapsed() < window.end;
         let end = tokio::time::Instant::now() + left;
         tokio::time::sleep_until(end).await;
         let outcome = self
@@ -216,9 +217,11 @@ impl Admission {
         Ok(outcome)
     }
 
-    /// What a press entered in the window is answered, the window over at `end`; one
-    /// entered after it (not `held`) is told of an order the draw gave only while that
-    /// order still holds its unit (it may have closed since the draw).
+    /// What an entrant's press is answered, the window over at `end`. It is told of an
+    /// order the draw gave only while that order still holds its unit: a press made
+    /// after the window (not `held`) may come after the winner closed it, the draw's
+    /// record long made. Should Postgres not say, a `held` press is answered from the
+    /// record (its order was written with the draw, moments ago).
     async fn held_answer(
         self: &Arc<Self>,
         user_id: UserId,
@@ -233,11 +236,15 @@ impl Admission {
             .drawn(user_id, voucher_id, entered, window, deadline)
             .await
         else {
-            return Outcome::Unknown { order_id: entered };
+            return match held {
+                true => Outcome::Unknown { order_id: entered },
+                // (Not naming the draw's order: it may have closed.)
+                false => Outcome::Drawing,
+            };
         };
         let user = user_id.get();
         match drawn.winners.get(&user) {
-            Some(&order_id) if !held && !self.still_holds(order_id).await => {
+            Some(&order_id) if !self.still_holds(order_id, user_id, voucher_id, held).await => {
                 // Closed since (its unit back on sale), or Postgres cannot say: the
                 // segment's rebuild from Postgres tells.
                 self.reload_in_background(voucher_id, loader::Mode::Drawn);
@@ -267,11 +274,18 @@ impl Admission {
         }
     }
 
-    /// Whether the order still holds its unit (`false` too when Postgres cannot say).
-    async fn still_holds(&self, order_id: OrderId) -> bool {
-        crate::store::draws::holds_unit(&self.db, order_id)
+    /// Whether the draw's order still holds its unit; when Postgres cannot say,
+    /// `otherwise`.
+    async fn still_holds(
+        &self,
+        order_id: OrderId,
+        user_id: UserId,
+        voucher_id: VoucherId,
+        otherwise: bool,
+    ) -> bool {
+        crate::store::draws::holds_unit(&self.db, order_id, user_id, voucher_id)
             .await
-            .unwrap_or(false)
+            .unwrap_or(otherwise)
     }
 
     /// A press that took nothing (`refused`) from a segmented lottery sale past its

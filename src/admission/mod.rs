@@ -66,8 +66,10 @@ pub enum Outcome {
         order_id: OrderId,
     },
     /// The grab's segment of a segmented lottery sale is past its window and the draw has
-    /// not rebuilt it yet: nothing was taken. Never an answer to a shopper: the press
-    /// waits for the draw, then grabs again (see [`lottery`]).
+    /// not rebuilt it yet: nothing was taken. The press waits for the draw, then grabs
+    /// again (see [`lottery`]); still so after [`lottery::ANSWER_WITHIN`], or when the
+    /// draw's order of an entrant pressing after the window may have closed since, it is
+    /// answered `unavailable` (nothing reserved) and the segment rebuilt.
     Drawing,
     /// Refused by an abuse limit before anything else: try again after this long.
     RateLimited {

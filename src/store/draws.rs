@@ -9,7 +9,7 @@ use sqlx::{PgPool, Postgres, Transaction};
 
 use super::orders::{self, NewOrder, Persisted, Rejection};
 use super::vouchers::lock_sales;
-use crate::domain::{Epoch, OrderId, VoucherId};
+use crate::domain::{Epoch, OrderId, UserId, VoucherId};
 
 /// A draw: the seed, every entrant in increasing user id (the order the draw consumed
 /// them), the winners in the order they were drawn.
@@ -93,13 +93,21 @@ pub async fn winners_orders(
     .await
 }
 
-/// Whether the order is a row that still holds its unit (not closed: cancelled,
-/// expired, refunded).
-pub async fn holds_unit(db: &PgPool, order_id: OrderId) -> Result<bool, sqlx::Error> {
+/// Whether the order is a row of that user and voucher that still holds its unit (not
+/// closed: cancelled, expired, refunded).
+pub async fn holds_unit(
+    db: &PgPool,
+    order_id: OrderId,
+    user_id: UserId,
+    voucher_id: VoucherId,
+) -> Result<bool, sqlx::Error> {
     sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM voucher_orders WHERE id = $1 AND closed_at IS NULL)",
+        "SELECT EXISTS (SELECT 1 FROM voucher_orders \
+         WHERE id = $1 AND user_id = $2 AND voucher_id = $3 AND closed_at IS NULL)",
     )
     .bind(order_id)
+    .bind(user_id)
+    .bind(voucher_id)
     .fetch_one(db)
     .await
 }
@@ -174,7 +182,13 @@ pub async fn record(
             Persisted::Rejected(why) => return Ok(Recorded::Refused(why.reason())),
         }
     }
-    if !read_from_current_builds(&mut tx, voucher_id, epochs).await? {
+    if let Some(segment) = read_from_an_older_build(&mut tx, voucher_id, epochs).await? {
+        tracing::warn!(
+            voucher_id = voucher_id.get(),
+            segment,
+            "a lottery's entries were read from a redis state postgres no longer names \
+             (an old primary?): not drawn from them"
+        );
         return Ok(Recorded::NotHeld);
     }
     let inserted = sqlx::query(
@@ -207,22 +221,23 @@ pub async fn record(
     Ok(Recorded::Yes)
 }
 
-/// Whether every segment's entries were read from the build Postgres names its current
-/// one (a segment Postgres names none for, or read under no known epoch, passes).
-async fn read_from_current_builds(
+/// The first segment whose entries were not read from the build Postgres names its
+/// current one (read under no epoch, or another); a segment Postgres names none for
+/// (never built by a release that knows epochs) passes.
+async fn read_from_an_older_build(
     tx: &mut Transaction<'_, Postgres>,
     voucher_id: VoucherId,
     epochs: &[Option<Epoch>],
-) -> Result<bool, sqlx::Error> {
+) -> Result<Option<i16>, sqlx::Error> {
     let current: Vec<(i16, Epoch)> =
         sqlx::query_as("SELECT segment, epoch FROM sale_epochs WHERE voucher_id = $1")
             .bind(voucher_id)
             .fetch_all(&mut **tx)
             .await?;
-    Ok(current.iter().all(|(segment, epoch)| {
-        let read = epochs.get(*segment as usize).copied().flatten();
-        read.is_none_or(|read| read == *epoch)
-    }))
+    Ok(current
+        .into_iter()
+        .find(|(segment, epoch)| epochs.get(*segment as usize).copied().flatten() != Some(*epoch))
+        .map(|(segment, _)| segment))
 }
 
 /// A lottery sale's commitment, and its draw once recorded (one row, the draw's columns

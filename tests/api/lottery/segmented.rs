@@ -6,11 +6,11 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
-use serde_json::json;
+use serde_json::{json, Value};
 use sqlx::PgPool;
 
 use super::{
-    press_together, press_with_a_snapshot_late_in_the_window, sale_in_segments,
+    press_together, press_with_a_snapshot_late_in_the_window, sale_in_segments, time_at,
     two_instances_and_a_worker, until_after_begin, verify_draw, written_buyers, Pressed,
 };
 use crate::common::faults::PrivateRedis;
@@ -354,48 +354,62 @@ async fn a_winner_whose_order_closed_is_never_told_of_it_by_a_segment_the_draw_h
 
     // The winner's segment as it was between the draw's record and its rebuild: still
     // holding its window, the winner marked an entrant under the order the draw gave.
+    // (Its epoch one past the one Postgres names, for now: admitted from, and left alone
+    // by every rebuild, each instance's look each second included.)
     let segment = SaleSegment::home_of(vid(id), uid(user), SEGMENTS);
-    let end =
-        chrono::DateTime::parse_from_rfc3339(voucher["seckill"]["begin_time"].as_str().unwrap())
-            .unwrap()
-            .timestamp_millis()
-            + window_ms;
-    let _: () = redis::cmd("HSET")
-        .arg(app.keys.segment(segment))
-        .arg(&[
-            "lottery_end",
-            &end.to_string(),
-            &format!("u:{user}"),
-            &format!("e{order}"),
-        ])
-        .query_async(&mut app.redis.clone())
-        .await
-        .unwrap();
-    let first = app
+    let end = time_at(&voucher["seckill"]["begin_time"]).timestamp_millis() + window_ms;
+    let epoch: i64 =
+        sqlx::query_scalar("SELECT epoch FROM sale_epochs WHERE voucher_id = $1 AND segment = $2")
+            .bind(id)
+            .bind(segment.segment as i16)
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    let set = |fields: Vec<String>| {
+        let mut redis = app.redis.clone();
+        let key = app.keys.segment(segment);
+        async move {
+            let _: () = redis::cmd("HSET")
+                .arg(key)
+                .arg(fields)
+                .query_async(&mut redis)
+                .await
+                .unwrap();
+        }
+    };
+    set(vec![
+        "lottery_end".into(),
+        end.to_string(),
+        format!("u:{user}"),
+        format!("e{order}"),
+        "epoch".into(),
+        (epoch + 1).to_string(),
+    ])
+    .await;
+    let (status, body) = app
         .post_json(
             &format!("/vouchers/{id}/seckill"),
             Some(&app.token(user)),
             &json!({}),
         )
         .await;
-    let (status, body) = &first;
-    assert_ne!(
-        body["order_id"]
-            .as_str()
-            .or(body["error"]["order_id"].as_str()),
-        Some(order.as_str()),
-        "{status} {body}: told of a cancelled order"
+    assert_eq!(
+        status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{body}: told of a cancelled order?"
     );
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains("drawn"),
+        "{body}"
+    );
+    assert_eq!(body["error"]["order_id"], Value::Null, "{body}");
 
     // Once the segment is rebuilt from Postgres, the unit given back sells again: to
     // this shopper, under a new order.
-    let (status, body) = match first.0 {
-        StatusCode::SERVICE_UNAVAILABLE => {
-            press_through_503s(&app, &bases[0], id, [user]).await[&user].clone()
-        }
-        _ => first,
-    };
-    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    set(vec!["epoch".into(), epoch.to_string()]).await;
+    let again = press_through_503s(&app, &bases[0], id, [user]).await;
+    let (status, body) = &again[&user];
+    assert_eq!(*status, StatusCode::ACCEPTED, "{body}");
     assert_ne!(body["order_id"].as_str(), Some(order.as_str()));
     assert!(!some_segment_holds_its_window(&app, id).await);
     assert_eq!(allotments(&app, id).await.iter().sum::<i32>(), stock as i32);
