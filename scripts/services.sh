@@ -34,8 +34,11 @@ ensure_packages() {
   done
   [ ${#missing[@]} -eq 0 ] && return 0
   log "installing ${missing[*]}"
-  if [ -z "$apt_updated" ]; then as_root apt-get update -qq; apt_updated=1; fi
-  as_root apt-get install -y -qq "${missing[@]}" >/dev/null
+  # Another install may hold dpkg's lock (tests start scripts side by side on a new
+  # machine): wait for it rather than fail.
+  local wait=(-o DPkg::Lock::Timeout=600)
+  if [ -z "$apt_updated" ]; then as_root apt-get "${wait[@]}" update -qq; apt_updated=1; fi
+  as_root apt-get "${wait[@]}" install -y -qq "${missing[@]}" >/dev/null
 }
 
 # The probes never wait for long (a server that does not answer, or psql asking for a
