@@ -42,13 +42,13 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Api(api) => done(serve(api, None).await),
         Command::Serve(args) => done(serve(args.api, Some(args.worker)).await),
         Command::Worker(args) => {
+            let cancel = shutdown_token();
             let keys = key_layout(&args.redis)?;
             let db = store::connect(
                 args.database.database_url.expose(),
                 args.database.database_max_connections,
             )
             .await?;
-            let cancel = shutdown_token();
             crate::metrics::handle();
             let metrics = match args.metrics_bind {
                 Some(addr) => {
@@ -217,27 +217,39 @@ fn token(args: crate::config::TokenArgs) -> anyhow::Result<()> {
     }
 }
 
-/// SIGINT or SIGTERM cancels the token.
+/// SIGINT or SIGTERM cancels the token. Both are caught from this call on (not from
+/// the first poll of a task): a stop asked while the process is still starting ends it
+/// as gracefully as one asked later.
 fn shutdown_token() -> CancellationToken {
     let token = CancellationToken::new();
     let fire = token.clone();
+    #[cfg(unix)]
+    let signals = {
+        use tokio::signal::unix::{signal, SignalKind};
+        (
+            signal(SignalKind::interrupt()).ok(),
+            signal(SignalKind::terminate()).ok(),
+        )
+    };
     tokio::spawn(async move {
-        let ctrl_c = tokio::signal::ctrl_c();
         #[cfg(unix)]
-        let term = async {
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(mut s) => {
-                    s.recv().await;
+        {
+            let (int, term) = signals;
+            let caught = |s: Option<tokio::signal::unix::Signal>| async move {
+                match s {
+                    Some(mut s) => {
+                        s.recv().await;
+                    }
+                    None => std::future::pending().await,
                 }
-                Err(_) => std::future::pending().await,
+            };
+            tokio::select! {
+                _ = caught(int) => {},
+                _ = caught(term) => {},
             }
-        };
-        #[cfg(not(unix))]
-        let term = std::future::pending::<()>();
-        tokio::select! {
-            _ = ctrl_c => {},
-            _ = term => {},
         }
+        #[cfg(not(unix))]
+        let _ = tokio::signal::ctrl_c().await;
         tracing::info!("shutdown requested");
         fire.cancel();
     });

@@ -3,7 +3,7 @@
 //! exactly once, Postgres stock = initial - orders, no user twice, nothing left pending.
 
 use std::collections::{HashMap, HashSet};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::common::faults::{self, PrivateRedis, Process, Proxy};
 use crate::common::{press_all, TestApp};
@@ -79,11 +79,26 @@ async fn orders_admitted_while_only_the_api_runs_survive_workers_killed_mid_drai
         "at least three kills left orders unwritten: {progress:?}"
     );
 
-    let mut last = Process::spawn("worker", &app.redis_url, &prefix, &url, &worker_env);
+    // (Serving its figures: up, so the stop below is asked of a started worker.)
+    let port = faults::free_port();
+    let mut env = worker_env.to_vec();
+    env.push(("METRICS_BIND", format!("127.0.0.1:{port}")));
+    let mut last = Process::spawn("worker", &app.redis_url, &prefix, &url, &env);
     let persisted = app
         .wait_for_orders(voucher, stock as usize, Duration::from_secs(60))
         .await;
     assert_eq!(persisted, stock as usize);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while app
+        .client
+        .get(format!("http://127.0.0.1:{port}/healthz"))
+        .send()
+        .await
+        .is_err()
+    {
+        assert!(Instant::now() < deadline, "the last worker never started");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     for _ in 0..100 {
         if app.pending_count().await == 0 {
             break;
