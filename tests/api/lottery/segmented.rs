@@ -343,13 +343,7 @@ async fn a_winner_whose_order_closed_is_never_told_of_it_by_a_segment_the_draw_h
             _ => None,
         })
         .expect("a winner");
-    let (status, body) = app
-        .post_json(
-            &format!("/orders/{order}/cancel"),
-            Some(&app.token(user)),
-            &json!({}),
-        )
-        .await;
+    let (status, body) = app.cancel(&order, user).await;
     assert_eq!(status, StatusCode::OK, "{body}");
 
     // The winner's segment as it was between the draw's record and its rebuild: still
@@ -386,13 +380,7 @@ async fn a_winner_whose_order_closed_is_never_told_of_it_by_a_segment_the_draw_h
         (epoch + 1).to_string(),
     ])
     .await;
-    let (status, body) = app
-        .post_json(
-            &format!("/vouchers/{id}/seckill"),
-            Some(&app.token(user)),
-            &json!({}),
-        )
-        .await;
+    let (status, body) = app.grab(id, user).await;
     assert_eq!(
         status,
         StatusCode::SERVICE_UNAVAILABLE,
