@@ -229,12 +229,8 @@ async fn read_from_an_older_build(
     voucher_id: VoucherId,
     epochs: &[Option<Epoch>],
 ) -> Result<Option<i16>, sqlx::Error> {
-    let current: Vec<(i16, Epoch)> =
-        sqlx::query_as("SELECT segment, epoch FROM sale_epochs WHERE voucher_id = $1")
-            .bind(voucher_id)
-            .fetch_all(&mut **tx)
-            .await?;
-    Ok(current
+    Ok(super::epochs::of_sale(tx, voucher_id)
+        .await?
         .into_iter()
         .find(|(segment, epoch)| epochs.get(*segment as usize).copied().flatten() != Some(*epoch))
         .map(|(segment, _)| segment))

@@ -54,6 +54,18 @@ pub(crate) async fn of<'e>(
     Ok(built(db, segment).await?.map(|b| b.epoch))
 }
 
+/// Each segment's current epoch of the sale (segments never built by a release that
+/// knows epochs absent).
+pub(crate) async fn of_sale(
+    tx: &mut Transaction<'_, Postgres>,
+    voucher_id: VoucherId,
+) -> Result<Vec<(i16, Epoch)>, sqlx::Error> {
+    sqlx::query_as("SELECT segment, epoch FROM sale_epochs WHERE voucher_id = $1")
+        .bind(voucher_id)
+        .fetch_all(&mut **tx)
+        .await
+}
+
 /// Records that the segment's state was built with `epoch` into the server life `term`,
 /// carrying `in_flight` (the orders the build counted, admitted under an earlier epoch)
 /// into it. The carried orders of earlier builds go: whatever of them is still in
