@@ -343,6 +343,12 @@ async fn a_winner_whose_order_closed_is_never_told_of_it_by_a_segment_the_draw_h
             _ => None,
         })
         .expect("a winner");
+    // (The held presses are answered before the segments' rebuilds: those done first.)
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while some_segment_holds_its_window(&app, id).await {
+        assert!(Instant::now() < deadline, "the segments were never rebuilt");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let (status, body) = app.cancel(&order, user).await;
     assert_eq!(status, StatusCode::OK, "{body}");
 
