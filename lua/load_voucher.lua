@@ -44,6 +44,7 @@
 --   epoch              the epoch this build drew
 --   pg_term            the term of the server life Postgres's epoch was built into
 --   begin_ms, end_ms, expire_at_ms
+--   draw_recorded      whether Postgres records the sale's draw (a lottery)
 -- seckill_check also reads:
 --   owed               [{user, order}]: closed orders whose release to Redis is owed
 --   recorded_out       [move id]: moves out of the part Postgres recorded
@@ -249,15 +250,18 @@ local function left_alone(k, a, now, exists, this_term)
 end
 
 -- A lottery sale's fields for the state being built (appended to `fields`). A draw the
--- old state records is carried over and never armed again. A lottery is armed (its
+-- old state records is carried over and never armed again; marked `unrecorded` still
+-- unless Postgres records it. A lottery is armed (its
 -- window's end and seed) only while the sale has no order anywhere (Postgres or in
 -- flight): nothing is admitted before the draw, so an order means it was drawn. The
 -- old state's entrants stay entrants (a rebuild mid-window does not drop them).
 local function lottery_fields(k, a, now, exp, fields)
   if now[11] then
     for i, f in ipairs(DRAW_FIELDS) do
-      fields[#fields + 1] = f
-      fields[#fields + 1] = now[9 + i]
+      if now[9 + i] and not (f == 'unrecorded' and a.draw_recorded) then
+        fields[#fields + 1] = f
+        fields[#fields + 1] = now[9 + i]
+      end
     end
     return
   end

@@ -17,7 +17,7 @@
 -- Raised with every change of this library (a unit test in src/scripts.rs holds it to
 -- the code): a process replaces a loaded library only if it is older, or of the same
 -- version with other code, so two releases never take turns replacing each other.
-local VERSION = 11
+local VERSION = 12
 -- A hash of this code, filled in when it is loaded.
 local CODE = '__CODE__'
 
@@ -108,11 +108,13 @@ end
 -- without `epoch` admits nothing.
 -- A lottery sale (see `draw`) adds `lottery_end` (the end of its entry window, in ms;
 -- gone once drawn) and `lottery_seed` (the draw's secret seed, hex); the draw leaves its
--- record: `drawn_ms`, `draw_entrants`, `draw_winners` (user ids joined by commas).
+-- record: `drawn_ms`, `draw_entrants`, `draw_winners` (user ids joined by commas), and
+-- `unrecorded` until Postgres records it (seckill_recorded): till then the state answers
+-- every press `drawing`, so no answer names an order of a draw Redis could still lose.
 local SALE_FIELDS = {'stock', 'begin_ms', 'end_ms', 'term', 'gen', 'part', 'epoch', 'next_epoch',
-  'lottery_end', 'lottery_seed', 'drawn_ms', 'draw_entrants', 'draw_winners'}
+  'lottery_end', 'lottery_seed', 'drawn_ms', 'draw_entrants', 'draw_winners', 'unrecorded'}
 -- The draw's record, carried over when a sale's state is rebuilt.
-local DRAW_FIELDS = {'lottery_seed', 'drawn_ms', 'draw_entrants', 'draw_winners'}
+local DRAW_FIELDS = {'lottery_seed', 'drawn_ms', 'draw_entrants', 'draw_winners', 'unrecorded'}
 
 -- A count as Redis stored it (stock): nil when missing or corrupt.
 local function whole(v)
@@ -168,7 +170,8 @@ end
 -- stream entry with the state's epoch) under the order id minted when they entered;
 -- the others' marks go. The record (seed, entrants, winners) stays in the state, for
 -- anyone to check against the commitment published when the sale was created
--- (scripts/verify-draw recomputes the winners).
+-- (scripts/verify-draw recomputes the winners), marked `unrecorded` until Postgres
+-- records it.
 local function draw_lottery(s, stream, voucher, now_s)
   local all = redis.call('HGETALL', s.key)
   local seed, entrants, orders = nil, {}, {}
@@ -230,7 +233,7 @@ local function draw_lottery(s, stream, voucher, now_s)
   in_chunks('HDEL', s.key, gone)
   redis.call('HSET', s.key, 'stock', s.stock - k, 'gen', string.format('%d', (s.gen or 0) + 1),
     'drawn_ms', now_s, 'draw_entrants', table.concat(entrants, ','),
-    'draw_winners', table.concat(winners, ','))
+    'draw_winners', table.concat(winners, ','), 'unrecorded', '1')
   redis.call('HDEL', s.key, 'lottery_end')
   return true
 end
@@ -238,7 +241,7 @@ end
 -- Reads sale `s` for an admission call (its state and the call's buyer records) and
 -- judges it: `s.closed` the code every grab of it gets, or its stock, gen, part and
 -- epoch; `s.entering` while a lottery's window is open, `s.due` once it is over and
--- not drawn yet.
+-- not drawn yet, `s.drawing` once drawn and not recorded yet.
 local function read_sale(s, this_term, now, marker)
   local fields = s.fields
   local v = redis.call('HMGET', s.key, unpack(fields, 1, s.nfields))
@@ -269,9 +272,10 @@ local function read_sale(s, this_term, now, marker)
       s.entering = now < whole(v[8])
       s.due = not s.entering
     end
+    s.drawing = v[9] ~= false or nil
   end
   local held = s.held
-  for j = 9, s.nfields do
+  for j = 10, s.nfields do
     local h = v[j]
     if h then
       if not order_like(h) and not (v[8] and entrant_like(h)) then
@@ -329,8 +333,9 @@ end
 --   11 entered (a lottery's window is open: the user is an entrant, order_id the order
 --   they get if drawn; the first call after the window draws, see draw_lottery; in a
 --   part of a segmented sale, the window is over and the draw is not in yet),
---   12 drawing (a part of a segmented lottery sale whose window is over and whose
---   draw has not rebuilt it yet; nothing is taken: the caller waits for the draw)
+--   12 drawing (a lottery sale drawn and not recorded yet, or a part of a segmented
+--   one whose window is over and whose draw has not rebuilt it yet; nothing is taken:
+--   the caller waits for the draw)
 local function admit(keys, argv)
   local now = clock()
   local now_s = string.format('%d', now)
@@ -347,8 +352,9 @@ local function admit(keys, argv)
     local s = sales[k]
     if not s then
       s = {key = keys[tonumber(k)], voucher = argv[i + 1],
-        fields = {'stock', 'begin_ms', 'end_ms', 'term', 'gen', 'part', 'epoch', 'lottery_end'},
-        nfields = 8, held = {}, new = {}, nnew = 0}
+        fields = {'stock', 'begin_ms', 'end_ms', 'term', 'gen', 'part', 'epoch', 'lottery_end',
+          'unrecorded'},
+        nfields = 9, held = {}, new = {}, nnew = 0}
       sales[k] = s
       nsales = nsales + 1
       order_of_sales[nsales] = s
@@ -676,11 +682,12 @@ end
 -- Returns {code}: 1 not loaded (or not armed), 6 stale, 7 corrupt (as seckill_admit);
 -- or {0, now_ms, begin_ms, end_ms, stock, gen ('' when none), term, epoch, window}, the
 -- clock being the one admission reads, `window` 1 while the state holds a lottery's
--- window not drawn yet (its stock is not yet what the draw leaves it), else 0.
+-- window not drawn yet (its stock is not yet what the draw leaves it) or a draw not
+-- recorded yet (its answers wait for the record), else 0.
 local function peek(keys, argv)
   local now = clock()
   local v = redis.call('HMGET', keys[1], 'stock', 'begin_ms', 'end_ms', 'term', 'gen', 'epoch',
-    'lottery_end')
+    'lottery_end', 'unrecorded')
   if not v[1] or not v[2] or not v[3] or not v[6] then
     return {1}
   elseif not whole(v[1]) or not tonumber(v[2]) or not tonumber(v[3]) then
@@ -690,7 +697,8 @@ local function peek(keys, argv)
   end
   -- (A gen that is not a number tells nothing: '' as if none.)
   local gen = (v[5] and tonumber(v[5])) and v[5] or ''
-  return {0, string.format('%d', now), v[2], v[3], v[1], gen, v[4], v[6], v[7] and 1 or 0}
+  return {0, string.format('%d', now), v[2], v[3], v[1], gen, v[4], v[6],
+    (v[7] or v[8]) and 1 or 0}
 end
 
 -- Arms a state a load wrote (its `next_epoch`) once Postgres committed that epoch:
@@ -735,6 +743,21 @@ local function entries(keys, argv)
   return out
 end
 
+-- Marks a sale's draw recorded in Postgres: its presses are answered from it again.
+-- KEYS[1] the sale hash  KEYS[2] the shard's term marker  ARGV[1] the draw's
+-- `drawn_ms`  ARGV[2] its `draw_winners`, as Postgres recorded them
+-- Returns 1 marked, 0 not (the state holds no such draw: another draw, or none, is not
+-- marked by this record).
+local function recorded(keys, argv)
+  current_term(keys[2], true)
+  local v = redis.call('HMGET', keys[1], 'drawn_ms', 'draw_winners')
+  if v[1] ~= argv[1] or (v[2] or '') ~= argv[2] then
+    return 0
+  end
+  redis.call('HDEL', keys[1], 'unrecorded')
+  return 1
+end
+
 local function version()
   return {VERSION, CODE}
 end
@@ -747,6 +770,7 @@ redis.register_function('seckill_open_term', open_term)
 redis.register_function('seckill_claim_lease', claim_lease)
 redis.register_function('seckill_renew_lease', renew_lease)
 redis.register_function('seckill_arm', arm)
+redis.register_function('seckill_recorded', recorded)
 redis.register_function{function_name = 'seckill_peek', callback = peek, flags = {'no-writes'}}
 redis.register_function{function_name = 'seckill_entries', callback = entries, flags = {'no-writes'}}
 redis.register_function{function_name = 'seckill_version', callback = version, flags = {'no-writes'}}

@@ -399,7 +399,12 @@ impl Edge {
                 opens: read_at + wait,
             }));
         }
-        if state.stock > 0 || state.gen.is_empty() || on_their_way(conn, &moves).await? {
+        // (A lottery's window, or its draw not recorded yet: presses wait for the draw.)
+        if state.stock > 0
+            || state.window
+            || state.gen.is_empty()
+            || on_their_way(conn, &moves).await?
+        {
             return Ok(None);
         }
         let signature = Signature {

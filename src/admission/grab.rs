@@ -288,11 +288,13 @@ impl Admission {
             .unwrap_or(otherwise)
     }
 
-    /// A press that took nothing (`refused`) from a segmented lottery sale past its
-    /// window: its segment not rebuilt after the draw yet (`Drawing`), or being rebuilt
-    /// (not armed, or a move of units refused by a segment being rebuilt). Waits, at most
-    /// [`lottery::ANSWER_WITHIN`], for this instance to read the draw (which rebuilds the
-    /// segments) and grabs again until it is decided; any other sale's refusal stands.
+    /// A press that took nothing (`refused`) from a lottery sale past its window: its
+    /// draw not recorded yet (`Drawing`), or, at a segmented sale, its segment not
+    /// rebuilt after the draw yet (`Drawing`) or being rebuilt (not armed, or a move of
+    /// units refused by a segment being rebuilt). Waits, at most
+    /// [`lottery::ANSWER_WITHIN`], for this instance to read the draw (which records it,
+    /// and rebuilds the segments) and grabs again until it is decided; any other sale's
+    /// refusal stands.
     async fn after_draw(
         self: &Arc<Self>,
         user_id: UserId,
@@ -300,8 +302,9 @@ impl Admission {
         order_id: OrderId,
         refused: Outcome,
     ) -> Outcome {
+        let waits = |w: &lottery::Window| w.segments > 1 || matches!(refused, Outcome::Drawing);
         let window = match self.lottery.window(&self.db, voucher_id).await {
-            Ok(Some(window)) if window.segments > 1 && chrono::Utc::now() >= window.end => window,
+            Ok(Some(window)) if waits(&window) && chrono::Utc::now() >= window.end => window,
             _ => return refused,
         };
         let deadline = tokio::time::Instant::now() + lottery::ANSWER_WITHIN;
@@ -325,10 +328,18 @@ impl Admission {
                     tokio::time::sleep(RETRY_DRAW).await
                 }
                 Outcome::Drawing => {
-                    // Drawn and recorded, and still not rebuilt (its rebuild cut short,
-                    // or failed): rebuilt now, whoever would have.
-                    self.reload_in_background(voucher_id, loader::Mode::Drawn);
+                    // Drawn and recorded, and still waiting (a segment's rebuild cut
+                    // short or failed; a mark of the record not made): made now,
+                    // whoever would have.
+                    match window.segments {
+                        1 => self.mark_in_background(voucher_id),
+                        _ => self.reload_in_background(voucher_id, loader::Mode::Drawn),
+                    }
                     return Outcome::Drawing;
+                }
+                // (Admitted by an earlier call under this press's id: its own order.)
+                Outcome::AlreadyOrdered { order_id: held } if held == order_id => {
+                    return Outcome::Admitted { order_id }
                 }
                 outcome => return outcome,
             }
@@ -412,11 +423,12 @@ impl Admission {
             .admit(&self.batcher, voucher_id, user_id, entered)
             .await;
         match Outcome::of(decided, entered) {
-            // An answer after the draw (or the sale's end).
+            // An answer after the draw (or the sale's end), or the draw not recorded yet.
             Outcome::Admitted { .. }
             | Outcome::AlreadyOrdered { .. }
             | Outcome::SoldOut
-            | Outcome::Ended => {}
+            | Outcome::Ended
+            | Outcome::Drawing => {}
             // Not yet (Redis's clock is a little behind ours), or no answer now (a
             // failed call, a state being rebuilt): asked again.
             _ => return Err(()),
@@ -437,7 +449,8 @@ impl Admission {
     /// (every instance holding presses gone, their shoppers not pressing again), this
     /// one grabs again as one of the sale's entrants (which changes nothing but the draw,
     /// as any entrant's press again would) and records the draw; a draw done but not
-    /// recorded (Postgres away then) is recorded.
+    /// recorded (Postgres away then) is recorded, and one recorded but not marked so in
+    /// Redis is marked.
     pub(crate) async fn keep_drawing(self: Arc<Self>, cancel: tokio_util::sync::CancellationToken) {
         loop {
             tokio::select! {
@@ -451,15 +464,19 @@ impl Admission {
                     continue;
                 }
             };
-            for voucher_id in due {
-                if let Err(e) = self.draw_due(voucher_id).await {
+            for crate::store::draws::Due {
+                voucher_id,
+                recorded,
+            } in due
+            {
+                if let Err(e) = self.draw_due(voucher_id, recorded).await {
                     tracing::warn!(voucher_id = voucher_id.get(), error = %e, "a due lottery draw failed");
                 }
             }
         }
     }
 
-    async fn draw_due(&self, voucher_id: VoucherId) -> anyhow::Result<()> {
+    async fn draw_due(&self, voucher_id: VoucherId, recorded: bool) -> anyhow::Result<()> {
         let segments = match self.lottery.window(&self.db, voucher_id).await? {
             Some(window) => window.segments,
             None => return Ok(()),
@@ -471,6 +488,13 @@ impl Admission {
                 .is_some()
             {
                 lottery::parts::rebuild_after(&stores, voucher_id, segments).await;
+            }
+            return Ok(());
+        }
+        if recorded {
+            // Its state may still wait for the record (its recorder gone before marking it).
+            if lottery::marked_unrecorded(&mut self.redis.clone(), &self.keys, voucher_id).await? {
+                lottery::record_draw(&self.db, &self.redis, &self.keys, voucher_id).await?;
             }
             return Ok(());
         }
@@ -594,6 +618,23 @@ impl Admission {
 
     fn reloading(&self) -> std::sync::MutexGuard<'_, HashSet<VoucherId>> {
         self.reloading.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records a sale's draw (if Redis holds one Postgres does not) and marks it recorded
+    /// in Redis, in the background unless a reload of the sale is running.
+    fn mark_in_background(self: &Arc<Self>, voucher_id: VoucherId) {
+        if !self.reloading().insert(voucher_id) {
+            return;
+        }
+        let this = self.clone();
+        tokio::spawn(async move {
+            let recorded =
+                lottery::record_draw(&this.db, &this.redis, &this.keys, voucher_id).await;
+            if let Err(e) = recorded {
+                tracing::warn!(voucher_id = voucher_id.get(), error = %e, "recording the lottery's draw failed");
+            }
+            this.reloading().remove(&voucher_id);
+        });
     }
 
     /// Starts a reload of one sale in the background unless one is already running.

@@ -213,6 +213,9 @@ struct LoadArgs<'a> {
     lottery_end_ms: Option<i64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     lottery_seed: Option<String>,
+    /// Postgres records the sale's draw: a draw the state carries is answered from.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    draw_recorded: bool,
 }
 
 impl SegmentLoad {
@@ -286,6 +289,7 @@ impl SegmentLoad {
                 .filter(|_| !sale.drawn)
                 .map(|w| sale.begin_time.timestamp_millis() + i64::from(w)),
             lottery_seed: sale.draw_seed.clone().filter(|_| !sale.drawn),
+            draw_recorded: sale.drawn,
         }
     }
 }

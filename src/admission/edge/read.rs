@@ -45,7 +45,7 @@ pub(crate) struct Peeked {
     pub(super) gen: String,
     pub(super) term: String,
     pub(super) epoch: String,
-    /// It holds a lottery's window not drawn yet.
+    /// It holds a lottery's window not drawn yet, or a draw not recorded yet.
     pub(super) window: bool,
 }
 
@@ -68,8 +68,8 @@ impl Peeked {
         &self.epoch
     }
 
-    /// Whether it holds a lottery's window not drawn yet: its stock is what the draw
-    /// shares out, not units to give.
+    /// Whether it holds a lottery's window not drawn yet (its stock is what the draw
+    /// shares out, not units to give), or a draw not recorded yet.
     pub(crate) fn holds_window(&self) -> bool {
         self.window
     }

@@ -8,8 +8,9 @@
 //! and one read per instance. A held press is answered only once the draw is recorded
 //! in Postgres (`sale_draws`, with its winners' orders, in one transaction): a Redis
 //! that loses the draw afterwards is rebuilt with the winners as buyers, never to draw
-//! again. A segmented sale draws otherwise, over its segments ([`parts`]); its held
-//! presses are answered the same way.
+//! again. Till then the state answers every other press `drawing` too (it marks its
+//! draw `unrecorded`), and the recorder lifts the mark. A segmented sale draws
+//! otherwise, over its segments ([`parts`]); its held presses are answered the same way.
 
 pub mod parts;
 mod pick;
@@ -26,6 +27,7 @@ use tokio::sync::OnceCell;
 use crate::domain::{Epoch, OrderId, UserId, VoucherId};
 use crate::keys::{Keys, SaleSegment};
 use crate::redis_conn::RedisConn;
+use crate::scripts::Call;
 use crate::store;
 pub use crate::store::draws::Window;
 use crate::store::draws::{Draw, Recorded};
@@ -84,25 +86,31 @@ impl Lottery {
 }
 
 /// The sale's draw as Postgres records it (`None`: not recorded).
-async fn recorded(db: &PgPool, voucher_id: VoucherId) -> anyhow::Result<Option<Drawn>> {
+async fn recorded(db: &PgPool, voucher_id: VoucherId) -> anyhow::Result<Option<(Draw, Drawn)>> {
     let Some((_, Some(draw))) = store::draws::get(db, voucher_id).await? else {
         return Ok(None);
     };
     let orders = store::draws::winners_orders(db, voucher_id, &draw.winners).await?;
-    Ok(Some(Drawn::new(draw, orders)))
+    let drawn = Drawn {
+        entrants: draw.entrants.iter().copied().collect(),
+        winners: orders.into_iter().collect(),
+    };
+    Ok(Some((draw, drawn)))
 }
 
 /// The draw of a sale in one segment as Postgres records it, recording it first from
 /// the sale's Redis state (with its winners' orders, see [`store::draws::record`]) when
 /// Redis holds one Postgres does not; `None`: not drawn, or not recordable now (Postgres
-/// away, the state rebuilt meanwhile), so not to be answered from yet.
+/// away, the state rebuilt meanwhile), so not to be answered from yet. Either way a
+/// recorded draw the state holds is marked recorded there.
 pub async fn record_draw(
     db: &PgPool,
     redis: &RedisConn,
     keys: &Keys,
     voucher_id: VoucherId,
 ) -> anyhow::Result<Option<Drawn>> {
-    if let Some(drawn) = recorded(db, voucher_id).await? {
+    if let Some((draw, drawn)) = recorded(db, voucher_id).await? {
+        mark_recorded(redis, keys, voucher_id, &draw).await;
         return Ok(Some(drawn));
     }
     let key = state_key(keys, voucher_id);
@@ -155,10 +163,13 @@ pub async fn record_draw(
     )
     .await?
     {
-        Recorded::Yes => Ok(Some(Drawn::new(
-            draw,
-            orders.iter().map(|o| (o.user_id.get(), o.id)),
-        ))),
+        Recorded::Yes => {
+            mark_recorded(redis, keys, voucher_id, &draw).await;
+            Ok(Some(Drawn::new(
+                draw,
+                orders.iter().map(|o| (o.user_id.get(), o.id)),
+            )))
+        }
         Recorded::NotHeld => Ok(None),
         Recorded::Refused(why) => {
             tracing::error!(
@@ -168,6 +179,24 @@ pub async fn record_draw(
             );
             Ok(None)
         }
+    }
+}
+
+/// Lifts the sale state's `unrecorded` mark when it holds `draw`, Postgres's: its
+/// presses are answered from it again. A mark left (Redis away) keeps them waiting, and
+/// the next press that waits for it too long asks again.
+async fn mark_recorded(redis: &RedisConn, keys: &Keys, voucher_id: VoucherId, draw: &Draw) {
+    let winners = draw.winners.iter().map(i64::to_string).collect::<Vec<_>>();
+    let segment = SaleSegment::new(voucher_id, 0, 1);
+    let marked = Call::function("seckill_recorded")
+        .key(keys.segment(segment))
+        .key(keys.segment_marker(segment))
+        .arg(draw.drawn_at.timestamp_millis())
+        .arg(winners.join(","))
+        .invoke::<i64, _>(&mut redis.clone())
+        .await;
+    if let Err(e) = marked {
+        tracing::warn!(voucher_id = voucher_id.get(), error = %e, "marking the lottery's draw recorded in redis failed");
     }
 }
 
@@ -214,7 +243,7 @@ async fn winners_orders(
 
 /// The sale state's fields that are not buyer records (`SALE_FIELDS` in
 /// lua/seckill.lua).
-const STATE_FIELDS: [&str; 13] = [
+const STATE_FIELDS: [&str; 14] = [
     "stock",
     "begin_ms",
     "end_ms",
@@ -228,6 +257,7 @@ const STATE_FIELDS: [&str; 13] = [
     "drawn_ms",
     "draw_entrants",
     "draw_winners",
+    "unrecorded",
 ];
 
 /// Shoppers entered so far in a lottery sale not drawn yet, as its Redis state holds
@@ -285,6 +315,19 @@ pub async fn an_entrant(
             .and_then(crate::domain::parse_id)?;
         Some((UserId::new(user)?, OrderId::new(order)?))
     }))
+}
+
+/// Whether a lottery sale's state (in one segment) holds a draw not marked recorded.
+pub async fn marked_unrecorded(
+    conn: &mut RedisConn,
+    keys: &Keys,
+    voucher_id: VoucherId,
+) -> redis::RedisResult<bool> {
+    redis::cmd("HEXISTS")
+        .arg(state_key(keys, voucher_id))
+        .arg("unrecorded")
+        .query_async(conn)
+        .await
 }
 
 /// A lottery sale's Redis state (it has one segment).

@@ -60,7 +60,7 @@ pub async fn draw(
     segments: u8,
 ) -> anyhow::Result<Option<Drawn>> {
     match recorded(&stores.db, voucher_id).await? {
-        Some(drawn) => Ok(Some(drawn)),
+        Some((_, drawn)) => Ok(Some(drawn)),
         None => draw_and_record(stores, voucher_id, segments).await,
     }
 }

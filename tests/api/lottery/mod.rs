@@ -778,3 +778,105 @@ async fn a_draw_done_while_postgres_is_away_answers_no_202_until_it_is_recorded(
     }
     assert_eq!(written_buyers(&app, id).await, drawn);
 }
+
+/// Whether the sale's Redis state (in one segment) holds `field`.
+async fn state_holds(app: &TestApp, voucher: i64, field: &str) -> bool {
+    redis::cmd("HEXISTS")
+        .arg(
+            app.keys
+                .segment(seckill::keys::SaleSegment::new(vid(voucher), 0, 1)),
+        )
+        .arg(field)
+        .query_async(&mut app.redis.clone())
+        .await
+        .unwrap()
+}
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_press_after_the_draw_names_no_order_until_postgres_records_the_draw(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    let (_api, base) = app.spawn_server("api", &[]).await;
+    let (stock, entrants, window_ms) = (10, 4, 1_500);
+    let voucher = lottery_sale(&app, stock, 1_500, window_ms).await;
+    let id = voucher["id"].as_i64().unwrap();
+    let newcomer = 100;
+    until_after_begin(&voucher, 100).await;
+
+    // The sale's row held from just before the window's end: nothing records the draw.
+    let mut held = app.db.begin().await.unwrap();
+    let in_the_gap = async {
+        until_after_begin(&voucher, window_ms as u64 - 300).await;
+        sqlx::query("SELECT 1 FROM seckill_vouchers WHERE voucher_id = $1 FOR UPDATE")
+            .bind(id)
+            .execute(&mut *held)
+            .await
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !state_holds(&app, id, "drawn_ms").await {
+            assert!(Instant::now() < deadline, "never drawn in redis");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(state_holds(&app, id, "unrecorded").await);
+        // An entrant whose held press is gone, and a newcomer with units left, press
+        // through another instance while Redis has drawn and Postgres has not.
+        tokio::join!(app.grab(id, 1), app.grab(id, newcomer))
+    };
+    let bases = [base.clone()];
+    let (answers, (entrant, late)) =
+        tokio::join!(press_together(&app, &bases, id, 1..=entrants), in_the_gap);
+    for (who, (status, body)) in [("an entrant", entrant), ("a newcomer", late)] {
+        assert_eq!(
+            status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{who} told of an order Redis could still lose: {body}"
+        );
+        assert_eq!(body["error"]["order_id"], Value::Null, "{who}: {body}");
+    }
+    let mut entered = HashMap::new();
+    for (user, answer, _) in answers {
+        let (status, body) = answer.unwrap_or_else(|| panic!("user {user} unanswered"));
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        assert_eq!(body["error"]["outcome"], "unknown", "{body}");
+        entered.insert(user, body["error"]["order_id"].as_str().unwrap().to_owned());
+    }
+
+    // Released: the draw is recorded, and every press is answered from it.
+    held.rollback().await.unwrap();
+    let again = press_through_503s(&app, &base, id, (1..=entrants).chain([newcomer])).await;
+    for user in 1..=entrants {
+        let (status, body) = &again[&user];
+        assert_eq!(body["error"]["code"], "already_ordered", "{status} {body}");
+        assert_eq!(
+            body["error"]["order_id"].as_str(),
+            Some(entered[&user].as_str())
+        );
+    }
+    let (status, body) = &again[&newcomer];
+    assert_eq!(
+        *status,
+        StatusCode::ACCEPTED,
+        "a unit left sells first come: {body}"
+    );
+    assert!(!state_holds(&app, id, "unrecorded").await);
+    let buyers = written_buyers(&app, id).await;
+    assert_eq!(buyers, (1..=entrants).chain([newcomer]).collect());
+
+    // A recorder gone before lifting its mark: an instance's look lifts it.
+    let key = app
+        .keys
+        .segment(seckill::keys::SaleSegment::new(vid(id), 0, 1));
+    let _: () = redis::cmd("HSET")
+        .arg(&key)
+        .arg("unrecorded")
+        .arg("1")
+        .query_async(&mut app.redis.clone())
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while state_holds(&app, id, "unrecorded").await {
+        assert!(Instant::now() < deadline, "the mark was never lifted");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (status, body) = app.grab(id, 1).await;
+    assert_eq!(body["error"]["code"], "already_ordered", "{status} {body}");
+}
