@@ -880,3 +880,116 @@ async fn a_press_after_the_draw_names_no_order_until_postgres_records_the_draw(d
     let (status, body) = app.grab(id, 1).await;
     assert_eq!(body["error"]["code"], "already_ordered", "{status} {body}");
 }
+
+#[sqlx::test(migrations = "./migrations")]
+async fn a_redis_back_older_between_the_draw_and_its_record_draws_once_more_and_only_that_draw_is_told(
+    db: PgPool,
+) {
+    let mut redis = PrivateRedis::start();
+    let app = TestApp::spawn_with(db, redis.url.clone(), true).await;
+    // An API instance alone: no worker writes the first draw's orders from the stream.
+    let (_api, base) = app.spawn_server("api", &[]).await;
+    let (stock, window_ms) = (3, 1_500);
+    let voucher = lottery_sale(&app, stock, 1_500, window_ms).await;
+    let id = voucher["id"].as_i64().unwrap();
+    let (early, late) = (1..=20, 21..=30);
+    until_after_begin(&voucher, 100).await;
+
+    // The early entrants are in the snapshot, the late ones enter after it; the sale's row
+    // is held from just before the window's end, so the draw Redis makes is not recorded.
+    let bases = [base.clone()];
+    let mut held = app.db.begin().await.unwrap();
+    let late_in_the_window = async {
+        until_after_begin(&voucher, window_ms as u64 - 400).await;
+        redis.save();
+        until_after_begin(&voucher, window_ms as u64 - 250).await;
+        let pressed = press_together(&app, &bases, id, late.clone());
+        let hold = async {
+            until_after_begin(&voucher, window_ms as u64 - 100).await;
+            sqlx::query("SELECT 1 FROM seckill_vouchers WHERE voucher_id = $1 FOR UPDATE")
+                .bind(id)
+                .execute(&mut *held)
+                .await
+                .unwrap();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !state_holds(&app, id, "drawn_ms").await {
+                assert!(Instant::now() < deadline, "never drawn in redis");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            // Every entrant presses again in the gap, through another instance.
+            press_together(&app, &[app.url("")], id, 1..=30).await
+        };
+        tokio::join!(pressed, hold)
+    };
+    let (first, (second, in_the_gap)) = tokio::join!(
+        press_together(&app, &bases, id, early.clone()),
+        late_in_the_window
+    );
+    for (user, answer, _) in in_the_gap {
+        let (status, body) = answer.unwrap_or_else(|| panic!("user {user} unanswered"));
+        assert_eq!(
+            status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "user {user}: {body}"
+        );
+        assert_eq!(
+            body["error"]["order_id"],
+            Value::Null,
+            "user {user}: {body}"
+        );
+    }
+    for (user, answer, _) in first.into_iter().chain(second) {
+        let (status, body) = answer.unwrap_or_else(|| panic!("user {user} unanswered"));
+        assert_eq!(
+            status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "user {user}: {body}"
+        );
+        assert_eq!(body["error"]["outcome"], "unknown", "user {user}: {body}");
+    }
+    let entrants_then: String = redis.command(
+        redis::cmd("HGET")
+            .arg(
+                app.keys
+                    .segment(seckill::keys::SaleSegment::new(vid(id), 0, 1)),
+            )
+            .arg("draw_entrants"),
+    );
+    assert_eq!(entrants_then.split(',').count(), 30, "drew every entrant");
+
+    // Redis back from the snapshot (only the early entries, no draw), then the row free.
+    redis.crash_and_restart();
+    held.rollback().await.unwrap();
+    let everyone = early.clone().chain(late.clone()).collect::<Vec<_>>();
+    let again = press_through_503s(&app, &base, id, everyone.clone()).await;
+
+    // One draw, over the entries the older Redis kept: its winners hold their orders,
+    // and nobody else was ever told of one.
+    let (_, draw) = app.get(&format!("/vouchers/{id}/draw"), None).await;
+    let entrants: BTreeSet<i64> = serde_json::from_value(draw["entrants"].clone()).unwrap();
+    let drawn: BTreeSet<i64> = serde_json::from_value(draw["winners"].clone()).unwrap();
+    assert_eq!(entrants, early.clone().collect(), "{draw}");
+    assert_eq!(drawn.len(), stock as usize, "{draw}");
+    for (user, (status, body)) in &again {
+        match drawn.contains(user) {
+            true => assert_eq!(body["error"]["code"], "already_ordered", "{status} {body}"),
+            false => assert_eq!(
+                body["error"]["code"], "sold_out",
+                "user {user}: {status} {body}"
+            ),
+        }
+    }
+    let buyers = written_buyers(&app, id).await;
+    assert_eq!(buyers, drawn);
+    let (ok, said) = verify_draw(&[&app.url(""), &id.to_string()]).await;
+    assert!(ok, "{said}");
+    let draws: i64 = sqlx::query_scalar("SELECT count(*) FROM sale_draws WHERE voucher_id = $1")
+        .bind(id)
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(draws, 1);
+    println!(
+        "a draw over 30 entrants lost before its record; drawn again over the 20 kept: {said}"
+    );
+}
