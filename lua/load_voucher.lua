@@ -250,18 +250,23 @@ local function left_alone(k, a, now, exists, this_term)
 end
 
 -- A lottery sale's fields for the state being built (appended to `fields`). A draw the
--- old state records is carried over and never armed again; marked `unrecorded` still
--- unless Postgres records it. A lottery is armed (its
--- window's end and seed) only while the sale has no order anywhere (Postgres or in
--- flight): nothing is admitted before the draw, so an order means it was drawn. The
--- old state's entrants stay entrants (a rebuild mid-window does not drop them).
+-- old state records is carried over and never armed again, marked `unrecorded` unless
+-- Postgres records it (whatever the old state said: it may be of a release that did not
+-- mark). A lottery is armed (its window's end and seed) only while the sale has no order
+-- anywhere (Postgres or in flight): nothing is admitted before the draw, so an order
+-- means it was drawn. The old state's entrants stay entrants (a rebuild mid-window does
+-- not drop them).
 local function lottery_fields(k, a, now, exp, fields)
   if now[11] then
     for i, f in ipairs(DRAW_FIELDS) do
-      if now[9 + i] and not (f == 'unrecorded' and a.draw_recorded) then
+      if f ~= 'unrecorded' and now[9 + i] then
         fields[#fields + 1] = f
         fields[#fields + 1] = now[9 + i]
       end
+    end
+    if not a.draw_recorded then
+      fields[#fields + 1] = 'unrecorded'
+      fields[#fields + 1] = '1'
     end
     return
   end

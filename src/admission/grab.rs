@@ -32,6 +32,14 @@ use crate::store::vouchers::{self, SaleLookup};
 /// How soon a held lottery press asks again when the draw is not done yet.
 const RETRY_DRAW: Duration = Duration::from_millis(20);
 
+/// How a lottery sale's draw is read, when it is in one segment: by grabbing again as an
+/// entrant (which draws, if no call has yet), or, known made, from its record alone.
+#[derive(Debug, Clone, Copy)]
+enum Reader {
+    Entrant(UserId, OrderId),
+    Made,
+}
+
 /// Who presses.
 #[derive(Debug, Clone, Copy)]
 pub struct Shopper {
@@ -66,6 +74,8 @@ pub struct Admission {
     pub(crate) look_soon: Arc<Notify>,
     /// Vouchers whose Redis state is being reloaded right now (one reload at a time).
     reloading: Mutex<HashSet<VoucherId>>,
+    /// Lottery sales whose draw is being recorded and marked so in the background.
+    marking: Mutex<HashSet<VoucherId>>,
     /// Lottery sales' windows, and their draws as Postgres records them.
     lottery: Lottery,
     retention: Duration,
@@ -121,6 +131,7 @@ impl Admission {
             heal: Arc::default(),
             look_soon: Arc::default(),
             reloading: Mutex::default(),
+            marking: Mutex::default(),
             lottery: Lottery::default(),
             retention: p.retention,
             replicas: p.replicas,
@@ -232,10 +243,8 @@ impl Admission {
         held: bool,
     ) -> Outcome {
         let deadline = end + lottery::ANSWER_WITHIN;
-        let Some(drawn) = self
-            .drawn(user_id, voucher_id, entered, window, deadline)
-            .await
-        else {
+        let reader = Reader::Entrant(user_id, entered);
+        let Some(drawn) = self.drawn(voucher_id, window, deadline, reader).await else {
             return match held {
                 true => Outcome::Unknown { order_id: entered },
                 // (Not naming the draw's order: it may have closed.)
@@ -308,8 +317,10 @@ impl Admission {
             _ => return refused,
         };
         let deadline = tokio::time::Instant::now() + lottery::ANSWER_WITHIN;
+        // (Refused by a state of the draw: made. A grab to make it could admit this
+        // press unheard, should the record be slow.)
         if self
-            .drawn(user_id, voucher_id, order_id, window, deadline)
+            .drawn(voucher_id, window, deadline, Reader::Made)
             .await
             .is_none()
         {
@@ -350,18 +361,20 @@ impl Admission {
     /// time, asked again every [`RETRY_DRAW`]); `None`: not read by `deadline`.
     async fn drawn(
         &self,
-        user_id: UserId,
         voucher_id: VoucherId,
-        entered: OrderId,
         window: lottery::Window,
         deadline: tokio::time::Instant,
+        reader: Reader,
     ) -> Option<Arc<lottery::Drawn>> {
         let draw = self.lottery.draw_of(voucher_id);
         loop {
             let read = draw.get_or_try_init(|| async {
-                match window.segments {
-                    1 => self.read_draw(user_id, voucher_id, entered).await,
-                    segments => self.read_parts_draw(voucher_id, segments).await,
+                match (window.segments, reader) {
+                    (1, Reader::Entrant(user_id, entered)) => {
+                        self.read_draw(user_id, voucher_id, entered).await
+                    }
+                    (1, Reader::Made) => self.read_record(voucher_id).await,
+                    (segments, _) => self.read_parts_draw(voucher_id, segments).await,
                 }
             });
             match tokio::time::timeout_at(deadline, read).await {
@@ -433,6 +446,12 @@ impl Admission {
             // failed call, a state being rebuilt): asked again.
             _ => return Err(()),
         }
+        self.read_record(voucher_id).await
+    }
+
+    /// The draw of a sale in one segment once Postgres records it (recording it first).
+    /// `Err`: not drawn yet, or not recorded now.
+    async fn read_record(&self, voucher_id: VoucherId) -> Result<Arc<lottery::Drawn>, ()> {
         match lottery::record_draw(&self.db, &self.redis, &self.keys, voucher_id).await {
             Ok(Some(drawn)) => Ok(Arc::new(drawn)),
             Ok(None) => Err(()),
@@ -617,13 +636,13 @@ impl Admission {
     }
 
     fn reloading(&self) -> std::sync::MutexGuard<'_, HashSet<VoucherId>> {
-        self.reloading.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.reloading)
     }
 
     /// Records a sale's draw (if Redis holds one Postgres does not) and marks it recorded
-    /// in Redis, in the background unless a reload of the sale is running.
+    /// in Redis, in the background unless that is running already.
     fn mark_in_background(self: &Arc<Self>, voucher_id: VoucherId) {
-        if !self.reloading().insert(voucher_id) {
+        if !lock(&self.marking).insert(voucher_id) {
             return;
         }
         let this = self.clone();
@@ -633,7 +652,7 @@ impl Admission {
             if let Err(e) = recorded {
                 tracing::warn!(voucher_id = voucher_id.get(), error = %e, "recording the lottery's draw failed");
             }
-            this.reloading().remove(&voucher_id);
+            lock(&this.marking).remove(&voucher_id);
         });
     }
 
@@ -661,4 +680,8 @@ impl Admission {
             this.reloading().remove(&voucher_id);
         });
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }

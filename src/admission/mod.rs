@@ -431,7 +431,8 @@ impl PendingOrder {
 
 /// The user's orders in the given sales (voucher, segments), as their buyer records in
 /// Redis say (in the user's home segment): the orders admitted there, whether or not the
-/// worker has written them yet.
+/// worker has written them yet. A lottery entrant's mark names no order yet, nor does a
+/// draw Postgres does not record yet (a Redis that loses it may draw otherwise).
 pub async fn orders_of<C: ConnectionLike + Send + Clone>(
     conn: &mut C,
     keys: &Keys,
@@ -447,18 +448,24 @@ pub async fn orders_of<C: ConnectionLike + Send + Clone>(
     let lookups = sales.iter().map(|&(voucher_id, segments)| {
         let mut conn = conn.clone();
         let home = SaleSegment::home_of(voucher_id, user_id, segments);
-        let cmd = redis::cmd("HGET")
+        let cmd = redis::cmd("HMGET")
             .arg(keys.segment(home))
             .arg(&field)
+            .arg("unrecorded")
             .clone();
-        async move { cmd.query_async::<Option<OrderId>>(&mut conn).await }
+        async move {
+            cmd.query_async::<(Option<String>, Option<String>)>(&mut conn)
+                .await
+        }
     });
-    let held: Vec<Option<OrderId>> = futures_util::future::try_join_all(lookups).await?;
+    let held = futures_util::future::try_join_all(lookups).await?;
     Ok(sales
         .iter()
         .zip(held)
-        .filter_map(|(&(voucher_id, _), order)| {
-            Some(PendingOrder::new(order?, voucher_id, user_id))
+        .filter_map(|(&(voucher_id, _), (record, unrecorded))| {
+            let order = record.as_deref().and_then(crate::domain::parse_id);
+            let order = OrderId::new(order.filter(|_| unrecorded.is_none())?)?;
+            Some(PendingOrder::new(order, voucher_id, user_id))
         })
         .collect())
 }

@@ -50,18 +50,19 @@ pub struct Due {
     pub recorded: bool,
 }
 
-/// The lottery sales whose window is over, not ended, whose draw is not recorded; and
-/// those drawn in the last ten minutes (a segment may still hold its window, its rebuild
-/// after the draw cut short; a state may still wait for the record's mark). At most 100,
-/// the latest windows first.
+/// The lottery sales whose window is over, not ended, whose draw is not recorded; the
+/// segmented ones drawn in the last ten minutes (a segment may still hold its window, its
+/// rebuild after the draw cut short); and the others drawn (a state may still wait for
+/// the record's mark). At most 100, those not recorded first, then the latest windows.
 pub async fn due(db: &PgPool) -> Result<Vec<Due>, sqlx::Error> {
     sqlx::query_as(
         "SELECT s.voucher_id, d.voucher_id IS NOT NULL AS recorded FROM seckill_vouchers s \
            LEFT JOIN sale_draws d ON d.voucher_id = s.voucher_id \
          WHERE s.opening_mode = 'lottery' AND s.end_time > now() \
            AND s.begin_time + s.lottery_window_ms * interval '1 millisecond' < now() \
-           AND (d.voucher_id IS NULL OR d.drawn_at > now() - interval '10 minutes') \
-         ORDER BY s.begin_time DESC LIMIT 100",
+           AND (d.voucher_id IS NULL OR s.segments = 1 \
+                OR d.drawn_at > now() - interval '10 minutes') \
+         ORDER BY d.voucher_id IS NULL DESC, s.begin_time DESC LIMIT 100",
     )
     .fetch_all(db)
     .await

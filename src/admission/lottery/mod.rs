@@ -48,9 +48,9 @@ pub struct Drawn {
 }
 
 impl Drawn {
-    fn new(draw: Draw, orders: impl IntoIterator<Item = (i64, OrderId)>) -> Self {
+    fn new(draw: &Draw, orders: impl IntoIterator<Item = (i64, OrderId)>) -> Self {
         Self {
-            entrants: draw.entrants.into_iter().collect(),
+            entrants: draw.entrants.iter().copied().collect(),
             winners: orders.into_iter().collect(),
         }
     }
@@ -91,10 +91,7 @@ async fn recorded(db: &PgPool, voucher_id: VoucherId) -> anyhow::Result<Option<(
         return Ok(None);
     };
     let orders = store::draws::winners_orders(db, voucher_id, &draw.winners).await?;
-    let drawn = Drawn {
-        entrants: draw.entrants.iter().copied().collect(),
-        winners: orders.into_iter().collect(),
-    };
+    let drawn = Drawn::new(&draw, orders);
     Ok(Some((draw, drawn)))
 }
 
@@ -166,7 +163,7 @@ pub async fn record_draw(
         Recorded::Yes => {
             mark_recorded(redis, keys, voucher_id, &draw).await;
             Ok(Some(Drawn::new(
-                draw,
+                &draw,
                 orders.iter().map(|o| (o.user_id.get(), o.id)),
             )))
         }

@@ -166,7 +166,7 @@ async fn draw_and_record(
     .await?;
     Ok(match recorded {
         Recorded::Yes => Some(Drawn::new(
-            draw,
+            &draw,
             orders.iter().map(|o| (o.user_id.get(), o.id)),
         )),
         Recorded::NotHeld => None,

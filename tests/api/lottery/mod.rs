@@ -779,6 +779,19 @@ async fn a_draw_done_while_postgres_is_away_answers_no_202_until_it_is_recorded(
     assert_eq!(written_buyers(&app, id).await, drawn);
 }
 
+/// `GET /orders` as `user`: its status, whether it left Redis out, and its body.
+async fn orders_listed(app: &TestApp, user: i64) -> (StatusCode, bool, Value) {
+    let resp = app
+        .client
+        .get(app.url("/orders"))
+        .bearer_auth(app.token(user))
+        .send()
+        .await
+        .unwrap();
+    let fell_back = resp.headers().contains_key("x-seckill-fallback");
+    (resp.status(), fell_back, resp.json().await.unwrap())
+}
+
 /// Whether the sale's Redis state (in one segment) holds `field`.
 async fn state_holds(app: &TestApp, voucher: i64, field: &str) -> bool {
     redis::cmd("HEXISTS")
@@ -802,10 +815,17 @@ async fn a_press_after_the_draw_names_no_order_until_postgres_records_the_draw(d
     let newcomer = 100;
     until_after_begin(&voucher, 100).await;
 
-    // The sale's row held from just before the window's end: nothing records the draw.
+    // The sale's row held from before the window's end: nothing records the draw.
     let mut held = app.db.begin().await.unwrap();
     let in_the_gap = async {
-        until_after_begin(&voucher, window_ms as u64 - 300).await;
+        until_after_begin(&voucher, window_ms as u64 - 500).await;
+        let (status, fell_back, listed) = orders_listed(&app, 1).await;
+        assert_eq!(
+            (status, fell_back),
+            (StatusCode::OK, false),
+            "an entrant's mark read as an order: {listed}"
+        );
+        assert_eq!(listed, json!([]), "an entry is no order yet");
         sqlx::query("SELECT 1 FROM seckill_vouchers WHERE voucher_id = $1 FOR UPDATE")
             .bind(id)
             .execute(&mut *held)
@@ -817,7 +837,10 @@ async fn a_press_after_the_draw_names_no_order_until_postgres_records_the_draw(d
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         assert!(state_holds(&app, id, "unrecorded").await);
-        // An entrant whose held press is gone, and a newcomer with units left, press
+        let (status, _, listed) = orders_listed(&app, 1).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(listed, json!([]), "a drawn order Redis could still lose");
+        // An entrant pressing again (a second tab), and a newcomer with units left, press
         // through another instance while Redis has drawn and Postgres has not.
         tokio::join!(app.grab(id, 1), app.grab(id, newcomer))
     };
@@ -896,21 +919,20 @@ async fn a_redis_back_older_between_the_draw_and_its_record_draws_once_more_and_
     until_after_begin(&voucher, 100).await;
 
     // The early entrants are in the snapshot, the late ones enter after it; the sale's row
-    // is held from just before the window's end, so the draw Redis makes is not recorded.
+    // is held from the snapshot on, so the draw Redis makes is not recorded.
     let bases = [base.clone()];
     let mut held = app.db.begin().await.unwrap();
     let late_in_the_window = async {
-        until_after_begin(&voucher, window_ms as u64 - 400).await;
+        until_after_begin(&voucher, window_ms as u64 - 600).await;
         redis.save();
-        until_after_begin(&voucher, window_ms as u64 - 250).await;
+        sqlx::query("SELECT 1 FROM seckill_vouchers WHERE voucher_id = $1 FOR UPDATE")
+            .bind(id)
+            .execute(&mut *held)
+            .await
+            .unwrap();
+        until_after_begin(&voucher, window_ms as u64 - 500).await;
         let pressed = press_together(&app, &bases, id, late.clone());
-        let hold = async {
-            until_after_begin(&voucher, window_ms as u64 - 100).await;
-            sqlx::query("SELECT 1 FROM seckill_vouchers WHERE voucher_id = $1 FOR UPDATE")
-                .bind(id)
-                .execute(&mut *held)
-                .await
-                .unwrap();
+        let gap = async {
             let deadline = Instant::now() + Duration::from_secs(10);
             while !state_holds(&app, id, "drawn_ms").await {
                 assert!(Instant::now() < deadline, "never drawn in redis");
@@ -919,7 +941,7 @@ async fn a_redis_back_older_between_the_draw_and_its_record_draws_once_more_and_
             // Every entrant presses again in the gap, through another instance.
             press_together(&app, &[app.url("")], id, 1..=30).await
         };
-        tokio::join!(pressed, hold)
+        tokio::join!(pressed, gap)
     };
     let (first, (second, in_the_gap)) = tokio::join!(
         press_together(&app, &bases, id, early.clone()),
