@@ -311,9 +311,14 @@ impl Admission {
         order_id: OrderId,
         refused: Outcome,
     ) -> Outcome {
-        let waits = |w: &lottery::Window| w.segments > 1 || matches!(refused, Outcome::Drawing);
+        // (At a sale in one segment only a drawn state answers `Drawing`, whatever this
+        // instance's clock says.)
+        let waits = |w: &lottery::Window| match w.segments {
+            1 => matches!(refused, Outcome::Drawing),
+            _ => chrono::Utc::now() >= w.end,
+        };
         let window = match self.lottery.window(&self.db, voucher_id).await {
-            Ok(Some(window)) if waits(&window) && chrono::Utc::now() >= window.end => window,
+            Ok(Some(window)) if waits(&window) => window,
             _ => return refused,
         };
         let deadline = tokio::time::Instant::now() + lottery::ANSWER_WITHIN;
