@@ -739,17 +739,7 @@ async fn a_draw_done_while_postgres_is_away_answers_no_202_until_it_is_recorded(
     };
     let bases = [base.clone()];
     let (answers, ()) = tokio::join!(press_together(&app, &bases, id, 1..=entrants), cut);
-    let mut entered = HashMap::new();
-    for (user, answer, _) in answers {
-        let (status, body) = answer.unwrap_or_else(|| panic!("user {user} unanswered"));
-        assert_eq!(
-            status,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "user {user}: {body}"
-        );
-        assert_eq!(body["error"]["outcome"], "unknown", "{body}");
-        entered.insert(user, body["error"]["order_id"].as_str().unwrap().to_owned());
-    }
+    let entered = answered_unknown(answers);
 
     // Back: the draw is recorded (by whichever instance gets there first), and each
     // shopper's press again says what it says.
@@ -777,6 +767,23 @@ async fn a_draw_done_while_postgres_is_away_answers_no_202_until_it_is_recorded(
         }
     }
     assert_eq!(written_buyers(&app, id).await, drawn);
+}
+
+/// Held presses answered 503 `unknown` (the draw not recorded by their bound), each naming
+/// the order it entered under: those orders, by user.
+fn answered_unknown(answers: impl IntoIterator<Item = Pressed>) -> HashMap<i64, String> {
+    let mut entered = HashMap::new();
+    for (user, answer, _) in answers {
+        let (status, body) = answer.unwrap_or_else(|| panic!("user {user} unanswered"));
+        assert_eq!(
+            status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "user {user}: {body}"
+        );
+        assert_eq!(body["error"]["outcome"], "unknown", "user {user}: {body}");
+        entered.insert(user, body["error"]["order_id"].as_str().unwrap().to_owned());
+    }
+    entered
 }
 
 /// `GET /orders` as `user`: its status, whether it left Redis out, and its body.
@@ -855,13 +862,7 @@ async fn a_press_after_the_draw_names_no_order_until_postgres_records_the_draw(d
         );
         assert_eq!(body["error"]["order_id"], Value::Null, "{who}: {body}");
     }
-    let mut entered = HashMap::new();
-    for (user, answer, _) in answers {
-        let (status, body) = answer.unwrap_or_else(|| panic!("user {user} unanswered"));
-        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
-        assert_eq!(body["error"]["outcome"], "unknown", "{body}");
-        entered.insert(user, body["error"]["order_id"].as_str().unwrap().to_owned());
-    }
+    let entered = answered_unknown(answers);
 
     // Released: the draw is recorded, and every press is answered from it.
     held.rollback().await.unwrap();
@@ -960,15 +961,7 @@ async fn a_redis_back_older_between_the_draw_and_its_record_draws_once_more_and_
             "user {user}: {body}"
         );
     }
-    for (user, answer, _) in first.into_iter().chain(second) {
-        let (status, body) = answer.unwrap_or_else(|| panic!("user {user} unanswered"));
-        assert_eq!(
-            status,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "user {user}: {body}"
-        );
-        assert_eq!(body["error"]["outcome"], "unknown", "user {user}: {body}");
-    }
+    answered_unknown(first.into_iter().chain(second));
     let entrants_then: String = redis.command(
         redis::cmd("HGET")
             .arg(
