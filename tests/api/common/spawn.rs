@@ -101,6 +101,12 @@ impl TestApp {
         }
     }
 
+    /// Stops the in-process app as a stopping `seckill api` stops (it leaves the
+    /// instances that hold a new term back); its HTTP server answers no more.
+    pub fn stop_serving(&self) {
+        self.cancel.cancel();
+    }
+
     /// Starts `seckill <subcommand>` on a spare port, in this app's database and key
     /// space, and waits until it is ready. Returns the process and its base URL.
     pub async fn spawn_server(

@@ -17,6 +17,7 @@ use crate::live::Events;
 use crate::recovery::rollback::press_through_503s;
 
 mod crowd;
+mod failover;
 mod segmented;
 
 /// A lottery sale opening `in_ms` from now with a window of `window_ms`; its voucher.

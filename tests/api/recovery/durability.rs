@@ -38,7 +38,7 @@ fn postgres_addr(db: &PgPool) -> std::net::SocketAddr {
 }
 
 /// Makes `replica` a replica of the server at `master` and waits until it is in sync.
-async fn replicate(replica: &PrivateRedis, master: std::net::SocketAddr) {
+pub(crate) async fn replicate(replica: &PrivateRedis, master: std::net::SocketAddr) {
     replica.run_command::<()>(
         redis::cmd("REPLICAOF")
             .arg(master.ip().to_string())
