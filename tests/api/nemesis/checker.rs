@@ -52,6 +52,20 @@ pub struct SaleBooks {
     pub open: bool,
 }
 
+/// A lottery sale at the end: its window, and its draw as Postgres records it.
+#[derive(Clone, Debug)]
+pub struct Lottery {
+    pub voucher: i64,
+    /// Its window's end, on the history's axis.
+    pub window_end_ms: f64,
+    /// The draw's winners (user ids); `None`: no draw recorded.
+    pub winners: Option<Vec<i64>>,
+    /// How many entered the draw.
+    pub entrants: usize,
+    /// What `scripts/verify-draw` said of the published draw, when it did not verify it.
+    pub unverified: Option<String>,
+}
+
 /// Everything the checker reads.
 #[derive(Clone, Debug, Default)]
 pub struct Evidence {
@@ -59,6 +73,7 @@ pub struct Evidence {
     pub orders: Vec<PgOrder>,
     pub dead: Vec<DeadOrder>,
     pub sales: Vec<SaleBooks>,
+    pub lotteries: Vec<Lottery>,
     /// The campaign's start on the wall clock (Unix ms): order ids carry their minting
     /// time, which this places on the history's axis.
     pub start_unix_ms: f64,
@@ -101,6 +116,8 @@ pub struct Verdict {
     pub duplicates: usize,
     pub two_live: usize,
     pub phantoms: usize,
+    /// Per lottery sale whose draw Postgres records: its winners and entrants.
+    pub draws: Vec<(usize, usize)>,
     pub dead_by_reason: BTreeMap<String, usize>,
     pub violations: Vec<Violation>,
 }
@@ -136,6 +153,7 @@ pub fn check(e: &Evidence) -> Verdict {
     check_unknowns(e, &mut v);
     check_phantoms(e, &mut v);
     check_closes(e, &mut v);
+    check_lotteries(e, &mut v);
     check_internal(e, &mut v);
     check_ending(e, &mut v);
     v
@@ -415,6 +433,60 @@ fn check_closes(e: &Evidence, v: &mut Verdict) {
 
 /// No answer `500 internal`: the contract keeps it for bugs, never for a dependency
 /// that is down (that is a 503).
+/// A lottery admits nothing before its window is over (its draw comes first, by
+/// Redis's clock, which is the history's: one machine), its published draw verifies, and
+/// each of its winners holds the draw's order in Postgres (written with the draw).
+fn check_lotteries(e: &Evidence, v: &mut Verdict) {
+    for l in &e.lotteries {
+        let early = e.history.iter().filter(|r| {
+            r.voucher == l.voucher
+                && r.promised_order().is_some()
+                && r.recv_ms.is_some_and(|at| at < l.window_end_ms)
+        });
+        for r in early {
+            v.violate(
+                "admitted in a lottery's window",
+                r.recv_ms,
+                format!(
+                    "voucher {}: user {} was told of order {:?} at {:.3} s, its window ends at {:.3} s",
+                    l.voucher,
+                    r.user,
+                    r.promised_order(),
+                    r.recv_ms.unwrap_or_default() / 1000.0,
+                    l.window_end_ms / 1000.0
+                ),
+            );
+        }
+        if let Some(why) = &l.unverified {
+            v.violate(
+                "a draw that does not verify",
+                None,
+                format!("voucher {}: {why}", l.voucher),
+            );
+        }
+        let Some(winners) = &l.winners else {
+            continue;
+        };
+        v.draws.push((winners.len(), l.entrants));
+        for w in winners {
+            if !e
+                .orders
+                .iter()
+                .any(|o| o.voucher == l.voucher && o.user == *w)
+            {
+                v.violate(
+                    "a winner without its order",
+                    None,
+                    format!(
+                        "voucher {}: user {w} won the draw, Postgres holds no order of theirs",
+                        l.voucher
+                    ),
+                );
+            }
+        }
+    }
+}
+
 fn check_internal(e: &Evidence, v: &mut Verdict) {
     for r in e.history.iter().filter(|r| r.status == Some(500)) {
         v.violate(

@@ -212,12 +212,14 @@ async fn gather(
         sales = observe::sales(world, &books).await;
     }
     let observe::PgBooks { orders, dead, .. } = books;
+    let lotteries = observe::lotteries(&db, recorder.start_unix_ms).await;
     let redis_state = observe::describe_redis(world, &sales, &orders).await;
     let evidence = Evidence {
         history: recorder.snapshot(),
         orders,
         dead,
         sales,
+        lotteries,
         start_unix_ms: recorder.start_unix_ms,
         settled,
         reconcile_exit: None,

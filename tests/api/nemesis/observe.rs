@@ -1,6 +1,7 @@
 //! Reading the stores at the end: whether everything in flight has settled, every
-//! order and tombstone in Postgres, each sale's stock in both stores, and what
-//! `seckill reconcile` (without `--repair`) says.
+//! order and tombstone in Postgres, each sale's stock in both stores, each lottery's
+//! draw (checked with `scripts/verify-draw`), and what `seckill reconcile` (without
+//! `--repair`) says.
 
 use std::time::Duration;
 
@@ -8,7 +9,7 @@ use redis::streams::{StreamInfoGroupsReply, StreamInfoStreamReply};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgPool, Row};
 
-use super::checker::{DeadOrder, PgOrder, SaleBooks};
+use super::checker::{DeadOrder, Lottery, PgOrder, SaleBooks};
 use super::services::{run_bounded, PREFIX};
 use super::topology::query;
 use super::world::World;
@@ -201,6 +202,66 @@ pub async fn sales(world: &World, books: &PgBooks) -> Vec<SaleBooks> {
         });
     }
     out
+}
+
+/// Every lottery sale: its window's end on the history's axis (`start_unix_ms` is its
+/// zero) and its draw as Postgres records it, each published draw put to
+/// `scripts/verify-draw` as `GET /vouchers/{id}/draw` would publish it.
+pub async fn lotteries(db: &PgPool, start_unix_ms: f64) -> Vec<Lottery> {
+    let rows = sqlx::query(
+        "SELECT v.voucher_id, v.initial_stock, v.draw_commitment, d.seed, d.entrants, d.winners,
+                extract(epoch FROM v.begin_time)::float8 * 1000 + v.lottery_window_ms AS window_end
+         FROM seckill_vouchers v LEFT JOIN sale_draws d USING (voucher_id)
+         WHERE v.opening_mode = 'lottery' ORDER BY v.voucher_id",
+    )
+    .fetch_all(db)
+    .await
+    .expect("lottery sales");
+    let mut out = Vec::new();
+    for r in rows {
+        let voucher: i64 = r.get("voucher_id");
+        let winners: Option<Vec<i64>> = r.get("winners");
+        let entrants: Option<Vec<i64>> = r.get("entrants");
+        let unverified = match &winners {
+            Some(winners) => {
+                let draw = serde_json::json!({
+                    "commitment": r.get::<String, _>("draw_commitment"),
+                    "seed": r.get::<Option<String>, _>("seed"),
+                    "entrants": entrants,
+                    "winners": winners,
+                });
+                verify_draw(voucher, &draw, r.get::<i32, _>("initial_stock")).await
+            }
+            None => None,
+        };
+        out.push(Lottery {
+            voucher,
+            window_end_ms: r.get::<f64, _>("window_end") - start_unix_ms,
+            winners,
+            entrants: entrants.map_or(0, |e| e.len()),
+            unverified,
+        });
+    }
+    out
+}
+
+/// `scripts/verify-draw --file` of `draw`: `None` if it verified, else what it said.
+async fn verify_draw(voucher: i64, draw: &serde_json::Value, stock: i32) -> Option<String> {
+    let file = std::env::temp_dir().join(format!(
+        "nemesis-draw-{voucher}-{}-{:08x}.json",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    std::fs::write(&file, draw.to_string()).expect("a draw's file");
+    let mut command = std::process::Command::new("scripts/verify-draw");
+    command
+        .arg("--file")
+        .arg(&file)
+        .arg("--stock")
+        .arg(stock.to_string());
+    let (code, said) = run_bounded(command, Duration::from_secs(60)).await;
+    let _ = std::fs::remove_file(&file);
+    (code != Some(0)).then_some(said)
 }
 
 /// `seckill reconcile` (no `--repair`), bounded: its exit code and output.

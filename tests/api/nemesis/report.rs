@@ -97,6 +97,17 @@ impl Summary<'_> {
         let _ = writeln!(out, "order ids twice: {}", v.duplicates);
         let _ = writeln!(out, "two live orders: {}", v.two_live);
         let _ = writeln!(out, "orders nobody was promised: {}", v.phantoms);
+        let draws: Vec<String> = v
+            .draws
+            .iter()
+            .map(|(won, entered)| format!("{won} winners of {entered} entrants"))
+            .collect();
+        let _ = writeln!(
+            out,
+            "lottery draws recorded and verified: {} ({})",
+            draws.len(),
+            draws.join("; ")
+        );
         let dead: Vec<String> = v
             .dead_by_reason
             .iter()

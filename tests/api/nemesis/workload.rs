@@ -26,23 +26,36 @@ pub struct Sale {
     pub closed: bool,
 }
 
+/// A lottery sale opens this long after it is created (a lottery cannot be set on a
+/// sale already begun) ...
+pub const LOTTERY_LEAD: Duration = Duration::from_secs(3);
+/// ... with a window this long: its held presses are answered within the window and
+/// 500 ms, well inside [`REQUEST_TIMEOUT`].
+pub const LOTTERY_WINDOW: Duration = Duration::from_secs(3);
+
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum SaleAction {
     Create {
         stock: u64,
         segments: u64,
         pay_within: u64,
+        /// Opening as a lottery ([`LOTTERY_LEAD`], [`LOTTERY_WINDOW`]), not first come.
+        lottery: bool,
     },
     /// Close the n-th sale created.
     Close { nth: usize },
 }
 
-/// The administrator's plan: four sales at the start (one in three segments, two with
-/// short payment windows, so expiries return units), a new sale every 45 s, and a
-/// close at 40 % of the run and every 150 s after, of the oldest sale open for 30 s at
-/// least (never the first segmented sale: its segments' moves should see faults too).
+/// The administrator's plan: five sales at the start (one in three segments, two with
+/// short payment windows, so expiries return units, and a lottery of a few units whose
+/// window opens as the faults begin), a new sale every 45 s (a quarter of them
+/// lotteries), and a close at 40 % of the run and every 150 s after, of the oldest sale
+/// open for 30 s at least (never the first segmented sale: its segments' moves should
+/// see faults too).
 pub fn plan_sales(seed: u64, duration_ms: u64) -> Vec<(u64, SaleAction)> {
     let mut rng = Rng::new(seed ^ 0x5A1E_5A1E);
+    // (Its own sequence: adding lotteries left every other sale of a seed as it was.)
+    let mut lotteries = Rng::new(seed ^ 0x1077_E111);
     // Stocks of 30-150 sell out within a minute (returns then matter); a sale in segments
     // gets 150-300, so its segments have units to move.
     let create = |rng: &mut Rng, segments: u64, short_pay: bool| SaleAction::Create {
@@ -53,17 +66,32 @@ pub fn plan_sales(seed: u64, duration_ms: u64) -> Vec<(u64, SaleAction)> {
         },
         segments,
         pay_within: if short_pay { rng.range(5, 10) } else { 900 },
+        lottery: false,
     };
     let mut plan = vec![
         (0, create(&mut rng, 1, true)),
         (0, create(&mut rng, 3, false)),
         (0, create(&mut rng, 1, false)),
         (0, create(&mut rng, 1, true)),
+        // Fewer units than the shoppers who press in its window: a draw with losers.
+        (
+            0,
+            SaleAction::Create {
+                stock: lotteries.range(3, 8),
+                segments: 1,
+                pay_within: 900,
+                lottery: true,
+            },
+        ),
     ];
     for at in (45_000..duration_ms).step_by(45_000) {
         let segments = if rng.chance(0.25) { 3 } else { 1 };
         let short = rng.chance(0.5);
-        plan.push((at, create(&mut rng, segments, short)));
+        let mut sale = create(&mut rng, segments, short);
+        if let SaleAction::Create { lottery, .. } = &mut sale {
+            *lottery = lotteries.chance(0.25);
+        }
+        plan.push((at, sale));
     }
     let created: Vec<u64> = plan.iter().map(|(at, _)| *at).collect();
     let mut closed = vec![false; created.len()];
@@ -216,18 +244,35 @@ impl Workload {
             .await
     }
 
-    /// Opens a sale; its id once an API instance answered 201 (tried for up to 60 s).
-    pub async fn create_sale(&self, stock: u64, segments: u64, pay_within: u64) -> Option<i64> {
-        let now = Utc::now();
-        let body = json!({
-            "shop_id": 1, "title": "nemesis", "pay_value": 100, "actual_value": 200,
-            "seckill": {
-                "stock": stock, "segments": segments, "pay_within_secs": pay_within,
-                "begin_time": now - chrono::Duration::minutes(1),
-                "end_time": now + chrono::Duration::hours(self.sale_hours),
-            },
-        });
+    /// Opens a sale; its id once an API instance answered 201 (tried for up to 60 s). A
+    /// lottery opens [`LOTTERY_LEAD`] after the attempt that created it.
+    pub async fn create_sale(
+        &self,
+        stock: u64,
+        segments: u64,
+        pay_within: u64,
+        lottery: bool,
+    ) -> Option<i64> {
+        let end = Utc::now() + chrono::Duration::hours(self.sale_hours);
         for attempt in 0..120u32 {
+            let now = Utc::now();
+            let (begin, opening) = match lottery {
+                true => (
+                    now + LOTTERY_LEAD,
+                    json!({"mode": "lottery", "window_ms": LOTTERY_WINDOW.as_millis() as u64}),
+                ),
+                false => (
+                    now - chrono::Duration::minutes(1),
+                    json!({"mode": "first_come"}),
+                ),
+            };
+            let body = json!({
+                "shop_id": 1, "title": "nemesis", "pay_value": 100, "actual_value": 200,
+                "seckill": {
+                    "stock": stock, "segments": segments, "pay_within_secs": pay_within,
+                    "begin_time": begin, "end_time": end, "opening": opening,
+                },
+            });
             let api = (attempt % 2) as u8;
             let r = self
                 .send(
@@ -238,7 +283,7 @@ impl Workload {
                     0,
                     None,
                     "/vouchers",
-                    Some(body.clone()),
+                    Some(body),
                 )
                 .await;
             if r.status == Some(201) {
@@ -305,8 +350,9 @@ impl Workload {
                     stock,
                     segments,
                     pay_within,
+                    lottery,
                 } => {
-                    self.create_sale(stock, segments, pay_within).await;
+                    self.create_sale(stock, segments, pay_within, lottery).await;
                 }
                 SaleAction::Close { nth } => {
                     let id = self

@@ -71,6 +71,7 @@ fn clean() -> Evidence {
             redis_stock: Some(0),
             open: true,
         }],
+        lotteries: vec![],
         start_unix_ms: START,
         settled: true,
         reconcile_exit: Some(0),
@@ -333,4 +334,54 @@ fn an_unanswered_grab_is_not_blamed_for_the_order_of_the_next_press() {
     let v = check(&e);
     assert!(v.violations.is_empty(), "{:?}", v.violations);
     assert_eq!((v.unknowns.total, v.unknowns.order), (1, 1));
+}
+
+/// A lottery of 1 unit (voucher 8, its window ending at 1 s) drawn for user 3, whose held
+/// press was answered 202 at 1.1 s.
+fn drawn() -> Evidence {
+    let mut e = clean();
+    let id = id_at(500.0, 3);
+    e.history.push(Record {
+        recv_ms: Some(1_100.0),
+        ..admitted(3, 8, 495.0, id)
+    });
+    e.orders.push(order(id, 3, 8, "created", 1_050.0));
+    e.sales.push(SaleBooks {
+        voucher: 8,
+        segments: 1,
+        initial: 1,
+        pg_stock: 0,
+        redis_stock: Some(0),
+        open: true,
+    });
+    e.lotteries.push(Lottery {
+        voucher: 8,
+        window_end_ms: 1_000.0,
+        winners: Some(vec![3]),
+        entrants: 2,
+        unverified: None,
+    });
+    e
+}
+
+#[test]
+fn a_lottery_drawn_after_its_window_with_its_winners_orders_has_no_violation() {
+    let v = check(&drawn());
+    assert!(v.violations.is_empty(), "{:?}", v.violations);
+    assert_eq!(v.draws, [(1, 2)]);
+}
+
+#[test]
+fn a_lottery_that_admits_in_its_window_draws_unverifiably_or_loses_a_winners_order_is_caught() {
+    let mut e = drawn();
+    e.history.last_mut().unwrap().recv_ms = Some(900.0);
+    assert_eq!(checks(&check(&e)), ["admitted in a lottery's window"]);
+
+    let mut e = drawn();
+    e.lotteries[0].unverified = Some("winners differ".into());
+    assert_eq!(checks(&check(&e)), ["a draw that does not verify"]);
+
+    let mut e = drawn();
+    e.lotteries[0].winners = Some(vec![3, 4]);
+    assert_eq!(checks(&check(&e)), ["a winner without its order"]);
 }
