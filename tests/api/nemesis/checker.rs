@@ -56,14 +56,23 @@ pub struct SaleBooks {
 #[derive(Clone, Debug)]
 pub struct Lottery {
     pub voucher: i64,
-    /// Its window's end, on the history's axis.
-    pub window_end_ms: f64,
+    /// Its window's begin and end, on the history's axis.
+    pub window_ms: (f64, f64),
     /// The draw's winners (user ids); `None`: no draw recorded.
     pub winners: Option<Vec<i64>>,
     /// How many entered the draw.
     pub entrants: usize,
     /// What `scripts/verify-draw` said of the published draw, when it did not verify it.
     pub unverified: Option<String>,
+}
+
+/// A lottery sale's recorded draw, as the report shows it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Drawn {
+    pub voucher: i64,
+    pub window_ms: (f64, f64),
+    pub winners: usize,
+    pub entrants: usize,
 }
 
 /// Everything the checker reads.
@@ -116,8 +125,8 @@ pub struct Verdict {
     pub duplicates: usize,
     pub two_live: usize,
     pub phantoms: usize,
-    /// Per lottery sale whose draw Postgres records: its winners and entrants.
-    pub draws: Vec<(usize, usize)>,
+    /// The lottery sales whose draw Postgres records.
+    pub draws: Vec<Drawn>,
     pub dead_by_reason: BTreeMap<String, usize>,
     pub violations: Vec<Violation>,
 }
@@ -441,7 +450,7 @@ fn check_lotteries(e: &Evidence, v: &mut Verdict) {
         let early = e.history.iter().filter(|r| {
             r.voucher == l.voucher
                 && r.promised_order().is_some()
-                && r.recv_ms.is_some_and(|at| at < l.window_end_ms)
+                && r.recv_ms.is_some_and(|at| at < l.window_ms.1)
         });
         for r in early {
             v.violate(
@@ -453,7 +462,7 @@ fn check_lotteries(e: &Evidence, v: &mut Verdict) {
                     r.user,
                     r.promised_order(),
                     r.recv_ms.unwrap_or_default() / 1000.0,
-                    l.window_end_ms / 1000.0
+                    l.window_ms.1 / 1000.0
                 ),
             );
         }
@@ -467,7 +476,12 @@ fn check_lotteries(e: &Evidence, v: &mut Verdict) {
         let Some(winners) = &l.winners else {
             continue;
         };
-        v.draws.push((winners.len(), l.entrants));
+        v.draws.push(Drawn {
+            voucher: l.voucher,
+            window_ms: l.window_ms,
+            winners: winners.len(),
+            entrants: l.entrants,
+        });
         for w in winners {
             if !e
                 .orders

@@ -204,13 +204,13 @@ pub async fn sales(world: &World, books: &PgBooks) -> Vec<SaleBooks> {
     out
 }
 
-/// Every lottery sale: its window's end on the history's axis (`start_unix_ms` is its
+/// Every lottery sale: its window on the history's axis (`start_unix_ms` is its
 /// zero) and its draw as Postgres records it, each published draw put to
 /// `scripts/verify-draw` as `GET /vouchers/{id}/draw` would publish it.
 pub async fn lotteries(db: &PgPool, start_unix_ms: f64) -> Vec<Lottery> {
     let rows = sqlx::query(
         "SELECT v.voucher_id, v.initial_stock, v.draw_commitment, d.seed, d.entrants, d.winners,
-                extract(epoch FROM v.begin_time)::float8 * 1000 + v.lottery_window_ms AS window_end
+                extract(epoch FROM v.begin_time)::float8 * 1000 AS window_begin, v.lottery_window_ms
          FROM seckill_vouchers v LEFT JOIN sale_draws d USING (voucher_id)
          WHERE v.opening_mode = 'lottery' ORDER BY v.voucher_id",
     )
@@ -236,7 +236,10 @@ pub async fn lotteries(db: &PgPool, start_unix_ms: f64) -> Vec<Lottery> {
         };
         out.push(Lottery {
             voucher,
-            window_end_ms: r.get::<f64, _>("window_end") - start_unix_ms,
+            window_ms: {
+                let begin = r.get::<f64, _>("window_begin") - start_unix_ms;
+                (begin, begin + r.get::<i32, _>("lottery_window_ms") as f64)
+            },
             winners,
             entrants: entrants.map_or(0, |e| e.len()),
             unverified,

@@ -4,8 +4,8 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use super::checker::{Verdict, Violation};
-use super::history::{Phase, Record};
+use super::checker::{Drawn, Verdict, Violation};
+use super::history::{Kind, Phase, Record};
 use super::world::Executed;
 
 pub struct Summary<'a> {
@@ -79,6 +79,32 @@ impl Summary<'_> {
         }
     }
 
+    /// A draw, and what the presses sent in its window were answered.
+    fn lottery(&self, d: &Drawn) -> String {
+        let (begin, end) = d.window_ms;
+        let mut answers: BTreeMap<String, usize> = BTreeMap::new();
+        for r in self.history.iter().filter(|r| {
+            r.kind == Kind::Grab && r.voucher == d.voucher && (begin..end).contains(&r.sent_ms)
+        }) {
+            let answer = match (r.status, &r.code) {
+                (Some(status), Some(code)) => format!("{status} {code}"),
+                (Some(status), None) => status.to_string(),
+                (None, _) => "no answer".into(),
+            };
+            *answers.entry(answer).or_default() += 1;
+        }
+        let answers: Vec<String> = answers.iter().map(|(a, n)| format!("{a}: {n}")).collect();
+        format!(
+            "voucher {}, window {:.1}-{:.1} s: {} winners of {} entrants; presses sent in the window: {}",
+            d.voucher,
+            begin / 1000.0,
+            end / 1000.0,
+            d.winners,
+            d.entrants,
+            if answers.is_empty() { "none".into() } else { answers.join(", ") }
+        )
+    }
+
     fn checks(&self, out: &mut String) {
         let v = self.verdict;
         let u = &v.unknowns;
@@ -97,17 +123,14 @@ impl Summary<'_> {
         let _ = writeln!(out, "order ids twice: {}", v.duplicates);
         let _ = writeln!(out, "two live orders: {}", v.two_live);
         let _ = writeln!(out, "orders nobody was promised: {}", v.phantoms);
-        let draws: Vec<String> = v
-            .draws
-            .iter()
-            .map(|(won, entered)| format!("{won} winners of {entered} entrants"))
-            .collect();
         let _ = writeln!(
             out,
-            "lottery draws recorded and verified: {} ({})",
-            draws.len(),
-            draws.join("; ")
+            "lottery draws recorded and verified: {}",
+            v.draws.len()
         );
+        for d in &v.draws {
+            let _ = writeln!(out, "  {}", self.lottery(d));
+        }
         let dead: Vec<String> = v
             .dead_by_reason
             .iter()

@@ -356,7 +356,7 @@ fn drawn() -> Evidence {
     });
     e.lotteries.push(Lottery {
         voucher: 8,
-        window_end_ms: 1_000.0,
+        window_ms: (0.0, 1_000.0),
         winners: Some(vec![3]),
         entrants: 2,
         unverified: None,
@@ -368,7 +368,15 @@ fn drawn() -> Evidence {
 fn a_lottery_drawn_after_its_window_with_its_winners_orders_has_no_violation() {
     let v = check(&drawn());
     assert!(v.violations.is_empty(), "{:?}", v.violations);
-    assert_eq!(v.draws, [(1, 2)]);
+    assert_eq!(
+        v.draws,
+        [Drawn {
+            voucher: 8,
+            window_ms: (0.0, 1_000.0),
+            winners: 1,
+            entrants: 2
+        }]
+    );
 }
 
 #[test]
