@@ -183,7 +183,7 @@ impl Admission {
         let outcome = match Outcome::of(decided, order_id) {
             Outcome::Entered { order_id } => {
                 self.await_draw(shopper.user_id, voucher_id, order_id, started)
-                    .await?
+                    .await
             }
             outcome if outcome.may_await_a_draw() => {
                 self.after_draw(shopper.user_id, voucher_id, order_id, outcome)
@@ -208,9 +208,16 @@ impl Admission {
         voucher_id: VoucherId,
         entered: OrderId,
         pressed: Instant,
-    ) -> Result<Outcome, sqlx::Error> {
-        let Some(window) = self.lottery.window(&self.db, voucher_id).await? else {
-            return Ok(Outcome::Unknown { order_id: entered });
+    ) -> Outcome {
+        // The press is an entry already: whatever stops it from being held (Postgres not
+        // answering the window's lookup), its answer names the order it entered under.
+        let window = match self.lottery.window(&self.db, voucher_id).await {
+            Ok(Some(window)) => window,
+            Ok(None) => return Outcome::Unknown { order_id: entered },
+            Err(e) => {
+                tracing::warn!(voucher_id = voucher_id.get(), error = %e, "an entry's window could not be read: answered unknown");
+                return Outcome::Unknown { order_id: entered };
+            }
         };
         let now = chrono::Utc::now();
         let left = (window.end - now).to_std().unwrap_or_default();
@@ -225,7 +232,7 @@ impl Admission {
         if held {
             crate::metrics::record_lottery_answer(end.elapsed().as_secs_f64());
         }
-        Ok(outcome)
+        outcome
     }
 
     /// What an entrant's press is answered, the window over at `end`. It is told of an

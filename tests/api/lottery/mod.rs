@@ -770,6 +770,44 @@ async fn a_draw_done_while_postgres_is_away_answers_no_202_until_it_is_recorded(
     assert_eq!(written_buyers(&app, id).await, drawn);
 }
 
+#[sqlx::test(migrations = "./migrations")]
+async fn an_entry_whose_window_postgres_cannot_tell_is_answered_unknown_naming_its_order(
+    db: PgPool,
+) {
+    let app = TestApp::spawn(db).await;
+    let pg: std::net::SocketAddr = {
+        let opts = app.db.connect_options();
+        format!("{}:{}", opts.get_host(), opts.get_port())
+            .parse()
+            .unwrap()
+    };
+    let postgres = Proxy::start(pg).await;
+    let via_proxy = [("DATABASE_URL", database_url(&app.db, Some(postgres.addr)))];
+    let (_api, base) = app.spawn_server("api", &via_proxy).await;
+    let window_ms = 2_000;
+    let voucher = lottery_sale(&app, 1, 1_500, window_ms).await;
+    let id = voucher["id"].as_i64().unwrap();
+    until_after_begin(&voucher, 100).await;
+
+    // Postgres away for the instance before its first press of the sale: Redis takes the
+    // entry, the instance cannot read the window to hold it.
+    postgres.cut();
+    let bases = [base.clone()];
+    let entered = answered_unknown(press_together(&app, &bases, id, [1]).await);
+
+    // Back, after the window: the one entrant won, under the order its answer named.
+    postgres.heal();
+    until_after_begin(&voucher, window_ms as u64 + 100).await;
+    let again = press_through_503s(&app, &base, id, [1]).await;
+    let (status, body) = &again[&1];
+    assert_eq!(body["error"]["code"], "already_ordered", "{status} {body}");
+    assert_eq!(
+        body["error"]["order_id"].as_str(),
+        Some(entered[&1].as_str())
+    );
+    assert_eq!(written_buyers(&app, id).await, BTreeSet::from([1]));
+}
+
 /// Held presses answered 503 `unknown` (the draw not recorded by their bound), each naming
 /// the order it entered under: those orders, by user.
 fn answered_unknown(answers: impl IntoIterator<Item = Pressed>) -> HashMap<i64, String> {

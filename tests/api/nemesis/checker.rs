@@ -440,67 +440,142 @@ fn check_closes(e: &Evidence, v: &mut Verdict) {
     }
 }
 
-/// No answer `500 internal`: the contract keeps it for bugs, never for a dependency
-/// that is down (that is a 503).
-/// A lottery admits nothing before its window is over (its draw comes first, by
-/// Redis's clock, which is the history's: one machine), its published draw verifies, and
-/// each of its winners holds the draw's order in Postgres (written with the draw).
+/// A lottery admits nothing before its window is over (its draw comes first, by Redis's
+/// clock, which is the history's: one machine); one a press was decided at after its
+/// window has drawn; its draw verifies, and its winners hold their orders and were told
+/// of no other answer than their order.
 fn check_lotteries(e: &Evidence, v: &mut Verdict) {
     for l in &e.lotteries {
-        let early = e.history.iter().filter(|r| {
-            r.voucher == l.voucher
-                && r.promised_order().is_some()
-                && r.recv_ms.is_some_and(|at| at < l.window_ms.1)
-        });
-        for r in early {
-            v.violate(
-                "admitted in a lottery's window",
-                r.recv_ms,
-                format!(
-                    "voucher {}: user {} was told of order {:?} at {:.3} s, its window ends at {:.3} s",
-                    l.voucher,
-                    r.user,
-                    r.promised_order(),
-                    r.recv_ms.unwrap_or_default() / 1000.0,
-                    l.window_ms.1 / 1000.0
-                ),
-            );
-        }
-        if let Some(why) = &l.unverified {
-            v.violate(
-                "a draw that does not verify",
-                None,
-                format!("voucher {}: {why}", l.voucher),
-            );
-        }
-        let Some(winners) = &l.winners else {
-            continue;
-        };
-        v.draws.push(Drawn {
-            voucher: l.voucher,
-            window_ms: l.window_ms,
-            winners: winners.len(),
-            entrants: l.entrants,
-        });
-        for w in winners {
-            if !e
-                .orders
-                .iter()
-                .any(|o| o.voucher == l.voucher && o.user == *w)
-            {
-                v.violate(
-                    "a winner without its order",
-                    None,
-                    format!(
-                        "voucher {}: user {w} won the draw, Postgres holds no order of theirs",
-                        l.voucher
-                    ),
-                );
-            }
+        check_lottery_window(e, v, l);
+        match &l.winners {
+            Some(winners) => check_draw(e, v, l, winners),
+            None => check_undrawn(e, v, l),
         }
     }
 }
 
+/// No answer names an order, and no order was admitted, before the window's end.
+fn check_lottery_window(e: &Evidence, v: &mut Verdict, l: &Lottery) {
+    let end = l.window_ms.1;
+    let told = e.history.iter().filter(|r| {
+        r.voucher == l.voucher
+            && r.promised_order().is_some()
+            && r.recv_ms.is_some_and(|at| at < end)
+    });
+    for r in told {
+        v.violate(
+            "admitted in a lottery's window",
+            r.recv_ms,
+            format!(
+                "voucher {}: user {} was told of order {:?} at {:.3} s, its window ends at {:.3} s",
+                l.voucher,
+                r.user,
+                r.promised_order(),
+                r.recv_ms.unwrap_or_default() / 1000.0,
+                end / 1000.0
+            ),
+        );
+    }
+    // (Admitted at the draw, by Redis's clock in ms: up to 1 ms below the window's end.)
+    let admitted = e
+        .orders
+        .iter()
+        .filter(|o| o.voucher == l.voucher && o.created_ms < end - 1.0);
+    for o in admitted {
+        v.violate(
+            "admitted in a lottery's window",
+            Some(o.created_ms),
+            format!(
+                "voucher {}: order {} of user {} admitted at {:.3} s, its window ends at {:.3} s",
+                l.voucher,
+                o.id,
+                o.user,
+                o.created_ms / 1000.0,
+                end / 1000.0
+            ),
+        );
+    }
+}
+
+/// The recorded draw verifies; each winner holds an order in Postgres (written with the
+/// draw) and no press of theirs in the window was answered `sold_out`.
+fn check_draw(e: &Evidence, v: &mut Verdict, l: &Lottery, winners: &[i64]) {
+    v.draws.push(Drawn {
+        voucher: l.voucher,
+        window_ms: l.window_ms,
+        winners: winners.len(),
+        entrants: l.entrants,
+    });
+    if let Some(why) = &l.unverified {
+        v.violate(
+            "a draw that does not verify",
+            None,
+            format!("voucher {}: {why}", l.voucher),
+        );
+    }
+    let (begin, end) = l.window_ms;
+    for w in winners {
+        if !e
+            .orders
+            .iter()
+            .any(|o| o.voucher == l.voucher && o.user == *w)
+        {
+            v.violate(
+                "a winner without its order",
+                None,
+                format!(
+                    "voucher {}: user {w} won the draw, Postgres holds no order of theirs",
+                    l.voucher
+                ),
+            );
+        }
+        let refused = e.history.iter().filter(|r| {
+            r.kind == Kind::Grab
+                && (r.voucher, r.user) == (l.voucher, *w)
+                && (begin..end).contains(&r.sent_ms)
+                && r.code.as_deref() == Some("sold_out")
+        });
+        for r in refused {
+            v.violate(
+                "a winner told sold out",
+                r.recv_ms,
+                format!(
+                    "voucher {}: user {w} won the draw, its press sent at {:.3} s in the window was answered sold_out",
+                    l.voucher,
+                    r.sent_ms / 1000.0
+                ),
+            );
+        }
+    }
+}
+
+/// A press decided after the window (a 202, `sold_out`, `already_ordered`) came after
+/// the draw: a lottery without a recorded draw has none.
+fn check_undrawn(e: &Evidence, v: &mut Verdict, l: &Lottery) {
+    let decided = e.history.iter().find(|r| {
+        r.kind == Kind::Grab
+            && r.voucher == l.voucher
+            && r.sent_ms >= l.window_ms.1
+            && (r.status == Some(202)
+                || matches!(r.code.as_deref(), Some("sold_out" | "already_ordered")))
+    });
+    if let Some(r) = decided {
+        v.violate(
+            "a lottery never drawn",
+            r.recv_ms,
+            format!(
+                "voucher {}: no draw recorded, yet user {}'s press sent at {:.3} s after the window was answered {}",
+                l.voucher,
+                r.user,
+                r.sent_ms / 1000.0,
+                r.answer_label()
+            ),
+        );
+    }
+}
+
+/// No answer `500 internal`: the contract keeps it for bugs, never for a dependency
+/// that is down (that is a 503).
 fn check_internal(e: &Evidence, v: &mut Verdict) {
     for r in e.history.iter().filter(|r| r.status == Some(500)) {
         v.violate(

@@ -197,6 +197,8 @@ async fn gather(
         .admit_again(&open, heal_began, Duration::from_secs(60))
         .await;
     let settled = observe::wait_settled(world, &db, Duration::from_secs(120)).await;
+    // Before the orders: a draw's winners' orders commit with it, and none goes away.
+    let lotteries = observe::lotteries(&db, recorder.start_unix_ms).await;
     // Units on their way between the segments of a segmented sale arrive within seconds.
     let mut books = observe::pg_books(&db, recorder.start_unix_ms).await;
     let mut sales = observe::sales(world, &books).await;
@@ -212,7 +214,6 @@ async fn gather(
         sales = observe::sales(world, &books).await;
     }
     let observe::PgBooks { orders, dead, .. } = books;
-    let lotteries = observe::lotteries(&db, recorder.start_unix_ms).await;
     let redis_state = observe::describe_redis(world, &sales, &orders).await;
     let evidence = Evidence {
         history: recorder.snapshot(),

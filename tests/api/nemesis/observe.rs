@@ -264,7 +264,7 @@ async fn verify_draw(voucher: i64, draw: &serde_json::Value, stock: i32) -> Opti
         .arg(stock.to_string());
     let (code, said) = run_bounded(command, Duration::from_secs(60)).await;
     let _ = std::fs::remove_file(&file);
-    (code != Some(0)).then_some(said)
+    (code != Some(0)).then(|| format!("scripts/verify-draw exited {code:?}: {said}"))
 }
 
 /// `seckill reconcile` (no `--repair`), bounded: its exit code and output.

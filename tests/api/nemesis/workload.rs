@@ -73,11 +73,12 @@ pub fn plan_sales(seed: u64, duration_ms: u64) -> Vec<(u64, SaleAction)> {
         (0, create(&mut rng, 3, false)),
         (0, create(&mut rng, 1, false)),
         (0, create(&mut rng, 1, true)),
-        // Fewer units than the shoppers who press in its window: a draw with losers.
+        // Fewer units than the shoppers who may press in its window (8 tasks, one press
+        // in flight each, so at most 8 entrants): most often a draw with losers.
         (
             0,
             SaleAction::Create {
-                stock: lotteries.range(3, 8),
+                stock: lotteries.range(2, 5),
                 segments: 1,
                 pay_within: 900,
                 lottery: true,

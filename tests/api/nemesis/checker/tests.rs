@@ -380,7 +380,7 @@ fn a_lottery_drawn_after_its_window_with_its_winners_orders_has_no_violation() {
 }
 
 #[test]
-fn a_lottery_that_admits_in_its_window_draws_unverifiably_or_loses_a_winners_order_is_caught() {
+fn a_lottery_that_admits_in_its_window_draws_unverifiably_or_wrongs_a_winner_is_caught() {
     let mut e = drawn();
     e.history.last_mut().unwrap().recv_ms = Some(900.0);
     assert_eq!(checks(&check(&e)), ["admitted in a lottery's window"]);
@@ -392,4 +392,22 @@ fn a_lottery_that_admits_in_its_window_draws_unverifiably_or_loses_a_winners_ord
     let mut e = drawn();
     e.lotteries[0].winners = Some(vec![3, 4]);
     assert_eq!(checks(&check(&e)), ["a winner without its order"]);
+
+    // An order admitted (first come, its answer lost) before the window's end.
+    let mut e = drawn();
+    e.orders.last_mut().unwrap().created_ms = 950.0;
+    assert_eq!(checks(&check(&e)), ["admitted in a lottery's window"]);
+
+    // A winner whose earlier press in the window heard sold out.
+    let mut e = drawn();
+    e.history
+        .push(grab(3, 8, 200.0, Some(409), Some("sold_out")));
+    assert_eq!(checks(&check(&e)), ["a winner told sold out"]);
+
+    // No draw recorded, yet a press after the window was decided.
+    let mut e = drawn();
+    e.lotteries[0].winners = None;
+    e.history
+        .push(grab(5, 8, 1_500.0, Some(409), Some("sold_out")));
+    assert!(checks(&check(&e)).contains(&"a lottery never drawn"));
 }
