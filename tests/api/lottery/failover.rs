@@ -26,12 +26,13 @@ enum NewPrimary {
     InTheWindow,
 }
 
-/// A lottery of 3 units over a 3 s window on node 0 (API 1, worker 1). Users 1..=10 enter
-/// there; node 1 is promoted with every entry copied and node 2 follows it, while API 1
-/// stays on node 0, whose min-replicas guard is off, and users 11..=15 enter there only.
-/// API 2 and worker 2 come to node 1 as `when` says. Whichever Redis draws, the sale's
-/// one recorded draw is the one whose answers were given: its winners hold their orders
-/// in Postgres, and every answer that names an order names one of them.
+/// A lottery of 3 units on node 0 (API 1, worker 1), its window 3 s, or 8 s when the new
+/// primary is to start in it. Users 1..=10 enter there; node 1 is promoted with every entry
+/// copied and node 2 follows it, while API 1 stays on node 0, whose min-replicas guard is
+/// off, and users 11..=15 enter there only. API 2 and worker 2 come to node 1 as `when`
+/// says. Whichever Redis draws, the sale's one recorded draw is the one whose answers were
+/// given: its winners hold their orders in Postgres, and every answer that names an order
+/// names one of them.
 async fn a_lottery_across_a_failover(db: PgPool, when: NewPrimary) {
     let trio = Trio::start().await;
     let app = TestApp::spawn_with(db, trio.url(0).to_string(), true).await;
