@@ -8,18 +8,8 @@ use reqwest::StatusCode;
 use serde_json::Value;
 use sqlx::PgPool;
 
-use crate::common::faults::{database_url, free_port, Process, Proxy};
+use crate::common::faults::{database_url, free_port, postgres_addr, Process, Proxy};
 use crate::common::{press_all, TestApp};
-
-/// Where the test's Postgres listens.
-fn postgres_addr(db: &PgPool) -> std::net::SocketAddr {
-    let opts = db.connect_options();
-    let host = match opts.get_host() {
-        "localhost" => "127.0.0.1",
-        other => other,
-    };
-    format!("{host}:{}", opts.get_port()).parse().unwrap()
-}
 
 /// Where the Redis at `url` listens.
 fn redis_addr(url: &str) -> std::net::SocketAddr {

@@ -254,6 +254,16 @@ pub fn answers_within(url: &str, limit: Duration) -> bool {
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_seckill");
 
+/// Where the test's Postgres listens (to put a proxy before it).
+pub fn postgres_addr(db: &sqlx::PgPool) -> SocketAddr {
+    let opts = db.connect_options();
+    let host = match opts.get_host() {
+        "localhost" => "127.0.0.1",
+        other => other,
+    };
+    format!("{host}:{}", opts.get_port()).parse().unwrap()
+}
+
 /// The URL of a test's own database (`DATABASE_URL` names the server), optionally
 /// reached through another address (a proxy).
 pub fn database_url(db: &sqlx::PgPool, via: Option<SocketAddr>) -> String {

@@ -97,18 +97,13 @@ async fn order_id_claims_whose_acknowledgement_keeps_failing_hold_one_node_numbe
     for replica in [1, 2] {
         signal_pid(trio.nodes[replica].pid(), "-STOP");
     }
-    let guard_off = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("min-replicas-to-write")
-        .arg(0)
-        .clone();
-    let () = trio.cmd(0, &guard_off);
+    trio.guard_off(0);
     let (_api, _base) = app
         .spawn_server("api", &on(trio.url(0), waiting_for_one()))
         .await;
     let began = Instant::now();
     while began.elapsed() < Duration::from_secs(16) {
-        let () = trio.cmd(0, &guard_off);
+        trio.guard_off(0);
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let held = leases(&trio);

@@ -50,19 +50,7 @@ async fn two_primaries(db: PgPool, order: Order, old_waits: bool) {
         stop(&worker1);
     }
 
-    // The failover, as Sentinel makes it: node 1 promoted, node 2 follows it. Node 0
-    // is not told (partitioned, say). Its min-replicas guard is off, as on a server
-    // whose CONFIG the service cannot set, or in the seconds before Redis's own guard
-    // counts the replicas gone.
-    trio.promote(1);
-    trio.follow(2, 1).await;
-    let () = trio.cmd(
-        0,
-        redis::cmd("CONFIG")
-            .arg("SET")
-            .arg("min-replicas-to-write")
-            .arg(0),
-    );
+    trio.fail_over_leaving_node_0().await;
     let old = press_all(&app, &base1, sale, 6..=15, 10).await;
     let (old_promised, unknown) = promised_and_unknown(&old);
     let stream = app.keys.stream(app.keys.shard_of(vid(sale))).to_string();
@@ -334,13 +322,7 @@ async fn an_old_primary_that_keeps_a_replica_answers_no_202_for_a_sale_rebuilt_e
     // replica acknowledging. API 2 on node 1 (no replica: its guard off) rebuilds the
     // sale there and sells to 6..=10.
     trio.promote(1);
-    let () = trio.cmd(
-        1,
-        redis::cmd("CONFIG")
-            .arg("SET")
-            .arg("min-replicas-to-write")
-            .arg(0),
-    );
+    trio.guard_off(1);
     let (_api2, base2) = app
         .spawn_server(
             "api",

@@ -11,7 +11,7 @@ use reqwest::StatusCode;
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
-use crate::common::faults::{database_url, PrivateRedis, Process, Proxy};
+use crate::common::faults::{database_url, postgres_addr, PrivateRedis, Process, Proxy};
 use crate::common::{vid, TestApp};
 use crate::live::Events;
 use crate::recovery::rollback::press_through_503s;
@@ -111,6 +111,15 @@ async fn two_instances_and_a_worker(app: &TestApp) -> (Vec<Process>, [String; 2]
     (vec![one, two, worker_process(app)], [one_base, two_base])
 }
 
+/// A `seckill api` process that reaches Postgres through a proxy the test can cut: the
+/// proxy, the process (killed when dropped) and its base URL.
+async fn an_instance_behind_a_postgres_proxy(app: &TestApp) -> (Proxy, Process, String) {
+    let postgres = Proxy::start(postgres_addr(&app.db)).await;
+    let via_proxy = [("DATABASE_URL", database_url(&app.db, Some(postgres.addr)))];
+    let (api, base) = app.spawn_server("api", &via_proxy).await;
+    (postgres, api, base)
+}
+
 /// A `seckill worker` process of the test's database and key space.
 fn worker_process(app: &TestApp) -> Process {
     Process::spawn(
@@ -135,6 +144,15 @@ async fn written_buyers(app: &TestApp, voucher: i64) -> BTreeSet<i64> {
     let buyers: BTreeSet<i64> = users.iter().copied().collect();
     assert_eq!(buyers.len(), users.len(), "one order per user");
     buyers
+}
+
+/// How many draws Postgres records for `voucher` (0 or 1).
+async fn draws_recorded(app: &TestApp, voucher: i64) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM sale_draws WHERE voucher_id = $1")
+        .bind(voucher)
+        .fetch_one(&app.db)
+        .await
+        .unwrap()
 }
 
 /// `scripts/verify-draw` with `args` (asynchronously: the app answers it from this
@@ -519,12 +537,7 @@ async fn a_draw_redis_loses_after_answering_is_not_drawn_again_and_its_winners_s
     let buyers = written_buyers(&app, id).await;
     assert_eq!(buyers, won.keys().copied().collect::<BTreeSet<_>>());
     assert_eq!(app.pg_stock(id).await, 0);
-    let draws: i64 = sqlx::query_scalar("SELECT count(*) FROM sale_draws WHERE voucher_id = $1")
-        .bind(id)
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
-    assert_eq!(draws, 1);
+    assert_eq!(draws_recorded(&app, id).await, 1);
     let (_, draw) = app.get(&format!("/vouchers/{id}/draw"), None).await;
     let drawn: BTreeSet<i64> = serde_json::from_value(draw["winners"].clone()).unwrap();
     assert_eq!(drawn, buyers, "the published winners are the orders");
@@ -719,15 +732,7 @@ async fn reconcile_in_a_lottery_window_counts_entrants_as_no_buyers_and_finds_th
 #[sqlx::test(migrations = "./migrations")]
 async fn a_draw_done_while_postgres_is_away_answers_no_202_until_it_is_recorded(db: PgPool) {
     let app = TestApp::spawn(db).await;
-    let pg: std::net::SocketAddr = {
-        let opts = app.db.connect_options();
-        format!("{}:{}", opts.get_host(), opts.get_port())
-            .parse()
-            .unwrap()
-    };
-    let postgres = Proxy::start(pg).await;
-    let via_proxy = [("DATABASE_URL", database_url(&app.db, Some(postgres.addr)))];
-    let (_api, base) = app.spawn_server("api", &via_proxy).await;
+    let (postgres, _api, base) = an_instance_behind_a_postgres_proxy(&app).await;
     let (stock, entrants, window_ms) = (4, 20, 2_000);
     let voucher = lottery_sale(&app, stock, 1_500, window_ms).await;
     let id = voucher["id"].as_i64().unwrap();
@@ -775,15 +780,7 @@ async fn an_entry_whose_window_postgres_cannot_tell_is_answered_unknown_naming_i
     db: PgPool,
 ) {
     let app = TestApp::spawn(db).await;
-    let pg: std::net::SocketAddr = {
-        let opts = app.db.connect_options();
-        format!("{}:{}", opts.get_host(), opts.get_port())
-            .parse()
-            .unwrap()
-    };
-    let postgres = Proxy::start(pg).await;
-    let via_proxy = [("DATABASE_URL", database_url(&app.db, Some(postgres.addr)))];
-    let (_api, base) = app.spawn_server("api", &via_proxy).await;
+    let (postgres, _api, base) = an_instance_behind_a_postgres_proxy(&app).await;
     let window_ms = 2_000;
     let voucher = lottery_sale(&app, 1, 1_500, window_ms).await;
     let id = voucher["id"].as_i64().unwrap();
@@ -1037,12 +1034,7 @@ async fn a_redis_back_older_between_the_draw_and_its_record_draws_once_more_and_
     assert_eq!(buyers, drawn);
     let (ok, said) = verify_draw(&[&app.url(""), &id.to_string()]).await;
     assert!(ok, "{said}");
-    let draws: i64 = sqlx::query_scalar("SELECT count(*) FROM sale_draws WHERE voucher_id = $1")
-        .bind(id)
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
-    assert_eq!(draws, 1);
+    assert_eq!(draws_recorded(&app, id).await, 1);
     println!(
         "a draw over 30 entrants lost before its record; drawn again over the 20 kept: {said}"
     );

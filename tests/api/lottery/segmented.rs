@@ -10,8 +10,8 @@ use serde_json::{json, Value};
 use sqlx::PgPool;
 
 use super::{
-    press_together, press_with_a_snapshot_late_in_the_window, sale_in_segments, time_at,
-    two_instances_and_a_worker, until_after_begin, verify_draw, written_buyers, Pressed,
+    draws_recorded, press_together, press_with_a_snapshot_late_in_the_window, sale_in_segments,
+    time_at, two_instances_and_a_worker, until_after_begin, verify_draw, written_buyers, Pressed,
 };
 use crate::common::faults::PrivateRedis;
 use crate::common::{uid, vid, TestApp};
@@ -204,15 +204,6 @@ async fn a_segmented_lottery_with_units_left_after_its_draw_sells_them_first_com
     let listed: BTreeSet<i64> = serde_json::from_value(draw["entrants"].clone()).unwrap();
     assert_eq!(listed, drawn, "only window presses are entrants");
     assert!(!some_segment_holds_its_window(&app, id).await);
-}
-
-/// How many draws Postgres records for `voucher`.
-async fn draws_recorded(app: &TestApp, voucher: i64) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM sale_draws WHERE voucher_id = $1")
-        .bind(voucher)
-        .fetch_one(&app.db)
-        .await
-        .unwrap()
 }
 
 #[sqlx::test(migrations = "./migrations")]

@@ -27,16 +27,6 @@ fn waiting_for(n: u32) -> Settings {
     }
 }
 
-/// Where the test's Postgres listens.
-fn postgres_addr(db: &PgPool) -> std::net::SocketAddr {
-    let opts = db.connect_options();
-    let host = match opts.get_host() {
-        "localhost" => "127.0.0.1",
-        other => other,
-    };
-    format!("{host}:{}", opts.get_port()).parse().unwrap()
-}
-
 /// Makes `replica` a replica of the server at `master` and waits until it is in sync.
 pub(crate) async fn replicate(replica: &PrivateRedis, master: std::net::SocketAddr) {
     replica.run_command::<()>(
@@ -150,7 +140,7 @@ async fn failover_mid_storm(db: PgPool, wait_replicas: u32) -> Loss {
     let spare = PrivateRedis::start();
     // The harness's own app (database, tokens, reconcile) on a Redis of its own.
     let scratch = PrivateRedis::start();
-    let postgres = Proxy::start(postgres_addr(&db)).await;
+    let postgres = Proxy::start(faults::postgres_addr(&db)).await;
     let app = TestApp::spawn_on(db.clone(), scratch.url.clone(), Settings::default()).await;
     let sentinels = vec![
         ("REDIS_SENTINEL_URLS", redis.sentinel_urls()),
@@ -388,7 +378,7 @@ async fn a_redis_that_may_evict_keys_is_refused_at_start_naming_the_setting(db: 
 /// `appendfsync` says.
 async fn crash_mid_storm(db: PgPool, appendfsync: &str) -> Loss {
     let mut redis = PrivateRedis::with_aof(appendfsync);
-    let postgres = Proxy::start(postgres_addr(&db)).await;
+    let postgres = Proxy::start(faults::postgres_addr(&db)).await;
     let app = TestApp::spawn_on(db, redis.url.clone(), Settings::default()).await;
     let sale = Sale::open(&app, &postgres, vec![]).await;
     let fault = async {

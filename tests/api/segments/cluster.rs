@@ -194,13 +194,7 @@ async fn a_mover_killed_between_take_and_record_loses_and_doubles_no_unit(db: Pg
     let cluster = PrivateCluster::start(3);
     let http = reqwest::Client::new();
     let jwt = JwtKeys::new(SECRET).unwrap();
-    let pg: std::net::SocketAddr = {
-        let opts = db.connect_options();
-        format!("{}:{}", opts.get_host(), opts.get_port())
-            .parse()
-            .unwrap()
-    };
-    let proxy = Proxy::start(pg).await;
+    let proxy = Proxy::start(faults::postgres_addr(&db)).await;
     let (mut mover, a) = spawn_on_cluster("api", &cluster, &db, Some(proxy.addr)).await;
     let (other, b) = spawn_on_cluster("api", &cluster, &db, None).await;
     let (_worker, _) = spawn_on_cluster("worker", &cluster, &db, None).await;
