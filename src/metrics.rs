@@ -138,7 +138,7 @@ pub(crate) const DESCRIBED: &[Described] = &[
     m(TRANSITIONS, Kind::Counter, None,
         "Order transitions made, by new status: paid, used, refunding, refunded, cancelled, expired."),
     m(PAYMENT_NOTIFICATIONS, Kind::Counter, None,
-        "Payment provider notifications, by outcome: paid, late_payment, already_paid, amount_mismatch, awaiting_order, no_order, refunded, not_refunding; refused: bad_signature, malformed."),
+        "Payment provider notifications, by outcome (each counted when first recorded): paid, late_payment, already_paid, amount_mismatch, awaiting_order, no_order, refunded, not_refunding, id_conflict (its transaction or event id recorded for another order: refused, kept); refused and not recorded: bad_signature, malformed."),
     m(UNITS_RETURNED, Kind::Counter, None,
         "Units of stock given back (cancel, expiry, refund while the sale is open), by store: postgres (order closed), redis (release made)."),
     m(RELEASES_OWED, Kind::Gauge, None,

@@ -73,7 +73,8 @@ pub(crate) enum GrabOutcome {
 /// What went wrong, for programs (the `message` is for humans): `unauthorized` (401),
 /// `forbidden` (403), `not_found` (404), `validation` (400, 405, 413, 414, 422, 431),
 /// `not_started`, `ended`, `sold_out`, `already_ordered`, `order_pending`, `order_paid`,
-/// `order_closed`, `order_used`, `order_unpaid`, `not_refundable`, `conflict` (409),
+/// `order_closed`, `order_used`, `order_unpaid`, `not_refundable`, `conflict`,
+/// `id_conflict` (409),
 /// `rate_limited` (429), `unavailable` (503), `internal` (500), `bad_signature` (401).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
@@ -117,12 +118,15 @@ pub(crate) enum ErrorCode {
     Internal,
     /// 401: a payment notification whose signature, timestamp or secret does not hold.
     BadSignature,
+    /// 409: a payment notification whose transaction id (or event id) is recorded for
+    /// another order (or its event id for another notification): kept, nothing applied.
+    IdConflict,
 }
 
 impl ErrorCode {
     /// Every code, in the order the document lists them.
     #[cfg(test)]
-    pub(crate) const ALL: [ErrorCode; 19] = [
+    pub(crate) const ALL: [ErrorCode; 20] = [
         ErrorCode::Unauthorized,
         ErrorCode::Forbidden,
         ErrorCode::NotFound,
@@ -142,6 +146,7 @@ impl ErrorCode {
         ErrorCode::Conflict,
         ErrorCode::Internal,
         ErrorCode::BadSignature,
+        ErrorCode::IdConflict,
     ];
 }
 
@@ -181,6 +186,9 @@ pub enum AppError {
     /// A payment notification's signature does not hold (the message says why).
     #[error("bad signature: {0}")]
     BadSignature(String),
+    /// A payment notification's ids are another notification's (the message says whose).
+    #[error("id conflict: {0}")]
+    IdConflict(String),
     /// Too many requests; try again after this many seconds.
     #[error("rate limited")]
     RateLimited { retry_after_secs: u64 },
@@ -322,6 +330,7 @@ impl AppError {
             ),
             NotRefundable(why) => (StatusCode::CONFLICT, C::NotRefundable, why.clone()),
             BadSignature(why) => (StatusCode::UNAUTHORIZED, C::BadSignature, why.clone()),
+            IdConflict(why) => (StatusCode::CONFLICT, C::IdConflict, why.clone()),
             OrderClosed(id, status) => (
                 StatusCode::CONFLICT,
                 C::OrderClosed,
@@ -477,6 +486,7 @@ mod tests {
             AppError::OrderUnpaid(seven),
             AppError::NotRefundable("voucher 1 is not refundable".into()),
             AppError::BadSignature("no Seckill-Signature header".into()),
+            AppError::IdConflict("transaction tx_1 paid order 8".into()),
             AppError::RateLimited {
                 retry_after_secs: 1,
             },

@@ -555,7 +555,8 @@ mod tests {
                 "unavailable",
                 "conflict",
                 "internal",
-                "bad_signature"
+                "bad_signature",
+                "id_conflict"
             ])
         );
         assert_eq!(

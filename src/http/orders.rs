@@ -173,16 +173,24 @@ pub(crate) async fn checkout(
     if row.status != OrderStatus::Created {
         return Err(refused(row));
     }
-    if row.pay_before <= Utc::now() {
-        // Past its deadline, not yet swept: it expires now (Postgres's clock decides).
-        let mut conn = state.redis.clone();
-        let replicas = state.settings.replicas;
-        let done =
-            lifecycle::expire_if_due(&state.db, &mut conn, &state.keys, replicas, row.id).await?;
-        if let Transition::Moved(row) = done {
-            return Err(AppError::OrderClosed(row.id, row.status));
+    // A payment that waited for the order pays it now; one past its deadline (by
+    // Postgres's clock and the one rule for due) expires now.
+    let mut conn = state.redis.clone();
+    let replicas = state.settings.replicas;
+    lifecycle::payments::settle_waiting_for(&state.db, &mut conn, &state.keys, replicas, row.id)
+        .await?;
+    let row = match lifecycle::expire_if_due(&state.db, &mut conn, &state.keys, replicas, row.id)
+        .await?
+    {
+        Transition::Moved(row) => return Err(AppError::OrderClosed(row.id, row.status)),
+        Transition::Unchanged(row) if row.status != OrderStatus::Created => {
+            return Err(refused(row))
         }
-    }
+        Transition::Unchanged(row) => row,
+        Transition::Missing => {
+            return Err(AppError::NotFound(format!("order {order_id} not found")))
+        }
+    };
     let price = vouchers::get(&state.db, row.voucher_id)
         .await?
         .map(|v| v.terms.pay_value)
@@ -366,15 +374,27 @@ pub(crate) async fn cancel(
     let row = own_order(&state, &user, order_id).await?;
     let mut conn = state.redis.clone();
     let replicas = state.settings.replicas;
+    if row.status == OrderStatus::Created {
+        // A payment that waited for the order pays it: it is not cancelled then.
+        lifecycle::payments::settle_waiting_for(
+            &state.db,
+            &mut conn,
+            &state.keys,
+            replicas,
+            row.id,
+        )
+        .await?;
+    }
     match lifecycle::cancel(&state.db, &mut conn, &state.keys, replicas, row.id).await? {
         Transition::Moved(row) | Transition::Unchanged(row)
             if row.status == OrderStatus::Cancelled =>
         {
             Ok(Json(row.into()))
         }
-        Transition::Unchanged(row) if row.status == OrderStatus::Created => Err(
-            AppError::Internal(anyhow::anyhow!("order {order_id} was not closed")),
-        ),
+        // A payment received in time waits for it and is being applied (by the sweeper).
+        Transition::Unchanged(row) if row.status == OrderStatus::Created => {
+            Err(AppError::OrderPending(row.id))
+        }
         Transition::Unchanged(row) if !row.status.is_closed() => Err(refused(row)),
         Transition::Moved(row) | Transition::Unchanged(row) => {
             Err(AppError::OrderClosed(row.id, row.status))

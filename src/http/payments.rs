@@ -57,12 +57,17 @@ pub(crate) struct Notified {
     responses(
         (status = 200, description = "applied or recorded: `paid`; `late_payment` (the order had closed: it is \
             `refunding` now, no unit taken); `already_paid` or `no_order` (money to give back, listed in \
-            `GET /payments`); `awaiting_order` (not written yet: applied once it is); `refunded`. A replay (same \
-            `id`, or same `transaction_id`) answers as the first did, with `replay: true`, and changes nothing", body = Notified),
+            `GET /payments`); `awaiting_order` (not written yet: applied once it is, and in time if received \
+            before `pay_before`); `refunded`. A replay (the same `id` with the same content, or the same \
+            `transaction_id` for the same order) answers as the first did, with `replay: true`, and changes \
+            nothing", body = Notified),
         (status = 400, description = "a body that is not a notification (`validation`)", body = ErrorBody),
         (status = 401, description = "no, malformed, stale or wrong signature, or no secret configured (`bad_signature`); nothing recorded", body = ErrorBody),
-        (status = 409, description = "a refund for an order that is not `refunding` (`not_refundable`); recorded, the order unchanged", body = ErrorBody),
-        (status = 422, description = "the amount or currency is not the order's price (`validation`); recorded, the order unchanged", body = ErrorBody),
+        (status = 409, description = "a refund for an order that is not `refunding` (`not_refundable`); recorded, \
+            the order unchanged. Or `id_conflict`: the `transaction_id` or `id` is recorded for another order (or \
+            the `id` for another notification); recorded once as `id_conflict`, nothing applied", body = ErrorBody),
+        (status = 422, description = "the amount or currency is not the order's price (`validation`); recorded as \
+            money to give back, the order unchanged; its `transaction_id` stays free for a corrected notification", body = ErrorBody),
         (status = 503, description = "a dependency is down (`unavailable`): nothing recorded, send it again", body = ErrorBody),
     ))]
 pub(crate) async fn notify(
@@ -94,6 +99,19 @@ pub(crate) async fn notify(
         Outcome::NotRefunding => Err(AppError::NotRefundable(format!(
             "order {order_id} is not refunding: no refund to confirm (recorded)"
         ))),
+        Outcome::IdConflict => {
+            let first = received.conflicts_with.as_ref();
+            let (held, by) = match first {
+                Some(c) if c.same_event => (format!("event id {}", event.event_id), c),
+                Some(c) => (format!("transaction {}", event.transaction_id), c),
+                None => return Err(AppError::Internal(anyhow::anyhow!("a conflict unnamed"))),
+            };
+            Err(AppError::IdConflict(format!(
+                "{held} is recorded for order {} (event {}): this notification for order \
+                 {order_id} is refused and recorded, nothing applied",
+                by.order_id, by.event_id
+            )))
+        }
         outcome => Ok(Json(Notified {
             event_id: event.event_id,
             outcome,
@@ -122,13 +140,17 @@ const PAGE_MAX: i64 = 1000;
 #[utoipa::path(get, path = "/payments", operation_id = "listPayments", tag = "payments", security(("bearer" = [])),
     params(
         ("outcome" = Option<Outcome>, Query, description = "only notifications with this outcome: \
-            `late_payment`, `already_paid` and `no_order` are money to give back"),
+            `late_payment`, `already_paid`, `no_order` and `amount_mismatch` are money to give back; \
+            `id_conflict` is a notification to take up with the provider"),
+        ("money_back" = Option<bool>, Query, description = "`true`: only the money to give back with no order to \
+            carry its refund (`already_paid`, `no_order`, `amount_mismatch`)"),
         ("limit" = Option<i64>, Query, description = "notifications per page, 1 to 1000 (default 100)", minimum = 1, maximum = 1000),
-        ("after" = Option<String>, Query, description = "the `next` of the previous page"),
+        ("after" = Option<String>, Query, description = "the `next` of the previous page (an unknown one is a 400)"),
     ),
     responses(
         (status = 200, description = "the payment provider's notifications, newest first", body = PaymentPage),
-        (status = 400, description = "bad outcome, limit or cursor, or an unknown or repeated query parameter (`validation`)", body = ErrorBody),
+        (status = 400, description = "bad outcome, money_back, limit or cursor (one no page gave), or an unknown or \
+            repeated query parameter (`validation`)", body = ErrorBody),
         AdminOnly,
     ))]
 pub(crate) async fn list(
@@ -136,7 +158,7 @@ pub(crate) async fn list(
     _admin: Admin,
     RawQuery(raw): RawQuery,
 ) -> AppResult<Json<PaymentPage>> {
-    let (mut outcome, mut limit, mut after) = (None, PAGE_DEFAULT, None);
+    let (mut outcome, mut limit, mut after, mut money_back) = (None, PAGE_DEFAULT, None, false);
     let mut seen: Vec<String> = Vec::new();
     for (key, value) in form_urlencoded::parse(raw.unwrap_or_default().as_bytes()) {
         if seen.iter().any(|k| *k == key) {
@@ -169,20 +191,53 @@ pub(crate) async fn list(
                         AppError::bad_request(format!("limit must be 1 to {PAGE_MAX}"))
                     })?
             }
-            "after" if !value.is_empty() && value.len() <= 128 => after = Some(value.to_string()),
-            "after" => return Err(AppError::bad_request("after is not a cursor of this list")),
+            "money_back" => {
+                money_back = value
+                    .parse::<bool>()
+                    .map_err(|_| AppError::bad_request("money_back must be true or false"))?
+            }
+            "after" => {
+                let cursor = value.parse::<i64>().ok().filter(|n| *n > 0);
+                after = Some(cursor.ok_or_else(|| {
+                    AppError::bad_request("after must be the `next` of a previous page")
+                })?)
+            }
             _ => {
                 return Err(AppError::bad_request(
-                    "unknown query parameter: this list takes `outcome`, `limit`, `after`",
+                    "unknown query parameter: this list takes `outcome`, `money_back`, `limit`, \
+                     `after`",
                 ))
             }
         }
     }
-    let mut rows = payments::page(&state.db, outcome, after.as_deref(), limit + 1).await?;
+    if let Some(cursor) = after {
+        if !payments::recorded(&state.db, cursor).await? {
+            return Err(AppError::bad_request(format!(
+                "after={cursor} is not a cursor of this list: pass the `next` of a previous page"
+            )));
+        }
+    }
+    let outcomes: Option<Vec<Outcome>> = match (outcome, money_back) {
+        (Some(o), _) => Some(vec![o]),
+        (None, true) => Some(
+            Outcome::ALL
+                .into_iter()
+                .filter(|o| o.owes_money_back())
+                .collect(),
+        ),
+        (None, false) => None,
+    };
+    if outcome.is_some_and(|o| money_back && !o.owes_money_back()) {
+        return Err(AppError::bad_request(format!(
+            "outcome={} is not money to give back: drop money_back or the outcome",
+            outcome.map_or("", |o| o.as_str())
+        )));
+    }
+    let mut rows = payments::page(&state.db, outcomes.as_deref(), after, limit + 1).await?;
     let more = rows.len() as i64 > limit;
     rows.truncate(limit as usize);
     let next = more
-        .then(|| rows.last().map(|r| r.event_id.clone()))
+        .then(|| rows.last().map(|r| r.seq.to_string()))
         .flatten();
     Ok(Json(PaymentPage { items: rows, next }))
 }

@@ -97,7 +97,24 @@ pub async fn settle_awaiting<C: ConnectionLike + Send>(
     replicas: Replicas,
     limit: i64,
 ) -> anyhow::Result<usize> {
-    let settled = payments::settle_awaiting(db, limit).await?;
+    let settled = payments::settle_awaiting(db, limit, None).await?;
+    for received in &settled {
+        self::settled(db, conn, keys, replicas, received).await;
+    }
+    Ok(settled.len())
+}
+
+/// Applies the payments that waited for `order_id`, now written: a request about the
+/// order (checkout, cancel) sees it as its payment left it, not as the sweeper's next
+/// round will. Returns how many were applied here.
+pub async fn settle_waiting_for<C: ConnectionLike + Send>(
+    db: &PgPool,
+    conn: &mut C,
+    keys: &Keys,
+    replicas: Replicas,
+    order_id: OrderId,
+) -> anyhow::Result<usize> {
+    let settled = payments::settle_awaiting(db, 8, Some(order_id)).await?;
     for received in &settled {
         self::settled(db, conn, keys, replicas, received).await;
     }

@@ -27,7 +27,7 @@ use sqlx::{FromRow, PgPool, Postgres, Transaction};
 use super::orders::{OrderRow, ORDER_COLUMNS};
 use super::vouchers::lock_sales;
 use crate::domain::{
-    OrderId, OrderStatus, PayType, RedeemCode, RefundReason, ShopId, UserId, VoucherId,
+    OrderId, OrderStatus, PayType, RedeemCode, RefundReason, ShopId, UserId, VoucherId, CURRENCY,
 };
 
 mod coupons;
@@ -49,6 +49,27 @@ impl Release {
         crate::keys::SaleSegment::home_of(self.voucher_id, self.user_id, self.segments as u8)
     }
 }
+
+/// Whether a payment received in time waits for the order `o`: it is paid, so nobody
+/// closes it (see [`DUE`]).
+macro_rules! paid_in_time {
+    () => {
+        "EXISTS (SELECT 1 FROM payment_events e WHERE e.order_id = o.id \
+         AND e.kind = 'payment.succeeded' AND e.outcome = 'awaiting_order' \
+         AND e.received_at < o.pay_before)"
+    };
+}
+const PAID_IN_TIME: &str = paid_in_time!();
+
+/// The one rule for "due", over `voucher_orders o` by Postgres's clock: a `created`
+/// order past its deadline, unless a payment received before that deadline waits for
+/// it (the order was still pending in Redis then: the payment is in time, and is
+/// applied once the order is written). Checkout, cancel and the sweeper close by it.
+const DUE: &str = concat!(
+    "(o.status = 'created' AND o.pay_before <= now() AND NOT ",
+    paid_in_time!(),
+    ")"
+);
 
 /// How a request wants an order closed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -182,11 +203,14 @@ async fn set_payment(
             amount,
             currency,
         } => (Some(transaction_id), Some(amount), Some(currency), None),
-        Payment::Manual { reason } => (None, None, None, Some(reason)),
+        // Paid the voucher's price: its refund by the provider then matches.
+        Payment::Manual { reason } => (None, None, Some(CURRENCY), Some(reason)),
     };
     sqlx::query_as(&format!(
         "UPDATE voucher_orders SET status = $2, paid_at = now(), pay_type = $3, \
-           transaction_id = $4, paid_amount = $5, paid_currency = $6, pay_reason = $7, \
+           transaction_id = $4, paid_currency = $6, pay_reason = $7, \
+           paid_amount = coalesce($5, \
+             (SELECT pay_value FROM vouchers v WHERE v.id = voucher_orders.voucher_id)), \
            redeem_code = CASE WHEN $2 = 'paid' THEN $8 END, refund_reason = $9, \
            refund_asked_at = CASE WHEN $9 IS NULL THEN NULL ELSE now() END \
          WHERE id = $1 RETURNING {ORDER_COLUMNS}"
@@ -237,8 +261,9 @@ pub(crate) async fn recount(
     Ok(())
 }
 
-/// Closes one `created` order: cancelled or expired as `how` and its deadline say, its
-/// unit returned to Postgres's stock and its Redis release recorded as owed.
+/// Closes one `created` order: expired if [`DUE`], else cancelled if `how` asks and no
+/// payment received in time waits for it; its unit returned to Postgres's stock and its
+/// Redis release recorded as owed.
 #[tracing::instrument(skip(db))]
 pub(crate) async fn close(
     db: &PgPool,
@@ -246,18 +271,19 @@ pub(crate) async fn close(
     how: Close,
 ) -> Result<Transition, sqlx::Error> {
     let mut tx = db.begin().await?;
-    let found: Option<(OrderStatus, bool)> = sqlx::query_as(
-        "SELECT status, pay_before <= now() FROM voucher_orders WHERE id = $1 FOR UPDATE",
-    )
+    let found: Option<(OrderStatus, bool, bool)> = sqlx::query_as(&format!(
+        "SELECT o.status, {DUE}, {PAID_IN_TIME} FROM voucher_orders o WHERE o.id = $1 \
+         FOR UPDATE OF o"
+    ))
     .bind(order_id)
     .fetch_optional(&mut *tx)
     .await?;
-    let Some((status, due)) = found else {
+    let Some((status, due, paid)) = found else {
         return Ok(Transition::Missing);
     };
-    let to = match (status, how, due) {
-        (OrderStatus::Created, _, true) => OrderStatus::Expired,
-        (OrderStatus::Created, Close::Cancel, false) => OrderStatus::Cancelled,
+    let to = match (status, how, due, paid) {
+        (OrderStatus::Created, _, true, _) => OrderStatus::Expired,
+        (OrderStatus::Created, Close::Cancel, false, false) => OrderStatus::Cancelled,
         _ => {
             let row = super::orders::get(&mut *tx, order_id).await?;
             tx.rollback().await?;
@@ -271,20 +297,16 @@ pub(crate) async fn close(
     Ok(row.map_or(Transition::Missing, Transition::Moved))
 }
 
-/// Expires up to `limit` orders whose deadline has passed, in one transaction; returns
-/// the releases now owed to Redis. An order with a payment that arrived while it was
-/// pending is left to that payment (the sweeper applies it next, judged by when it
-/// arrived). Rows another sweeper (or a payment) holds are
-/// skipped, so several sweepers share the work.
+/// Expires up to `limit` orders that are [`DUE`], in one transaction; returns the
+/// releases now owed to Redis. Rows another sweeper (or a payment) holds are skipped,
+/// so several sweepers share the work.
 #[tracing::instrument(skip(db))]
 pub(crate) async fn expire_due(db: &PgPool, limit: i64) -> Result<Vec<Release>, sqlx::Error> {
     let mut tx = db.begin().await?;
-    let due: Vec<OrderId> = sqlx::query_scalar(
-        "SELECT id FROM voucher_orders o WHERE status = 'created' AND pay_before <= now() \
-           AND NOT EXISTS (SELECT 1 FROM payment_events e \
-                           WHERE e.order_id = o.id AND e.outcome = 'awaiting_order') \
-         ORDER BY pay_before LIMIT $1 FOR UPDATE SKIP LOCKED",
-    )
+    let due: Vec<OrderId> = sqlx::query_scalar(&format!(
+        "SELECT o.id FROM voucher_orders o WHERE {DUE} \
+         ORDER BY o.pay_before LIMIT $1 FOR UPDATE OF o SKIP LOCKED"
+    ))
     .bind(limit)
     .fetch_all(&mut *tx)
     .await?;

@@ -1,7 +1,10 @@
 //! `payment_events`: every notification of the payment provider whose signature held,
 //! and what it did to its order. A payment is money: none is dropped. Each is recorded
 //! in the transaction that applies it, so a replay (the same event id, or the same
-//! provider transaction under another id) finds it and changes nothing.
+//! provider transaction under another id, for the same order) finds it and changes
+//! nothing. Each id is a key of what it names: a notification whose ids are recorded
+//! for another order is refused and kept (`id_conflict`), never answered as a replay;
+//! one refused for its amount keeps no hold on its transaction.
 //!
 //! Locks: the event's row (inserted, or taken by the settler), then the order's, then
 //! the sale's ([`super::lifecycle`]'s order).
@@ -54,10 +57,14 @@ pub enum Outcome {
     Refunded,
     /// Refused: a refund for an order that is not `refunding` (the order unchanged).
     NotRefunding,
+    /// Refused: its transaction (or its event id) is recorded for another order, or its
+    /// event id for another notification. Kept, nothing applied: the provider and the
+    /// operators must tell which is right.
+    IdConflict,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 8] = [
+    pub const ALL: [Outcome; 9] = [
         Self::Paid,
         Self::LatePayment,
         Self::AlreadyPaid,
@@ -66,6 +73,7 @@ impl Outcome {
         Self::NoOrder,
         Self::Refunded,
         Self::NotRefunding,
+        Self::IdConflict,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -78,6 +86,7 @@ impl Outcome {
             Self::NoOrder => "no_order",
             Self::Refunded => "refunded",
             Self::NotRefunding => "not_refunding",
+            Self::IdConflict => "id_conflict",
         }
     }
 
@@ -89,7 +98,10 @@ impl Outcome {
     /// Money the provider holds for us that must go back to the shopper, with no order
     /// to carry the refund (operators list these).
     pub fn owes_money_back(self) -> bool {
-        matches!(self, Self::AlreadyPaid | Self::NoOrder)
+        matches!(
+            self,
+            Self::AlreadyPaid | Self::NoOrder | Self::AmountMismatch
+        )
     }
 }
 
@@ -115,17 +127,30 @@ pub struct Received {
     /// A unit that went back on sale now (an order found past its deadline, or a refund
     /// while the sale is open): its release is owed to Redis.
     pub release: Option<Release>,
+    /// With [`Outcome::IdConflict`]: the notification recorded first under its ids.
+    pub conflicts_with: Option<Conflict>,
 }
 
-/// Records and applies one notification, once: a replay answers what the first did.
+/// The notification that holds the ids a refused one carried.
+#[derive(Debug, Clone)]
+pub struct Conflict {
+    pub event_id: String,
+    pub order_id: OrderId,
+    /// It holds the event id (else the transaction).
+    pub same_event: bool,
+}
+
+/// Records and applies one notification, once: a replay answers what the first did; a
+/// notification whose event id or transaction is recorded for another order (see
+/// [`Recorded::names`]) is refused as [`Outcome::IdConflict`] and kept, once.
 #[tracing::instrument(skip(db), fields(event = %event.event_id, order = %event.order_id))]
 pub(crate) async fn receive(db: &PgPool, event: &Event) -> Result<Received, sqlx::Error> {
     let mut tx = db.begin().await?;
     // First: a concurrent copy waits here for this one's commit, then finds it.
-    let new: Option<String> = sqlx::query_scalar(
+    let new: Option<i64> = sqlx::query_scalar(
         "INSERT INTO payment_events \
            (event_id, kind, order_id, transaction_id, amount, currency, outcome) \
-         VALUES ($1, $2, $3, $4, $5, $6, 'received') ON CONFLICT DO NOTHING RETURNING event_id",
+         VALUES ($1, $2, $3, $4, $5, $6, 'received') ON CONFLICT DO NOTHING RETURNING seq",
     )
     .bind(&event.event_id)
     .bind(event.kind)
@@ -135,47 +160,126 @@ pub(crate) async fn receive(db: &PgPool, event: &Event) -> Result<Received, sqlx
     .bind(&event.currency)
     .fetch_optional(&mut *tx)
     .await?;
-    if new.is_none() {
+    let Some(seq) = new else {
         tx.rollback().await?;
         return replay(db, event).await;
-    }
+    };
     let applied = apply(&mut tx, event, None).await?;
-    record(&mut tx, &event.event_id, applied.outcome).await?;
+    record(&mut tx, seq, applied.outcome).await?;
     tx.commit().await?;
     Ok(applied)
 }
 
-/// The answer to a notification recorded before (by its id, else by its transaction).
+/// A notification recorded before under the event id or transaction of a new one.
+#[derive(Debug, sqlx::FromRow)]
+struct Recorded {
+    event_id: String,
+    kind: Kind,
+    order_id: OrderId,
+    transaction_id: String,
+    amount: i64,
+    currency: String,
+    outcome: Outcome,
+}
+
+impl Recorded {
+    /// Whether `event` is this notification again (a replay) rather than another one
+    /// under its ids: an event id names one notification (all of it), a transaction
+    /// one order.
+    fn names(&self, event: &Event) -> bool {
+        if self.event_id == event.event_id {
+            (
+                self.kind,
+                self.order_id,
+                &self.transaction_id,
+                self.amount,
+                &self.currency,
+            ) == (
+                event.kind,
+                event.order_id,
+                &event.transaction_id,
+                event.amount,
+                &event.currency,
+            )
+        } else {
+            self.order_id == event.order_id
+        }
+    }
+}
+
+/// The answer to a notification whose event id or transaction is recorded: the first
+/// one's (a replay), or [`Outcome::IdConflict`] when they name another order.
 async fn replay(db: &PgPool, event: &Event) -> Result<Received, sqlx::Error> {
-    let (outcome, order_id): (Outcome, OrderId) = sqlx::query_as(
-        "SELECT outcome, order_id FROM payment_events \
-         WHERE event_id = $1 OR (kind = $2 AND transaction_id = $3) \
+    let first: Option<Recorded> = sqlx::query_as(
+        "SELECT event_id, kind, order_id, transaction_id, amount, currency, outcome \
+         FROM payment_events \
+         WHERE outcome <> 'id_conflict' AND (event_id = $1 \
+           OR (kind = $2 AND transaction_id = $3 AND outcome <> 'amount_mismatch')) \
          ORDER BY event_id = $1 DESC LIMIT 1",
     )
     .bind(&event.event_id)
     .bind(event.kind)
     .bind(&event.transaction_id)
-    .fetch_one(db)
+    .fetch_optional(db)
+    .await?;
+    let first = match first {
+        Some(first) => first,
+        // What stood in the way was refused for its amount meanwhile: judged afresh.
+        None => return Box::pin(receive(db, event)).await,
+    };
+    if !first.names(event) {
+        return conflict(db, event, &first).await;
+    }
+    Ok(Received {
+        outcome: first.outcome,
+        replay: true,
+        order: super::orders::get(db, event.order_id).await?,
+        release: None,
+        conflicts_with: None,
+    })
+}
+
+/// Keeps a notification whose ids another order's notification holds (once per event
+/// id), its order unchanged.
+async fn conflict(db: &PgPool, event: &Event, first: &Recorded) -> Result<Received, sqlx::Error> {
+    let kept: Option<i64> = sqlx::query_scalar(
+        "INSERT INTO payment_events \
+           (event_id, kind, order_id, transaction_id, amount, currency, outcome, settled_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, 'id_conflict', now()) \
+         ON CONFLICT DO NOTHING RETURNING seq",
+    )
+    .bind(&event.event_id)
+    .bind(event.kind)
+    .bind(event.order_id)
+    .bind(&event.transaction_id)
+    .bind(event.amount)
+    .bind(&event.currency)
+    .fetch_optional(db)
     .await?;
     Ok(Received {
-        outcome,
-        replay: true,
-        order: super::orders::get(db, order_id).await?,
+        outcome: Outcome::IdConflict,
+        replay: kept.is_none(),
+        order: None,
         release: None,
+        conflicts_with: Some(Conflict {
+            event_id: first.event_id.clone(),
+            order_id: first.order_id,
+            same_event: first.event_id == event.event_id,
+        }),
     })
 }
 
 async fn record(
     tx: &mut Transaction<'_, Postgres>,
-    event_id: &str,
+    seq: i64,
     outcome: Outcome,
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
         "UPDATE payment_events SET outcome = $2, \
            settled_at = CASE WHEN $2 = 'awaiting_order' THEN NULL ELSE now() END \
-         WHERE event_id = $1",
+         WHERE seq = $1",
     )
-    .bind(event_id)
+    .bind(seq)
     .bind(outcome)
     .execute(&mut **tx)
     .await?;
@@ -205,6 +309,7 @@ async fn apply(
         replay: false,
         order,
         release,
+        conflicts_with: None,
     };
     let Some((status, voucher_id, price, paid_amount, due)) = found else {
         let outcome = match event.kind {
@@ -292,34 +397,56 @@ async fn buried(
         .await
 }
 
-/// Applies up to `limit` payments that were waiting for their order, now written (or
-/// dead-lettered); rows another settler holds are skipped.
+/// A payment waiting for its order.
+#[derive(sqlx::FromRow)]
+struct Waiting {
+    seq: i64,
+    event_id: String,
+    order_id: OrderId,
+    transaction_id: String,
+    amount: i64,
+    currency: String,
+    received_at: DateTime<Utc>,
+}
+
+/// Applies up to `limit` payments that were waiting for their order (`order`'s only, if
+/// given), now written (or dead-lettered); rows another settler holds are skipped (or,
+/// for one order's, waited for).
 #[tracing::instrument(skip(db))]
-pub(crate) async fn settle_awaiting(db: &PgPool, limit: i64) -> Result<Vec<Received>, sqlx::Error> {
+pub(crate) async fn settle_awaiting(
+    db: &PgPool,
+    limit: i64,
+    order: Option<OrderId>,
+) -> Result<Vec<Received>, sqlx::Error> {
     let mut tx = db.begin().await?;
-    let waiting: Vec<(String, OrderId, String, i64, String, DateTime<Utc>)> = sqlx::query_as(
-        "SELECT e.event_id, e.order_id, e.transaction_id, e.amount, e.currency, e.received_at \
-         FROM payment_events e \
-         WHERE e.outcome = 'awaiting_order' \
-           AND (EXISTS (SELECT 1 FROM voucher_orders o WHERE o.id = e.order_id) \
-                OR EXISTS (SELECT 1 FROM dead_orders d WHERE d.id = e.order_id)) \
-         ORDER BY e.received_at LIMIT $1 FOR UPDATE OF e SKIP LOCKED",
-    )
+    let waiting: Vec<Waiting> = sqlx::query_as(&format!(
+        "SELECT e.seq, e.event_id, e.order_id, e.transaction_id, e.amount, e.currency, \
+               e.received_at \
+             FROM payment_events e \
+             WHERE e.outcome = 'awaiting_order' AND ($2::int8 IS NULL OR e.order_id = $2) \
+               AND (EXISTS (SELECT 1 FROM voucher_orders o WHERE o.id = e.order_id) \
+                    OR EXISTS (SELECT 1 FROM dead_orders d WHERE d.id = e.order_id)) \
+             ORDER BY e.received_at LIMIT $1 FOR UPDATE OF e {}",
+        // One order's: waits for a settler that holds them, so the caller then sees
+        // the order as they left it.
+        if order.is_some() { "" } else { "SKIP LOCKED" }
+    ))
     .bind(limit)
+    .bind(order)
     .fetch_all(&mut *tx)
     .await?;
     let mut settled = Vec::with_capacity(waiting.len());
-    for (event_id, order_id, transaction_id, amount, currency, received_at) in waiting {
+    for w in waiting {
         let event = Event {
-            event_id,
+            event_id: w.event_id,
             kind: Kind::Payment,
-            order_id,
-            transaction_id,
-            amount,
-            currency,
+            order_id: w.order_id,
+            transaction_id: w.transaction_id,
+            amount: w.amount,
+            currency: w.currency,
         };
-        let applied = apply(&mut tx, &event, Some(received_at)).await?;
-        record(&mut tx, &event.event_id, applied.outcome).await?;
+        let applied = apply(&mut tx, &event, Some(w.received_at)).await?;
+        record(&mut tx, w.seq, applied.outcome).await?;
         settled.push(applied);
     }
     tx.commit().await?;
@@ -330,6 +457,9 @@ pub(crate) async fn settle_awaiting(db: &PgPool, limit: i64) -> Result<Vec<Recei
 #[derive(Debug, Clone, sqlx::FromRow, Serialize, utoipa::ToSchema)]
 #[schema(as = PaymentEvent)]
 pub struct EventRow {
+    /// The list's cursor.
+    #[serde(skip)]
+    pub seq: i64,
     pub event_id: String,
     #[serde(rename = "type")]
     pub kind: Kind,
@@ -344,25 +474,33 @@ pub struct EventRow {
     pub settled_at: Option<DateTime<Utc>>,
 }
 
-/// A page of recorded notifications, newest first, of one outcome if given; `after`
-/// is the last event id of the previous page.
+/// Whether `seq` is a recorded notification's (a cursor of the list).
+pub(crate) async fn recorded(db: &PgPool, seq: i64) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM payment_events WHERE seq = $1)")
+        .bind(seq)
+        .fetch_one(db)
+        .await
+}
+
+/// A page of recorded notifications, newest first, of these outcomes if given; `after`
+/// is the `seq` of the previous page's last (see [`recorded`]).
 #[tracing::instrument(skip(db))]
 pub(crate) async fn page(
     db: &PgPool,
-    outcome: Option<Outcome>,
-    after: Option<&str>,
+    outcomes: Option<&[Outcome]>,
+    after: Option<i64>,
     limit: i64,
 ) -> Result<Vec<EventRow>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT event_id, kind, order_id, transaction_id, amount, currency, outcome, \
+        "SELECT seq, event_id, kind, order_id, transaction_id, amount, currency, outcome, \
            received_at, settled_at \
          FROM payment_events \
-         WHERE ($1::text IS NULL OR outcome = $1) \
-           AND ($2::text IS NULL OR (received_at, event_id) < \
-                (SELECT received_at, event_id FROM payment_events WHERE event_id = $2)) \
-         ORDER BY received_at DESC, event_id DESC LIMIT $3",
+         WHERE ($1::text[] IS NULL OR outcome = ANY($1)) \
+           AND ($2::int8 IS NULL OR (received_at, seq) < \
+                (SELECT received_at, seq FROM payment_events WHERE seq = $2)) \
+         ORDER BY received_at DESC, seq DESC LIMIT $3",
     )
-    .bind(outcome)
+    .bind(outcomes.map(|o| o.iter().map(|o| o.as_str()).collect::<Vec<_>>()))
     .bind(after)
     .bind(limit)
     .fetch_all(db)

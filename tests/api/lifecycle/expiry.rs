@@ -280,3 +280,87 @@ async fn a_unit_returned_while_the_sale_is_missing_from_redis_comes_back_through
     app.drain().await;
     assert_eq!(stocks(&app, voucher).await, (0, Some(0)));
 }
+
+/// A payment received before the deadline while the order was still only in Redis (the
+/// worker paused) is in time: shoppers polling checkout (and one cancelling) past the
+/// deadline, the worker resumed under them, and the sweeper all leave it to be paid.
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn an_in_time_payment_waiting_for_its_order_is_closed_by_neither_checkout_cancel_nor_the_sweeper(
+    db: PgPool,
+) {
+    const SHOPPERS: i64 = 8;
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale_paying(SHOPPERS, 2).await;
+    // The sweeper's rounds are seconds apart: the shoppers' requests, every 20 ms, meet
+    // the orders before its next one (or after it: they must hear the same).
+    let worker = Process::spawn(
+        "worker",
+        &app.redis_url,
+        app.keys.prefix(),
+        &database_url(&app.db, None),
+        &[("EXPIRY_SWEEP_MS", "4000".into())],
+    );
+    worker.freeze(true);
+    let mut ids = Vec::new();
+    for user in 1..=SHOPPERS {
+        let id = grab_id(&app, voucher, user).await;
+        let (status, waiting) = app.provider_pays(&id, 5000).await;
+        assert_eq!(status, StatusCode::OK, "{waiting}");
+        assert_eq!(waiting["outcome"], "awaiting_order", "{waiting}");
+        ids.push(id);
+    }
+    // Past every deadline while the worker is away.
+    tokio::time::sleep(Duration::from_millis(3000)).await;
+    worker.freeze(false);
+    // Shoppers 1-3 poll checkout, shopper 4 cancels, until the order is written.
+    let app_ref = &app;
+    let answers = futures::future::join_all(ids.iter().take(4).enumerate().map(|(i, id)| {
+        let user = i as i64 + 1;
+        let action = if user == 4 { "cancel" } else { "checkout" };
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+            loop {
+                let (status, _, body) = app_ref
+                    .order_action(id, action, &app_ref.token(user), None)
+                    .await;
+                if body["error"]["code"] != "order_pending" {
+                    return (user, action, status, body);
+                }
+                assert!(tokio::time::Instant::now() < deadline, "never written");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }))
+    .await;
+    for (user, action, status, body) in &answers {
+        println!("shopper {user}'s {action} once the order was written: {status} {body}");
+        assert_eq!(
+            (*status, &body["error"]["code"]),
+            (StatusCode::CONFLICT, &json!("order_paid")),
+            "shopper {user}'s {action} of an order paid in time: {body}"
+        );
+    }
+    // The others are settled by a sweep, which expires nothing.
+    assert_eq!(
+        app.wait_for_orders(voucher, SHOPPERS as usize, Duration::from_secs(20))
+            .await,
+        SHOPPERS as usize
+    );
+    let report = app.sweep().await;
+    assert_eq!(report.expired, 0, "{report:?}");
+    for id in &ids {
+        assert_eq!(app.pg_status(id).await.as_deref(), Some("paid"), "{id}");
+    }
+    let outcomes: Vec<String> =
+        sqlx::query_scalar("SELECT outcome FROM payment_events ORDER BY seq")
+            .fetch_all(&app.db)
+            .await
+            .unwrap();
+    assert_eq!(outcomes, vec!["paid"; SHOPPERS as usize], "no late payment");
+    assert_eq!(
+        stocks(&app, voucher).await,
+        (0, Some(0)),
+        "no unit came back"
+    );
+    drop(worker);
+}

@@ -353,3 +353,229 @@ async fn payments_racing_the_expiry_sweepers_at_the_deadline_end_paid_or_refundi
     let (code, books) = app.cli(&["reconcile", "--voucher", &voucher.to_string()]);
     assert_eq!(code, 0, "{books}");
 }
+
+/// A notification as the provider sends it, for `order_id` with these ids.
+fn notification_with(
+    kind: &str,
+    event: &str,
+    order_id: &str,
+    transaction: &str,
+    amount: i64,
+) -> Value {
+    json!({"id": event, "type": kind, "order_id": order_id, "amount": amount,
+           "currency": "CNY", "transaction_id": transaction})
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_notification_whose_ids_another_order_holds_is_refused_recorded_and_counted_never_a_replay(
+    db: PgPool,
+) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(3).await;
+    let a = grab_id(&app, voucher, 31).await;
+    let b = grab_id(&app, voucher, 32).await;
+    app.drain().await;
+    let paid_a = notification_with("payment.succeeded", "evt_a", &a, "tx_a", PRICE);
+    let (status, first) = app.notify(&paid_a).await;
+    assert_eq!(
+        (status, &first["outcome"]),
+        (StatusCode::OK, &json!("paid"))
+    );
+
+    // B under A's transaction (a new event id), then under A's event id (a new
+    // transaction): refused, each kept once however often the provider retries.
+    let by_transaction = notification_with("payment.succeeded", "evt_b1", &b, "tx_a", PRICE);
+    let by_event = notification_with("payment.succeeded", "evt_a", &b, "tx_b1", PRICE);
+    for (what, sent) in [
+        ("transaction", &by_transaction),
+        ("event id", &by_event),
+        ("transaction", &by_transaction),
+    ] {
+        let (status, err) = app.notify(sent).await;
+        println!("B under A's {what}: {status} {err}");
+        assert_eq!(status, StatusCode::CONFLICT, "{what}: {err}");
+        assert_eq!(err["error"]["code"], "id_conflict", "{what}: {err}");
+        let message = err["error"]["message"].as_str().unwrap();
+        assert!(message.contains(&a) && message.contains(&b), "{message}");
+    }
+    assert_eq!(app.pg_status(&b).await.as_deref(), Some("created"));
+    let (_, page) = app
+        .get("/payments?outcome=id_conflict", Some(&app.admin_token()))
+        .await;
+    let kept: Vec<(&str, &str)> = page["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["event_id"].as_str().unwrap(),
+                e["order_id"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        kept,
+        [("evt_a", b.as_str()), ("evt_b1", b.as_str())],
+        "{page}"
+    );
+    let conflicts = crate::common::metric_value(
+        &app.metrics_text().await,
+        "seckill_payment_notifications_total{outcome=\"id_conflict\"}",
+    );
+    assert_eq!(conflicts, Some(2.0), "each conflict counted once");
+
+    // A's own retries are replays; B's real payment goes through.
+    let retried = notification_with("payment.succeeded", "evt_a2", &a, "tx_a", PRICE);
+    for again in [&paid_a, &retried] {
+        let (status, replay) = app.notify(again).await;
+        assert_eq!(status, StatusCode::OK, "{replay}");
+        assert_eq!(
+            (&replay["outcome"], &replay["replay"]),
+            (&json!("paid"), &json!(true))
+        );
+        assert_eq!(replay["order_id"], a.as_str());
+    }
+    let paid_b = notification_with("payment.succeeded", "evt_b2", &b, "tx_b2", PRICE);
+    let (status, paid) = app.notify(&paid_b).await;
+    assert_eq!(
+        (status, &paid["outcome"], &paid["replay"]),
+        (StatusCode::OK, &json!("paid"), &json!(false))
+    );
+    assert_eq!(app.pg_status(&b).await.as_deref(), Some("paid"));
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_corrected_notification_after_an_amount_mismatch_is_judged_afresh_and_the_mismatch_is_money_to_give_back(
+    db: PgPool,
+) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(3).await;
+    let id = grab_id(&app, voucher, 33).await;
+    app.drain().await;
+    let wrong = notification_with("payment.succeeded", "evt_1", &id, "tx_1", PRICE - 1);
+    let (status, err) = app.notify(&wrong).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{err}");
+    // Its replay is still a replay.
+    let (status, _) = app.notify(&wrong).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    // The provider corrects it under the same transaction (a new event).
+    let corrected = notification_with("payment.succeeded", "evt_2", &id, "tx_1", PRICE);
+    let (status, paid) = app.notify(&corrected).await;
+    println!("corrected after a mismatch: {status} {paid}");
+    assert_eq!(
+        (status, &paid["outcome"]),
+        (StatusCode::OK, &json!("paid")),
+        "{paid}"
+    );
+    assert_eq!(paid["replay"], false);
+    assert_eq!(app.pg_status(&id).await.as_deref(), Some("paid"));
+    let recorded: Vec<(String, String)> = recorded_events(&app).await;
+    assert_eq!(
+        recorded,
+        [
+            ("evt_1".to_string(), "amount_mismatch".to_string()),
+            ("evt_2".to_string(), "paid".to_string())
+        ]
+    );
+    // Listed with the money to give back (the corrected payment is not).
+    let (status, owed) = app
+        .get("/payments?money_back=true", Some(&app.admin_token()))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{owed}");
+    let listed: Vec<&str> = owed["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["event_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(listed, ["evt_1"], "{owed}");
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn a_manually_paid_order_refunded_by_an_admin_completes_its_refund_and_returns_its_unit_once(
+    db: PgPool,
+) {
+    let app = TestApp::spawn(db).await;
+    let voucher = app.open_sale(2).await;
+    let id = grab_id(&app, voucher, 34).await;
+    app.drain().await;
+    let admin = app.admin_token();
+    let (status, _, paid) = app
+        .order_action(
+            &id,
+            "pay",
+            &admin,
+            Some(&json!({"reason": "paid at the counter"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{paid}");
+    assert_eq!(paid["payment"]["amount"], PRICE, "{paid}");
+    let (status, _, refunding) = app.order_action(&id, "refund", &admin, None).await;
+    assert_eq!(
+        (status, &refunding["status"]),
+        (StatusCode::OK, &json!("refunding")),
+        "{refunding}"
+    );
+    assert_eq!(stocks(&app, voucher).await, (1, Some(1)));
+    let refund = notification("refund.succeeded", &id, PRICE);
+    for (i, sent) in [&refund, &refund].into_iter().enumerate() {
+        let (status, done) = app.notify(sent).await;
+        println!("the provider's refund of a manual payment: {status} {done}");
+        assert_eq!(
+            (status, &done["outcome"]),
+            (StatusCode::OK, &json!("refunded")),
+            "{done}"
+        );
+        assert_eq!(done["replay"], i == 1);
+    }
+    assert_eq!(app.pg_status(&id).await.as_deref(), Some("refunded"));
+    let limit = tokio::time::Instant::now() + Duration::from_secs(10);
+    while stocks(&app, voucher).await != (2, Some(2)) {
+        assert!(
+            tokio::time::Instant::now() < limit,
+            "{:?}",
+            stocks(&app, voucher).await
+        );
+        app.sweep().await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (code, books) = app.cli(&["reconcile", "--voucher", &voucher.to_string()]);
+    assert_eq!(code, 0, "{books}");
+}
+
+#[sqlx::test(migrator = "seckill::MIGRATOR")]
+async fn the_payments_list_pages_by_its_own_cursor_and_refuses_an_unknown_one(db: PgPool) {
+    let app = TestApp::spawn(db).await;
+    for order in ["4242424201", "4242424202", "4242424203"] {
+        let (status, body) = app.provider_pays(order, PRICE).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+    }
+    let admin = app.admin_token();
+    let (status, first) = app.get("/payments?limit=2", Some(&admin)).await;
+    assert_eq!(status, StatusCode::OK, "{first}");
+    let next = first["next"].as_str().unwrap().to_string();
+    let (status, rest) = app
+        .get(&format!("/payments?limit=2&after={next}"), Some(&admin))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{rest}");
+    let orders: Vec<&str> = first["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(rest["items"].as_array().unwrap())
+        .map(|e| e["order_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(orders, ["4242424203", "4242424202", "4242424201"]);
+    assert!(rest["next"].is_null(), "{rest}");
+    for bad in ["999999", "evt_nope", "0", "-1", ""] {
+        let (status, err) = app
+            .get(&format!("/payments?after={bad}"), Some(&admin))
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "after={bad}: {err}");
+        assert_eq!(err["error"]["code"], "validation");
+        assert!(
+            err["error"]["message"].as_str().unwrap().contains("after"),
+            "{err}"
+        );
+    }
+}
