@@ -26,7 +26,6 @@ as_root() {
   if [ "$(id -u)" = 0 ]; then "$@"; else sudo -n "$@"; fi
 }
 
-apt_updated=""
 ensure_packages() {
   local missing=()
   for pkg in "$@"; do
@@ -34,11 +33,20 @@ ensure_packages() {
   done
   [ ${#missing[@]} -eq 0 ] && return 0
   log "installing ${missing[*]}"
-  # Another install may hold dpkg's lock (tests start scripts side by side on a new
-  # machine): wait for it rather than fail.
+  # Tests start scripts side by side on a new machine: one install at a time, each
+  # waiting its turn (apt-get update does not wait for apt's list lock, and another
+  # install may hold dpkg's), in one lock file whatever TMPDIR says.
   local wait=(-o DPkg::Lock::Timeout=600)
-  if [ -z "$apt_updated" ]; then as_root apt-get "${wait[@]}" update -qq; apt_updated=1; fi
-  as_root apt-get "${wait[@]}" install -y -qq "${missing[@]}" >/dev/null
+  (
+    flock -w 900 9 || { echo "another install held /tmp/seckill-apt.lock for 15 minutes" >&2; exit 1; }
+    missing=()
+    for pkg in "$@"; do
+      dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+    done
+    [ ${#missing[@]} -eq 0 ] && exit 0
+    as_root apt-get "${wait[@]}" update -qq
+    as_root apt-get "${wait[@]}" install -y -qq "${missing[@]}" >/dev/null
+  ) 9>>/tmp/seckill-apt.lock
 }
 
 # The probes never wait for long (a server that does not answer, or psql asking for a
