@@ -17,7 +17,7 @@
 -- Raised with every change of this library (a unit test in src/scripts.rs holds it to
 -- the code): a process replaces a loaded library only if it is older, or of the same
 -- version with other code, so two releases never take turns replacing each other.
-local VERSION = 12
+local VERSION = 13
 -- A hash of this code, filled in when it is loaded.
 local CODE = '__CODE__'
 
@@ -39,9 +39,53 @@ local opened = {}
 -- those whose 202s this life may have lost.
 local came_after, ncame_after = {}, 0
 
+-- What this life wrote that may not vanish before its time: per key (a term marker, an
+-- order stream, an order-id lease), until when (ms, this server's clock) it must exist.
+-- A key of ours gone sooner (evicted, flushed, deleted by hand) means writes of this
+-- life are lost, as surely as after a restart from an older copy (see lose).
+local kept = {}
+local FOREVER = 2 ^ 53
+-- (Redis expires a key by the time a script started: a key may go a little early.)
+local KEPT_SLACK_MS = 50
+
+-- This server's memory, looked at every MEMORY_EVERY_MS at most (INFO, in the call that
+-- asks for the term): `evicts` while its maxmemory-policy may evict keys (any but
+-- noeviction: every key of ours is state a promise rests on), and its evicted_keys
+-- count, whose growth means some key of ours may be gone. A server that does not let
+-- a script read INFO (renamed) is taken for one that does not evict.
+local MEMORY_EVERY_MS = 100
+local memory = {at = nil, evicts = false, evicted = nil}
+
 local function clock()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), t
+end
+
+-- Whether keys were evicted since the last look at the memory (once due).
+local function evicted_since(now)
+  if memory.at and now >= memory.at and now < memory.at + MEMORY_EVERY_MS then
+    return false
+  end
+  memory.at = now
+  local ok, info = pcall(redis.call, 'INFO', 'memory')
+  if ok then
+    local policy = string.match(info, 'maxmemory_policy:(%S+)')
+    memory.evicts = policy ~= nil and policy ~= 'noeviction'
+  end
+  local ok_stats, stats = pcall(redis.call, 'INFO', 'stats')
+  local n = ok_stats and tonumber(string.match(stats, 'evicted_keys:(%d+)'))
+  local grew = n and memory.evicted and n > memory.evicted
+  if n then
+    memory.evicted = n
+  end
+  return grew or false
+end
+
+-- Whether `key`, which this life wrote and which should still exist, is gone; `here`:
+-- whether it exists (read by the caller).
+local function vanished(key, here, now)
+  local until_ms = kept[key]
+  return not here and until_ms ~= nil and now < until_ms - KEPT_SLACK_MS
 end
 
 local function draw()
@@ -65,6 +109,18 @@ local function older(a, b)
   return as < bs or (as == bs and au < bu)
 end
 
+-- Writes this life made are gone: a new term, as after a restart from an older copy
+-- (every sale's state stale until rebuilt, a lease claimed now waits out the grace),
+-- and the old term is among the lives whose 202s this one may have lost: the
+-- instances on it admit theirs again before the new term opens. What this life kept
+-- is forgotten: the new term answers for all of it.
+local function lose()
+  ncame_after = ncame_after + 1
+  came_after[ncame_after] = term
+  kept = {}
+  draw()
+end
+
 -- The server's term, after a look at `marker` (a key of the call's slot, when given):
 -- it names the term of the life that last wrote that slot's data. A term this life
 -- never saw means the data came from another life of some server since (this server
@@ -72,13 +128,27 @@ end
 -- its Lua state): writes that life made may be missing here, so a new term is drawn,
 -- and every state built earlier is stale. `write`: the call may write (else the
 -- marker is brought up to date by the next call that may).
-local function current_term(marker, write)
+--
+-- Writes of this life that are gone (a key of ours vanished before its time, keys
+-- evicted: see `kept`, `memory`) are lost writes too: a new term, whose holding waits
+-- for the instances that were on this life's old term (see lose). `...`: the other
+-- keys of ours the call relies on (its order stream, a lease), looked at the same way.
+local function current_term(marker, write, ...)
   local fresh = not term
   if fresh then
     draw()
   end
+  local now = clock()
+  local m = marker and redis.call('GET', marker)
+  local lost = evicted_since(now) or (marker and vanished(marker, m, now))
+  for i = 1, select('#', ...) do
+    local key = select(i, ...)
+    lost = lost or vanished(key, redis.call('EXISTS', key) == 1, now)
+  end
+  if lost and not fresh then
+    lose()
+  end
   if marker then
-    local m = redis.call('GET', marker)
     if m ~= term then
       if m and not known[m] then
         known[m] = true
@@ -91,6 +161,7 @@ local function current_term(marker, write)
       end
       if write then
         redis.call('SET', marker, term)
+        kept[marker] = FOREVER
       end
     end
   end
@@ -228,6 +299,7 @@ local function draw_lottery(s, stream, voucher, now_s)
       entry[#entry + 1] = winners[i]
     end
     redis.call('XADD', stream, '*', unpack(entry))
+    kept[stream] = FOREVER
   end
   in_chunks('HSET', s.key, won)
   in_chunks('HDEL', s.key, gone)
@@ -286,6 +358,21 @@ local function read_sale(s, this_term, now, marker)
   end
 end
 
+-- Every grab of an admission call (its ARGV, below) answered `code`, nothing taken.
+local function refuse_all(argv, code)
+  local out = {}
+  local i = 2
+  while i <= #argv do
+    local n = tonumber(argv[i + 4])
+    for _ = 1, n do
+      out[#out + 1] = code
+      out[#out + 1] = 0
+    end
+    i = i + 5 + 2 * n
+  end
+  return out
+end
+
 -- Flash-sale admission: every check and every write of each grab in one atomic step.
 --
 -- Grabs that arrive together for one shard are decided by one call, one after the
@@ -335,11 +422,16 @@ end
 --   part of a segmented sale, the window is over and the draw is not in yet),
 --   12 drawing (a lottery sale drawn and not recorded yet, or a part of a segmented
 --   one whose window is over and whose draw has not rebuilt it yet; nothing is taken:
---   the caller waits for the draw)
+--   the caller waits for the draw),
+--   13 evicting (this server's maxmemory-policy may evict keys: no grab is decided,
+--   nothing is read or taken, as no answer could be a promise; see `memory`)
 local function admit(keys, argv)
+  local this_term = current_term(keys[2], true, keys[1])
+  if memory.evicts then
+    return refuse_all(argv, 13)
+  end
   local now = clock()
   local now_s = string.format('%d', now)
-  local this_term = current_term(keys[2], true)
 
   -- Each sale once (by its index in KEYS) with the fields to read for it, and each
   -- grab's buyer field (by the grab's number in the call).
@@ -472,6 +564,7 @@ local function admit(keys, argv)
   if nadmitted > 0 then
     entry[2] = string.format('%d', nadmitted)
     entry_id = redis.call('XADD', keys[1], '*', unpack(entry, 1, ne))
+    kept[keys[1]] = FOREVER
   end
   for m = 1, nsales do
     local s = order_of_sales[m]
@@ -521,7 +614,7 @@ end
 -- {5} no unit left, {8} no unit left in this part of a segmented sale (units may be
 -- moved to it by a grab).
 local function adopt(keys, argv)
-  local this_term = current_term(keys[2], true)
+  local this_term = current_term(keys[2], true, keys[1])
   local buyer = 'u:' .. argv[3]
   local v = redis.call('HMGET', keys[3], 'stock', 'begin_ms', 'end_ms', 'term', 'epoch', 'part', 'gen', buyer)
   local stock = whole(v[1])
@@ -556,7 +649,9 @@ local function adopt(keys, argv)
   entry[#entry + 1] = argv[4]
   entry[#entry + 1] = 'user_id'
   entry[#entry + 1] = argv[3]
-  return {1, redis.call('XADD', keys[1], '*', unpack(entry))}
+  local id = redis.call('XADD', keys[1], '*', unpack(entry))
+  kept[keys[1]] = FOREVER
+  return {1, id}
 end
 
 -- The id below which consumer group `group` is done with every entry of `stream`
@@ -600,8 +695,13 @@ end
 -- of the lives whose data this one took over (space-separated, '' none seen: see
 -- `came_after`), and last 1 opened or 0 held (see `opened`)}.
 local function term_of(keys, argv)
-  current_term(keys[1], false)
+  current_term(keys[1], false, unpack(keys, 2))
   local now = clock()
+  for k = 2, #keys do
+    if redis.call('EXISTS', keys[k]) == 1 then
+      kept[keys[k]] = FOREVER
+    end
+  end
   local out = {term, now - term_ms}
   -- A slot whose marker is not this term's may have lost its data (a FLUSHALL keeps the
   -- term): nothing is known done there until a write brings the marker back.
@@ -612,6 +712,23 @@ local function term_of(keys, argv)
   out[#out + 1] = table.concat(came_after, ' ')
   out[#out + 1] = opened[keys[1]] == term and 1 or 0
   return out
+end
+
+-- Creates the consumer group `ARGV[1]` of order stream KEYS[1] (and the stream) if
+-- missing, after a look at the stream's term marker KEYS[2]: a stream that vanished
+-- is lost writes (current_term) before it is made anew here. Returns 1 created, 0 there
+-- already.
+local function create_group(keys, argv)
+  current_term(keys[2], true, keys[1])
+  local made = redis.pcall('XGROUP', 'CREATE', keys[1], argv[1], '0', 'MKSTREAM')
+  kept[keys[1]] = FOREVER
+  if type(made) == 'table' and made.err then
+    if string.find(made.err, 'BUSYGROUP', 1, true) then
+      return 0
+    end
+    return made
+  end
+  return 1
 end
 
 -- Draws a new term (a process saw the server's identity change): every sale's state is
@@ -644,7 +761,7 @@ end
 -- Returns {1 claimed or 0 held by another, age of the term in ms}: a term younger than
 -- a lease's renewal window means this server may have lost a live holder's lease.
 local function claim_lease(keys, argv)
-  current_term(keys[2], true)
+  current_term(keys[2], true, keys[1])
   -- The marker of a lease's slot lives as long as the lease: a number claimed lives
   -- later would otherwise meet a marker of a life long gone, and draw a term for it.
   redis.call('PEXPIRE', keys[2], argv[2])
@@ -653,7 +770,12 @@ local function claim_lease(keys, argv)
     redis.call('PEXPIRE', keys[1], argv[2])
     claimed = true
   end
-  return {claimed and 1 or 0, clock() - term_ms}
+  local now = clock()
+  kept[keys[2]] = now + tonumber(argv[2])
+  if claimed then
+    kept[keys[1]] = now + tonumber(argv[2])
+  end
+  return {claimed and 1 or 0, now - term_ms}
 end
 
 -- Renews an order-id node lease.
@@ -662,15 +784,19 @@ end
 -- Returns 1 extended, 2 re-created (the key was gone: Redis lost its data), 0 lost
 -- (another process holds the number now).
 local function renew_lease(keys, argv)
-  current_term(keys[2], true)
+  current_term(keys[2], true, keys[1])
   redis.call('PEXPIRE', keys[2], argv[2])
+  local until_ms = clock() + tonumber(argv[2])
+  kept[keys[2]] = until_ms
   local holder = redis.call('GET', keys[1])
   if holder == argv[1] then
     redis.call('PEXPIRE', keys[1], argv[2])
+    kept[keys[1]] = until_ms
     return 1
   end
   if not holder then
     redis.call('SET', keys[1], argv[1], 'PX', argv[2])
+    kept[keys[1]] = until_ms
     return 2
   end
   return 0
@@ -767,6 +893,7 @@ redis.register_function('seckill_adopt', adopt)
 redis.register_function{function_name = 'seckill_term', callback = term_of, flags = {'no-writes'}}
 redis.register_function{function_name = 'seckill_new_term', callback = new_term, flags = {'no-writes'}}
 redis.register_function('seckill_open_term', open_term)
+redis.register_function('seckill_group', create_group)
 redis.register_function('seckill_claim_lease', claim_lease)
 redis.register_function('seckill_renew_lease', renew_lease)
 redis.register_function('seckill_arm', arm)

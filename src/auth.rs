@@ -15,8 +15,6 @@
 mod claims;
 pub mod jwks;
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine as _;
 use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
@@ -306,11 +304,10 @@ impl Verifier {
     }
 }
 
+/// Redis's clock as this process knows it ([`crate::clock`]): a token expires at the
+/// same instant on every instance, whatever their own clocks say.
 fn now_secs() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
+    crate::clock::now_us().max(0) as u64 / 1_000_000
 }
 
 /// The authenticated caller (extracted from the request in `http::extract`).

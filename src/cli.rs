@@ -106,6 +106,8 @@ async fn reconcile(args: crate::config::ReconcileArgs) -> anyhow::Result<ExitCod
         let route = keys.stream(shard).as_bytes().to_vec();
         crate::scripts::install_library(&mut conn, Some(&route)).await?;
     }
+    // Which sales are still open is Redis's clock's word, not this machine's.
+    crate::clock::sync(&mut conn).await?;
     let retention = Duration::from_secs(args.sale_state_retention_secs);
     let balanced = crate::reconcile::run(
         &db,

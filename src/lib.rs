@@ -9,6 +9,7 @@ pub mod admission;
 pub mod auth;
 pub mod backoff;
 pub mod cli;
+pub mod clock;
 pub mod config;
 pub mod demo;
 pub mod domain;

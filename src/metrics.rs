@@ -67,6 +67,11 @@ pub(crate) const PROMISES_KEPT: &str = "seckill_promises_kept";
 pub(crate) const EDGE_ANSWERS: &str = "seckill_edge_answers_total";
 /// Announcements of sale changes this instance heard (see `sale_changes`).
 pub(crate) const SALE_CHANGES_HEARD: &str = "seckill_sale_changes_heard_total";
+/// Whether a Redis server this process uses may evict keys (`maxmemory-policy` not
+/// `noeviction`): its admissions are refused (see `admission::guard`).
+pub(crate) const REDIS_MAY_EVICT: &str = "seckill_redis_may_evict";
+/// Whether a Redis server this process uses is out of memory: it refuses writes.
+pub(crate) const REDIS_MEMORY_FULL: &str = "seckill_redis_memory_full";
 /// How long after its lottery window a held press was answered (see `admission::lottery`).
 pub(crate) const LOTTERY_ANSWER_SECONDS: &str = "seckill_lottery_answer_delay_seconds";
 
@@ -98,7 +103,7 @@ const fn m(name: &'static str, kind: Kind, unit: Option<Unit>, help: &'static st
 #[rustfmt::skip]
 pub(crate) const DESCRIBED: &[Described] = &[
     m(ADMISSIONS, Kind::Counter, None,
-        "Grab attempts by outcome: admitted, sold_out, already_ordered, not_started, ended, not_loaded, not_found (no such sale, answered from the instance's memory), stale (the sale's state predates the server's term and is being rebuilt), corrupt, held (a new term not opened yet), fenced (the sale was rebuilt on another Redis server), rate_limited, redis_error, not_ready (not tried: no order-id lease yet, or the shopper's earlier 202 is being recovered), entered (a lottery entry held until the draw), drawing (a segmented lottery's segment not rebuilt after its draw yet). Those answered at the edge are counted here too."),
+        "Grab attempts by outcome: admitted, sold_out, already_ordered, not_started, ended, not_loaded, not_found (no such sale, answered from the instance's memory), stale (the sale's state predates the server's term and is being rebuilt), corrupt, held (a new term not opened yet), fenced (the sale was rebuilt on another Redis server), rate_limited, redis_error, not_ready (not tried: no order-id lease yet, or the shopper's earlier 202 is being recovered), entered (a lottery entry held until the draw), drawing (a segmented lottery's segment not rebuilt after its draw yet), evicting (the Redis server's maxmemory-policy may evict keys: nothing decided). Those answered at the edge are counted here too."),
     m(EDGE_ANSWERS, Kind::Counter, None,
         "Grabs this instance answered by itself from what Redis last told it, without asking Redis, by outcome: sold_out, not_started, ended, not_found."),
     m(SALE_CHANGES_HEARD, Kind::Counter, None,
@@ -155,6 +160,10 @@ pub(crate) const DESCRIBED: &[Described] = &[
         "Sales whose Redis state this process rebuilt from Postgres because it was stale (built in an earlier term of the server) or missing."),
     m(SEGMENT_UNITS_MOVED, Kind::Counter, None,
         "Units this process moved between the segments of segmented sales (credited to a segment that had run dry)."),
+    m(REDIS_MAY_EVICT, Kind::Gauge, None,
+        "1 while a Redis server this process uses may evict keys (maxmemory-policy other than noeviction): every grab there is refused (outcome evicting, nothing reserved) and /readyz is not ready; 0 otherwise. Read by the term watcher every second."),
+    m(REDIS_MEMORY_FULL, Kind::Gauge, None,
+        "1 while a Redis server this process uses is out of memory (used_memory above maxmemory, noeviction): it refuses every write, grabs included; 0 otherwise. Read by the term watcher every second."),
     m(PROMISES_KEPT, Kind::Gauge, None,
         "202s this instance gave whose stream entry is not yet known acknowledged (written to Postgres): kept, to admit them again should Redis lose them."),
     m(PROMISES_READMITTED, Kind::Counter, None,
@@ -309,6 +318,9 @@ fn register_known_series() {
     metrics::counter!(SHED).increment(0);
     metrics::counter!(LIVE_SNAPSHOTS).increment(0);
     metrics::gauge!(LIVE_VIEWERS).increment(0.0);
+    // (Set by every term watcher's look; 0 until one sees a Redis in trouble.)
+    metrics::gauge!(REDIS_MAY_EVICT).increment(0.0);
+    metrics::gauge!(REDIS_MEMORY_FULL).increment(0.0);
     let _ = metrics::histogram!(ADMISSION_SECONDS);
     let _ = metrics::histogram!(WORKER_BATCH_SIZE);
     let _ = metrics::histogram!(WORKER_COMMIT_SECONDS);
@@ -407,6 +419,8 @@ mod tests {
         }
         metrics::gauge!(RELEASES_OWED).set(0.0);
         metrics::gauge!(PROMISES_KEPT).set(0.0);
+        metrics::gauge!(REDIS_MAY_EVICT).set(0.0);
+        metrics::gauge!(REDIS_MEMORY_FULL).set(0.0);
         // (Registered by the admitting processes: `admission::hot`.)
         metrics::counter!(ADMISSIONS, "outcome" => "admitted").increment(0);
         metrics::counter!(EDGE_ANSWERS, "outcome" => "sold_out").increment(0);

@@ -24,7 +24,6 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use chrono::Utc;
 use redis::aio::ConnectionLike;
 use sqlx::PgPool;
 
@@ -107,7 +106,7 @@ impl VoucherBooks {
             initial_stock: f.initial_stock,
             pg_stock: f.sale_stock,
             pg_orders: f.sale_orders,
-            open: f.end_time > Utc::now(),
+            open: f.end_time > crate::clock::now(),
             redis_stock: f.actual_stock,
             redis_buyers: f.actual_buyers,
             in_flight: f.expected.in_flight,
@@ -168,7 +167,7 @@ pub(crate) async fn books<C: ConnectionLike + Send>(
     let ids = match voucher {
         Some(id) => vec![id],
         None => {
-            let since = Utc::now() - chrono::Duration::from_std(retention)?;
+            let since = crate::clock::now() - chrono::Duration::from_std(retention)?;
             crate::store::vouchers::sales_ending_after(db, since)
                 .await?
                 .into_iter()

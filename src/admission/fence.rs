@@ -130,7 +130,7 @@ impl Fence {
         listener.listen(epochs::CHANNEL).await?;
         loop {
             let since =
-                chrono::Utc::now() - chrono::Duration::seconds(KEEP_AFTER_END.as_secs() as i64);
+                crate::clock::now() - chrono::Duration::seconds(KEEP_AFTER_END.as_secs() as i64);
             self.replace(epochs::of_sales_ending_after(db, since).await?);
             backoff.reset();
             let reread = tokio::time::sleep(REREAD_EVERY);

@@ -219,10 +219,11 @@ impl Admission {
                 return Outcome::Unknown { order_id: entered };
             }
         };
-        let now = chrono::Utc::now();
+        // (Redis's clock, as this instance knows it: the window is Redis's.)
+        let now = crate::clock::now();
         let left = (window.end - now).to_std().unwrap_or_default();
-        // Pressed after the window (by this instance's clock), as at a segment of a
-        // segmented sale the draw has not rebuilt yet, which still marks its entrants.
+        // Pressed after the window, as at a segment of a segmented sale the draw has
+        // not rebuilt yet, which still marks its entrants.
         let held = now - pressed.elapsed() < window.end;
         let end = tokio::time::Instant::now() + left;
         tokio::time::sleep_until(end).await;
@@ -322,7 +323,7 @@ impl Admission {
         // instance's clock says.)
         let waits = |w: &lottery::Window| match w.segments {
             1 => matches!(refused, Outcome::Drawing),
-            _ => chrono::Utc::now() >= w.end,
+            _ => crate::clock::now() >= w.end,
         };
         let window = match self.lottery.window(&self.db, voucher_id).await {
             Ok(Some(window)) if waits(&window) => window,
@@ -639,7 +640,7 @@ impl Admission {
         Ok(match sale? {
             SaleLookup::NoVoucher => Outcome::NoVoucher,
             SaleLookup::NoSale => Outcome::NotFound,
-            SaleLookup::Sale(sale) if sale.end_time <= chrono::Utc::now() => Outcome::Ended,
+            SaleLookup::Sale(sale) if sale.end_time <= crate::clock::now() => Outcome::Ended,
             SaleLookup::Sale(_) => {
                 self.reload_in_background(voucher_id, loader::Mode::Heal);
                 Outcome::NotLoaded

@@ -1,7 +1,8 @@
 //! The Redis settings the promises rest on, checked (and, where Redis lets us, set) by
-//! every process: keys are never evicted, and with `REDIS_WAIT_REPLICAS=N` a master
-//! refuses every write of ours (before a unit is taken) while it has fewer than N
-//! replicas that acknowledged lately.
+//! every process: keys are never evicted (the admission function refuses every grab
+//! on a server whose policy may evict; `/readyz` and the term watcher say so), and with
+//! `REDIS_WAIT_REPLICAS=N` a master refuses every write of ours (before a unit is
+//! taken) while it has fewer than N replicas that acknowledged lately.
 
 use std::time::Duration;
 
@@ -11,37 +12,124 @@ use crate::keys::{Keys, Shard};
 use crate::redis_conn::RedisConn;
 use crate::scripts::Replicas;
 
-/// Refuses a Redis that may evict keys (`maxmemory-policy` other than `noeviction`):
-/// every key of ours is state a promise rests on (a sale's stock and buyers, a lease),
-/// and the `volatile-*` policies evict exactly ours, which expire. A server whose
-/// policy cannot be read (CONFIG disabled, as on some managed services) is allowed
-/// with a warning; one that does not answer is checked at the next start.
+/// What a server's memory settings mean for the promises, as its `INFO memory` says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Memory {
+    /// `maxmemory-policy noeviction`, room left: a full Redis refuses writes (grabs get
+    /// 503, nothing reserved) rather than forget a key.
+    Keeps,
+    /// A policy that may evict keys: every key of ours is state a promise rests on (a
+    /// sale's stock and buyers, the order stream, a lease; the `volatile-*` policies
+    /// evict exactly ours, which expire). The admission function refuses every grab
+    /// there (`evicting`), and any eviction is lost writes (a new term).
+    MayEvict { policy: String },
+    /// `noeviction`, and the memory used reached `maxmemory`: Redis refuses every
+    /// write (`OOM`), admissions included.
+    Full,
+    /// INFO is not allowed (some managed services rename it): the policy is the
+    /// operator's to keep `noeviction`.
+    Unknown,
+}
+
+impl Memory {
+    /// From an `INFO memory` text.
+    pub(crate) fn of_info(text: &str) -> Self {
+        let field = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+                .map(str::trim)
+        };
+        let number = |name: &str| field(name).and_then(|v| v.parse::<u64>().ok());
+        match field("maxmemory_policy") {
+            None => Memory::Unknown,
+            Some("noeviction") => {
+                // As Redis counts it before refusing a write.
+                let used = number("used_memory")
+                    .unwrap_or(0)
+                    .saturating_sub(number("mem_not_counted_for_evict").unwrap_or(0));
+                match number("maxmemory").unwrap_or(0) {
+                    max if max > 0 && used > max => Memory::Full,
+                    _ => Memory::Keeps,
+                }
+            }
+            Some(policy) => Memory::MayEvict {
+                policy: policy.to_string(),
+            },
+        }
+    }
+
+    /// Why this server cannot take promises now, in words (`None`: it can).
+    pub(crate) fn trouble(&self) -> Option<String> {
+        match self {
+            Memory::Keeps | Memory::Unknown => None,
+            Memory::MayEvict { policy } => Some(format!(
+                "redis may evict keys (maxmemory-policy {policy}): admissions refused until \
+                 it is noeviction"
+            )),
+            Memory::Full => Some(
+                "redis is out of memory (used_memory above maxmemory): it refuses writes, \
+                 admissions included"
+                    .to_string(),
+            ),
+        }
+    }
+
+    /// The label `/readyz` gives it.
+    pub(crate) fn label(&self) -> &'static str {
+        match self {
+            Memory::Keeps => "noeviction",
+            Memory::MayEvict { .. } => "may_evict",
+            Memory::Full => "full",
+            Memory::Unknown => "unknown",
+        }
+    }
+}
+
+/// The memory of the server holding `shard`'s keys.
+pub(crate) async fn memory(conn: &mut RedisConn, keys: &Keys, shard: Shard) -> RedisResult<Memory> {
+    let mut info = redis::cmd("INFO");
+    info.arg("memory");
+    match on_node_of(conn, keys.stream(shard), info).await {
+        Ok(v) => Ok(Memory::of_info(&redis::from_redis_value::<String>(v)?)),
+        Err(e)
+            if matches!(
+                e.kind(),
+                redis::ErrorKind::Server(
+                    redis::ServerErrorKind::ResponseError | redis::ServerErrorKind::NoPerm
+                )
+            ) =>
+        {
+            Ok(Memory::Unknown)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Refuses to start on a Redis that may evict keys (see [`Memory::MayEvict`]). One that
+/// does not answer is checked by the term watcher once it does: until then, and
+/// whenever its policy may evict, admissions are refused and `/readyz` says why.
 pub(crate) async fn refuse_eviction(conn: &mut RedisConn, keys: &Keys) -> anyhow::Result<()> {
     for (shard, _) in conn.servers(keys) {
-        let mut get = redis::cmd("CONFIG");
-        get.arg("GET").arg("maxmemory-policy");
-        let reply = on_node_of(conn, keys.stream(shard), get).await;
-        let policy = match reply.and_then(|v| Ok(redis::from_redis_value::<Vec<String>>(v)?)) {
-            Ok(pair) => pair.get(1).cloned().unwrap_or_default(),
-            Err(e) if e.is_io_error() || e.is_connection_refusal() => {
-                tracing::warn!(error = %e, "redis not reachable: maxmemory-policy not checked");
-                return Ok(());
-            }
+        match memory(conn, keys, shard).await {
+            Ok(Memory::MayEvict { policy }) => anyhow::bail!(
+                "redis's maxmemory-policy is {policy}: it may evict a sale's stock and \
+                 buyers, the order stream or an order-id lease, and a 202 would no longer be \
+                 a promise; set maxmemory-policy noeviction (a full Redis then refuses \
+                 writes, and grabs get 503)"
+            ),
+            Ok(Memory::Unknown) => tracing::warn!(
+                "cannot read redis's maxmemory-policy (INFO not allowed): make sure it is \
+                 noeviction (an evicted sale or lease breaks the service's promises)"
+            ),
+            Ok(_) => {}
             Err(e) => {
                 tracing::warn!(
                     error = %e,
-                    "cannot read redis's maxmemory-policy: make sure it is noeviction \
-                     (an evicted sale or lease breaks the service's promises)"
+                    "redis not reachable: its maxmemory-policy is checked once it answers"
                 );
-                continue;
+                return Ok(());
             }
-        };
-        anyhow::ensure!(
-            policy == "noeviction",
-            "redis's maxmemory-policy is {policy}: it may evict a sale's stock and buyers or \
-             an order-id lease, and a 202 would no longer be a promise; set \
-             maxmemory-policy noeviction (a full Redis then refuses writes, and grabs get 503)"
-        );
+        }
     }
     Ok(())
 }

@@ -25,7 +25,7 @@ use crate::keys::{self, Keys, SaleSegment};
 use crate::scripts::{Call, Replicas};
 
 /// How a grab ended: the one vocabulary of its answers. The admission script decides
-/// most (codes 0 to 12); the rest are decided before or around the call. Its metric
+/// most (codes 0 to 13); the rest are decided before or around the call. Its metric
 /// label ([`Outcome::LABELS`] at [`Outcome::index`]), its count for the live view
 /// ([`tally::counted`]) and, in `http`, its answer derive from it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +59,10 @@ pub enum Outcome {
     /// the other segments (see [`segments`]), or, when none has any, the sale is sold out.
     /// Never an answer to a shopper.
     Drained,
+    /// The server's `maxmemory-policy` may evict keys (any but `noeviction`): no answer
+    /// could be a promise (an evicted sale, stream or lease forgets it), so no grab is
+    /// decided there and nothing is taken, until it is `noeviction` again.
+    Evicting,
     /// A lottery's window is open: the shopper is an entrant, and this is the order they
     /// get if drawn. Never an answer to a shopper: the press is held until the draw (see
     /// [`lottery`]).
@@ -102,7 +106,7 @@ pub enum Unavailable {
 
 impl Outcome {
     /// The metric labels, in the order of [`Outcome::index`].
-    pub(crate) const LABELS: [&'static str; 16] = [
+    pub(crate) const LABELS: [&'static str; 17] = [
         "rate_limited",
         "admitted",
         "not_loaded",
@@ -119,6 +123,7 @@ impl Outcome {
         "not_ready",
         "entered",
         "drawing",
+        "evicting",
     ];
 
     /// Its place in [`Outcome::LABELS`] (counters are arrays in that order).
@@ -140,6 +145,7 @@ impl Outcome {
             Outcome::Unavailable(Unavailable::Recovering | Unavailable::IdsNotReady) => 13,
             Outcome::Entered { .. } => 14,
             Outcome::Drawing => 15,
+            Outcome::Evicting => 16,
         }
     }
 
@@ -171,6 +177,10 @@ impl Outcome {
             Outcome::Fenced => {
                 "the sale has moved to another admission server, try again shortly; nothing \
                  was reserved"
+            }
+            Outcome::Evicting => {
+                "the admission store may evict keys (its maxmemory-policy is not \
+                 noeviction), so no order can be promised; nothing was reserved"
             }
             Outcome::Unavailable(Unavailable::Recovering) => {
                 "your earlier order for this sale is being recovered; try again shortly; \
@@ -381,6 +391,7 @@ impl Outcome {
                 order_id: order_id?,
             },
             12 => Outcome::Drawing,
+            13 => Outcome::Evicting,
             _ => return None,
         })
     }

@@ -14,11 +14,12 @@
 //!   found the number taken) or stopped minting.
 //!
 //! A restarted instance only gets a number after the lease of its previous holder
-//! expired, i.e. after every id that holder minted lies in the past.
+//! expired, i.e. after every id that holder minted lies in the past: by Redis's clock,
+//! which every process mints by ([`crate::clock`]), not by its own.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::LazyLock;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use redis::aio::ConnectionLike;
 use tokio::time::Instant;
@@ -121,11 +122,10 @@ impl OrderIds {
     }
 }
 
+/// Redis's clock, as this process knows it (see [`crate::clock`]): two processes that
+/// hold one node number in turn mint by the same clock, whatever their own say.
 fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_millis() as u64
+    crate::clock::now_ms().max(0) as u64
 }
 
 /// The admission time encoded in an order id.
@@ -193,6 +193,8 @@ impl NodeLease {
         replicas: Replicas,
         claims: &Claims,
     ) -> anyhow::Result<Claimed> {
+        // Ids carry the minting time by Redis's clock: heard before the first is minted.
+        crate::clock::sync(conn).await?;
         let start: u64 = match *claims.unsettled() {
             Some(node) => node as u64,
             None => rand::random::<u64>() % NODES as u64,

@@ -88,9 +88,9 @@ pub enum Answer {
 /// not in Redis (perhaps no sale at all: not worth a key).
 pub fn answer(answer: &redis::RedisResult<Outcome>, minted: OrderId) -> Option<Answer> {
     match answer {
-        Ok(Outcome::Stale | Outcome::Corrupt | Outcome::Held | Outcome::Fenced) => {
-            Some(Answer::Refused)
-        }
+        Ok(
+            Outcome::Stale | Outcome::Corrupt | Outcome::Held | Outcome::Fenced | Outcome::Evicting,
+        ) => Some(Answer::Refused),
         // The script ran twice for this grab (a re-sent call): still its admission.
         Ok(Outcome::AlreadyOrdered { order_id }) if *order_id == minted => {
             Some(Answer::Decided(Outcome::Admitted { order_id: minted }))

@@ -17,13 +17,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::Utc;
 use sqlx::PgPool;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::keepers;
 use super::loader::{self, Mode};
+use super::{guard, keepers};
 use crate::domain::VoucherId;
 use crate::keys::{Keys, SaleSegment, Shard};
 use crate::redis_conn::RedisConn;
@@ -77,9 +76,30 @@ struct Seen {
     unsettled: bool,
     /// This look read some server's term (this instance reaches Redis: it beats).
     reached: bool,
+    /// Each server's memory settings, as last read (see [`guard::Memory`]).
+    memory: HashMap<Shard, guard::Memory>,
 }
 
 impl Seen {
+    /// A server's memory as a look read it: a change is logged, and the gauges say
+    /// whether any server may evict keys or is full.
+    fn note_memory(&mut self, server: Shard, memory: guard::Memory) {
+        if self.memory.get(&server) != Some(&memory) {
+            match memory.trouble() {
+                Some(why) => tracing::error!(server = server.0, "{why}"),
+                None if self.memory.contains_key(&server) => {
+                    tracing::info!(server = server.0, "redis keeps every key again: admitting")
+                }
+                None => {}
+            }
+            self.memory.insert(server, memory);
+        }
+        let any = |m: fn(&guard::Memory) -> bool| self.memory.values().any(m) as u8 as f64;
+        metrics::gauge!(crate::metrics::REDIS_MAY_EVICT)
+            .set(any(|m| matches!(m, guard::Memory::MayEvict { .. })));
+        metrics::gauge!(crate::metrics::REDIS_MEMORY_FULL).set(any(|m| *m == guard::Memory::Full));
+    }
+
     /// Terms remembered with their identity, at most (older ones are forgotten first
     /// when there are more; a server's current term is always kept).
     const IDENTITIES: usize = 256;
@@ -283,8 +303,15 @@ async fn read_term(
         crate::scripts::install_library(conn, Some(&marker.as_bytes().to_vec())).await?;
     }
     let streams: Vec<&str> = shards.iter().map(|s| w.keys.stream(*s)).collect();
-    let (term, now) = term_and_identity(conn, &marker, &streams).await?;
+    let read::Look {
+        term,
+        identity: now,
+        memory,
+    } = term_and_identity(conn, &marker, &streams).await?;
     seen.reached = true;
+    if let Some(memory) = memory {
+        seen.note_memory(asked, memory);
+    }
     // A restart or a promotion draws a term by itself, and so does a server whose data
     // another life wrote (the term marker); a term that outlived a change of identity
     // all the same (a replica promoted again after a partial resync keeps its Lua state)
@@ -401,8 +428,8 @@ async fn keep_promises(w: &Watch, conn: &mut RedisConn, shards: &[Shard]) -> any
 /// another term) or missing while the sale is open; returns the sales rebuilt. An ended
 /// sale whose state is gone stays so (admission answers `ended` from Postgres).
 async fn heal(w: &Watch, shards: &[Shard]) -> anyhow::Result<Vec<VoucherId>> {
-    let since = Utc::now() - chrono::Duration::from_std(w.retention)?;
-    let now = Utc::now();
+    let now = crate::clock::now();
+    let since = now - chrono::Duration::from_std(w.retention)?;
     let mut conn = w.redis.clone();
     let mut rebuilt = Vec::new();
     let mut first: Option<anyhow::Error> = None;

@@ -125,10 +125,13 @@ impl Expected {
 
     /// jsonwebtoken's rules for `alg`: those of the HS256 fast path (`exp` required,
     /// 5 s leeway, `nbf` and an unexpected `aud` not checked) plus `iss`/`aud`, which
-    /// must then be present.
+    /// must then be present. `exp` is judged after it, by [`expired`].
     pub(super) fn validation(&self, alg: Algorithm) -> Validation {
         let mut validation = Validation::new(alg);
         validation.leeway = LEEWAY_SECS;
+        // (`exp` is still required; whether it passed is judged by the one clock,
+        // `expired`, not by jsonwebtoken's reading of this machine's.)
+        validation.validate_exp = false;
         validation.validate_aud = false;
         if let Some(issuer) = &self.issuer {
             validation.set_issuer(&[issuer]);

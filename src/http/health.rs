@@ -1,4 +1,5 @@
-//! `GET /healthz` (the process runs), `GET /readyz` (Redis and Postgres answer) and
+//! `GET /healthz` (the process runs), `GET /readyz` (Redis and Postgres answer, and
+//! Redis keeps every key: `maxmemory-policy noeviction`, room left) and
 //! `GET /metrics` (Prometheus text).
 
 use std::time::Duration;
@@ -10,6 +11,7 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
+use crate::admission::guard::{self, Memory};
 use crate::http::error::AppError;
 use crate::http::state::AppState;
 
@@ -21,38 +23,39 @@ pub(crate) async fn healthz() -> Json<Value> {
 
 #[utoipa::path(get, path = "/readyz", operation_id = "readyz", tag = "operations",
     responses(
-        (status = 200, description = "Redis and Postgres answer (and the schema is this release's)", body = Object,
-            example = json!({"status": "ready", "checks": {"redis": "up", "postgres": "up", "migrations": "applied"}})),
-        (status = 503, description = "a dependency is down, or the migrations wait for Postgres; `checks` names it. \
-            The process serves meanwhile what it can: grabs of sales Redis holds while Postgres is away", body = Object,
-            example = json!({"status": "not_ready", "checks": {"redis": "up", "postgres": "down", "migrations": "pending"},
+        (status = 200, description = "Redis and Postgres answer (and the schema is this release's); Redis keeps every \
+            key (`redis_memory`: `noeviction`, or `unknown` where INFO is not allowed)", body = Object,
+            example = json!({"status": "ready", "checks": {"redis": "up", "postgres": "up", "migrations": "applied", "redis_memory": "noeviction"}})),
+        (status = 503, description = "a dependency is down, the migrations wait for Postgres, or Redis may evict keys \
+            (`redis_memory`: `may_evict`, admissions refused) or is out of memory (`full`, writes refused); `checks` \
+            names it and the message says why. The process serves meanwhile what it can: grabs of sales Redis holds \
+            while Postgres is away", body = Object,
+            example = json!({"status": "not_ready", "checks": {"redis": "up", "postgres": "down", "migrations": "pending", "redis_memory": "noeviction"},
                 "error": {"code": "unavailable", "message": "not ready: postgres down, migrations pending"}})),
     ))]
 pub(crate) async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<Value>) {
     let timeout = Duration::from_secs(2);
-    let mut conn = state.redis.clone();
-    let redis = async {
-        redis::cmd("PING")
-            .query_async::<String>(&mut conn)
-            .await
-            .is_ok()
-    };
     let postgres = async { sqlx::query("SELECT 1").execute(&state.db).await.is_ok() };
     let (redis, postgres) = tokio::join!(
-        tokio::time::timeout(timeout, redis),
+        tokio::time::timeout(timeout, redis_memory(&state)),
         tokio::time::timeout(timeout, postgres)
     );
-    let up = |r: Result<bool, _>| if r == Ok(true) { "up" } else { "down" };
-    let (redis, postgres) = (up(redis), up(postgres));
+    let memory = redis.ok().flatten();
+    let redis = if memory.is_some() { "up" } else { "down" };
+    let postgres = if postgres == Ok(true) { "up" } else { "down" };
     let migrations = match state.migrated.is_cancelled() {
         true => "applied",
         false => "pending",
     };
-    let checks = json!({"redis": redis, "postgres": postgres, "migrations": migrations});
+    let mut checks = json!({"redis": redis, "postgres": postgres, "migrations": migrations});
+    if let Some(memory) = &memory {
+        checks["redis_memory"] = memory.label().into();
+    }
     let down: Vec<String> = [("redis", redis), ("postgres", postgres)]
         .into_iter()
         .filter(|(_, s)| *s == "down")
         .map(|(name, _)| format!("{name} down"))
+        .chain(memory.as_ref().and_then(|m| m.trouble()))
         .chain((migrations == "pending").then(|| "migrations pending".to_string()))
         .collect();
     if down.is_empty() {
@@ -71,6 +74,20 @@ pub(crate) async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<V
             })),
         )
     }
+}
+
+/// The memory of every Redis server the instance uses, the worst first (a server in
+/// trouble names it); `None`: some server does not answer.
+async fn redis_memory(state: &AppState) -> Option<Memory> {
+    let mut conn = state.redis.clone();
+    let mut worst = Memory::Keeps;
+    for (shard, _) in state.redis.servers(&state.keys) {
+        let memory = guard::memory(&mut conn, &state.keys, shard).await.ok()?;
+        if memory.trouble().is_some() || worst == Memory::Keeps {
+            worst = memory;
+        }
+    }
+    Some(worst)
 }
 
 #[utoipa::path(get, path = "/metrics", operation_id = "metrics", tag = "operations", security(("bearer" = [])),

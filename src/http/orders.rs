@@ -30,7 +30,7 @@ pub(crate) use shapes::{Checkout, ManualPayment, OrderResponse, PaymentView, Red
 /// Sales whose Redis state may still hold buyer records (not ended longer ago than the
 /// retention).
 async fn recent_sales(state: &AppState) -> AppResult<Vec<(VoucherId, u8)>> {
-    let since = chrono::Utc::now()
+    let since = crate::clock::now()
         - chrono::Duration::from_std(state.settings.sale_state_retention).unwrap_or_default();
     Ok(crate::store::vouchers::sales_ending_after(&state.db, since)
         .await?

@@ -165,6 +165,7 @@ mod tests {
             Outcome::Unavailable(Unavailable::Recovering),
             Outcome::Entered { order_id: id },
             Outcome::Drawing,
+            Outcome::Evicting,
         ];
         let labels: Vec<&str> = all.iter().map(|o| Outcome::LABELS[o.index()]).collect();
         assert_eq!(labels, Outcome::LABELS);

@@ -346,7 +346,7 @@ pub(crate) async fn create(
     _admin: Admin,
     AppJson(body): AppJson<CreateVoucher>,
 ) -> AppResult<(StatusCode, Json<VoucherResponse>)> {
-    let new = body.validate(Utc::now())?;
+    let new = body.validate(crate::clock::now())?;
     let row = vouchers::insert(&state.db, &new).await?;
     let mut live = None;
     if let Some(sale) = &new.seckill {

@@ -13,24 +13,21 @@ use super::entry::{parse_entries, parse_id, parse_raw, parse_read_reply, unexpec
 
 pub const GROUP: &str = "seckill-workers";
 
-/// Creates the consumer group (and the stream) if missing; BUSYGROUP is fine.
+/// Creates the consumer group (and the stream) if missing, through the library
+/// (`seckill_group`): a stream of ours that vanished is noticed as lost writes (a new
+/// term, see `admission::term`) before it is made anew, empty.
 pub(crate) async fn ensure_group<C: ConnectionLike + Send>(
     conn: &mut C,
     keys: &Keys,
     shard: Shard,
 ) -> RedisResult<()> {
-    let created: RedisResult<()> = redis::cmd("XGROUP")
-        .arg("CREATE")
-        .arg(keys.stream(shard))
+    crate::scripts::Call::function("seckill_group")
+        .key(keys.stream(shard))
+        .key(keys.term_marker(shard))
         .arg(GROUP)
-        .arg("0")
-        .arg("MKSTREAM")
-        .query_async(conn)
-        .await;
-    match created {
-        Err(e) if e.code() == Some("BUSYGROUP") => Ok(()),
-        other => other,
-    }
+        .invoke::<i64, _>(conn)
+        .await
+        .map(drop)
 }
 
 /// Where a read starts.

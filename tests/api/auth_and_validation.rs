@@ -247,7 +247,7 @@ async fn health_and_readiness_answer(db: PgPool) {
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(
         body["checks"],
-        json!({"redis": "up", "postgres": "up", "migrations": "applied"})
+        json!({"redis": "up", "postgres": "up", "migrations": "applied", "redis_memory": "noeviction"})
     );
 }
 

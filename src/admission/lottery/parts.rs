@@ -23,7 +23,6 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use chrono::Utc;
 use futures_util::future::BoxFuture;
 use sqlx::PgPool;
 
@@ -118,7 +117,7 @@ async fn draw_and_record(
         seed,
         entrants,
         winners,
-        drawn_at: Utc::now(),
+        drawn_at: crate::clock::now(),
     };
     let orders = draw
         .winners
@@ -256,7 +255,7 @@ mod tests {
             id: OrderId::new(id).unwrap(),
             user_id: UserId::new(id).unwrap(),
             voucher_id: VoucherId::new(1).unwrap(),
-            admitted_at: Utc::now(),
+            admitted_at: chrono::Utc::now(),
             segment,
             segments: 3,
             epoch: None,

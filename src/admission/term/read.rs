@@ -90,11 +90,20 @@ pub(super) struct Identity {
     replid: String,
 }
 
+/// What one look read of a server: its term, its identity, and its memory (`None`:
+/// INFO not allowed, or the call failed there).
+pub(super) struct Look {
+    pub term: Term,
+    pub identity: Option<Identity>,
+    pub memory: Option<crate::admission::guard::Memory>,
+}
+
 /// The term of the server holding `marker` (with where the workers are done in
-/// `streams`, all on that server), and that server's identity, from one round trip on
-/// one connection. An INFO sent alone may describe ANOTHER server: while
-/// the connection to a slot's master is down (a failover), the cluster client sends a
-/// command routed to that master to a random node instead, and an identity recorded
+/// `streams`, all on that server), that server's identity and its memory settings,
+/// and its clock (for [`crate::clock`]), from one round trip on one connection. An
+/// INFO sent alone may describe ANOTHER server: while the connection to a slot's master
+/// is down (a failover), the cluster client sends a command routed to that master to a
+/// random node instead, and an identity recorded
 /// from there makes the next look see a "change" under the same term (a needless new
 /// term: every sale on the server rebuilt twice). Behind the term's call, which only
 /// the slot's master runs (any other node redirects it, and the client then sends both
@@ -106,7 +115,7 @@ pub(super) async fn term_and_identity(
     conn: &mut RedisConn,
     marker: &str,
     streams: &[&str],
-) -> RedisResult<(Term, Option<Identity>)> {
+) -> RedisResult<Look> {
     let mut pipe = redis::pipe();
     pipe.cmd("FCALL")
         .arg("seckill_term")
@@ -116,30 +125,50 @@ pub(super) async fn term_and_identity(
         .arg(crate::stream::GROUP)
         .cmd("INFO")
         .arg("server")
-        .arg("replication");
+        .arg("replication")
+        .arg("memory")
+        .cmd("TIME");
+    let sent = std::time::Instant::now();
     let replies: Vec<Value> = match &mut *conn {
         RedisConn::Cluster(c) => {
             use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
             let route = Route::new(crate::keys::slot(marker), SlotAddr::Master);
-            c.route_pipeline(pipe, 0, 2, SingleNodeRoutingInfo::SpecificNode(route))
+            c.route_pipeline(pipe, 0, 3, SingleNodeRoutingInfo::SpecificNode(route))
                 .await?
         }
         other => pipe.ignore_errors().query_async(other).await?,
     };
+    if let Some(Ok(time)) = replies
+        .get(2)
+        .map(redis::from_redis_value_ref::<(i64, i64)>)
+    {
+        // The one clock every process decides by (see `clock`).
+        crate::clock::heard(sent, std::time::Instant::now(), crate::clock::of_time(time));
+    }
     let mut replies = replies.into_iter();
+    let alone = |term| Look {
+        term,
+        identity: None,
+        memory: None,
+    };
     let (Some(term), Some(info)) = (replies.next(), replies.next()) else {
-        return Ok((of(conn, marker).await?, None));
+        return Ok(alone(of(conn, marker).await?));
     };
     let Ok(term) = term.extract_error() else {
-        return Ok((of(conn, marker).await?, None));
+        return Ok(alone(of(conn, marker).await?));
     };
     let term = Term::parse(term)?;
-    let identity = info
+    let text = info
         .extract_error()
         .ok()
-        .and_then(|v| redis::from_redis_value::<String>(v).ok())
-        .and_then(|text| identity_in(&text));
-    Ok((term, identity))
+        .and_then(|v| redis::from_redis_value::<String>(v).ok());
+    Ok(Look {
+        term,
+        identity: text.as_deref().and_then(identity_in),
+        memory: text
+            .as_deref()
+            .map(crate::admission::guard::Memory::of_info),
+    })
 }
 
 /// A master's identity in its `INFO server replication` text.

@@ -160,6 +160,27 @@ impl PrivateRedis {
         Self::start_persisting(&["--appendonly", "no"])
     }
 
+    /// A server without persistence on `port` (one a process was told of before it
+    /// listened: Redis down at that process's start), with settings of its own.
+    pub fn start_on(port: u16, settings: &[&str]) -> Self {
+        let dir = std::env::temp_dir().join(format!("seckill-redis-{port}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let url = format!("redis://127.0.0.1:{port}");
+        let persistence: Vec<String> = ["--appendonly", "no"]
+            .iter()
+            .chain(settings)
+            .map(|s| s.to_string())
+            .collect();
+        let child = Self::run(port, &dir, &url, &persistence);
+        Self {
+            child,
+            url,
+            port,
+            dir,
+            persistence,
+        }
+    }
+
     /// A server with an append-only file synced as `appendfsync` says (`everysec`,
     /// `always`).
     pub fn with_aof(appendfsync: &str) -> Self {
@@ -202,11 +223,13 @@ impl PrivateRedis {
 
     /// One command on a fresh connection (it works across a restart).
     pub fn command<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> T {
-        let mut conn = redis::Client::open(self.url.as_str())
-            .unwrap()
-            .get_connection()
-            .unwrap();
-        cmd.query(&mut conn).unwrap()
+        self.try_command(cmd).unwrap()
+    }
+
+    /// One command on a fresh connection, its error returned.
+    pub fn try_command<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> redis::RedisResult<T> {
+        let mut conn = redis::Client::open(self.url.as_str())?.get_connection()?;
+        cmd.query(&mut conn)
     }
 
     pub fn flushall(&self) {
@@ -357,6 +380,19 @@ impl Drop for Process {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Waits until `base` answers `/healthz` (it listens; ready or not).
+pub async fn wait_listening(base: &str) {
+    let http = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        if http.get(format!("{base}/healthz")).send().await.is_ok() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{base} never listened");
 }
 
 /// Waits until `GET {base}/readyz` answers 200.

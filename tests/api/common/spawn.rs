@@ -114,6 +114,18 @@ impl TestApp {
         subcommand: &str,
         env: &[(&str, String)],
     ) -> (faults::Process, String) {
+        let (process, base) = self.spawn_server_unready(subcommand, env).await;
+        faults::wait_ready(&base).await;
+        (process, base)
+    }
+
+    /// [`TestApp::spawn_server`], waiting only until it listens (`/healthz`), ready or
+    /// not (a dependency down at its start, say).
+    pub async fn spawn_server_unready(
+        &self,
+        subcommand: &str,
+        env: &[(&str, String)],
+    ) -> (faults::Process, String) {
         let port = faults::free_port();
         let mut env = env.to_vec();
         env.push(("BIND", format!("127.0.0.1:{port}")));
@@ -128,7 +140,7 @@ impl TestApp {
             &env,
         );
         let base = format!("http://127.0.0.1:{port}");
-        faults::wait_ready(&base).await;
+        faults::wait_listening(&base).await;
         (process, base)
     }
 }

@@ -93,6 +93,9 @@ pub struct Evidence {
     /// Per open sale, seconds from the last heal to its first definite answer.
     pub admit_again: Vec<(i64, Option<f64>)>,
     pub admit_bound_secs: f64,
+    /// When the primary's policy could evict keys: from the switch to the switch back,
+    /// on the history's axis.
+    pub evicting: Vec<(f64, f64)>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -163,9 +166,40 @@ pub fn check(e: &Evidence) -> Verdict {
     check_phantoms(e, &mut v);
     check_closes(e, &mut v);
     check_lotteries(e, &mut v);
+    check_evicting(e, &mut v);
     check_internal(e, &mut v);
     check_ending(e, &mut v);
     v
+}
+
+/// How long after a switch to an evicting policy a grab may still be decided: the
+/// admission function looks at its server's policy every 100 ms.
+pub const EVICTING_NOTICED_MS: f64 = 200.0;
+
+/// No 202 for a grab sent while the primary could evict keys (once the admission
+/// function had looked) and answered before it stopped: no answer there is a promise.
+fn check_evicting(e: &Evidence, v: &mut Verdict) {
+    for &(from, to) in &e.evicting {
+        for r in e.history.iter().filter(|r| r.is_202()) {
+            let answered = r.recv_ms.unwrap_or(f64::INFINITY);
+            if r.sent_ms >= from + EVICTING_NOTICED_MS && answered <= to {
+                v.violate(
+                    "202 while redis may evict",
+                    r.recv_ms,
+                    format!(
+                        "user {} on voucher {} got 202 (order {:?}) at {:.1} s by api {}, while the primary could evict keys ({:.1} s to {:.1} s)",
+                        r.user,
+                        r.voucher,
+                        r.order_id,
+                        answered / 1000.0,
+                        r.api,
+                        from / 1000.0,
+                        to / 1000.0
+                    ),
+                );
+            }
+        }
+    }
 }
 
 /// A dead letter's reason without its particulars (`poison: ...` is `poison`).

@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use super::history::Recorder;
 use super::proxy::{Owner, Target};
 use super::schedule::{Fault, From, Planned, To, Who};
-use super::topology::signal;
+use super::topology::{self, signal};
 use super::world::World;
 
 /// What a fault task needs.
@@ -141,6 +141,7 @@ async fn run(ctx: Ctx, p: Planned) {
         Fault::RestartPostgres { immediate, down_ms } => {
             restart_postgres(&ctx, &p.fault, immediate, down_ms).await
         }
+        Fault::Evict { ms } => evict(&ctx, &p.fault, ms).await,
     }
     // The deployment settles before the next change: Sentinel may still be acting on
     // this one (a primary paused past its down-after, a partition just healed).
@@ -421,4 +422,103 @@ async fn restart_postgres(ctx: &Ctx, fault: &Fault, immediate: bool, down_ms: u6
         .await
         .unwrap_or(false);
     ctx.healed(n, format!("postgres started again: {started}"));
+}
+
+/// The filler's keys (not the service's), 10 KB each, written 10 a batch.
+const FILLER: &str = "nemesis-filler:";
+const FILLER_BATCHES: usize = 300;
+
+/// The primary made to evict: `allkeys-lru` with `maxmemory` 1 MB above what it holds,
+/// then filled until it evicted keys (ours among them, maybe); back to `noeviction`,
+/// without the filler, after `ms`. The struck time is when the policy was set.
+async fn evict(ctx: &Ctx, fault: &Fault, ms: u64) {
+    let redis = &ctx.world.redis;
+    let Some(m) = redis.master().await else {
+        return ctx.note("evicting policy: skipped, no primary named".into());
+    };
+    let port = redis.nodes[m as usize].port;
+    let info = |section: &'static str, field: &'static str| async move {
+        let text: String = topology::query(port, redis::cmd("INFO").arg(section)).await?;
+        text.lines()
+            .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .ok_or_else(|| format!("INFO {section} has no {field}"))
+    };
+    let (Ok(used), Ok(evicted_before)) = (
+        info("memory", "used_memory").await,
+        info("stats", "evicted_keys").await,
+    ) else {
+        return ctx.note(format!(
+            "evicting policy: skipped, redis {m} does not answer"
+        ));
+    };
+    let set = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("allkeys-lru")
+        .arg("maxmemory")
+        .arg(used + 1_000_000)
+        .clone();
+    if let Err(e) = topology::query::<()>(port, &set).await {
+        return ctx.note(format!(
+            "evicting policy: CONFIG SET on redis {m} failed ({e}); skipped"
+        ));
+    }
+    let n = ctx.struck(
+        fault,
+        format!(
+            "redis {m} (the primary) switched to allkeys-lru, maxmemory {} MB, for {:.1} s",
+            (used + 1_000_000) / 1_000_000,
+            ms as f64 / 1000.0
+        ),
+    );
+    let value = "x".repeat(10_000);
+    let (mut written, mut refused) = (0, None);
+    for batch in 0..FILLER_BATCHES {
+        let mut mset = redis::cmd("MSET");
+        for i in 0..10 {
+            mset.arg(format!("{FILLER}{batch}:{i}")).arg(&value);
+        }
+        if let Err(e) = topology::query::<()>(port, &mset).await {
+            refused = Some(e);
+            break;
+        }
+        written += 10;
+        if info("stats", "evicted_keys").await.unwrap_or(0) > evicted_before + 50 {
+            break;
+        }
+    }
+    let evicted = info("stats", "evicted_keys")
+        .await
+        .unwrap_or(evicted_before)
+        - evicted_before;
+    ctx.note(format!(
+        "evicting policy: {written} filler keys written ({}), {evicted} keys evicted on redis {m}",
+        refused.map_or("then enough".to_string(), |e| format!("then refused: {e}"))
+    ));
+    ctx.hold(ms).await;
+    let back = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("noeviction")
+        .arg("maxmemory")
+        .arg(0)
+        .clone();
+    // Healed as the policy is asked back (a grab decided before that was decided under
+    // the evicting one); the filler goes after (its deletes evict nothing).
+    let asked = ctx.now();
+    let reset = topology::query::<()>(port, &back).await;
+    (ctx.world.log).healed(
+        n,
+        asked,
+        format!("redis {m} back to noeviction ({reset:?})"),
+    );
+    let mut deleted = 0;
+    for batch in 0..FILLER_BATCHES {
+        let keys: Vec<String> = (0..10).map(|i| format!("{FILLER}{batch}:{i}")).collect();
+        deleted += topology::query::<u64>(port, redis::cmd("DEL").arg(&keys))
+            .await
+            .unwrap_or(0);
+    }
+    ctx.note(format!("evicting policy: {deleted} filler keys deleted"));
 }

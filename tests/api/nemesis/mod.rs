@@ -226,6 +226,7 @@ async fn gather(
         reconcile_exit: None,
         admit_again,
         admit_bound_secs: ADMIT_BOUND_SECS,
+        evicting: evicting_windows(world, recorder),
     };
     let reconcile = observe::reconcile(world).await;
     db.close().await;
@@ -237,6 +238,22 @@ async fn gather(
         reconcile,
         redis_state,
     )
+}
+
+/// When the primary could evict keys, as the eviction faults ran (one still running
+/// when the campaign ended lasts until now).
+fn evicting_windows(world: &World, recorder: &Recorder) -> Vec<(f64, f64)> {
+    let now = recorder.now_ms();
+    let evicting = schedule::Fault::Evict { ms: 0 }.kind();
+    world
+        .log
+        .executed
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|x| x.kind == evicting)
+        .map(|x| (x.start_ms, x.healed_ms.unwrap_or(now)))
+        .collect()
 }
 
 /// Writes what a reader of a failed run needs into its directory.
@@ -296,6 +313,7 @@ async fn short(seed: u64, secs: u64) {
         "failover",
         "snapshot",
         "postgres",
+        "may evict",
     ];
     let planned = planning(seed, secs, &kinds);
     assert!(

@@ -100,6 +100,10 @@ pub enum Fault {
     Rollback { snapshot_age_ms: u64 },
     /// Postgres stopped (`-m immediate`, else `fast`) and started after `down_ms`.
     RestartPostgres { immediate: bool, down_ms: u64 },
+    /// The primary switched to `maxmemory-policy allkeys-lru` with `maxmemory` just
+    /// above what it holds, and filled until it evicts keys; back to `noeviction` (the
+    /// filler deleted) after `ms`.
+    Evict { ms: u64 },
 }
 
 /// Faults that must not overlap: two at once in one group could leave the deployment
@@ -110,6 +114,9 @@ enum Group {
     Topology,
     Sentinels,
     Postgres,
+    /// The primary's memory settings (it waits its turn among the changes of the
+    /// deployment when it runs: see [`Fault::touches_topology`]).
+    Memory,
 }
 
 impl Fault {
@@ -127,6 +134,7 @@ impl Fault {
             Fault::FailoverFailback { back_after_ms, .. } => (0, back_after_ms + 6_000),
             Fault::Rollback { snapshot_age_ms } => (snapshot_age_ms, 5_000),
             Fault::RestartPostgres { down_ms, .. } => (0, down_ms + 2_000),
+            Fault::Evict { ms } => (0, ms + 3_000),
         }
     }
 
@@ -147,6 +155,7 @@ impl Fault {
             Fault::Partition { .. } | Fault::FailoverFailback { .. } | Fault::Rollback { .. } => {
                 vec![Group::Topology]
             }
+            Fault::Evict { .. } => vec![Group::Memory],
             Fault::RestartPostgres { .. } => vec![Group::Postgres],
         }
     }
@@ -154,7 +163,9 @@ impl Fault {
     /// Whether it changes the Redis deployment itself (nodes, replication, who is
     /// primary): such faults run one at a time, also when one takes longer than planned.
     pub fn touches_topology(&self) -> bool {
-        self.groups().contains(&Group::Topology)
+        self.groups()
+            .iter()
+            .any(|g| matches!(g, Group::Topology | Group::Memory))
     }
 
     /// Its kind, as the figures count faults.
@@ -174,6 +185,7 @@ impl Fault {
             Fault::FailoverFailback { .. } => "failover and failback".into(),
             Fault::Rollback { .. } => "primary restarted from an older snapshot".into(),
             Fault::RestartPostgres { .. } => "postgres restarted".into(),
+            Fault::Evict { .. } => "primary may evict keys".into(),
         }
     }
 }
@@ -276,6 +288,11 @@ impl fmt::Display for Fault {
                 "stop postgres (-m {}), start after {:.1} s",
                 if *immediate { "immediate" } else { "fast" },
                 s(down_ms)
+            ),
+            Fault::Evict { ms } => write!(
+                f,
+                "switch the primary to maxmemory-policy allkeys-lru and fill it until it evicts, noeviction again after {:.1} s",
+                s(ms)
             ),
         }
     }
@@ -382,8 +399,46 @@ fn draw(rng: &mut Rng) -> Fault {
 }
 
 /// The schedule: a new fault every 1-2.5 s from `warmup_ms` until `duration_ms`, each
-/// drawn until one fits beside the faults still running.
+/// drawn until one fits beside the faults still running; then the faults added since
+/// the schedule was first written, where they fit (so a seed's older faults still
+/// strike as they did).
 pub fn plan(seed: u64, warmup_ms: u64, duration_ms: u64) -> Vec<Planned> {
+    let mut planned = plan_drawn(seed, warmup_ms, duration_ms);
+    add_evictions(seed, warmup_ms, duration_ms, &mut planned);
+    planned
+}
+
+/// One eviction fault in every 25 s of the run, at a time its group is free and a
+/// second away from any other fault.
+fn add_evictions(seed: u64, warmup_ms: u64, duration_ms: u64, planned: &mut Vec<Planned>) {
+    let mut rng = Rng::new(seed ^ 0x6576_6963_7469_6f6e);
+    let mut window = warmup_ms;
+    while window < duration_ms {
+        let end = (window + 25_000).min(duration_ms);
+        for _ in 0..30 {
+            let fault = Fault::Evict {
+                ms: rng.range(1_000, 4_000),
+            };
+            let at_ms = rng.range(window, end - 1);
+            let after = fault.span().1;
+            let fits = |p: &Planned| {
+                let shared = p.fault.groups().iter().any(|g| fault.groups().contains(g));
+                p.at_ms.abs_diff(at_ms) >= 1_000
+                    && (!shared
+                        || at_ms >= p.at_ms + p.fault.span().1
+                        || p.begins_ms() >= at_ms + after)
+            };
+            if planned.iter().all(fits) {
+                planned.push(Planned { at_ms, fault });
+                break;
+            }
+        }
+        window = end;
+    }
+    planned.sort_by_key(|p| p.at_ms);
+}
+
+fn plan_drawn(seed: u64, warmup_ms: u64, duration_ms: u64) -> Vec<Planned> {
     let mut rng = Rng::new(seed);
     let mut busy: HashMap<Group, u64> = HashMap::new();
     let mut planned = Vec::new();

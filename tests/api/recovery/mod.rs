@@ -21,6 +21,7 @@ use sqlx::{Connection, PgPool};
 
 mod backlog;
 pub(crate) mod durability;
+mod eviction;
 mod restore;
 pub(crate) mod rollback;
 mod sale_faults;

@@ -164,8 +164,9 @@ async fn a_batch_whose_entries_redis_lost_is_not_written(db: PgPool) {
     admit(&app, voucher, 1..=3).await;
     let (worker, shard, held) = read_new(&app, voucher, "worker-held").await;
     assert_eq!(held.len(), 3);
-    // Redis loses its data while the batch is held (say, Postgres was down); the sale
-    // is reloaded from Postgres, which does not know these orders.
+    // Redis loses its data while the batch is held (say, Postgres was down): a new
+    // term, noticed here by the worker's next call, and the sale is reloaded from
+    // Postgres, which does not know these orders.
     let _: () = app
         .redis_cmd(
             redis::cmd("DEL")
@@ -173,6 +174,7 @@ async fn a_batch_whose_entries_redis_lost_is_not_written(db: PgPool) {
                 .arg(app.keys.voucher(vid(voucher))),
         )
         .await;
+    worker.ensure_groups().await.unwrap();
     seckill::admission::loader::load_sale(
         &app.db,
         &mut app.redis.clone(),
@@ -186,7 +188,6 @@ async fn a_batch_whose_entries_redis_lost_is_not_written(db: PgPool) {
     .unwrap();
     assert_eq!(redis_sale(&app, voucher, 1).await.0, Some(10));
     // Writing the batch now would leave Redis selling 10 units Postgres has 7 of.
-    worker.ensure_groups().await.unwrap();
     let report = worker.process_batch(shard, &held).await.unwrap();
     assert_eq!((report.inserted, report.vanished), (0, 3), "{report:?}");
     assert!(stored_ids(&app, voucher).await.is_empty());

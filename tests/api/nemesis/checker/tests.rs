@@ -77,6 +77,7 @@ fn clean() -> Evidence {
         reconcile_exit: Some(0),
         admit_again: vec![(7, Some(1.5))],
         admit_bound_secs: 30.0,
+        evicting: vec![],
     }
 }
 
@@ -410,4 +411,27 @@ fn a_lottery_that_admits_in_its_window_draws_unverifiably_or_wrongs_a_winner_is_
     e.history
         .push(grab(5, 8, 1_500.0, Some(409), Some("sold_out")));
     assert!(checks(&check(&e)).contains(&"a lottery never drawn"));
+}
+
+#[test]
+fn a_202_for_a_grab_sent_while_the_primary_could_evict_is_caught_and_one_before_it_is_not() {
+    let mut e = clean();
+    // The first 202 (sent at 95 ms) came before the switch at 90 ms had been looked
+    // at; the second (sent at 295 ms) well after it, answered before the switch back.
+    e.evicting = vec![(90.0, 400.0)];
+    let v = check(&e);
+    assert_eq!(
+        checks(&v),
+        ["202 while redis may evict"],
+        "{:?}",
+        v.violations
+    );
+    assert!(
+        v.violations[0].detail.contains("user 2"),
+        "{:?}",
+        v.violations
+    );
+    // Switched back before it was answered: no violation.
+    e.evicting = vec![(90.0, 250.0)];
+    assert!(check(&e).violations.is_empty());
 }
