@@ -163,14 +163,28 @@ impl PrivateRedis {
     /// A server without persistence on `port` (one a process was told of before it
     /// listened: Redis down at that process's start), with settings of its own.
     pub fn start_on(port: u16, settings: &[&str]) -> Self {
+        let settings: Vec<&str> = ["--appendonly", "no"]
+            .into_iter()
+            .chain(settings.iter().copied())
+            .collect();
+        Self::launch(port, &settings)
+    }
+
+    /// A server with an append-only file synced as `appendfsync` says (`everysec`,
+    /// `always`).
+    pub fn with_aof(appendfsync: &str) -> Self {
+        Self::start_persisting(&["--appendonly", "yes", "--appendfsync", appendfsync])
+    }
+
+    fn start_persisting(persistence: &[&str]) -> Self {
+        Self::launch(free_port(), persistence)
+    }
+
+    fn launch(port: u16, settings: &[&str]) -> Self {
         let dir = std::env::temp_dir().join(format!("seckill-redis-{port}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let url = format!("redis://127.0.0.1:{port}");
-        let persistence: Vec<String> = ["--appendonly", "no"]
-            .iter()
-            .chain(settings)
-            .map(|s| s.to_string())
-            .collect();
+        let persistence: Vec<String> = settings.iter().map(|s| s.to_string()).collect();
         let child = Self::run(port, &dir, &url, &persistence);
         Self {
             child,
@@ -181,25 +195,21 @@ impl PrivateRedis {
         }
     }
 
-    /// A server with an append-only file synced as `appendfsync` says (`everysec`,
-    /// `always`).
-    pub fn with_aof(appendfsync: &str) -> Self {
-        Self::start_persisting(&["--appendonly", "yes", "--appendfsync", appendfsync])
-    }
-
-    fn start_persisting(persistence: &[&str]) -> Self {
-        let port = free_port();
-        let dir = std::env::temp_dir().join(format!("seckill-redis-{port}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let url = format!("redis://127.0.0.1:{port}");
-        let persistence: Vec<String> = persistence.iter().map(|s| s.to_string()).collect();
-        let child = Self::run(port, &dir, &url, &persistence);
-        Self {
-            child,
-            url,
-            port,
-            dir,
-            persistence,
+    /// Makes it a replica of the server at `master` and waits until it is in sync.
+    pub async fn replicate_from(&self, master: SocketAddr) {
+        self.run_command::<()>(
+            redis::cmd("REPLICAOF")
+                .arg(master.ip().to_string())
+                .arg(master.port()),
+        );
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let info: String = self.run_command(redis::cmd("INFO").arg("replication"));
+            if info.contains("master_link_status:up") {
+                return;
+            }
+            assert!(Instant::now() < deadline, "replica never synced:\n{info}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::faults::{free_port, Proxy};
+use super::faults::{free_port, PrivateRedis, Proxy};
 use super::tls::{redis_tls_args, Certs};
 
 /// The name the sentinels monitor the primary under (`REDIS_SENTINEL_MASTER`).
@@ -224,6 +224,22 @@ impl PrivateSentinel {
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// Makes `spare` a replica of the promoted replica, one the sentinels never promote
+    /// (`replica-priority 0`): a loaded machine can stall the new master past
+    /// down-after, and a second failover to the spare would leave the test watching a
+    /// node that is no longer the master.
+    pub async fn give_promoted_a_replica(&self, spare: &PrivateRedis) {
+        spare.run_command::<()>(
+            redis::cmd("CONFIG")
+                .arg("SET")
+                .arg("replica-priority")
+                .arg("0"),
+        );
+        spare
+            .replicate_from(([127, 0, 0, 1], self.replica_port).into())
+            .await;
     }
 
     /// Cuts the replica's replication link: it falls behind the primary from now on.

@@ -15,7 +15,6 @@ use sqlx::PgPool;
 use super::*;
 use crate::common::sentinel::{PrivateSentinel, MASTER};
 use crate::fence::{on, stored, wait_drained, waiting_for_one, worker_on, Trio};
-use crate::recovery::durability::replicate;
 
 /// When the new primary gets an API instance (whose first look builds the sale into it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -341,7 +340,7 @@ async fn a_sentinel_failover_mid_window_loses_no_entry_a_held_press_stood_on(db:
             redis.kill_primary();
             redis.wait_replica_promoted().await;
             // A replica of its own: without one nothing is acknowledged.
-            replicate(&spare, ([127, 0, 0, 1], redis.replica_port).into()).await;
+            redis.give_promoted_a_replica(&spare).await;
             let promoted_at = Utc::now();
             let after = futures::stream::iter(promoted.clone())
                 .map(|user| press_until_decided(&app, &base, id, user))

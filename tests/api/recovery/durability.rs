@@ -27,31 +27,17 @@ fn waiting_for(n: u32) -> Settings {
     }
 }
 
-/// Makes `replica` a replica of the server at `master` and waits until it is in sync.
-pub(crate) async fn replicate(replica: &PrivateRedis, master: std::net::SocketAddr) {
-    replica.run_command::<()>(
-        redis::cmd("REPLICAOF")
-            .arg(master.ip().to_string())
-            .arg(master.port()),
-    );
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let info: String = replica.run_command(redis::cmd("INFO").arg("replication"));
-        if info.contains("master_link_status:up") {
-            return;
-        }
-        assert!(Instant::now() < deadline, "replica never synced:\n{info}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 #[sqlx::test(migrator = "seckill::MIGRATOR")]
 async fn a_grab_is_answered_202_only_once_a_replica_holds_it_and_refused_unsent_while_none_is_there(
     db: PgPool,
 ) {
     let primary = PrivateRedis::start();
     let mut replica = Some(PrivateRedis::start());
-    replicate(replica.as_ref().unwrap(), primary.addr()).await;
+    replica
+        .as_ref()
+        .unwrap()
+        .replicate_from(primary.addr())
+        .await;
     let app = TestApp::spawn_on(db, primary.url.clone(), waiting_for(1)).await;
     let voucher = app.open_sale(10).await;
 
@@ -85,7 +71,7 @@ async fn a_grab_is_answered_202_only_once_a_replica_holds_it_and_refused_unsent_
     // A replica again: the grab is admitted (until the order-id lease is confirmed on a
     // replica again, and the probe sees it acknowledge, grabs are refused).
     let replica = PrivateRedis::start();
-    replicate(&replica, primary.addr()).await;
+    replica.replicate_from(primary.addr()).await;
     let deadline = Instant::now() + Duration::from_secs(10);
     let (status, body) = loop {
         let (status, body) = app.grab(voucher, 2).await;
@@ -159,7 +145,7 @@ async fn failover_mid_storm(db: PgPool, wait_replicas: u32) -> Loss {
         let promoted = Instant::now();
         // The promoted replica gets a replica of its own: without one, no grab can be
         // acknowledged any more.
-        replicate(&spare, ([127, 0, 0, 1], redis.replica_port).into()).await;
+        redis.give_promoted_a_replica(&spare).await;
         postgres.heal();
         promoted
     };

@@ -20,7 +20,7 @@ use serde_json::Value;
 use sqlx::{Connection, PgPool};
 
 mod backlog;
-pub(crate) mod durability;
+mod durability;
 mod eviction;
 mod restore;
 pub(crate) mod rollback;
