@@ -5,13 +5,13 @@
 //! is the authority's time as this process knows it, whatever its wall clock says
 //! (minutes off, stepped by NTP). Which clock decides what:
 //! - **Redis's**, inside the admission function: a sale's window, a lottery's entries
-//!   and draw, a stream entry's admission time.
+//!   and draw (its `drawn_at`), a stream entry's admission time.
 //! - **Redis's, through [`now`]**, in a process: how long a lottery's held press waits
 //!   for its window's end, whether a sale has ended, a token's expiry, a new voucher's
-//!   times, the minting time an order id carries.
-//! - **Postgres's `now()`**, inside the transaction: every time stored (`created_at`,
-//!   `pay_before`, `drawn_at`, `closed_at`, ...) and every judgement of one (due, late,
-//!   expired).
+//!   times, the minting time an order id carries, a segmented draw's `drawn_at`.
+//! - **Postgres's `now()`**, inside the transaction: every time an order or payment
+//!   stores (`created_at`, `pay_before`, `closed_at`, ...) and every judgement of one
+//!   (due, late, expired).
 //!
 //! A process's own clock measures only its own waits (timeouts, backoff, leases' renewal
 //! windows) and a payment notification's age against the provider's timestamp.
@@ -91,7 +91,10 @@ fn own_us() -> i64 {
 /// The authority answered `server_us` (µs since the Unix epoch) to a request sent at
 /// `sent` and answered at `received`: taken as its time halfway between.
 pub(crate) fn heard(sent: Instant, received: Instant, server_us: i64) {
-    AUTHORITY.heard(sent, received, server_us)
+    AUTHORITY.heard(sent, received, server_us);
+    if let Some(skew) = skew_secs() {
+        metrics::gauge!(crate::metrics::CLOCK_SKEW).set(skew);
+    }
 }
 
 /// Reads Redis's `TIME` once (a process without a term watcher: `reconcile`).

@@ -72,6 +72,9 @@ pub(crate) const SALE_CHANGES_HEARD: &str = "seckill_sale_changes_heard_total";
 pub(crate) const REDIS_MAY_EVICT: &str = "seckill_redis_may_evict";
 /// Whether a Redis server this process uses is out of memory: it refuses writes.
 pub(crate) const REDIS_MEMORY_FULL: &str = "seckill_redis_memory_full";
+/// How far this process's own clock is ahead of Redis's, the one it decides by (see
+/// `clock`).
+pub(crate) const CLOCK_SKEW: &str = "seckill_clock_skew_seconds";
 /// How long after its lottery window a held press was answered (see `admission::lottery`).
 pub(crate) const LOTTERY_ANSWER_SECONDS: &str = "seckill_lottery_answer_delay_seconds";
 
@@ -164,6 +167,8 @@ pub(crate) const DESCRIBED: &[Described] = &[
         "1 while a Redis server this process uses may evict keys (maxmemory-policy other than noeviction): every grab there is refused (outcome evicting, nothing reserved) and /readyz is not ready; 0 otherwise. Read by the term watcher every second."),
     m(REDIS_MEMORY_FULL, Kind::Gauge, None,
         "1 while a Redis server this process uses is out of memory (used_memory above maxmemory, noeviction): it refuses every write, grabs included; 0 otherwise. Read by the term watcher every second."),
+    m(CLOCK_SKEW, Kind::Gauge, None,
+        "How far this process's own clock is ahead of Redis's (TIME), in seconds; negative: behind. No decision uses the process's clock, so a skew changes no answer; a large one means time sync is failing on its host. Read by the term watcher every second."),
     m(PROMISES_KEPT, Kind::Gauge, None,
         "202s this instance gave whose stream entry is not yet known acknowledged (written to Postgres): kept, to admit them again should Redis lose them."),
     m(PROMISES_READMITTED, Kind::Counter, None,
@@ -421,6 +426,7 @@ mod tests {
         metrics::gauge!(PROMISES_KEPT).set(0.0);
         metrics::gauge!(REDIS_MAY_EVICT).set(0.0);
         metrics::gauge!(REDIS_MEMORY_FULL).set(0.0);
+        metrics::gauge!(CLOCK_SKEW).set(0.0);
         // (Registered by the admitting processes: `admission::hot`.)
         metrics::counter!(ADMISSIONS, "outcome" => "admitted").increment(0);
         metrics::counter!(EDGE_ANSWERS, "outcome" => "sold_out").increment(0);

@@ -29,7 +29,7 @@ use crate::keys::Keys;
 use crate::scripts::{Call, Replicas};
 
 /// 2026-01-01T00:00:00Z in Unix milliseconds.
-const EPOCH_MS: u64 = 1_767_225_600_000;
+pub const EPOCH_MS: u64 = 1_767_225_600_000;
 const NODE_BITS: u32 = 10;
 const SEQ_BITS: u32 = 12;
 pub(crate) const NODES: u16 = 1 << NODE_BITS;
@@ -128,8 +128,9 @@ fn now_ms() -> u64 {
     crate::clock::now_ms().max(0) as u64
 }
 
-/// The admission time encoded in an order id.
-pub(crate) fn timestamp_ms(order_id: OrderId) -> u64 {
+/// When an order id was minted (ms since the Unix epoch, by Redis's clock): its
+/// admission, read from the id alone.
+pub fn timestamp_ms(order_id: OrderId) -> u64 {
     ((order_id.get() as u64) >> (NODE_BITS + SEQ_BITS)) + EPOCH_MS
 }
 

@@ -314,7 +314,7 @@ enum Move {
 /// When an order was admitted, as its id says.
 fn admitted_at(order_id: OrderId) -> chrono::DateTime<chrono::Utc> {
     chrono::DateTime::from_timestamp_millis(super::order_id::timestamp_ms(order_id) as i64)
-        .unwrap_or_else(chrono::Utc::now)
+        .unwrap_or_else(crate::clock::now)
 }
 
 /// What becomes of `due`, the promises kept for `shard`: those whose entries its server

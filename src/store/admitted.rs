@@ -11,6 +11,8 @@ pub struct NewOrder {
     pub id: OrderId,
     pub user_id: UserId,
     pub voucher_id: VoucherId,
+    /// When Redis admitted it (by Redis's clock), as its stream entry carries it; the
+    /// row's times are Postgres's, of its writing.
     pub admitted_at: DateTime<Utc>,
     /// The segment of its sale that took the unit, and the sale's segments (0 and 1 for a sale
     /// in one segment): where its buyer record lives in Redis.

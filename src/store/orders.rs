@@ -2,7 +2,6 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use chrono::{DateTime, Utc};
 use futures_util::future::BoxFuture;
 use sqlx::{PgPool, Postgres, Transaction};
 
@@ -254,11 +253,12 @@ fn rejection(e: &sqlx::Error) -> Rejection {
     }
 }
 
-/// Inserts what is new and not tombstoned; returns the ids inserted now. The payment
-/// deadline runs from admission (the sale's window read with the row), so an order
-/// written late (after an outage) may be due at once: the sweeper expires it, and it
-/// can never be paid. Rows go in id order, so two batches holding the same orders
-/// (a take-over) wait for each other instead of deadlocking.
+/// Inserts what is new and not tombstoned; returns the ids inserted now. Its times are
+/// Postgres's, of this transaction: the payment deadline runs from the order's writing,
+/// so it is in the future when the order is (a late write, after an outage, still
+/// leaves the winner the whole time to pay), whatever clock the writer runs on. Rows go
+/// in id order, so two batches holding the same orders (a take-over) wait for each
+/// other instead of deadlocking.
 async fn insert_orders(
     tx: &mut Transaction<'_, Postgres>,
     orders: &[NewOrder],
@@ -268,15 +268,14 @@ async fn insert_orders(
     let ids: Vec<OrderId> = sorted.iter().map(|o| o.id).collect();
     let users: Vec<UserId> = sorted.iter().map(|o| o.user_id).collect();
     let vouchers: Vec<VoucherId> = sorted.iter().map(|o| o.voucher_id).collect();
-    let times: Vec<DateTime<Utc>> = sorted.iter().map(|o| o.admitted_at).collect();
     // An order of a voucher without a sale gets a window of 0 and then fails its
     // foreign key, as it should.
     let inserted: Vec<OrderId> = sqlx::query_scalar(
         "INSERT INTO voucher_orders (id, user_id, voucher_id, created_at, pay_before) \
-         SELECT t.id, t.user_id, t.voucher_id, t.created_at, \
-                t.created_at + make_interval(secs => coalesce(s.pay_within_secs, 0)) \
-         FROM unnest($1::int8[], $2::int8[], $3::int8[], $4::timestamptz[]) \
-             WITH ORDINALITY AS t (id, user_id, voucher_id, created_at, n) \
+         SELECT t.id, t.user_id, t.voucher_id, now(), \
+                now() + make_interval(secs => coalesce(s.pay_within_secs, 0)) \
+         FROM unnest($1::int8[], $2::int8[], $3::int8[]) \
+             WITH ORDINALITY AS t (id, user_id, voucher_id, n) \
          LEFT JOIN seckill_vouchers s ON s.voucher_id = t.voucher_id \
          WHERE NOT EXISTS (SELECT 1 FROM dead_orders d WHERE d.id = t.id) \
          ORDER BY t.n \
@@ -285,7 +284,6 @@ async fn insert_orders(
     .bind(&ids)
     .bind(&users)
     .bind(&vouchers)
-    .bind(&times)
     .fetch_all(&mut **tx)
     .await?;
     Ok(inserted.into_iter().collect())

@@ -9,6 +9,7 @@ mod admin;
 mod auth_and_validation;
 mod binary;
 mod client;
+mod clock;
 mod clumsy_input;
 mod cluster;
 mod demo;

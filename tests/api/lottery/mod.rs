@@ -60,16 +60,16 @@ fn time_at(v: &Value) -> chrono::DateTime<Utc> {
 }
 
 /// Sleeps until `ms` after the voucher's `begin_time`.
-async fn until_after_begin(voucher: &Value, ms: u64) {
+pub(crate) async fn until_after_begin(voucher: &Value, ms: u64) {
     let at = time_at(&voucher["seckill"]["begin_time"]) + chrono::Duration::milliseconds(ms as i64);
     tokio::time::sleep((at - Utc::now()).to_std().unwrap_or_default()).await;
 }
 
 /// A user's press: its answer (`None`: none came), and how long it took.
-type Pressed = (i64, Option<(StatusCode, Value)>, Duration);
+pub(crate) type Pressed = (i64, Option<(StatusCode, Value)>, Duration);
 
 /// Each user presses once against one of `bases` (in turn), all at once.
-async fn press_together(
+pub(crate) async fn press_together(
     app: &TestApp,
     bases: &[String],
     voucher: i64,

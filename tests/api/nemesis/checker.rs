@@ -16,7 +16,7 @@ pub struct PgOrder {
     pub user: i64,
     pub voucher: i64,
     pub status: String,
-    /// Its admission (Redis's clock, as the worker wrote it).
+    /// Its writing (Postgres's clock).
     pub created_ms: f64,
     pub closed_ms: Option<f64>,
 }
@@ -144,13 +144,10 @@ impl Verdict {
     }
 }
 
-/// Milliseconds since the Unix epoch of 2026-01-01, the origin of order ids' clocks.
-const ORDER_EPOCH_MS: f64 = 1_767_225_600_000.0;
-
-/// When an order id was minted, on the history's axis (41 bits of ms, then 22 of
-/// node and sequence).
+/// When an order id was minted, on the history's axis.
 pub fn minted_ms(id: i64, start_unix_ms: f64) -> f64 {
-    ((id >> 22) as f64 + ORDER_EPOCH_MS) - start_unix_ms
+    let id = seckill::domain::OrderId::new(id).expect("an order id");
+    seckill::admission::order_id::timestamp_ms(id) as f64 - start_unix_ms
 }
 
 /// Judges every promise; each check adds its figures and violations.
@@ -403,12 +400,15 @@ fn check_two_live(e: &Evidence, v: &mut Verdict) {
     for o in &e.orders {
         by_pair.entry((o.user, o.voucher)).or_default().push(o);
     }
-    // (user, voucher, id, admitted at) of every order that was live at some time.
+    // (user, voucher, id, admitted at) of every order that was live at some time: live
+    // from its admission (its id's minting, by Redis's clock; the row is stamped later,
+    // at its writing, by Postgres's).
     let written: HashSet<i64> = e.orders.iter().map(|o| o.id).collect();
+    let admitted_ms = |id| minted_ms(id, e.start_unix_ms);
     let mut admitted: Vec<(i64, i64, i64, f64)> = e
         .orders
         .iter()
-        .map(|o| (o.user, o.voucher, o.id, o.created_ms))
+        .map(|o| (o.user, o.voucher, o.id, admitted_ms(o.id)))
         .collect();
     let mut answered: HashSet<i64> = HashSet::new();
     for r in e.history.iter().filter(|r| r.is_202()) {
@@ -416,14 +416,14 @@ fn check_two_live(e: &Evidence, v: &mut Verdict) {
             .order_id
             .filter(|id| !written.contains(id) && answered.insert(*id))
         {
-            admitted.push((r.user, r.voucher, id, minted_ms(id, e.start_unix_ms)));
+            admitted.push((r.user, r.voucher, id, admitted_ms(id)));
         }
     }
     for (user, voucher, id, at) in admitted {
         let earlier = by_pair.get(&(user, voucher)).and_then(|orders| {
-            orders
-                .iter()
-                .find(|a| a.id != id && a.created_ms < at && a.closed_ms.is_none_or(|c| c > at))
+            orders.iter().find(|a| {
+                a.id != id && admitted_ms(a.id) < at && a.closed_ms.is_none_or(|c| c > at)
+            })
         });
         if let Some(a) = earlier {
             v.two_live += 1;
@@ -510,7 +510,8 @@ fn check_lottery_window(e: &Evidence, v: &mut Verdict, l: &Lottery) {
             ),
         );
     }
-    // (Admitted at the draw, by Redis's clock in ms: up to 1 ms below the window's end.)
+    // (Written with the draw or after it, by Postgres's clock: up to 1 ms below the
+    // window's end, Redis's.)
     let admitted = e
         .orders
         .iter()
@@ -520,7 +521,7 @@ fn check_lottery_window(e: &Evidence, v: &mut Verdict, l: &Lottery) {
             "admitted in a lottery's window",
             Some(o.created_ms),
             format!(
-                "voucher {}: order {} of user {} admitted at {:.3} s, its window ends at {:.3} s",
+                "voucher {}: order {} of user {} written at {:.3} s, its window ends at {:.3} s",
                 l.voucher,
                 o.id,
                 o.user,

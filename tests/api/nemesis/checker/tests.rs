@@ -7,7 +7,7 @@ const START: f64 = 1_780_000_000_000.0;
 
 /// An order id minted `ms` after the campaign's start.
 fn id_at(ms: f64, seq: i64) -> i64 {
-    (((START + ms - ORDER_EPOCH_MS) as i64) << 22) | seq
+    (((START + ms - seckill::admission::order_id::EPOCH_MS as f64) as i64) << 22) | seq
 }
 
 fn grab(user: i64, voucher: i64, sent: f64, status: Option<u16>, code: Option<&str>) -> Record {
@@ -148,10 +148,11 @@ fn an_order_admitted_while_the_same_user_held_a_live_one_is_two_live_orders() {
     let mut e = clean();
     let again = id_at(400.0, 9);
     e.history.push(admitted(1, 7, 395.0, again));
-    // The first was cancelled only after the second was admitted.
+    // The first was cancelled only after the second was admitted (and before the
+    // second was written).
     e.orders[0].status = "cancelled".into();
     e.orders[0].closed_ms = Some(450.0);
-    e.orders.push(order(again, 1, 7, "created", 401.0));
+    e.orders.push(order(again, 1, 7, "created", 500.0));
     let v = check(&e);
     assert_eq!(v.two_live, 1);
     assert_eq!(checks(&v), ["two live orders"], "{:?}", v.violations);
