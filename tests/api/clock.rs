@@ -11,7 +11,7 @@ use reqwest::StatusCode;
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
-use crate::common::faults::Process;
+use crate::common::faults::{self, Process};
 use crate::common::{metric_value, metrics_at, TestApp};
 use crate::lottery::{press_together, until_after_begin, Pressed};
 
@@ -21,24 +21,11 @@ const BEHIND: i64 = -300;
 const AHEAD: i64 = 240;
 const PAY_WITHIN_SECS: i64 = 8;
 
-/// Where Debian's libfaketime lives (`/usr/lib/<triplet>/faketime/`); the test scripts
-/// install it.
-fn libfaketime() -> String {
-    std::fs::read_dir("/usr/lib")
-        .unwrap()
-        .filter_map(Result::ok)
-        .map(|d| d.path().join("faketime/libfaketime.so.1"))
-        .find(|p| p.exists())
-        .expect("libfaketime (Debian's faketime; scripts/test installs it)")
-        .display()
-        .to_string()
-}
-
 /// The environment that runs a process with its wall clock `secs` off (ahead when
 /// positive); its monotonic clock stays true, as NTP leaves it.
 pub(crate) fn clock_off_by(secs: i64) -> Vec<(&'static str, String)> {
     vec![
-        ("LD_PRELOAD", libfaketime()),
+        ("LD_PRELOAD", faults::libfaketime()),
         ("FAKETIME", format!("{secs:+}")),
         ("FAKETIME_DONT_FAKE_MONOTONIC", "1".into()),
     ]

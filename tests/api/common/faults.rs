@@ -419,3 +419,17 @@ pub async fn wait_ready(base: &str) {
     }
     panic!("{base} never became ready");
 }
+
+/// Where Debian's libfaketime lives (`/usr/lib/<triplet>/faketime/`): a process started
+/// with it in `LD_PRELOAD` runs on a clock `FAKETIME` (or the file
+/// `FAKETIME_TIMESTAMP_FILE`) sets off. The test scripts install it.
+pub fn libfaketime() -> String {
+    std::fs::read_dir("/usr/lib")
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|d| d.path().join("faketime/libfaketime.so.1"))
+        .find(|p| p.exists())
+        .expect("libfaketime (Debian's faketime; scripts/test installs it)")
+        .display()
+        .to_string()
+}

@@ -18,7 +18,12 @@ pub struct PgOrder {
     pub status: String,
     /// Its writing (Postgres's clock).
     pub created_ms: f64,
+    /// Its payment deadline (Postgres's clock).
+    pub pay_before_ms: f64,
     pub closed_ms: Option<f64>,
+    pub refund_reason: Option<String>,
+    /// When the provider's first payment of it (with its price) was received.
+    pub first_paid_ms: Option<f64>,
 }
 
 impl PgOrder {
@@ -96,6 +101,9 @@ pub struct Evidence {
     /// When the primary's policy could evict keys: from the switch to the switch back,
     /// on the history's axis.
     pub evicting: Vec<(f64, f64)>,
+    /// When each API instance was stopped (killed until started again, or paused):
+    /// (instance, from, to) on the history's axis.
+    pub api_stopped: Vec<(u8, f64, f64)>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -164,6 +172,7 @@ pub fn check(e: &Evidence) -> Verdict {
     check_closes(e, &mut v);
     check_lotteries(e, &mut v);
     check_evicting(e, &mut v);
+    check_deadlines(e, &mut v);
     check_internal(e, &mut v);
     check_ending(e, &mut v);
     v
@@ -196,6 +205,45 @@ fn check_evicting(e: &Evidence, v: &mut Verdict) {
                 );
             }
         }
+    }
+}
+
+/// Every order's deadline lies ahead when it is written (Postgres's clock decides both),
+/// and no payment received before it, while the order was live, ends refunding as a
+/// late one (a payment for an order its owner had cancelled is rightly given back).
+fn check_deadlines(e: &Evidence, v: &mut Verdict) {
+    for o in e.orders.iter().filter(|o| o.pay_before_ms <= o.created_ms) {
+        v.violate(
+            "a deadline past at creation",
+            Some(o.created_ms),
+            format!(
+                "order {} of user {} was written at {:.3} s to be paid before {:.3} s",
+                o.id,
+                o.user,
+                o.created_ms / 1000.0,
+                o.pay_before_ms / 1000.0
+            ),
+        );
+    }
+    let refunded_in_time = e.orders.iter().filter(|o| {
+        o.refund_reason.as_deref() == Some("late_payment")
+            && o.first_paid_ms.is_some_and(|paid| {
+                paid < o.pay_before_ms && o.closed_ms.is_none_or(|closed| closed > paid)
+            })
+    });
+    for o in refunded_in_time {
+        v.violate(
+            "an in-time payment refunded",
+            o.first_paid_ms,
+            format!(
+                "order {} of user {}: paid at {:.3} s, before its deadline {:.3} s, yet closed at {:.3} s and refunded as late",
+                o.id,
+                o.user,
+                o.first_paid_ms.unwrap_or_default() / 1000.0,
+                o.pay_before_ms / 1000.0,
+                o.closed_ms.unwrap_or_default() / 1000.0
+            ),
+        );
     }
 }
 
@@ -481,6 +529,7 @@ fn check_closes(e: &Evidence, v: &mut Verdict) {
 fn check_lotteries(e: &Evidence, v: &mut Verdict) {
     for l in &e.lotteries {
         check_lottery_window(e, v, l);
+        check_held_presses(e, v, l);
         match &l.winners {
             Some(winners) => check_draw(e, v, l, winners),
             None => check_undrawn(e, v, l),
@@ -529,6 +578,49 @@ fn check_lottery_window(e: &Evidence, v: &mut Verdict, l: &Lottery) {
                 end / 1000.0
             ),
         );
+    }
+}
+
+/// How late after a lottery's window + 500 ms a held press's answer may reach the
+/// client (its own scheduling on a loaded machine).
+pub const HELD_SLACK_MS: f64 = 500.0;
+
+/// Every press sent in a lottery's window is answered by the window's end + 500 ms (a
+/// draw's result, or `unknown` naming its order), unless the instance holding it was
+/// stopped (killed or paused) meanwhile: an instance's clock, whatever it says, does
+/// not hold a press longer.
+fn check_held_presses(e: &Evidence, v: &mut Verdict, l: &Lottery) {
+    let (begin, end) = l.window_ms;
+    let by = end + 500.0 + HELD_SLACK_MS;
+    let held = e.history.iter().filter(|r| {
+        r.kind == Kind::Grab
+            && r.voucher == l.voucher
+            && (begin..end).contains(&r.sent_ms)
+            && r.recv_ms.is_none_or(|at| at > by)
+            && r.failure.as_deref() != Some("refused")
+    });
+    for r in held {
+        let answered = r.recv_ms.unwrap_or(f64::INFINITY);
+        let stopped = e
+            .api_stopped
+            .iter()
+            .any(|&(api, from, to)| api == r.api && from < answered && to > r.sent_ms);
+        if !stopped {
+            v.violate(
+                "a held press answered late",
+                r.recv_ms.or(Some(by)),
+                format!(
+                    "voucher {}: user {} pressed at {:.3} s through api {}, answered {} ({}); its window ended at {:.3} s",
+                    l.voucher,
+                    r.user,
+                    r.sent_ms / 1000.0,
+                    r.api,
+                    r.recv_ms.map_or("never".into(), |at| format!("at {:.3} s", at / 1000.0)),
+                    r.answer_label(),
+                    end / 1000.0
+                ),
+            );
+        }
     }
 }
 

@@ -45,7 +45,7 @@ impl Ctx {
     }
 
     fn struck(&self, fault: &Fault, detail: String) -> usize {
-        self.world.log.struck(self.now(), fault.kind(), detail)
+        self.world.log.struck(self.now(), *fault, detail)
     }
 
     fn healed(&self, n: usize, text: String) {
@@ -142,6 +142,12 @@ async fn run(ctx: Ctx, p: Planned) {
             restart_postgres(&ctx, &p.fault, immediate, down_ms).await
         }
         Fault::Evict { ms } => evict(&ctx, &p.fault, ms).await,
+        Fault::Skew {
+            api,
+            worker,
+            secs,
+            ms,
+        } => skew(&ctx, &p.fault, api, worker, secs, ms).await,
     }
     // The deployment settles before the next change: Sentinel may still be acting on
     // this one (a primary paused past its down-after, a partition just healed).
@@ -165,6 +171,29 @@ async fn kill_service(ctx: &Ctx, fault: &Fault, i: usize, down_ms: u64) {
         n,
         format!("{} started again (pid {:?})", s.name(), s.slot.pid()),
     );
+}
+
+/// One API instance's clock `secs` off and one worker's as far the other way, for
+/// `ms`; a process killed meanwhile starts again on its skewed clock.
+async fn skew(ctx: &Ctx, fault: &Fault, api: u8, worker: u8, secs: i64, ms: u64) {
+    let w = &ctx.world;
+    let (a, b) = (&w.services[api as usize], &w.services[2 + worker as usize]);
+    a.set_clock(secs);
+    b.set_clock(-secs);
+    let n = ctx.struck(
+        fault,
+        format!(
+            "{}'s clock {secs:+} s off, {}'s {:+} s off for {:.1} s",
+            a.name(),
+            b.name(),
+            -secs,
+            ms as f64 / 1000.0
+        ),
+    );
+    ctx.hold(ms).await;
+    a.set_clock(0);
+    b.set_clock(0);
+    ctx.healed(n, format!("{} and {} on time again", a.name(), b.name()));
 }
 
 /// A killed primary comes back only as a replica of the one Sentinel promotes.

@@ -4,7 +4,8 @@
 //! Postgres, with `REDIS_WAIT_REPLICAS=1`, while a seeded schedule strikes a fault
 //! every 1-2.5 s: processes killed or paused, links cut or frozen, the primary
 //! partitioned from the sentinels while some clients still write to it, failovers and
-//! failbacks, the primary restarted from an older snapshot, Postgres restarted. Then
+//! failbacks, the primary restarted from an older snapshot, Postgres restarted, the
+//! primary evicting keys, an API instance's and a worker's clocks minutes off. Then
 //! everything is healed and the checker judges every promise from the history and the
 //! stores (see `checker.rs`).
 //!
@@ -227,6 +228,7 @@ async fn gather(
         admit_again,
         admit_bound_secs: ADMIT_BOUND_SECS,
         evicting: evicting_windows(world, recorder),
+        api_stopped: api_stopped(world, recorder),
     };
     let reconcile = observe::reconcile(world).await;
     db.close().await;
@@ -253,6 +255,29 @@ fn evicting_windows(world: &World, recorder: &Recorder) -> Vec<(f64, f64)> {
         .iter()
         .filter(|x| x.kind == evicting)
         .map(|x| (x.start_ms, x.healed_ms.unwrap_or(now)))
+        .collect()
+}
+
+/// When each API instance was stopped (killed, until started again; paused), as the
+/// faults ran.
+fn api_stopped(world: &World, recorder: &Recorder) -> Vec<(u8, f64, f64)> {
+    use schedule::{Fault, Who};
+    let now = recorder.now_ms();
+    world
+        .log
+        .executed
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|x| match x.fault {
+            Fault::Kill {
+                who: Who::Api(k), ..
+            }
+            | Fault::Pause {
+                who: Who::Api(k), ..
+            } => Some((k, x.start_ms, x.healed_ms.unwrap_or(now))),
+            _ => None,
+        })
         .collect()
 }
 
@@ -314,6 +339,7 @@ async fn short(seed: u64, secs: u64) {
         "snapshot",
         "postgres",
         "may evict",
+        "clock skew",
     ];
     let planned = planning(seed, secs, &kinds);
     assert!(

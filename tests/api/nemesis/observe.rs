@@ -128,10 +128,15 @@ pub async fn pg_books(db: &PgPool, start_unix_ms: f64) -> PgBooks {
     })
     .collect();
     let orders = sqlx::query(
-        "SELECT id, user_id, voucher_id, status,
+        "SELECT id, user_id, voucher_id, status, refund_reason,
                 extract(epoch FROM created_at)::float8 * 1000 AS created,
-                extract(epoch FROM closed_at)::float8 * 1000 AS closed
-         FROM voucher_orders",
+                extract(epoch FROM pay_before)::float8 * 1000 AS pay_before,
+                extract(epoch FROM closed_at)::float8 * 1000 AS closed,
+                (SELECT extract(epoch FROM min(e.received_at))::float8 * 1000
+                 FROM payment_events e
+                 WHERE e.order_id = o.id AND e.kind = 'payment.succeeded'
+                   AND e.outcome NOT IN ('amount_mismatch', 'id_conflict')) AS first_paid
+         FROM voucher_orders o",
     )
     .fetch_all(&mut *tx)
     .await
@@ -143,7 +148,12 @@ pub async fn pg_books(db: &PgPool, start_unix_ms: f64) -> PgBooks {
         voucher: r.get("voucher_id"),
         status: r.get("status"),
         created_ms: r.get::<f64, _>("created") - start_unix_ms,
+        pay_before_ms: r.get::<f64, _>("pay_before") - start_unix_ms,
         closed_ms: r.get::<Option<f64>, _>("closed").map(|c| c - start_unix_ms),
+        refund_reason: r.get("refund_reason"),
+        first_paid_ms: r
+            .get::<Option<f64>, _>("first_paid")
+            .map(|p| p - start_unix_ms),
     })
     .collect();
     let dead = sqlx::query("SELECT id, user_id, voucher_id, reason, returns_unit FROM dead_orders")

@@ -104,6 +104,14 @@ pub enum Fault {
     /// above what it holds, and filled until it evicts keys; back to `noeviction` (the
     /// filler deleted) after `ms`.
     Evict { ms: u64 },
+    /// API instance `api`'s wall clock set `secs` off and worker `worker`'s `-secs` off
+    /// (libfaketime: a step, as NTP makes one), both set right again after `ms`.
+    Skew {
+        api: u8,
+        worker: u8,
+        secs: i64,
+        ms: u64,
+    },
 }
 
 /// Faults that must not overlap: two at once in one group could leave the deployment
@@ -117,6 +125,10 @@ enum Group {
     /// The primary's memory settings (it waits its turn among the changes of the
     /// deployment when it runs: see [`Fault::touches_topology`]).
     Memory,
+    /// The processes' clocks: one skew at a time (each sets clocks right when it ends).
+    /// A skewed process may also be killed or paused meanwhile: it starts again on the
+    /// skewed clock.
+    Clocks,
 }
 
 impl Fault {
@@ -135,6 +147,8 @@ impl Fault {
             Fault::Rollback { snapshot_age_ms } => (snapshot_age_ms, 5_000),
             Fault::RestartPostgres { down_ms, .. } => (0, down_ms + 2_000),
             Fault::Evict { ms } => (0, ms + 3_000),
+            // (libfaketime reads the clock's file once a second.)
+            Fault::Skew { ms, .. } => (0, ms + 2_000),
         }
     }
 
@@ -156,6 +170,7 @@ impl Fault {
                 vec![Group::Topology]
             }
             Fault::Evict { .. } => vec![Group::Memory],
+            Fault::Skew { .. } => vec![Group::Clocks],
             Fault::RestartPostgres { .. } => vec![Group::Postgres],
         }
     }
@@ -186,6 +201,7 @@ impl Fault {
             Fault::Rollback { .. } => "primary restarted from an older snapshot".into(),
             Fault::RestartPostgres { .. } => "postgres restarted".into(),
             Fault::Evict { .. } => "primary may evict keys".into(),
+            Fault::Skew { .. } => "clock skew (api and worker)".into(),
         }
     }
 }
@@ -294,6 +310,12 @@ impl fmt::Display for Fault {
                 "switch the primary to maxmemory-policy allkeys-lru and fill it until it evicts, noeviction again after {:.1} s",
                 s(ms)
             ),
+            Fault::Skew { api, worker, secs, ms } => write!(
+                f,
+                "set api {api}'s clock {secs:+} s off and worker {worker}'s {:+} s off, right again after {:.1} s",
+                -secs,
+                s(ms)
+            ),
         }
     }
 }
@@ -400,25 +422,54 @@ fn draw(rng: &mut Rng) -> Fault {
 
 /// The schedule: a new fault every 1-2.5 s from `warmup_ms` until `duration_ms`, each
 /// drawn until one fits beside the faults still running; then the faults added since
-/// the schedule was first written, where they fit (so a seed's older faults still
-/// strike as they did).
+/// the schedule was first written, each kind once in every period of its own, where
+/// they fit (so a seed's older faults still strike as they did).
 pub fn plan(seed: u64, warmup_ms: u64, duration_ms: u64) -> Vec<Planned> {
     let mut planned = plan_drawn(seed, warmup_ms, duration_ms);
-    add_evictions(seed, warmup_ms, duration_ms, &mut planned);
+    let span = (warmup_ms, duration_ms);
+    add_every(
+        seed ^ 0x6576_6963_7469_6f6e,
+        (25_000, 30),
+        span,
+        &mut planned,
+        |rng| Fault::Evict {
+            ms: rng.range(1_000, 4_000),
+        },
+    );
+    add_every(
+        seed ^ 0x636c_6f63_6b5f_736b,
+        (20_000, 200),
+        span,
+        &mut planned,
+        |rng| {
+            let secs = rng.range(60, 600) as i64;
+            Fault::Skew {
+                api: rng.range(0, 1) as u8,
+                worker: rng.range(0, 1) as u8,
+                secs: if rng.chance(0.5) { secs } else { -secs },
+                ms: rng.range(3_000, 8_000),
+            }
+        },
+    );
     planned
 }
 
-/// One eviction fault in every 25 s of the run, at a time its group is free and a
-/// second away from any other fault.
-fn add_evictions(seed: u64, warmup_ms: u64, duration_ms: u64, planned: &mut Vec<Planned>) {
-    let mut rng = Rng::new(seed ^ 0x6576_6963_7469_6f6e);
+/// One fault `draw` makes in every `period_ms` of `(warmup_ms, duration_ms)`, at a
+/// time its groups are free and a second away from any other fault, found within
+/// `tries` (`rng` seeded by `seed`, its own for each kind).
+fn add_every(
+    seed: u64,
+    (period_ms, tries): (u64, usize),
+    (warmup_ms, duration_ms): (u64, u64),
+    planned: &mut Vec<Planned>,
+    draw: impl Fn(&mut Rng) -> Fault,
+) {
+    let mut rng = Rng::new(seed);
     let mut window = warmup_ms;
     while window < duration_ms {
-        let end = (window + 25_000).min(duration_ms);
-        for _ in 0..30 {
-            let fault = Fault::Evict {
-                ms: rng.range(1_000, 4_000),
-            };
+        let end = (window + period_ms).min(duration_ms);
+        for _ in 0..tries {
+            let fault = draw(&mut rng);
             let at_ms = rng.range(window, end - 1);
             let after = fault.span().1;
             let fits = |p: &Planned| {

@@ -53,6 +53,9 @@ pub struct Service {
     /// An API instance's port (it gets it back after a restart).
     pub port: Option<u16>,
     log: PathBuf,
+    /// How far its wall clock is off (libfaketime reads the file each second): a skew
+    /// fault writes it; a restart keeps it.
+    clock: PathBuf,
     pub slot: Slot,
 }
 
@@ -63,6 +66,11 @@ impl Service {
             Owner::Worker(k) => format!("worker-{k}"),
             other => format!("{other:?}"),
         }
+    }
+
+    /// Sets its wall clock `secs` off (ahead when positive) from the next second on.
+    pub fn set_clock(&self, secs: i64) {
+        std::fs::write(&self.clock, format!("{secs:+}\n")).unwrap();
     }
 
     pub fn base(&self) -> Option<String> {
@@ -96,6 +104,11 @@ impl Service {
                 cmd
             }
         };
+        // Its clock as the file says (libfaketime; its monotonic clock stays true).
+        cmd.env("LD_PRELOAD", crate::common::faults::libfaketime())
+            .env("FAKETIME_TIMESTAMP_FILE", &self.clock)
+            .env("FAKETIME_CACHE_DURATION", "1")
+            .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
         let child = cmd
             .stdout(Stdio::from(log.try_clone().unwrap()))
             .stderr(Stdio::from(log))
@@ -116,18 +129,25 @@ impl Service {
 pub fn services(dir: &Path) -> Vec<Service> {
     let logs = dir.join("logs");
     std::fs::create_dir_all(&logs).unwrap();
-    let api = |k: u8| Service {
-        owner: Owner::Api(k),
-        port: Some(super::topology::port()),
-        log: logs.join(format!("api-{k}.log")),
-        slot: Slot::default(),
+    let service = |owner: Owner, name: String, port: Option<u16>| {
+        let s = Service {
+            owner,
+            port,
+            log: logs.join(format!("{name}.log")),
+            clock: logs.join(format!("{name}.clock")),
+            slot: Slot::default(),
+        };
+        s.set_clock(0);
+        s
     };
-    let worker = |k: u8| Service {
-        owner: Owner::Worker(k),
-        port: None,
-        log: logs.join(format!("worker-{k}.log")),
-        slot: Slot::default(),
+    let api = |k: u8| {
+        service(
+            Owner::Api(k),
+            format!("api-{k}"),
+            Some(super::topology::port()),
+        )
     };
+    let worker = |k: u8| service(Owner::Worker(k), format!("worker-{k}"), None);
     vec![api(0), api(1), worker(0), worker(1)]
 }
 

@@ -8,12 +8,14 @@ use std::time::Duration;
 
 use super::postgres::Postgres;
 use super::proxy::{Links, OwnedProxy, Target};
+use super::schedule::Fault;
 use super::services::{self, Env, Service};
 use super::topology::{self, Redis};
 
 /// A fault as it ran: what it hit, when it struck and when it was healed.
 #[derive(Clone, Debug)]
 pub struct Executed {
+    pub fault: Fault,
     pub kind: String,
     pub detail: String,
     pub start_ms: f64,
@@ -35,11 +37,12 @@ impl FaultLog {
     }
 
     /// A fault struck; its number, for [`FaultLog::healed`].
-    pub fn struck(&self, at_ms: f64, kind: String, detail: String) -> usize {
+    pub fn struck(&self, at_ms: f64, fault: Fault, detail: String) -> usize {
         self.note(at_ms, detail.clone());
         let mut executed = self.executed.lock().unwrap();
         executed.push(Executed {
-            kind,
+            fault,
+            kind: fault.kind(),
             detail,
             start_ms: at_ms,
             healed_ms: None,
@@ -126,6 +129,9 @@ impl World {
     /// primary then, if it settled.
     pub async fn heal_all(self: &Arc<Self>) -> Option<u8> {
         self.links.heal_all();
+        for s in &self.services {
+            s.set_clock(0);
+        }
         let pids = self
             .services
             .iter()

@@ -49,7 +49,10 @@ fn order(id: i64, user: i64, voucher: i64, status: &str, created: f64) -> PgOrde
         voucher,
         status: status.into(),
         created_ms: created,
+        pay_before_ms: created + 900_000.0,
         closed_ms: None,
+        refund_reason: None,
+        first_paid_ms: None,
     }
 }
 
@@ -78,6 +81,7 @@ fn clean() -> Evidence {
         admit_again: vec![(7, Some(1.5))],
         admit_bound_secs: 30.0,
         evicting: vec![],
+        api_stopped: vec![],
     }
 }
 
@@ -435,4 +439,51 @@ fn a_202_for_a_grab_sent_while_the_primary_could_evict_is_caught_and_one_before_
     // Switched back before it was answered: no violation.
     e.evicting = vec![(90.0, 250.0)];
     assert!(check(&e).violations.is_empty());
+}
+
+#[test]
+fn a_deadline_past_at_creation_and_an_in_time_payment_refunded_as_late_are_caught() {
+    let mut e = clean();
+    e.orders[1].pay_before_ms = e.orders[1].created_ms;
+    assert_eq!(checks(&check(&e)), ["a deadline past at creation"]);
+
+    // Paid in time, then closed (expired) as though it had not been.
+    let mut e = clean();
+    let o = &mut e.orders[0];
+    (o.status, o.refund_reason) = ("refunding".into(), Some("late_payment".into()));
+    o.first_paid_ms = Some(o.pay_before_ms - 1.0);
+    o.closed_ms = Some(o.pay_before_ms);
+    // (Its unit went back on sale.)
+    (e.sales[0].pg_stock, e.sales[0].redis_stock) = (1, Some(1));
+    assert_eq!(checks(&check(&e)), ["an in-time payment refunded"]);
+    // Paid after its deadline, or after its owner cancelled it: given back rightly.
+    e.orders[0].first_paid_ms = Some(e.orders[0].pay_before_ms + 1.0);
+    assert!(check(&e).violations.is_empty());
+    e.orders[0].first_paid_ms = Some(e.orders[0].pay_before_ms - 1.0);
+    e.orders[0].closed_ms = Some(e.orders[0].pay_before_ms - 2.0);
+    assert!(check(&e).violations.is_empty());
+}
+
+#[test]
+fn a_held_press_answered_past_the_window_and_500_ms_is_caught_unless_its_instance_was_stopped() {
+    let mut e = drawn();
+    e.history.push(Record {
+        recv_ms: Some(2_600.0),
+        ..grab(4, 8, 600.0, Some(503), Some("unavailable"))
+    });
+    let v = check(&e);
+    assert!(
+        checks(&v).contains(&"a held press answered late"),
+        "{:?}",
+        v.violations
+    );
+    // Its instance was paused meanwhile: not the service's doing.
+    let api = e.history.last().unwrap().api;
+    e.api_stopped.push((api, 900.0, 2_400.0));
+    let v = check(&e);
+    assert!(
+        !checks(&v).contains(&"a held press answered late"),
+        "{:?}",
+        v.violations
+    );
 }
