@@ -17,7 +17,7 @@ pub struct NewSeckill {
     pub stock: i32,
     pub begin_time: DateTime<Utc>,
     pub end_time: DateTime<Utc>,
-    /// An order's payment deadline is its admission time plus this.
+    /// An order's payment deadline is its writing (`created_at`) plus this.
     pub pay_within_secs: i32,
     /// Segments the stock is split over (1 to 64).
     pub segments: u8,

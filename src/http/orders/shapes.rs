@@ -18,9 +18,10 @@ pub(crate) struct OrderResponse {
     /// or `refunding` → `refunded`; an unpaid order ends `cancelled` or `expired`.
     #[schema(example = "created")]
     pub status: OrderStatus,
-    /// Admission time.
+    /// When the order was written to Postgres (Postgres's clock); a pending order
+    /// shows its admission.
     pub created_at: DateTime<Utc>,
-    /// Payment deadline: admission time + the sale's `pay_within_secs`. An unpaid order
+    /// Payment deadline: `created_at` + the sale's `pay_within_secs`. An unpaid order
     /// expires within a few seconds after it.
     #[schema(required = true)]
     pub pay_before: Option<DateTime<Utc>>,
