@@ -22,6 +22,7 @@ mod http_limits;
 mod jwks;
 mod lifecycle;
 mod live;
+mod load_tools;
 mod lottery;
 mod nemesis;
 mod observability;

@@ -84,6 +84,14 @@ fn scripts_dev_starts_private_servers_serves_and_ctrl_c_stops_everything_it_star
         "{secret}"
     );
     assert!(out.contains(&format!("JWT_SECRET=dev-{key} ")), "{out}");
+    // The helper's `notify` and `demo` go to this server, not to 8080.
+    let helper = field("helper ");
+    assert!(
+        helper.starts_with(&format!(
+            "seckill() {{ BIND=127.0.0.1:{port} JWT_SECRET=dev-{key} "
+        )),
+        "{helper}"
+    );
 
     the_service_answers_and_the_printed_curl_grabs(&lines, &base, &out, field);
 
