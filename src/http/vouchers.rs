@@ -90,8 +90,9 @@ pub(crate) struct CreateSeckill {
     /// RFC 3339 with a zone offset, after `begin_time`, at most 9999-12-31T23:59:59Z.
     #[serde(deserialize_with = "crate::http::extract::rfc3339")]
     pub end_time: DateTime<Utc>,
-    /// Seconds a shopper has to pay once the order is written (1 to 86400, default
-    /// 900); an unpaid order then expires and its unit goes back on sale.
+    /// Seconds a shopper has to pay once the order is written
+    /// (1 to 86400, default 900); an unpaid order then expires and its unit goes back
+    /// on sale.
     // (The default is stated in words, not as the schema's `default`: some generators,
     // openapi-typescript's among them, make a property with a default required.)
     #[serde(default = "default_pay_within")]
