@@ -242,19 +242,30 @@ async fn gather(
     )
 }
 
-/// When the primary could evict keys, as the eviction faults ran (one still running
-/// when the campaign ended lasts until now).
-fn evicting_windows(world: &World, recorder: &Recorder) -> Vec<(f64, f64)> {
+/// When each fault `pick` takes something from ran, from its strike to its heal (one
+/// still running when the campaign ended lasts until now), with what it took.
+fn fault_windows<T>(
+    world: &World,
+    recorder: &Recorder,
+    pick: impl Fn(schedule::Fault) -> Option<T>,
+) -> Vec<(T, f64, f64)> {
     let now = recorder.now_ms();
-    let evicting = schedule::Fault::Evict { ms: 0 }.kind();
     world
         .log
         .executed
         .lock()
         .unwrap()
         .iter()
-        .filter(|x| x.kind == evicting)
-        .map(|x| (x.start_ms, x.healed_ms.unwrap_or(now)))
+        .filter_map(|x| Some((pick(x.fault)?, x.start_ms, x.healed_ms.unwrap_or(now))))
+        .collect()
+}
+
+/// When the primary could evict keys, as the eviction faults ran.
+fn evicting_windows(world: &World, recorder: &Recorder) -> Vec<(f64, f64)> {
+    let evicting = |f| matches!(f, schedule::Fault::Evict { .. }).then_some(());
+    fault_windows(world, recorder, evicting)
+        .into_iter()
+        .map(|((), from, to)| (from, to))
         .collect()
 }
 
@@ -262,23 +273,15 @@ fn evicting_windows(world: &World, recorder: &Recorder) -> Vec<(f64, f64)> {
 /// faults ran.
 fn api_stopped(world: &World, recorder: &Recorder) -> Vec<(u8, f64, f64)> {
     use schedule::{Fault, Who};
-    let now = recorder.now_ms();
-    world
-        .log
-        .executed
-        .lock()
-        .unwrap()
-        .iter()
-        .filter_map(|x| match x.fault {
-            Fault::Kill {
-                who: Who::Api(k), ..
-            }
-            | Fault::Pause {
-                who: Who::Api(k), ..
-            } => Some((k, x.start_ms, x.healed_ms.unwrap_or(now))),
-            _ => None,
-        })
-        .collect()
+    fault_windows(world, recorder, |f| match f {
+        Fault::Kill {
+            who: Who::Api(k), ..
+        }
+        | Fault::Pause {
+            who: Who::Api(k), ..
+        } => Some(k),
+        _ => None,
+    })
 }
 
 /// Writes what a reader of a failed run needs into its directory.
