@@ -24,13 +24,15 @@ pub(crate) async fn healthz() -> Json<Value> {
 #[utoipa::path(get, path = "/readyz", operation_id = "readyz", tag = "operations",
     responses(
         (status = 200, description = "Redis and Postgres answer (and the schema is this release's); Redis keeps every \
-            key (`redis_memory`: `noeviction`, or `unknown` where INFO is not allowed)", body = Object,
-            example = json!({"status": "ready", "checks": {"redis": "up", "postgres": "up", "migrations": "applied", "redis_memory": "noeviction"}})),
+            key (`redis_memory`: `noeviction`, or `unknown` where INFO is not allowed); the instance holds an order-id node \
+            (`order_ids`: `leased`)", body = Object,
+            example = json!({"status": "ready", "checks": {"redis": "up", "postgres": "up", "migrations": "applied", "redis_memory": "noeviction", "order_ids": "leased"}})),
         (status = 503, description = "a dependency is down, the migrations wait for Postgres, or Redis may evict keys \
-            (`redis_memory`: `may_evict`, admissions refused) or is out of memory (`full`, writes refused); `checks` \
+            (`redis_memory`: `may_evict`, admissions refused) or is out of memory (`full`, writes refused), or no order-id \
+            node is leased yet (`order_ids`: `waiting`, every grab 503; a young Redis term is waited out first); `checks` \
             names it and the message says why. The process serves meanwhile what it can: grabs of sales Redis holds \
             while Postgres is away", body = Object,
-            example = json!({"status": "not_ready", "checks": {"redis": "up", "postgres": "down", "migrations": "pending", "redis_memory": "noeviction"},
+            example = json!({"status": "not_ready", "checks": {"redis": "up", "postgres": "down", "migrations": "pending", "redis_memory": "noeviction", "order_ids": "leased"},
                 "error": {"code": "unavailable", "message": "not ready: postgres down, migrations pending"}})),
     ))]
 pub(crate) async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<Value>) {
@@ -47,7 +49,14 @@ pub(crate) async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<V
         true => "applied",
         false => "pending",
     };
-    let mut checks = json!({"redis": redis, "postgres": postgres, "migrations": migrations});
+    // Until its order-id node is leased (a young Redis term is waited out first) the
+    // instance answers every grab 503: not ready for a balancer either.
+    let order_ids = match state.admission.ids.node() {
+        Some(_) => "leased",
+        None => "waiting",
+    };
+    let mut checks = json!({"redis": redis, "postgres": postgres, "migrations": migrations,
+        "order_ids": order_ids});
     if let Some(memory) = &memory {
         checks["redis_memory"] = memory.label().into();
     }
@@ -57,6 +66,7 @@ pub(crate) async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<V
         .map(|(name, _)| format!("{name} down"))
         .chain(memory.as_ref().and_then(|m| m.trouble()))
         .chain((migrations == "pending").then(|| "migrations pending".to_string()))
+        .chain((order_ids == "waiting").then(|| "order ids not leased yet".to_string()))
         .collect();
     if down.is_empty() {
         (

@@ -247,7 +247,8 @@ async fn health_and_readiness_answer(db: PgPool) {
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(
         body["checks"],
-        json!({"redis": "up", "postgres": "up", "migrations": "applied", "redis_memory": "noeviction"})
+        json!({"redis": "up", "postgres": "up", "migrations": "applied", "redis_memory": "noeviction",
+            "order_ids": "leased"})
     );
 }
 
