@@ -12,6 +12,7 @@
 //! draw `unrecorded`), and the recorder lifts the mark. A segmented sale draws
 //! otherwise, over its segments ([`parts`]); its held presses are answered the same way.
 
+mod held;
 pub mod parts;
 mod pick;
 
