@@ -254,7 +254,18 @@ impl Admission {
                 );
                 self.reload_in_background(voucher_id, loader::Mode::Repair);
             }
-            _ => {}
+            // Nothing besides the answer.
+            Outcome::RateLimited { .. }
+            | Outcome::Admitted { .. }
+            | Outcome::AlreadyOrdered { .. }
+            | Outcome::Drained
+            | Outcome::Evicting
+            | Outcome::Entered { .. }
+            | Outcome::Drawing
+            | Outcome::NotFound
+            | Outcome::NoVoucher
+            | Outcome::Unavailable(_)
+            | Outcome::Unknown { .. } => {}
         }
         Ok(outcome)
     }

@@ -18,13 +18,24 @@ pub(crate) struct HotPath {
 }
 
 impl HotPath {
-    /// The outcomes an instance answers at the edge.
-    pub(crate) const EDGE_OUTCOMES: [Outcome; 4] = [
-        Outcome::SoldOut,
-        Outcome::NotStarted,
-        Outcome::Ended,
-        Outcome::NotFound,
-    ];
+    /// The outcomes an instance answers at the edge ([`Outcome::describe`]).
+    pub(crate) const EDGE_OUTCOMES: [Outcome; 4] = {
+        const EDGE: [Outcome; 4] = [
+            Outcome::SoldOut,
+            Outcome::NotStarted,
+            Outcome::Ended,
+            Outcome::NotFound,
+        ];
+        let mut i = 0;
+        while i < EDGE.len() {
+            assert!(
+                EDGE[i].describe().at_edge,
+                "an outcome the edge never answers"
+            );
+            i += 1;
+        }
+        EDGE
+    };
 
     pub(crate) fn get() -> &'static HotPath {
         static HOT: OnceLock<HotPath> = OnceLock::new();

@@ -25,9 +25,9 @@ use crate::keys::{self, Keys, SaleSegment};
 use crate::scripts::{Call, Replicas};
 
 /// How a grab ended: the one vocabulary of its answers. The admission script decides
-/// most (codes 0 to 13); the rest are decided before or around the call. Its metric
-/// label ([`Outcome::LABELS`] at [`Outcome::index`]), its count for the live view
-/// ([`tally::counted`]) and, in `http`, its answer derive from it.
+/// most (codes 0 to 13); the rest are decided before or around the call. Everything
+/// else about one (its metric label, whether the live view counts it, whether the edge
+/// answers it, what the shopper hears) is in one table, [`Outcome::describe`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     /// A 202: the order, written to Postgres moments later.
@@ -104,6 +104,58 @@ pub enum Unavailable {
     IdsNotReady,
 }
 
+/// One outcome, as [`Outcome::describe`] tells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Description {
+    /// Its metric label (`seckill_admissions_total{outcome}`, and the live view's).
+    pub label: &'static str,
+    /// Its place in [`Outcome::LABELS`] (counters are arrays in that order).
+    pub index: usize,
+    /// Whether the live view counts it (a drained segment's grab is decided again once
+    /// units moved: counted then).
+    pub counted: bool,
+    /// Whether an instance answers it at the edge, without Redis.
+    pub at_edge: bool,
+    /// What the shopper is answered (the HTTP layer words it).
+    pub answer: Answer,
+}
+
+/// What a grab's shopper is answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answer {
+    /// A 202: the order.
+    Admitted(OrderId),
+    AlreadyOrdered(OrderId),
+    NotStarted,
+    Ended,
+    SoldOut,
+    /// The voucher has no flash sale.
+    NoSale,
+    NoVoucher,
+    RateLimited {
+        retry_after_secs: u64,
+    },
+    /// The order minted for the grab may exist.
+    Unknown(OrderId),
+    /// Refused with nothing reserved, for this reason (in words for the shopper).
+    Unavailable(&'static str),
+}
+
+const LOADING: &str = "the sale is being loaded, try again shortly; nothing was reserved";
+const REBUILDING: &str =
+    "the sale is being rebuilt from the database, try again shortly; nothing was reserved";
+const HELD: &str = "the sale is paused while orders the admission store may have lost are \
+                    recovered, try again shortly; nothing was reserved";
+const DRAWING: &str = "the sale's lottery is being drawn, try again shortly; nothing was reserved";
+const FENCED: &str = "the sale has moved to another admission server, try again shortly; \
+                      nothing was reserved";
+const EVICTING: &str = "the admission store may evict keys (its maxmemory-policy is not \
+                        noeviction), so no order can be promised; nothing was reserved";
+const RECOVERING: &str = "your earlier order for this sale is being recovered; try again \
+                          shortly; nothing was reserved";
+const IDS_NOT_READY: &str = "order ids are not ready yet (waiting for redis)";
+const REDIS: &str = "the admission store is unavailable, try again; nothing was reserved";
+
 impl Outcome {
     /// The metric labels, in the order of [`Outcome::index`].
     pub(crate) const LABELS: [&'static str; 17] = [
@@ -126,27 +178,53 @@ impl Outcome {
         "evicting",
     ];
 
-    /// Its place in [`Outcome::LABELS`] (counters are arrays in that order).
-    pub(crate) fn index(&self) -> usize {
-        match self {
-            Outcome::RateLimited { .. } => 0,
-            Outcome::Admitted { .. } => 1,
-            Outcome::NotLoaded | Outcome::Drained => 2,
-            Outcome::NotFound | Outcome::NoVoucher => 3,
-            Outcome::Stale => 4,
-            Outcome::Corrupt => 5,
-            Outcome::Held => 6,
-            Outcome::Fenced => 7,
-            Outcome::NotStarted => 8,
-            Outcome::Ended => 9,
-            Outcome::AlreadyOrdered { .. } => 10,
-            Outcome::SoldOut => 11,
-            Outcome::Unavailable(Unavailable::Redis) | Outcome::Unknown { .. } => 12,
-            Outcome::Unavailable(Unavailable::Recovering | Unavailable::IdsNotReady) => 13,
-            Outcome::Entered { .. } => 14,
-            Outcome::Drawing => 15,
-            Outcome::Evicting => 16,
+    /// Everything this outcome is, in the one exhaustive table of outcomes: adding one
+    /// makes the compiler ask for its row here, and every other place reads it from here.
+    pub const fn describe(&self) -> Description {
+        use Answer as A;
+        let (index, counted, at_edge, answer) = match *self {
+            Outcome::RateLimited { retry_after_secs } => {
+                (0, true, false, A::RateLimited { retry_after_secs })
+            }
+            Outcome::Admitted { order_id } => (1, true, false, A::Admitted(order_id)),
+            Outcome::NotLoaded => (2, false, false, A::Unavailable(LOADING)),
+            // (Never leaves `segments`: a drained segment is refilled or sold out.)
+            Outcome::Drained => (2, false, false, A::SoldOut),
+            Outcome::NotFound => (3, false, true, A::NoSale),
+            Outcome::NoVoucher => (3, false, false, A::NoVoucher),
+            Outcome::Stale => (4, false, false, A::Unavailable(REBUILDING)),
+            Outcome::Corrupt => (5, false, false, A::Unavailable(REBUILDING)),
+            Outcome::Held => (6, false, false, A::Unavailable(HELD)),
+            Outcome::Fenced => (7, false, false, A::Unavailable(FENCED)),
+            Outcome::NotStarted => (8, true, true, A::NotStarted),
+            Outcome::Ended => (9, true, true, A::Ended),
+            Outcome::AlreadyOrdered { order_id } => (10, true, false, A::AlreadyOrdered(order_id)),
+            Outcome::SoldOut => (11, true, true, A::SoldOut),
+            Outcome::Unavailable(Unavailable::Redis) => (12, false, false, A::Unavailable(REDIS)),
+            Outcome::Unknown { order_id } => (12, false, false, A::Unknown(order_id)),
+            Outcome::Unavailable(Unavailable::Recovering) => {
+                (13, false, false, A::Unavailable(RECOVERING))
+            }
+            Outcome::Unavailable(Unavailable::IdsNotReady) => {
+                (13, false, false, A::Unavailable(IDS_NOT_READY))
+            }
+            // (Never an answer: the press is held until the draw.)
+            Outcome::Entered { .. } => (14, false, false, A::Unavailable(LOADING)),
+            Outcome::Drawing => (15, false, false, A::Unavailable(DRAWING)),
+            Outcome::Evicting => (16, false, false, A::Unavailable(EVICTING)),
+        };
+        Description {
+            label: Self::LABELS[index],
+            index,
+            counted,
+            at_edge,
+            answer,
         }
+    }
+
+    /// Its place in [`Outcome::LABELS`] (counters are arrays in that order).
+    pub(crate) const fn index(&self) -> usize {
+        self.describe().index
     }
 
     /// A refusal that took nothing and that a segmented lottery's draw, or a segment's
@@ -157,43 +235,6 @@ impl Outcome {
             self,
             Outcome::Drawing | Outcome::NotLoaded | Outcome::Unavailable(Unavailable::Redis)
         )
-    }
-
-    /// Why a grab refused with nothing reserved was refused, in words for the shopper
-    /// (a `503`).
-    pub fn unavailable_because(&self) -> &'static str {
-        match self {
-            Outcome::Stale | Outcome::Corrupt => {
-                "the sale is being rebuilt from the database, try again shortly; nothing was \
-                 reserved"
-            }
-            Outcome::Held => {
-                "the sale is paused while orders the admission store may have lost are \
-                 recovered, try again shortly; nothing was reserved"
-            }
-            Outcome::Drawing => {
-                "the sale's lottery is being drawn, try again shortly; nothing was reserved"
-            }
-            Outcome::Fenced => {
-                "the sale has moved to another admission server, try again shortly; nothing \
-                 was reserved"
-            }
-            Outcome::Evicting => {
-                "the admission store may evict keys (its maxmemory-policy is not \
-                 noeviction), so no order can be promised; nothing was reserved"
-            }
-            Outcome::Unavailable(Unavailable::Recovering) => {
-                "your earlier order for this sale is being recovered; try again shortly; \
-                 nothing was reserved"
-            }
-            Outcome::Unavailable(Unavailable::IdsNotReady) => {
-                "order ids are not ready yet (waiting for redis)"
-            }
-            Outcome::Unavailable(Unavailable::Redis) => {
-                "the admission store is unavailable, try again; nothing was reserved"
-            }
-            _ => "the sale is being loaded, try again shortly; nothing was reserved",
-        }
     }
 
     /// The outcome of the admission call made for the grab that minted `minted`.

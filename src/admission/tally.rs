@@ -58,18 +58,9 @@ const RING: u64 = 8;
 /// Redis's clock): every instance flushes once a second, so each adds to every second.
 pub const WINDOW_SECS: u64 = 5;
 
-/// Whether the live view counts `outcome` (a drained segment's grab is decided again once
-/// units moved: counted then).
+/// Whether the live view counts `outcome` ([`Outcome::describe`]).
 pub fn counted(outcome: &Outcome) -> bool {
-    matches!(
-        outcome,
-        Outcome::Admitted { .. }
-            | Outcome::SoldOut
-            | Outcome::AlreadyOrdered { .. }
-            | Outcome::RateLimited { .. }
-            | Outcome::NotStarted
-            | Outcome::Ended
-    )
+    outcome.describe().counted
 }
 
 /// How one admission call answered a grab, for [`Tally::add_answers`].

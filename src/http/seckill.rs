@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::admission::grab::Shopper;
-use crate::admission::Outcome;
+use crate::admission::{Answer, Outcome};
 use crate::auth::AuthUser;
 use crate::domain::{OrderId, OrderStatus, VoucherId};
 use crate::http::error::{AppError, AppResult, ErrorBody};
@@ -73,17 +73,17 @@ pub(crate) async fn grab(
 
 /// The answer to a grab decided `outcome`: `Ok(order id)` is a 202.
 pub fn answer(outcome: Outcome, voucher_id: VoucherId) -> AppResult<OrderId> {
-    Err(match outcome {
-        Outcome::Admitted { order_id } => return Ok(order_id),
-        Outcome::AlreadyOrdered { order_id } => AppError::AlreadyOrdered { order_id },
-        Outcome::NotStarted => AppError::NotStarted,
-        Outcome::Ended => AppError::Ended,
-        Outcome::SoldOut | Outcome::Drained => AppError::SoldOut,
-        Outcome::NotFound => AppError::no_sale(voucher_id),
-        Outcome::NoVoucher => AppError::no_voucher(voucher_id),
-        Outcome::RateLimited { retry_after_secs } => AppError::RateLimited { retry_after_secs },
-        Outcome::Unknown { order_id } => AppError::OutcomeUnknown { order_id },
-        refused => AppError::Unavailable(refused.unavailable_because().into()),
+    Err(match outcome.describe().answer {
+        Answer::Admitted(order_id) => return Ok(order_id),
+        Answer::AlreadyOrdered(order_id) => AppError::AlreadyOrdered { order_id },
+        Answer::NotStarted => AppError::NotStarted,
+        Answer::Ended => AppError::Ended,
+        Answer::SoldOut => AppError::SoldOut,
+        Answer::NoSale => AppError::no_sale(voucher_id),
+        Answer::NoVoucher => AppError::no_voucher(voucher_id),
+        Answer::RateLimited { retry_after_secs } => AppError::RateLimited { retry_after_secs },
+        Answer::Unknown(order_id) => AppError::OutcomeUnknown { order_id },
+        Answer::Unavailable(because) => AppError::Unavailable(because.into()),
     })
 }
 
@@ -169,5 +169,48 @@ mod tests {
         ];
         let labels: Vec<&str> = all.iter().map(|o| Outcome::LABELS[o.index()]).collect();
         assert_eq!(labels, Outcome::LABELS);
+    }
+
+    /// The edge's metric series are those of the outcomes described as answered there.
+    #[test]
+    fn the_edge_answers_exactly_the_outcomes_described_as_answered_there() {
+        let id = OrderId::new(1).unwrap();
+        let every = [
+            Outcome::RateLimited {
+                retry_after_secs: 1,
+            },
+            Outcome::Admitted { order_id: id },
+            Outcome::NotLoaded,
+            Outcome::Drained,
+            Outcome::NotFound,
+            Outcome::NoVoucher,
+            Outcome::Stale,
+            Outcome::Corrupt,
+            Outcome::Held,
+            Outcome::Fenced,
+            Outcome::NotStarted,
+            Outcome::Ended,
+            Outcome::AlreadyOrdered { order_id: id },
+            Outcome::SoldOut,
+            Outcome::Unavailable(Unavailable::Redis),
+            Outcome::Unknown { order_id: id },
+            Outcome::Unavailable(Unavailable::Recovering),
+            Outcome::Unavailable(Unavailable::IdsNotReady),
+            Outcome::Entered { order_id: id },
+            Outcome::Drawing,
+            Outcome::Evicting,
+        ];
+        let edge = crate::admission::hot::HotPath::EDGE_OUTCOMES;
+        for outcome in every {
+            assert_eq!(
+                outcome.describe().at_edge,
+                edge.contains(&outcome),
+                "{outcome:?}"
+            );
+        }
+        assert_eq!(
+            every.iter().filter(|o| o.describe().at_edge).count(),
+            edge.len()
+        );
     }
 }

@@ -310,7 +310,20 @@ impl Admission {
             | Outcome::Drawing => {}
             // Not yet (Redis's clock is a little behind ours), or no answer now (a
             // failed call, a state being rebuilt): asked again.
-            _ => return Err(()),
+            Outcome::Entered { .. }
+            | Outcome::NotStarted
+            | Outcome::NotLoaded
+            | Outcome::Stale
+            | Outcome::Corrupt
+            | Outcome::Held
+            | Outcome::Fenced
+            | Outcome::Drained
+            | Outcome::Evicting
+            | Outcome::RateLimited { .. }
+            | Outcome::NotFound
+            | Outcome::NoVoucher
+            | Outcome::Unavailable(_)
+            | Outcome::Unknown { .. } => return Err(()),
         }
         self.read_record(voucher_id).await
     }
